@@ -1,0 +1,75 @@
+"""The ``kvtier`` command line: ``kvtier bench tiers``, ``kvtier inspect DIR``.
+
+Owns: argument parsing and printing. Every subcommand has ``--help``; the
+work itself lives in the modules it calls (no logic here beyond wiring).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from . import __version__
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .benchmarks.common import print_table, write_json
+
+    if args.target == "tiers":
+        from .benchmarks import tiers
+
+        report = tiers.run(total_mib=args.total_mib, ssd_total_mib=args.ssd_total_mib,
+                           progress=lambda m: print(m, file=sys.stderr, flush=True))
+        cols = ["block_kib", "memcpy_gbps", "dram_put_gbps", "dram_get_gbps", "dram_put_vs_memcpy",
+                "dram_get_vs_memcpy", "raw_file_write_gbps", "ssd_put_gbps", "ssd_put_vs_raw_write",
+                "raw_file_read_gbps", "ssd_get_gbps", "ssd_get_vs_raw_read", "zstd_ratio_bf16"]
+        print_table(report["results"], cols)
+        print(f"lookup_ms_15625_keys: {report['lookup_ms_15625_keys']:.3f} (target <= 3 ms)")
+        print("targets met: " + ", ".join(f"{k}={'yes' if v else 'NO'}" for k, v in report["targets_met"].items()))
+        report["kvtier_version"] = __version__
+        if args.json:
+            write_json(args.json, report)
+        return 0
+    raise AssertionError(args.target)
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from .inspect import inspect_dir
+
+    return inspect_dir(args.dir, verify=not args.no_verify, out=sys.stdout)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvtier",
+        description="kvtier: an agent-aware tiered (HBM / DRAM / SSD) KV-cache manager.",
+    )
+    p.add_argument("--version", action="version", version=f"kvtier {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    b = sub.add_parser("bench", help="run a benchmark (prints a table; --json writes figures)",
+                       description="Benchmarks that compare kvtier against a baseline measured in the same run.")
+    b.add_argument("target", choices=["tiers"],
+                   help="tiers: DRAM/SSD put and get throughput vs memcpy and raw file I/O, and prefix lookup time")
+    b.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+    b.add_argument("--total-mib", type=int, default=128, help="bytes copied per DRAM measurement (MiB, default 128)")
+    b.add_argument("--ssd-total-mib", type=int, default=64, help="bytes written per SSD measurement (MiB, default 64)")
+    b.set_defaults(func=_cmd_bench)
+
+    i = sub.add_parser("inspect", help="list and verify what an SSD tier directory holds",
+                       description="List namespaces, layouts, codecs, block counts and bytes of an SSD tier "
+                                   "directory, and verify every stored value's checksum.")
+    i.add_argument("dir", help="the SSD tier directory (tiers.ssd.path)")
+    i.add_argument("--no-verify", action="store_true", help="only list; do not decode and verify values")
+    i.set_defaults(func=_cmd_inspect)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,705 @@
+"""TierManager: the bookkeeping of which block lives in which tier.
+
+Owns: block residency per tier (``hbm``, ``dram``, ``ssd``; any subset), slot
+allocation, chain structure (parent links), ref counts, pins, in-flight
+two-phase operations, and the event log. Asks one eviction policy per tier
+which block to evict. Must not touch bytes, import torch or do I/O: movers
+execute the plans it hands out and report back with ``complete_*``.
+
+Not thread-safe: one owner (the :class:`~kvtier.store.TieredStore` facade,
+the engine connector's scheduler, or the replay simulator) serialises calls.
+
+Rules it enforces:
+
+* A block is readable in a tier only after its store or move *completed ok*.
+* Pinned, referenced and in-flight blocks are never victims.
+* Eviction is tail-first within a chain: a block with a child present (or
+  pending) in the same tier is not a victim, so shared prefixes outlive the
+  branches that use them. Touches walk a chain tail → head, so recency-based
+  policies see a prefix as at least as recent as its descendants.
+* A failed store, move or load leaves the block unreadable where it failed.
+
+>>> m = TierManager([TierSpec("dram", 2)])
+>>> plan = m.prepare_store("dram", [BlockKey(1), BlockKey(2), BlockKey(3)])
+>>> plan.keys  # only two fit; a chain stores its longest prefix that fits
+(1, 2)
+>>> m.complete_store(plan, ok=True)
+>>> m.lookup([BlockKey(1), BlockKey(2), BlockKey(3)]).tiers
+('dram', 'dram')
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from .errors import ConfigError, ProtocolError
+from .events import (
+    BlockLoaded,
+    BlockPinned,
+    BlockRemoved,
+    BlockStored,
+    BlockUnpinned,
+    Event,
+    PinRefused,
+    RemoveReason,
+    StoreFailed,
+)
+from .keys import BlockKey
+from .policies import EvictionPolicy, make_policy
+
+TIER_ORDER: tuple[str, ...] = ("hbm", "dram", "ssd")
+"""Tiers from fastest to slowest; a lookup reports the fastest ready copy."""
+
+_PENDING = 0
+_READY = 1
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    """One enabled tier: its name (one of :data:`TIER_ORDER`), capacity and policy."""
+
+    name: str
+    capacity_blocks: int
+    policy: str = "lru"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """Longest readable prefix of a lookup: block ``i`` is fastest in ``tiers[i]``.
+
+    ``tier_indices[i]`` indexes ``tier_names`` (the manager's enabled tiers,
+    fastest first); ``tiers`` spells them out (built on access)."""
+
+    num_blocks: int
+    tier_indices: tuple[int, ...]
+    tier_names: tuple[str, ...]
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        return tuple(map(self.tier_names.__getitem__, self.tier_indices))
+
+    def count(self, tier: str) -> int:
+        """Blocks of the prefix whose fastest copy is in ``tier``."""
+        return self.tier_indices.count(self.tier_names.index(tier)) if tier in self.tier_names else 0
+
+
+@dataclass(frozen=True, slots=True)
+class StorePlan:
+    """Slots reserved for ``keys`` in ``tier``; write the bytes, then ``complete_store``.
+
+    ``skipped`` were already present (ready or pending) and need no write;
+    ``evicted`` were evicted from ``tier`` to make room.
+    """
+
+    plan_id: int
+    tier: str
+    keys: tuple[BlockKey, ...]
+    slots: tuple[int, ...]
+    skipped: tuple[BlockKey, ...]
+    evicted: tuple[BlockKey, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """Read ``keys`` from ``tiers[i]`` / ``slots[i]``, then ``complete_load``.
+    The blocks are referenced (unevictable) until then."""
+
+    plan_id: int
+    keys: tuple[BlockKey, ...]
+    tiers: tuple[str, ...]
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class MovePlan:
+    """Copy ``keys`` from ``src`` slots to ``dst`` slots, then ``complete_move``.
+    With ``keep_source`` False the source copy is dropped on success (a demotion)."""
+
+    plan_id: int
+    src: str
+    dst: str
+    keys: tuple[BlockKey, ...]
+    src_slots: tuple[int, ...]
+    dst_slots: tuple[int, ...]
+    keep_source: bool
+    evicted: tuple[BlockKey, ...]
+
+
+class _Block:
+    """Index node of one key: residency per tier, chain links, refs, pin."""
+
+    __slots__ = ("key", "parent", "state", "slot", "children_in", "num_children", "ref_count", "pin_until")
+
+    def __init__(self, key: BlockKey, parent: BlockKey | None, num_tiers: int) -> None:
+        self.key = key
+        self.parent = parent
+        self.state: list[int | None] = [None] * num_tiers  # None: absent
+        self.slot: list[int] = [0] * num_tiers
+        self.children_in = [0] * num_tiers  # children with any residency in that tier
+        self.num_children = 0  # child nodes in the index
+        self.ref_count = 0
+        self.pin_until = 0.0
+
+    def present_anywhere(self) -> bool:
+        return self.state.count(None) != len(self.state)
+
+
+class _Tier:
+    """Slot pool and policy of one tier."""
+
+    __slots__ = ("name", "index", "capacity", "policy", "free_slots", "next_slot", "num_used", "num_ready")
+
+    def __init__(self, name: str, index: int, capacity: int, policy: EvictionPolicy) -> None:
+        self.name = name
+        self.index = index
+        self.capacity = capacity
+        self.policy = policy
+        self.free_slots: list[int] = []
+        self.next_slot = 0
+        self.num_used = 0  # pending + ready residencies
+        self.num_ready = 0
+
+    def take_slot(self) -> int:
+        self.num_used += 1
+        if self.free_slots:
+            return self.free_slots.pop()
+        self.next_slot += 1
+        return self.next_slot - 1
+
+    def give_slot(self, slot: int) -> None:
+        self.num_used -= 1
+        self.free_slots.append(slot)
+
+
+class TierManager:
+    """Metadata of the enabled tiers; see the module docstring for its rules.
+
+    ``clock`` gives the time used for pins (wall clock live, simulated in
+    replay). ``pin_budget_blocks`` caps how many blocks may be pinned at once.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[TierSpec],
+        *,
+        pin_budget_blocks: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+        record_events: bool = True,
+    ) -> None:
+        if not tiers:
+            raise ConfigError("tiers", [], "enable at least one tier")
+        names = [t.name for t in tiers]
+        for spec in tiers:
+            if spec.name not in TIER_ORDER:
+                raise ConfigError("tiers", spec.name, f"unknown tier; valid: {', '.join(TIER_ORDER)}")
+            if names.count(spec.name) > 1:
+                raise ConfigError("tiers", spec.name, "tier listed twice")
+            if not isinstance(spec.capacity_blocks, int) or spec.capacity_blocks < 0:
+                raise ConfigError(f"tiers.{spec.name}.capacity_blocks", spec.capacity_blocks, "must be an int >= 0")
+        if pin_budget_blocks < 0:
+            raise ConfigError("pin_budget_blocks", pin_budget_blocks, "must be >= 0")
+        ordered = sorted(tiers, key=lambda s: TIER_ORDER.index(s.name))
+        self._tiers = [
+            _Tier(s.name, i, s.capacity_blocks, make_policy(s.policy, s.capacity_blocks, f"tiers.{s.name}.policy"))
+            for i, s in enumerate(ordered)
+        ]
+        self._tier_by_name = {t.name: t for t in self._tiers}
+        self._blocks: dict[BlockKey, _Block] = {}
+        self._plans: dict[int, StorePlan | LoadPlan | MovePlan] = {}
+        self._plan_ids = itertools.count(1)
+        self._events: list[Event] = []
+        self._record = record_events
+        self._clock = clock
+        self._pin_budget = pin_budget_blocks
+        self._pinned: dict[BlockKey, float] = {}
+        self._names = tuple(t.name for t in self._tiers)
+        self._ready: list[set[BlockKey]] = [set() for _ in self._tiers]  # readable keys per tier
+        self._fastest: dict[BlockKey, int] = {}  # readable key -> index of its fastest tier
+        self._pin_heap: list[tuple[float, BlockKey]] = []
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        """Enabled tiers, fastest first."""
+        return tuple(t.name for t in self._tiers)
+
+    def capacity_blocks(self, tier: str) -> int:
+        return self._tier(tier).capacity
+
+    def used_blocks(self, tier: str) -> int:
+        """Slots in use in ``tier`` (ready + pending)."""
+        return self._tier(tier).num_used
+
+    def ready_blocks(self, tier: str) -> int:
+        return self._tier(tier).num_ready
+
+    def lookup(self, keys: Sequence[BlockKey]) -> PrefixHit:
+        """Longest prefix of ``keys`` readable in some tier, with the fastest tier of
+        each block. Side-effect free (no policy touch). O(len(keys)) at C speed:
+        one dict probe per key, no Python-level loop."""
+        found = list(map(self._fastest.get, keys))
+        try:
+            n = found.index(None)
+        except ValueError:
+            n = len(found)
+        return PrefixHit(n, tuple(found[:n]), self._names)
+
+    def contains(self, key: BlockKey, tier: str | None = None) -> bool:
+        """True when ``key`` is readable (in ``tier``, or anywhere)."""
+        if tier is None:
+            return key in self._fastest
+        return key in self._ready[self._tier(tier).index]
+
+    def tiers_of(self, key: BlockKey) -> tuple[str, ...]:
+        """Every tier where ``key`` is readable, fastest first."""
+        node = self._blocks.get(key)
+        if node is None:
+            return ()
+        return tuple(t.name for t in self._tiers if node.state[t.index] == _READY)
+
+    def slot_of(self, key: BlockKey, tier: str) -> int | None:
+        """Slot of a readable ``key`` in ``tier``, or ``None``."""
+        node = self._blocks.get(key)
+        t = self._tier(tier)
+        if node is None or node.state[t.index] != _READY:
+            return None
+        return node.slot[t.index]
+
+    def parent_of(self, key: BlockKey) -> BlockKey | None:
+        node = self._blocks.get(key)
+        return None if node is None else node.parent
+
+    def touch(self, keys: Sequence[BlockKey], tier: str) -> int:
+        """Record a hit on every ``keys[i]`` readable in ``tier``, tail first (so a
+        prefix ends up at least as recent as its descendants). Returns the number
+        touched."""
+        t = self._tier(tier)
+        ready = [k for k in reversed(keys) if k in self._ready[t.index]]
+        t.policy.on_access_many(ready)
+        return len(ready)
+
+    # -------------------------------------------------------------- store
+
+    def prepare_store(
+        self, tier: str, keys: Sequence[BlockKey], parent: BlockKey | None = None, *, chain: bool = True
+    ) -> StorePlan | None:
+        """Reserve slots for ``keys`` in ``tier``, evicting as its policy chooses.
+
+        With ``chain`` (default) ``keys`` form a chain: ``keys[0]`` follows
+        ``parent`` and each key follows the previous one; otherwise every key is
+        an independent root. Keys already present are skipped. When room runs
+        out the plan covers the keys that fit before that point. Returns
+        ``None`` when nothing could be reserved and nothing was present.
+        """
+        t = self._tier(tier)
+        now = self._clock()
+        reserved: list[BlockKey] = []
+        slots: list[int] = []
+        skipped: list[BlockKey] = []
+        evicted: list[BlockKey] = []
+        prev = parent if chain else None
+        for key in keys:
+            node = self._blocks.get(key)
+            if node is not None and node.state[t.index] is not None:
+                skipped.append(key)
+                prev = key if chain else None
+                continue
+            t.policy.before_insert(key)
+            if t.num_used >= t.capacity and not self._make_room(t, key, prev, now, evicted):
+                break
+            node = self._node(key, prev)
+            self._set_residency(node, t, _PENDING, t.take_slot())
+            reserved.append(key)
+            slots.append(node.slot[t.index])
+            prev = key if chain else None
+        if not reserved and not skipped:
+            return None
+        plan = StorePlan(next(self._plan_ids), t.name, tuple(reserved), tuple(slots), tuple(skipped), tuple(evicted))
+        self._plans[plan.plan_id] = plan
+        return plan
+
+    def complete_store(self, plan: StorePlan, ok: bool | Sequence[bool]) -> None:
+        """Finish ``plan``: keys with ok become readable, the others are dropped."""
+        self._close_plan(plan)
+        t = self._tier_by_name[plan.tier]
+        oks = self._per_key(ok, len(plan.keys))
+        # tail first, so the policy sees a chain's head as its most recent block
+        for key, good in zip(reversed(plan.keys), reversed(oks)):
+            node = self._blocks[key]
+            if good:
+                self._mark_ready(node, t)
+            else:
+                self._emit(StoreFailed(key, t.name))
+                self._drop_residency(node, t, None)
+
+    # --------------------------------------------------------------- load
+
+    def prepare_load(self, keys: Sequence[BlockKey]) -> LoadPlan | None:
+        """Plan reading the longest readable prefix of ``keys`` from its fastest
+        tiers; references those blocks until ``complete_load``. ``None`` on a miss."""
+        hit = self.lookup(keys)
+        if hit.num_blocks == 0:
+            return None
+        found = keys[: hit.num_blocks]
+        slots = []
+        for key, tier in zip(found, hit.tiers):
+            node = self._blocks[key]
+            node.ref_count += 1
+            slots.append(node.slot[self._tier_by_name[tier].index])
+        plan = LoadPlan(next(self._plan_ids), tuple(found), hit.tiers, tuple(slots))
+        self._plans[plan.plan_id] = plan
+        return plan
+
+    def complete_load(self, plan: LoadPlan, ok: bool | Sequence[bool]) -> None:
+        """Finish ``plan``: verified blocks count as hits; a block that failed to
+        load or verify is dropped from the tier it was read from."""
+        self._close_plan(plan)
+        oks = self._per_key(ok, len(plan.keys))
+        for key, tier, good in zip(reversed(plan.keys), reversed(plan.tiers), reversed(oks)):
+            node = self._blocks[key]
+            node.ref_count -= 1
+            t = self._tier_by_name[tier]
+            self._emit(BlockLoaded(key, tier, good))
+            if node.state[t.index] != _READY:
+                continue  # removed while loading
+            if good:
+                t.policy.on_access(key)
+            else:
+                t.policy.on_remove(key)
+                self._drop_residency(node, t, "failed_verify")
+
+    # --------------------------------------------------------------- move
+
+    def prepare_move(
+        self, keys: Sequence[BlockKey], src: str, dst: str, *, keep_source: bool | None = None
+    ) -> MovePlan | None:
+        """Plan copying the readable-in-``src`` ``keys`` into ``dst`` (promotion or
+        demotion). ``keep_source`` defaults to True for promotions (towards hbm)
+        and False for demotions. Keys already in ``dst`` or not ready in ``src``
+        are skipped; ``None`` when nothing is to move."""
+        s, d = self._tier(src), self._tier(dst)
+        if s is d:
+            raise ProtocolError(f"prepare_move: src and dst are both {src!r}")
+        if keep_source is None:
+            keep_source = d.index < s.index
+        now = self._clock()
+        moving: list[BlockKey] = []
+        src_slots: list[int] = []
+        dst_slots: list[int] = []
+        evicted: list[BlockKey] = []
+        for key in keys:
+            node = self._blocks.get(key)
+            if node is None or node.state[s.index] != _READY or node.state[d.index] is not None:
+                continue
+            d.policy.before_insert(key)
+            node.ref_count += 1  # protects the source copy from eviction while we make room
+            if d.num_used >= d.capacity and not self._make_room(d, key, node.parent, now, evicted):
+                node.ref_count -= 1
+                break
+            self._set_residency(node, d, _PENDING, d.take_slot())
+            moving.append(key)
+            src_slots.append(node.slot[s.index])
+            dst_slots.append(node.slot[d.index])
+        if not moving:
+            return None
+        plan = MovePlan(
+            next(self._plan_ids), s.name, d.name, tuple(moving), tuple(src_slots), tuple(dst_slots),
+            keep_source, tuple(evicted),
+        )
+        self._plans[plan.plan_id] = plan
+        return plan
+
+    def complete_move(self, plan: MovePlan, ok: bool | Sequence[bool]) -> None:
+        """Finish ``plan``: moved keys become readable in ``dst`` (and leave ``src``
+        unless ``keep_source``); failed ones are dropped from ``dst`` only."""
+        self._close_plan(plan)
+        s, d = self._tier_by_name[plan.src], self._tier_by_name[plan.dst]
+        oks = self._per_key(ok, len(plan.keys))
+        for key, good in zip(reversed(plan.keys), reversed(oks)):
+            node = self._blocks[key]
+            node.ref_count -= 1
+            if not good:
+                self._emit(StoreFailed(key, d.name))
+                self._drop_residency(node, d, None)
+                continue
+            self._mark_ready(node, d)
+            if not plan.keep_source and node.state[s.index] == _READY:
+                s.policy.on_remove(key)
+                self._drop_residency(node, s, "moved")
+
+    # ---------------------------------------------------------- refs and pins
+
+    def acquire(self, keys: Iterable[BlockKey]) -> None:
+        """Reference known ``keys`` (e.g. held by a running request): unevictable
+        until :meth:`release`. Unknown keys raise ``KeyError``."""
+        for key in keys:
+            self._blocks[key].ref_count += 1
+
+    def release(self, keys: Iterable[BlockKey]) -> None:
+        """Drop one reference taken by :meth:`acquire`."""
+        for key in keys:
+            node = self._blocks[key]
+            if node.ref_count <= 0:
+                raise ProtocolError(f"release of block {key:#x} with no reference")
+            node.ref_count -= 1
+            self._maybe_forget(node)
+
+    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> int | None:
+        """Pin the known ``keys`` for ``ttl_s`` seconds (extending earlier pins).
+        All or nothing: ``None`` (and a :class:`PinRefused` event) when the pin
+        budget would be exceeded. Returns the number of blocks pinned."""
+        if ttl_s <= 0:
+            raise ValueError(f"pin ttl_s={ttl_s!r}: must be > 0")
+        now = self._clock()
+        self._expire_pins(now)
+        known = [k for k in dict.fromkeys(keys) if k in self._blocks]
+        new = sum(1 for k in known if k not in self._pinned)
+        if len(self._pinned) + new > self._pin_budget:
+            self._emit(PinRefused(len(known), self._pin_budget))
+            return None
+        until = now + ttl_s
+        for key in known:
+            node = self._blocks[key]
+            node.pin_until = max(node.pin_until, until)
+            self._pinned[key] = node.pin_until
+            heapq.heappush(self._pin_heap, (node.pin_until, key))
+            self._emit(BlockPinned(key, node.pin_until))
+        return len(known)
+
+    def unpin(self, keys: Iterable[BlockKey]) -> None:
+        """Remove pins of ``keys`` (pins also lapse at their TTL)."""
+        for key in keys:
+            if self._pinned.pop(key, None) is not None:
+                node = self._blocks[key]
+                node.pin_until = 0.0
+                self._emit(BlockUnpinned(key, "unpinned"))
+                self._maybe_forget(node)
+
+    def num_pinned(self) -> int:
+        self._expire_pins(self._clock())
+        return len(self._pinned)
+
+    # ------------------------------------------------------------ removal
+
+    def remove(self, keys: Iterable[BlockKey], tier: str | None = None) -> int:
+        """Drop ready, unreferenced copies of ``keys`` (in ``tier`` or everywhere),
+        children before parents. Returns the number of copies dropped."""
+        tiers = self._tiers if tier is None else [self._tier(tier)]
+        dropped = 0
+        for key in reversed(list(keys)):
+            node = self._blocks.get(key)
+            if node is None or node.ref_count:
+                continue
+            for t in tiers:
+                if node.state[t.index] == _READY:
+                    t.policy.on_remove(key)
+                    self._drop_residency(node, t, "removed")
+                    dropped += 1
+        return dropped
+
+    def evict(self, tier: str, num_blocks: int) -> tuple[BlockKey, ...]:
+        """Evict up to ``num_blocks`` from ``tier`` in policy order (e.g. to free
+        engine memory). Returns the evicted keys."""
+        t = self._tier(tier)
+        now = self._clock()
+        evicted: list[BlockKey] = []
+        for _ in range(num_blocks):
+            if not self._evict_one(t, None, None, now, evicted):
+                break
+        return tuple(evicted)
+
+    # ------------------------------------------------------------ events
+
+    def take_events(self) -> list[Event]:
+        """Return and clear the events recorded since the last call."""
+        events, self._events = self._events, []
+        return events
+
+    # ------------------------------------------------------------ invariants
+
+    def check_invariants(self) -> None:
+        """Assert every structural invariant (O(blocks)); for tests."""
+        for t in self._tiers:
+            used = [n for n in self._blocks.values() if n.state[t.index] is not None]
+            ready = [n for n in used if n.state[t.index] == _READY]
+            slots = [n.slot[t.index] for n in used]
+            assert len(used) == t.num_used <= t.capacity, (t.name, len(used), t.num_used, t.capacity)
+            assert len(ready) == t.num_ready == len(t.policy), (t.name, len(ready), t.num_ready, len(t.policy))
+            assert self._ready[t.index] == {n.key for n in ready}, f"{t.name}: ready set out of date"
+            assert len(set(slots)) == len(slots), f"{t.name}: a slot is used twice"
+            assert len(set(t.free_slots)) == len(t.free_slots) and not set(slots) & set(t.free_slots)
+            assert len(slots) + len(t.free_slots) == t.next_slot, (t.name, "slot leak")
+            t.policy.check_invariants()
+        children_in: dict[BlockKey, list[int]] = {}
+        num_children: dict[BlockKey, int] = {}
+        for node in self._blocks.values():
+            assert node.ref_count >= 0, f"negative ref count on {node.key:#x}"
+            assert node.present_anywhere() or node.num_children or node.ref_count or node.key in self._pinned, (
+                f"dangling index node {node.key:#x}"
+            )
+            if node.parent is not None:
+                assert node.parent in self._blocks, f"parent of {node.key:#x} missing from index"
+                num_children[node.parent] = num_children.get(node.parent, 0) + 1
+                counts = children_in.setdefault(node.parent, [0] * len(self._tiers))
+                for t in self._tiers:
+                    counts[t.index] += node.state[t.index] is not None
+        for node in self._blocks.values():
+            assert node.num_children == num_children.get(node.key, 0), f"num_children of {node.key:#x}"
+            assert node.children_in == children_in.get(node.key, [0] * len(self._tiers)), (
+                f"children_in of {node.key:#x}"
+            )
+        for node in self._blocks.values():
+            best = self._fastest_ready(node)
+            assert self._fastest.get(node.key) == (None if best is None else best.index), "fastest index"
+        assert set(self._fastest) <= set(self._blocks), "fastest index holds forgotten keys"
+        assert len(self._pinned) <= self._pin_budget, "pin budget exceeded"
+        for plan in self._plans.values():
+            if isinstance(plan, StorePlan):
+                idx = self._tier_by_name[plan.tier].index
+                assert all(self._blocks[k].state[idx] == _PENDING for k in plan.keys), "store plan not pending"
+
+    # ------------------------------------------------------------ internals
+
+    def _tier(self, name: str) -> _Tier:
+        try:
+            return self._tier_by_name[name]
+        except KeyError:
+            raise ValueError(f"tier {name!r} is not enabled; enabled: {', '.join(self._tier_by_name)}") from None
+
+    def _fastest_ready(self, node: _Block) -> _Tier | None:
+        for t in self._tiers:
+            if node.state[t.index] == _READY:
+                return t
+        return None
+
+    def _node(self, key: BlockKey, parent: BlockKey | None) -> _Block:
+        node = self._blocks.get(key)
+        if node is not None:
+            if node.parent is None and parent is not None and parent != key:
+                node.parent = parent  # a stub learns its place in the chain
+                self._link_child(node, parent)
+            return node
+        node = _Block(key, parent, len(self._tiers))
+        self._blocks[key] = node
+        if parent is not None:
+            self._link_child(node, parent)
+        return node
+
+    def _link_child(self, node: _Block, parent: BlockKey) -> None:
+        pnode = self._blocks.get(parent)
+        if pnode is None:  # a stub keeps the chain link (and children counts) alive
+            pnode = self._node(parent, None)
+        pnode.num_children += 1
+        for t in self._tiers:
+            if node.state[t.index] is not None:
+                pnode.children_in[t.index] += 1
+
+    def _set_residency(self, node: _Block, t: _Tier, state: int, slot: int) -> None:
+        node.state[t.index] = state
+        node.slot[t.index] = slot
+        if node.parent is not None:
+            self._blocks[node.parent].children_in[t.index] += 1
+
+    def _mark_ready(self, node: _Block, t: _Tier) -> None:
+        node.state[t.index] = _READY
+        t.num_ready += 1
+        self._ready[t.index].add(node.key)
+        best = self._fastest.get(node.key)
+        if best is None or t.index < best:
+            self._fastest[node.key] = t.index
+        t.policy.on_insert(node.key)
+        self._emit(BlockStored(node.key, t.name, node.parent))
+
+    def _drop_residency(self, node: _Block, t: _Tier, reason: RemoveReason | None) -> None:
+        """Clear ``node``'s residency in ``t`` (the policy must already have forgotten it)."""
+        if node.state[t.index] == _READY:
+            t.num_ready -= 1
+            self._ready[t.index].discard(node.key)
+            self._emit(BlockRemoved(node.key, t.name, reason or "removed"))
+        node.state[t.index] = None
+        if self._fastest.get(node.key) == t.index:
+            nxt = self._fastest_ready(node)
+            if nxt is None:
+                del self._fastest[node.key]
+            else:
+                self._fastest[node.key] = nxt.index
+        t.give_slot(node.slot[t.index])
+        if node.parent is not None:
+            self._blocks[node.parent].children_in[t.index] -= 1
+        self._maybe_forget(node)
+
+    def _maybe_forget(self, node: _Block) -> None:
+        """Delete index nodes that hold nothing, walking up the chain."""
+        while (
+            not node.num_children
+            and not node.ref_count
+            and node.key not in self._pinned
+            and not node.present_anywhere()
+        ):
+            del self._blocks[node.key]
+            if node.parent is None:
+                return
+            node = self._blocks[node.parent]
+            node.num_children -= 1
+
+    def _make_room(
+        self, t: _Tier, incoming: BlockKey, parent: BlockKey | None, now: float, evicted: list[BlockKey]
+    ) -> bool:
+        while t.num_used >= t.capacity:
+            if not self._evict_one(t, incoming, parent, now, evicted):
+                return False
+        return True
+
+    def _evict_one(
+        self, t: _Tier, incoming: BlockKey | None, protect: BlockKey | None, now: float, evicted: list[BlockKey]
+    ) -> bool:
+        idx = t.index
+        blocks = self._blocks
+
+        def is_evictable(key: BlockKey) -> bool:
+            node = blocks[key]
+            return (
+                not node.ref_count
+                and not node.children_in[idx]
+                and node.pin_until <= now
+                and key != protect
+            )
+
+        victim = t.policy.pop_victim(is_evictable, incoming)
+        if victim is None:
+            return False
+        evicted.append(victim)
+        self._drop_residency(blocks[victim], t, "evicted")
+        return True
+
+    def _expire_pins(self, now: float) -> None:
+        heap = self._pin_heap
+        while heap and heap[0][0] <= now:
+            until, key = heapq.heappop(heap)
+            if self._pinned.get(key) == until:
+                del self._pinned[key]
+                node = self._blocks[key]
+                node.pin_until = 0.0
+                self._emit(BlockUnpinned(key, "expired"))
+                self._maybe_forget(node)
+
+    def _close_plan(self, plan: StorePlan | LoadPlan | MovePlan) -> None:
+        if self._plans.pop(plan.plan_id, None) is None:
+            raise ProtocolError(f"plan {plan.plan_id} is not open (completed twice, or not from this manager)")
+
+    @staticmethod
+    def _per_key(ok: bool | Sequence[bool], n: int) -> Sequence[bool]:
+        if isinstance(ok, bool):
+            return [ok] * n
+        if len(ok) != n:
+            raise ProtocolError(f"ok has {len(ok)} entries for a plan of {n} keys")
+        return ok
+
+    def _emit(self, event: Event) -> None:
+        if self._record:
+            self._events.append(event)

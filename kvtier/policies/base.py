@@ -1,0 +1,99 @@
+"""The eviction-policy protocol and the policy registry.
+
+Owns: the contract between :class:`~kvtier.manager.TierManager` and an
+eviction policy, and the name → factory registry. A policy is pure decision:
+it orders the blocks resident in *one* tier and never allocates, copies or
+frees anything; the manager owns residency and calls the hooks below.
+
+Call order, per tier, as the manager guarantees it:
+
+* ``before_insert(key)`` — a store of ``key`` into this tier is being
+  prepared (a miss). Called before any eviction made for it. Policies with
+  ghost history (ARC, S3-FIFO) adapt here. Side effects only on history.
+* ``pop_victim(is_evictable, incoming)`` — choose the next block to evict.
+  Return the first resident key, in the policy's eviction order, for which
+  ``is_evictable(key)`` is true, and forget it (it is gone from the tier).
+  Return ``None`` when no resident block is evictable. Skipped keys stay
+  resident. ``incoming`` is the key the room is made for (or ``None``).
+* ``on_insert(key)`` — ``key`` became resident (called once per residency).
+* ``on_access(key)`` — a resident ``key`` was hit.
+* ``on_access_many(keys)`` — the same for each of ``keys`` in order (a chain
+  touched tail first); policies make this a C-speed loop where they can.
+* ``on_remove(key)`` — ``key`` left the tier *not* through ``pop_victim``
+  (explicit delete, failed verification, demotion by a move).
+
+``len(policy)`` is the number of resident keys it tracks, and
+``check_invariants()`` asserts its internal consistency.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Protocol, runtime_checkable
+
+from ..errors import UnknownPolicyError
+from ..keys import BlockKey
+
+IsEvictable = Callable[[BlockKey], bool]
+
+
+@runtime_checkable
+class EvictionPolicy(Protocol):
+    """See the module docstring for the call contract."""
+
+    name: str
+
+    def before_insert(self, key: BlockKey) -> None: ...
+
+    def on_insert(self, key: BlockKey) -> None: ...
+
+    def on_access(self, key: BlockKey) -> None: ...
+
+    def on_access_many(self, keys: Iterable[BlockKey]) -> None: ...
+
+    def on_remove(self, key: BlockKey) -> None: ...
+
+    def pop_victim(self, is_evictable: IsEvictable, incoming: BlockKey | None = None) -> BlockKey | None: ...
+
+    def __len__(self) -> int: ...
+
+    def check_invariants(self) -> None: ...
+
+
+PolicyFactory = Callable[[int], EvictionPolicy]
+"""Builds a policy for a tier of the given capacity in blocks."""
+
+_REGISTRY: dict[str, PolicyFactory] = {}
+
+
+def register_policy(name: str) -> Callable[[PolicyFactory], PolicyFactory]:
+    """Class/function decorator registering a policy factory under ``name``."""
+
+    def deco(factory: PolicyFactory) -> PolicyFactory:
+        if name in _REGISTRY:
+            raise ValueError(f"policy {name!r} registered twice")
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def policy_names() -> list[str]:
+    """Sorted names of every registered eviction policy."""
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def make_policy(name: str, capacity_blocks: int, setting: str = "policy") -> EvictionPolicy:
+    """Build the policy registered as ``name``; an unknown name raises
+    :class:`UnknownPolicyError` naming ``setting`` and listing the valid names."""
+    _load_builtin()
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise UnknownPolicyError(setting, name, f"unknown policy; valid: {', '.join(sorted(_REGISTRY))}") from None
+    return factory(capacity_blocks)
+
+
+def _load_builtin() -> None:
+    # Importing the modules runs their @register_policy decorators.
+    from . import arc, fifo, lfu, lru, s3fifo  # noqa: F401

@@ -1,0 +1,101 @@
+"""Fixed-slot tensor pools: the bytes of the ``hbm`` and ``dram`` tiers.
+
+Owns: one pre-allocated ``uint8`` tensor of ``num_slots x bytes_per_block``
+(on the accelerator for ``hbm``; in host memory, pinned when an accelerator
+is present, for ``dram``), and copies into and out of its slots. No
+allocation per block; :meth:`TensorPool.view` is zero-copy. Must not decide
+which slot holds what: the TierManager hands out slots.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+
+
+def accelerator_device() -> torch.device | None:
+    """The first CUDA or Ascend NPU device, or ``None`` on a CPU-only machine."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    npu = getattr(torch, "npu", None)
+    if npu is not None and npu.is_available():  # torch_npu registers torch.npu
+        return torch.device("npu", npu.current_device())
+    return None
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` → the accelerator if present else CPU; otherwise a torch device string."""
+    if spec == "auto":
+        return accelerator_device() or torch.device("cpu")
+    try:
+        return torch.device(spec)
+    except RuntimeError as exc:
+        raise ConfigError("tiers.hbm.device", spec, f"not a torch device ({exc})") from None
+
+
+def as_byte_tensor(buf: Any) -> torch.Tensor:
+    """A flat ``uint8`` view of a contiguous tensor, numpy array or bytes-like (no copy
+    where the input allows it)."""
+    if isinstance(buf, torch.Tensor):
+        if buf.dtype == torch.uint8 and buf.dim() == 1:
+            return buf
+        if not buf.is_contiguous():
+            raise ValueError("KV buffers must be contiguous tensors")
+        return buf.reshape(-1).view(torch.uint8)
+    if isinstance(buf, (bytes, bytearray, memoryview)):
+        mv = memoryview(buf)
+        if mv.readonly:
+            return torch.frombuffer(bytearray(mv), dtype=torch.uint8)
+        return torch.frombuffer(mv, dtype=torch.uint8)
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        raise TypeError(f"unsupported KV buffer type {type(buf).__name__}") from None
+    if isinstance(buf, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(buf).reshape(-1).view(np.uint8))
+    raise TypeError(f"unsupported KV buffer type {type(buf).__name__}; use a tensor, ndarray or bytes")
+
+
+class TensorPool:
+    """``num_slots`` blocks of ``bytes_per_block`` bytes on ``device``."""
+
+    def __init__(self, num_slots: int, bytes_per_block: int, device: torch.device, *, pin_memory: bool = False) -> None:
+        self.num_slots = num_slots
+        self.bytes_per_block = bytes_per_block
+        self.device = device
+        pin = pin_memory and device.type == "cpu" and accelerator_device() is not None
+        self.pinned = pin
+        self.data = torch.empty((num_slots, bytes_per_block), dtype=torch.uint8, device=device, pin_memory=pin)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.bytes_per_block
+
+    def view(self, slot: int) -> torch.Tensor:
+        """Zero-copy ``uint8`` view of one slot."""
+        return self.data[slot]
+
+    def write(self, slots: list[int] | tuple[int, ...], srcs: list[torch.Tensor]) -> list[bool]:
+        """Copy each ``srcs[i]`` (``bytes_per_block`` bytes) into ``slots[i]``."""
+        non_blocking = self.pinned or self.device.type != "cpu"
+        for slot, src in zip(slots, srcs):
+            self.data[slot].copy_(src, non_blocking=non_blocking)
+        self.synchronize()
+        return [True] * len(slots)
+
+    def read(self, slots: list[int] | tuple[int, ...], dsts: list[torch.Tensor]) -> list[bool]:
+        """Copy ``slots[i]`` into the caller's ``dsts[i]``."""
+        non_blocking = self.pinned or self.device.type != "cpu"
+        for slot, dst in zip(slots, dsts):
+            dst.copy_(self.data[slot], non_blocking=non_blocking)
+        self.synchronize()
+        return [True] * len(slots)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        elif self.device.type == "npu":  # pragma: no cover - needs Ascend hardware
+            torch.npu.current_stream(self.device).synchronize()  # type: ignore[attr-defined]
