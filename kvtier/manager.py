@@ -365,8 +365,9 @@ class TierManager:
             node.ref_count -= 1
             t = self._tier_by_name[tier]
             self._emit(BlockLoaded(key, tier, good))
-            if node.state[t.index] != _READY:
-                continue  # removed while loading
+            if node.state[t.index] != _READY:  # dropped while loading (e.g. failed elsewhere)
+                self._maybe_forget(node)
+                continue
             if good:
                 t.policy.on_access(key)
             else:

@@ -1,0 +1,54 @@
+"""First-in-first-out eviction.
+
+Owns: insertion order of one tier's resident blocks; hits do not reorder.
+O(1) hooks; ``pop_victim`` is O(skipped + 1).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable
+
+from ..keys import BlockKey
+from .base import IsEvictable, register_policy
+
+
+@register_policy("fifo")
+class FIFOPolicy:
+    """Evicts the block inserted longest ago, however often it was hit."""
+
+    name = "fifo"
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self._order: OrderedDict[BlockKey, None] = OrderedDict()  # oldest first
+
+    def before_insert(self, key: BlockKey) -> None:
+        """No history to adapt."""
+
+    def on_insert(self, key: BlockKey) -> None:
+        """Append ``key`` at the young end."""
+        self._order[key] = None
+
+    def on_access(self, key: BlockKey) -> None:
+        """A hit does not change the order."""
+
+    def on_access_many(self, keys: Iterable[BlockKey]) -> None:
+        """Hits do not change the order."""
+
+    def on_remove(self, key: BlockKey) -> None:
+        """Forget ``key``."""
+        del self._order[key]
+
+    def pop_victim(self, is_evictable: IsEvictable, incoming: BlockKey | None = None) -> BlockKey | None:
+        """Forget and return the oldest evictable key, or ``None``."""
+        for key in self._order:
+            if is_evictable(key):
+                del self._order[key]
+                return key
+        return None
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def check_invariants(self) -> None:
+        """Nothing beyond the ``OrderedDict`` itself."""
