@@ -1,4 +1,4 @@
-"""The ``kvtier`` command line: ``kvtier bench tiers``, ``kvtier inspect DIR``.
+"""The ``kvtier`` command line: ``kvtier bench tiers|hints``, ``kvtier inspect DIR``, ``kvtier serve``.
 
 Owns: argument parsing and printing. Every subcommand has ``--help``; the
 work itself lives in the modules it calls (no logic here beyond wiring).
@@ -14,6 +14,8 @@ from . import __version__
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.target == "hints":
+        return _bench_hints(args)
     from .benchmarks.common import print_table, write_json
 
     if args.target == "tiers":
@@ -23,7 +25,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                            progress=lambda m: print(m, file=sys.stderr, flush=True))
         cols = ["block_kib", "memcpy_gbps", "dram_put_gbps", "dram_get_gbps", "dram_put_vs_memcpy",
                 "dram_get_vs_memcpy", "raw_file_write_gbps", "ssd_put_gbps", "ssd_put_vs_raw_write",
-                "raw_file_read_gbps", "ssd_get_gbps", "ssd_get_vs_raw_read", "zstd_ratio_bf16"]
+                "raw_file_read_gbps", "ssd_get_gbps", "ssd_get_vs_raw_read", "ssd_put_gbps_auto",
+                "ssd_get_gbps_auto", "zstd_ratio_bf16"]
         print_table(report["results"], cols)
         print(f"lookup_ms_15625_keys: {report['lookup_ms_15625_keys']:.3f} (target <= 3 ms)")
         print("targets met: " + ", ".join(f"{k}={'yes' if v else 'NO'}" for k, v in report["targets_met"].items()))
@@ -32,6 +35,27 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             write_json(args.json, report)
         return 0
     raise AssertionError(args.target)
+
+
+def _bench_hints(args: argparse.Namespace) -> int:
+    import json
+
+    from .benchmarks import hints
+
+    report = hints.run(total_events=args.events, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    hints.print_report(report)
+    report["kvtier_version"] = __version__
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2, sort_keys=True)
+            f.write("\n")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .hints import serve
+
+    return serve.run(args)
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -50,12 +74,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="run a benchmark (prints a table; --json writes figures)",
                        description="Benchmarks that compare kvtier against a baseline measured in the same run.")
-    b.add_argument("target", choices=["tiers"],
-                   help="tiers: DRAM/SSD put and get throughput vs memcpy and raw file I/O, and prefix lookup time")
+    b.add_argument("target", choices=["tiers", "hints"],
+                   help="tiers: DRAM/SSD put and get throughput vs memcpy and raw file I/O, and prefix lookup time; "
+                        "hints: hint events/s from 1/4/16 client processes vs a raw gRPC echo, and SDK emit() latency")
     b.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     b.add_argument("--total-mib", type=int, default=128, help="bytes copied per DRAM measurement (MiB, default 128)")
     b.add_argument("--ssd-total-mib", type=int, default=64, help="bytes written per SSD measurement (MiB, default 64)")
+    b.add_argument("--events", type=int, default=200_000,
+                   help="hints: events sent per client-count run, split over the clients (default 200000)")
     b.set_defaults(func=_cmd_bench)
+
+    from .hints.serve import add_arguments as add_serve_arguments  # argparse only; grpc loads on use
+
+    v = sub.add_parser("serve", help="run the gRPC hints server (agent SDKs publish to it)",
+                       description="Serve kvtier.v1.HintService (and grpc.health.v1) for agent frameworks: "
+                                   "validate hint events, keep the AgentGraph, optionally apply pin/prefetch "
+                                   "commands to a TieredStore, expose Prometheus metrics and record traces. "
+                                   "Binds 127.0.0.1:50051 by default.")
+    add_serve_arguments(v)
+    v.set_defaults(func=_cmd_serve)
 
     i = sub.add_parser("inspect", help="list and verify what an SSD tier directory holds",
                        description="List namespaces, layouts, codecs, block counts and bytes of an SSD tier "

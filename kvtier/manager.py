@@ -12,11 +12,15 @@ the engine connector's scheduler, or the replay simulator) serialises calls.
 Rules it enforces:
 
 * A block is readable in a tier only after its store or move *completed ok*.
-* Pinned, referenced and in-flight blocks are never victims.
+* Pinned, referenced and in-flight blocks are never victims: they are parked
+  outside every policy's eviction order while held (``on_hold`` /
+  ``on_unhold``), as vLLM keeps referenced blocks out of its free queue.
 * Eviction is tail-first within a chain: a block with a child present (or
-  pending) in the same tier is not a victim, so shared prefixes outlive the
-  branches that use them. Touches walk a chain tail → head, so recency-based
-  policies see a prefix as at least as recent as its descendants.
+  pending) in the same tier is parked in that tier's policy too, so shared
+  prefixes outlive the branches that use them and policies never scan past
+  interior blocks. When a chain's tail is evicted its parent re-enters the
+  order at the eviction end, so a cold chain is evicted tail to head in a row.
+  Touches walk a chain tail → head.
 * A failed store, move or load leaves the block unreadable where it failed.
 
 >>> m = TierManager([TierSpec("dram", 2)])
@@ -60,11 +64,13 @@ _READY = 1
 
 @dataclass(frozen=True, slots=True)
 class TierSpec:
-    """One enabled tier: its name (one of :data:`TIER_ORDER`), capacity and policy."""
+    """One enabled tier: its name (one of :data:`TIER_ORDER`), capacity and policy
+    (a registered policy name, or a ready policy object such as replay's offline
+    ``belady``, which needs an oracle no registry factory has)."""
 
     name: str
     capacity_blocks: int
-    policy: str = "lru"
+    policy: str | EvictionPolicy = "lru"
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +157,8 @@ class _Block:
 class _Tier:
     """Slot pool and policy of one tier."""
 
-    __slots__ = ("name", "index", "capacity", "policy", "free_slots", "next_slot", "num_used", "num_ready")
+    __slots__ = ("name", "index", "capacity", "policy", "free_slots", "next_slot", "num_used", "num_ready",
+                 "num_reserved")
 
     def __init__(self, name: str, index: int, capacity: int, policy: EvictionPolicy) -> None:
         self.name = name
@@ -160,8 +167,9 @@ class _Tier:
         self.policy = policy
         self.free_slots: list[int] = []
         self.next_slot = 0
-        self.num_used = 0  # pending + ready residencies
+        self.num_used = 0  # pending + ready residencies + reserved space
         self.num_ready = 0
+        self.num_reserved = 0  # anonymous space (e.g. a running request's decode blocks)
 
     def take_slot(self) -> int:
         self.num_used += 1
@@ -204,7 +212,11 @@ class TierManager:
             raise ConfigError("pin_budget_blocks", pin_budget_blocks, "must be >= 0")
         ordered = sorted(tiers, key=lambda s: TIER_ORDER.index(s.name))
         self._tiers = [
-            _Tier(s.name, i, s.capacity_blocks, make_policy(s.policy, s.capacity_blocks, f"tiers.{s.name}.policy"))
+            _Tier(
+                s.name, i, s.capacity_blocks,
+                make_policy(s.policy, s.capacity_blocks, f"tiers.{s.name}.policy") if isinstance(s.policy, str)
+                else s.policy,
+            )
             for i, s in enumerate(ordered)
         ]
         self._tier_by_name = {t.name: t for t in self._tiers}
@@ -219,6 +231,9 @@ class TierManager:
         self._names = tuple(t.name for t in self._tiers)
         self._ready: list[set[BlockKey]] = [set() for _ in self._tiers]  # readable keys per tier
         self._fastest: dict[BlockKey, int] = {}  # readable key -> index of its fastest tier
+        self._held: set[BlockKey] = set()  # referenced or pinned blocks
+        # keys parked in each tier's policy: held, or with a child present in that tier
+        self._parked: list[set[BlockKey]] = [set() for _ in self._tiers]
         self._pin_heap: list[tuple[float, BlockKey]] = []
 
     # ------------------------------------------------------------------ queries
@@ -279,7 +294,8 @@ class TierManager:
         prefix ends up at least as recent as its descendants). Returns the number
         touched."""
         t = self._tier(tier)
-        ready = [k for k in reversed(keys) if k in self._ready[t.index]]
+        ready_set = self._ready[t.index]
+        ready = [k for k in reversed(keys) if k in ready_set]
         t.policy.on_access_many(ready)
         return len(ready)
 
@@ -298,6 +314,7 @@ class TierManager:
         """
         t = self._tier(tier)
         now = self._clock()
+        self._expire_pins(now)
         reserved: list[BlockKey] = []
         slots: list[int] = []
         skipped: list[BlockKey] = []
@@ -349,7 +366,7 @@ class TierManager:
         slots = []
         for key, tier in zip(found, hit.tiers):
             node = self._blocks[key]
-            node.ref_count += 1
+            self._ref(node)
             slots.append(node.slot[self._tier_by_name[tier].index])
         plan = LoadPlan(next(self._plan_ids), tuple(found), hit.tiers, tuple(slots))
         self._plans[plan.plan_id] = plan
@@ -362,17 +379,15 @@ class TierManager:
         oks = self._per_key(ok, len(plan.keys))
         for key, tier, good in zip(reversed(plan.keys), reversed(plan.tiers), reversed(oks)):
             node = self._blocks[key]
-            node.ref_count -= 1
             t = self._tier_by_name[tier]
             self._emit(BlockLoaded(key, tier, good))
-            if node.state[t.index] != _READY:  # dropped while loading (e.g. failed elsewhere)
-                self._maybe_forget(node)
-                continue
-            if good:
-                t.policy.on_access(key)
-            else:
-                t.policy.on_remove(key)
-                self._drop_residency(node, t, "failed_verify")
+            if node.state[t.index] == _READY:
+                if good:
+                    t.policy.on_access(key)
+                else:
+                    t.policy.on_remove(key)
+                    self._drop_residency(node, t, "failed_verify")
+            self._unref(node)
 
     # --------------------------------------------------------------- move
 
@@ -389,6 +404,7 @@ class TierManager:
         if keep_source is None:
             keep_source = d.index < s.index
         now = self._clock()
+        self._expire_pins(now)
         moving: list[BlockKey] = []
         src_slots: list[int] = []
         dst_slots: list[int] = []
@@ -398,9 +414,9 @@ class TierManager:
             if node is None or node.state[s.index] != _READY or node.state[d.index] is not None:
                 continue
             d.policy.before_insert(key)
-            node.ref_count += 1  # protects the source copy from eviction while we make room
+            self._ref(node)  # protects the source copy from eviction while we make room
             if d.num_used >= d.capacity and not self._make_room(d, key, node.parent, now, evicted):
-                node.ref_count -= 1
+                self._unref(node)
                 break
             self._set_residency(node, d, _PENDING, d.take_slot())
             moving.append(key)
@@ -423,15 +439,18 @@ class TierManager:
         oks = self._per_key(ok, len(plan.keys))
         for key, good in zip(reversed(plan.keys), reversed(oks)):
             node = self._blocks[key]
-            node.ref_count -= 1
             if not good:
                 self._emit(StoreFailed(key, d.name))
                 self._drop_residency(node, d, None)
-                continue
-            self._mark_ready(node, d)
-            if not plan.keep_source and node.state[s.index] == _READY:
-                s.policy.on_remove(key)
-                self._drop_residency(node, s, "moved")
+            else:
+                self._mark_ready(node, d)
+                if node.state[s.index] == _READY:
+                    if plan.keep_source:
+                        s.policy.on_access(key)  # the source copy was read: a hit there
+                    else:
+                        s.policy.on_remove(key)
+                        self._drop_residency(node, s, "moved")
+            self._unref(node)
 
     # ---------------------------------------------------------- refs and pins
 
@@ -439,16 +458,16 @@ class TierManager:
         """Reference known ``keys`` (e.g. held by a running request): unevictable
         until :meth:`release`. Unknown keys raise ``KeyError``."""
         for key in keys:
-            self._blocks[key].ref_count += 1
+            self._ref(self._blocks[key])
 
     def release(self, keys: Iterable[BlockKey]) -> None:
-        """Drop one reference taken by :meth:`acquire`."""
-        for key in keys:
+        """Drop one reference taken by :meth:`acquire` (tail first, so a chain's head
+        becomes the most recent block)."""
+        for key in reversed(keys) if isinstance(keys, Sequence) else keys:
             node = self._blocks[key]
             if node.ref_count <= 0:
                 raise ProtocolError(f"release of block {key:#x} with no reference")
-            node.ref_count -= 1
-            self._maybe_forget(node)
+            self._unref(node)
 
     def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> int | None:
         """Pin the known ``keys`` for ``ttl_s`` seconds (extending earlier pins).
@@ -469,6 +488,7 @@ class TierManager:
             node.pin_until = max(node.pin_until, until)
             self._pinned[key] = node.pin_until
             heapq.heappush(self._pin_heap, (node.pin_until, key))
+            self._hold(node)
             self._emit(BlockPinned(key, node.pin_until))
         return len(known)
 
@@ -479,11 +499,43 @@ class TierManager:
                 node = self._blocks[key]
                 node.pin_until = 0.0
                 self._emit(BlockUnpinned(key, "unpinned"))
+                self._maybe_unhold(node)
                 self._maybe_forget(node)
+
+    def is_pinned(self, key: BlockKey) -> bool:
+        """True while ``key`` holds an unexpired pin."""
+        self._expire_pins(self._clock())
+        return key in self._pinned
 
     def num_pinned(self) -> int:
         self._expire_pins(self._clock())
         return len(self._pinned)
+
+    # ---------------------------------------------------------- reservations
+
+    def reserve(self, tier: str, num_blocks: int) -> bool:
+        """Reserve ``num_blocks`` of anonymous space in ``tier`` (e.g. the blocks a
+        running request will fill while decoding), evicting as the policy
+        chooses. All or nothing: ``False`` when that much cannot be freed (blocks
+        evicted while trying stay evicted)."""
+        t = self._tier(tier)
+        now = self._clock()
+        self._expire_pins(now)
+        evicted: list[BlockKey] = []
+        while t.num_used + num_blocks > t.capacity:
+            if not self._evict_one(t, None, None, now, evicted):
+                return False
+        t.num_used += num_blocks
+        t.num_reserved += num_blocks
+        return True
+
+    def unreserve(self, tier: str, num_blocks: int) -> None:
+        """Give back space taken by :meth:`reserve`."""
+        t = self._tier(tier)
+        if num_blocks > t.num_reserved:
+            raise ProtocolError(f"unreserve of {num_blocks} blocks in {tier}; only {t.num_reserved} reserved")
+        t.num_used -= num_blocks
+        t.num_reserved -= num_blocks
 
     # ------------------------------------------------------------ removal
 
@@ -508,6 +560,7 @@ class TierManager:
         engine memory). Returns the evicted keys."""
         t = self._tier(tier)
         now = self._clock()
+        self._expire_pins(now)
         evicted: list[BlockKey] = []
         for _ in range(num_blocks):
             if not self._evict_one(t, None, None, now, evicted):
@@ -529,7 +582,7 @@ class TierManager:
             used = [n for n in self._blocks.values() if n.state[t.index] is not None]
             ready = [n for n in used if n.state[t.index] == _READY]
             slots = [n.slot[t.index] for n in used]
-            assert len(used) == t.num_used <= t.capacity, (t.name, len(used), t.num_used, t.capacity)
+            assert len(used) + t.num_reserved == t.num_used <= t.capacity, (t.name, len(used), t.num_used)
             assert len(ready) == t.num_ready == len(t.policy), (t.name, len(ready), t.num_ready, len(t.policy))
             assert self._ready[t.index] == {n.key for n in ready}, f"{t.name}: ready set out of date"
             assert len(set(slots)) == len(slots), f"{t.name}: a slot is used twice"
@@ -559,6 +612,12 @@ class TierManager:
             assert self._fastest.get(node.key) == (None if best is None else best.index), "fastest index"
         assert set(self._fastest) <= set(self._blocks), "fastest index holds forgotten keys"
         assert len(self._pinned) <= self._pin_budget, "pin budget exceeded"
+        held = {n.key for n in self._blocks.values() if n.ref_count or n.key in self._pinned}
+        assert self._held == held, "held set out of date"
+        for t in self._tiers:
+            want = {n.key for n in self._blocks.values()
+                    if n.state[t.index] == _READY and (n.key in held or n.children_in[t.index])}
+            assert self._parked[t.index] == want, f"{t.name}: parked set out of date"
         for plan in self._plans.values():
             if isinstance(plan, StorePlan):
                 idx = self._tier_by_name[plan.tier].index
@@ -599,12 +658,16 @@ class TierManager:
         for t in self._tiers:
             if node.state[t.index] is not None:
                 pnode.children_in[t.index] += 1
+                self._sync_park(pnode, t)
 
     def _set_residency(self, node: _Block, t: _Tier, state: int, slot: int) -> None:
         node.state[t.index] = state
         node.slot[t.index] = slot
         if node.parent is not None:
-            self._blocks[node.parent].children_in[t.index] += 1
+            pnode = self._blocks[node.parent]
+            pnode.children_in[t.index] += 1
+            if pnode.children_in[t.index] == 1:
+                self._sync_park(pnode, t)
 
     def _mark_ready(self, node: _Block, t: _Tier) -> None:
         node.state[t.index] = _READY
@@ -614,6 +677,7 @@ class TierManager:
         if best is None or t.index < best:
             self._fastest[node.key] = t.index
         t.policy.on_insert(node.key)
+        self._sync_park(node, t)
         self._emit(BlockStored(node.key, t.name, node.parent))
 
     def _drop_residency(self, node: _Block, t: _Tier, reason: RemoveReason | None) -> None:
@@ -621,6 +685,7 @@ class TierManager:
         if node.state[t.index] == _READY:
             t.num_ready -= 1
             self._ready[t.index].discard(node.key)
+            self._parked[t.index].discard(node.key)
             self._emit(BlockRemoved(node.key, t.name, reason or "removed"))
         node.state[t.index] = None
         if self._fastest.get(node.key) == t.index:
@@ -631,8 +696,55 @@ class TierManager:
                 self._fastest[node.key] = nxt.index
         t.give_slot(node.slot[t.index])
         if node.parent is not None:
-            self._blocks[node.parent].children_in[t.index] -= 1
+            pnode = self._blocks[node.parent]
+            pnode.children_in[t.index] -= 1
+            if not pnode.children_in[t.index]:  # the parent is the chain's tail now
+                self._sync_park(pnode, t, front=True)
         self._maybe_forget(node)
+
+    def _ref(self, node: _Block) -> None:
+        node.ref_count += 1
+        if node.ref_count == 1:
+            self._hold(node)
+
+    def _unref(self, node: _Block) -> None:
+        node.ref_count -= 1
+        if not node.ref_count:
+            self._maybe_unhold(node)
+            self._maybe_forget(node)
+
+    def _hold(self, node: _Block) -> None:
+        """Park ``node`` in every tier's policy while it is in use."""
+        if node.key in self._held:
+            return
+        self._held.add(node.key)
+        for t in self._tiers:
+            self._sync_park(node, t)
+
+    def _maybe_unhold(self, node: _Block) -> None:
+        """Back into the eviction orders (as most recent) once no reference and no pin hold it."""
+        key = node.key
+        if node.ref_count or key in self._pinned or key not in self._held:
+            return
+        self._held.discard(key)
+        for t in self._tiers:
+            self._sync_park(node, t)
+
+    def _sync_park(self, node: _Block, t: _Tier, front: bool = False) -> None:
+        """Park a ready block in ``t``'s policy while it is held or has a child in
+        ``t``; unpark it otherwise (at the eviction end with ``front``)."""
+        idx = t.index
+        if node.state[idx] != _READY:
+            return
+        key = node.key
+        parked = self._parked[idx]
+        if key in self._held or node.children_in[idx]:
+            if key not in parked:
+                parked.add(key)
+                t.policy.on_hold(key)
+        elif key in parked:
+            parked.discard(key)
+            t.policy.on_unhold(key, front)
 
     def _maybe_forget(self, node: _Block) -> None:
         """Delete index nodes that hold nothing, walking up the chain."""
@@ -662,14 +774,8 @@ class TierManager:
         idx = t.index
         blocks = self._blocks
 
-        def is_evictable(key: BlockKey) -> bool:
-            node = blocks[key]
-            return (
-                not node.ref_count
-                and not node.children_in[idx]
-                and node.pin_until <= now
-                and key != protect
-            )
+        def is_evictable(key: BlockKey) -> bool:  # held and interior blocks are parked: never offered
+            return key != protect and not blocks[key].children_in[idx]
 
         victim = t.policy.pop_victim(is_evictable, incoming)
         if victim is None:
@@ -687,6 +793,7 @@ class TierManager:
                 node = self._blocks[key]
                 node.pin_until = 0.0
                 self._emit(BlockUnpinned(key, "expired"))
+                self._maybe_unhold(node)
                 self._maybe_forget(node)
 
     def _close_plan(self, plan: StorePlan | LoadPlan | MovePlan) -> None:

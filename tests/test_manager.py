@@ -153,9 +153,23 @@ def test_pins_budget_ttl_and_protection() -> None:
     assert m.pin(K(2), ttl_s=5.0) is None  # over budget: all or nothing
     assert isinstance(m.take_events()[-1], PinRefused)
     assert store(m, "dram", K(3)).evicted == (BlockKey(2),)  # 1 is pinned
-    clock.now = 6.0  # the pin lapsed
+    clock.now = 6.0  # the pin lapsed: 1 re-enters the LRU order as its most recent block
     assert m.num_pinned() == 0
-    assert store(m, "dram", K(4)).evicted == (BlockKey(1),)
+    assert store(m, "dram", K(4)).evicted == (BlockKey(3),)
+    assert store(m, "dram", K(5)).evicted == (BlockKey(1),)
+
+
+def test_held_blocks_are_parked_and_come_back_most_recent() -> None:
+    m = TierManager([TierSpec("dram", 3)])
+    store(m, "dram", K(1))
+    store(m, "dram", K(2))
+    store(m, "dram", K(3))
+    m.acquire(K(1))  # held: out of the LRU order, whatever its age
+    assert store(m, "dram", K(4)).evicted == (BlockKey(2),)
+    m.release(K(1))  # idle again, as the most recent block
+    assert store(m, "dram", K(5)).evicted == (BlockKey(3),)
+    assert store(m, "dram", K(6)).evicted == (BlockKey(4),)
+    assert store(m, "dram", K(7)).evicted == (BlockKey(1),)
 
 
 def test_evict_and_remove() -> None:

@@ -14,8 +14,9 @@ The paper's cases map onto the hooks:
   it; ``on_insert`` puts the key at the MRU end of ``T2`` after a ghost hit,
   otherwise of ``T1``.
 
-When ``is_evictable`` refuses REPLACE's candidate, the next key of the same
-list is tried, then the other list. ``on_remove`` forgets a key without
+When ``is_evictable`` refuses REPLACE's candidate, it moves to the MRU end of
+its list (it is in use) and the next key of the same list is tried, then the
+other list. ``on_remove`` forgets a key without
 ghosting it. Because the manager may prepare several stores before any
 completes, ``on_insert`` trims the ghosts again to keep the bounds.
 
@@ -28,13 +29,13 @@ from collections import OrderedDict
 from typing import Iterable
 
 from ..keys import BlockKey
-from .base import IsEvictable, register_policy
+from .base import IsEvictable, Parking, register_policy
 
 _List = OrderedDict[BlockKey, None]  # an LRU list, least recent first
 
 
 @register_policy("arc")
-class ARCPolicy:
+class ARCPolicy(Parking):
     """Balances recency (``T1``) against frequency (``T2``) by ghost hits."""
 
     name = "arc"
@@ -46,6 +47,21 @@ class ARCPolicy:
         self._t2: _List = OrderedDict()
         self._b1: _List = OrderedDict()
         self._b2: _List = OrderedDict()
+        self._parked: dict[BlockKey, bool] = {}  # held key -> was it in T2
+
+    def _detach(self, key: BlockKey) -> bool:
+        if key in self._t1:
+            del self._t1[key]
+            return False
+        del self._t2[key]
+        return True
+
+    def _attach(self, key: BlockKey, in_t2: bool, front: bool) -> None:
+        lst = self._t2 if in_t2 else self._t1
+        lst[key] = None
+        if front:
+            lst.move_to_end(key, last=False)
+        self._trim_ghosts()
 
     @property
     def target_t1_blocks(self) -> float:
@@ -79,6 +95,9 @@ class ARCPolicy:
 
     def on_access(self, key: BlockKey) -> None:
         """Case I: move ``key`` to the MRU end of ``T2``."""
+        if key in self._parked:
+            self._parked[key] = True  # re-enters T2
+            return
         if key in self._t1:
             del self._t1[key]
             self._t2[key] = None
@@ -92,6 +111,8 @@ class ARCPolicy:
 
     def on_remove(self, key: BlockKey) -> None:
         """Forget ``key`` without remembering it in a ghost list."""
+        if self._forget_parked(key):
+            return
         if key in self._t1:
             del self._t1[key]
         else:
@@ -113,15 +134,16 @@ class ARCPolicy:
             if victim is not None:
                 del resident[victim]
                 ghost[victim] = None
+                self._trim_ghosts()
                 return victim
         return None
 
     def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
+        return len(self._t1) + len(self._t2) + len(self._parked)
 
     def check_invariants(self) -> None:
         """Lists are disjoint, ``0 <= p <= c`` and the ghost bounds hold."""
-        lists = (self._t1, self._t2, self._b1, self._b2)
+        lists = (self._t1, self._t2, self._b1, self._b2, self._parked)
         union = set().union(*lists)
         assert len(union) == sum(map(len, lists)), "ARC lists overlap"
         assert 0.0 <= self._p <= self._capacity, self._p
@@ -147,7 +169,10 @@ class ARCPolicy:
 
 
 def _first_evictable(lru_list: _List, is_evictable: IsEvictable) -> BlockKey | None:
-    for key in lru_list:
+    """First evictable key (left in place for the caller); refused keys rotate to MRU."""
+    for _ in range(len(lru_list)):
+        key = next(iter(lru_list))
         if is_evictable(key):
             return key
+        lru_list.move_to_end(key)
     return None

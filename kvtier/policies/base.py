@@ -14,13 +14,27 @@ Call order, per tier, as the manager guarantees it:
   Return the first resident key, in the policy's eviction order, for which
   ``is_evictable(key)`` is true, and forget it (it is gone from the tier).
   Return ``None`` when no resident block is evictable. Skipped keys stay
-  resident. ``incoming`` is the key the room is made for (or ``None``).
+  resident; list-based policies move a refused key to the most-recent end of
+  its list (it is in use: referenced, pinned or the parent of a resident
+  block), as vLLM re-queues freed blocks, so the next scan does not revisit
+  it and eviction stays O(1) amortised. ``incoming`` is the key the room is
+  made for (or ``None``).
 * ``on_insert(key)`` — ``key`` became resident (called once per residency).
 * ``on_access(key)`` — a resident ``key`` was hit.
 * ``on_access_many(keys)`` — the same for each of ``keys`` in order (a chain
   touched tail first); policies make this a C-speed loop where they can.
 * ``on_remove(key)`` — ``key`` left the tier *not* through ``pop_victim``
-  (explicit delete, failed verification, demotion by a move).
+  (explicit delete, failed verification, demotion by a move). ``key`` may
+  be held (see below).
+* ``on_hold(key)`` / ``on_unhold(key, front)`` — ``key`` cannot be evicted
+  for now (referenced by a running request or a transfer, pinned, or the
+  parent of a block present in this tier) / can again. A held key is parked
+  outside the eviction order, as vLLM keeps referenced blocks out of its
+  free-block queue: it is never offered to ``pop_victim`` and costs no scan,
+  but keeps its history, and ``on_access`` still counts for it.
+  ``on_unhold`` puts it back as the most recent of its list, or with
+  ``front`` as the next to evict (its child, the chain's old tail, was just
+  evicted).
 
 ``len(policy)`` is the number of resident keys it tracks, and
 ``check_invariants()`` asserts its internal consistency.
@@ -28,6 +42,7 @@ Call order, per tier, as the manager guarantees it:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable, Iterable, Protocol, runtime_checkable
 
 from ..errors import UnknownPolicyError
@@ -52,11 +67,50 @@ class EvictionPolicy(Protocol):
 
     def on_remove(self, key: BlockKey) -> None: ...
 
+    def on_hold(self, key: BlockKey) -> None: ...
+
+    def on_unhold(self, key: BlockKey, front: bool = False) -> None: ...
+
     def pop_victim(self, is_evictable: IsEvictable, incoming: BlockKey | None = None) -> BlockKey | None: ...
 
     def __len__(self) -> int: ...
 
     def check_invariants(self) -> None: ...
+
+
+_ABSENT = object()
+
+
+class Parking:
+    """Mixin implementing ``on_hold`` / ``on_unhold`` from two primitives of the policy:
+    ``_detach(key) -> state`` (leave the eviction order, return what to restore)
+    and ``_attach(key, state, front)`` (re-enter as the most recent of its list,
+    or the next to evict with ``front``).
+    Policies call :meth:`_forget_parked` first in ``on_remove``."""
+
+    _parked: dict
+
+    def on_hold(self, key: BlockKey) -> None:
+        self._parked[key] = self._detach(key)  # type: ignore[attr-defined]
+
+    def on_unhold(self, key: BlockKey, front: bool = False) -> None:
+        self._attach(key, self._parked.pop(key), front)  # type: ignore[attr-defined]
+
+    def _forget_parked(self, key: BlockKey) -> bool:
+        """True (and forgotten) when ``key`` was parked."""
+        return self._parked.pop(key, _ABSENT) is not _ABSENT
+
+
+def pop_first_evictable(order: "OrderedDict[BlockKey, None]", is_evictable: IsEvictable) -> BlockKey | None:
+    """Remove and return the first key of ``order`` that ``is_evictable``; refused
+    keys rotate to the end. ``None`` (order unchanged as a set) when all refuse."""
+    for _ in range(len(order)):
+        key = next(iter(order))
+        if is_evictable(key):
+            del order[key]
+            return key
+        order.move_to_end(key)
+    return None
 
 
 PolicyFactory = Callable[[int], EvictionPolicy]

@@ -10,17 +10,27 @@ from collections import OrderedDict
 from typing import Iterable
 
 from ..keys import BlockKey
-from .base import IsEvictable, register_policy
+from .base import IsEvictable, Parking, pop_first_evictable, register_policy
 
 
 @register_policy("fifo")
-class FIFOPolicy:
-    """Evicts the block inserted longest ago, however often it was hit."""
+class FIFOPolicy(Parking):
+    """Evicts the block inserted (or released by its last user) longest ago,
+    however often it was hit."""
 
     name = "fifo"
 
     def __init__(self, capacity_blocks: int) -> None:
-        self._order: OrderedDict[BlockKey, None] = OrderedDict()  # oldest first
+        self._order: OrderedDict[BlockKey, None] = OrderedDict()  # idle keys, oldest first
+        self._parked: dict[BlockKey, None] = {}
+
+    def _detach(self, key: BlockKey) -> None:
+        del self._order[key]
+
+    def _attach(self, key: BlockKey, state: None, front: bool) -> None:
+        self._order[key] = None
+        if front:
+            self._order.move_to_end(key, last=False)
 
     def before_insert(self, key: BlockKey) -> None:
         """No history to adapt."""
@@ -37,18 +47,16 @@ class FIFOPolicy:
 
     def on_remove(self, key: BlockKey) -> None:
         """Forget ``key``."""
-        del self._order[key]
+        if not self._forget_parked(key):
+            del self._order[key]
 
     def pop_victim(self, is_evictable: IsEvictable, incoming: BlockKey | None = None) -> BlockKey | None:
         """Forget and return the oldest evictable key, or ``None``."""
-        for key in self._order:
-            if is_evictable(key):
-                del self._order[key]
-                return key
-        return None
+        return pop_first_evictable(self._order, is_evictable)
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._order) + len(self._parked)
 
     def check_invariants(self) -> None:
-        """Nothing beyond the ``OrderedDict`` itself."""
+        """No key is both parked and idle."""
+        assert not (self._parked.keys() & self._order.keys()), "a key is both parked and idle"

@@ -19,11 +19,11 @@ from collections import OrderedDict
 from typing import Iterable
 
 from ..keys import BlockKey
-from .base import IsEvictable, register_policy
+from .base import IsEvictable, Parking, register_policy
 
 
 @register_policy("lfu")
-class LFUPolicy:
+class LFUPolicy(Parking):
     """Evicts the block with the fewest hits, the least recently used among equals."""
 
     name = "lfu"
@@ -32,6 +32,15 @@ class LFUPolicy:
         self._key_to_hits: dict[BlockKey, int] = {}
         self._hits_to_bucket: dict[int, OrderedDict[BlockKey, None]] = {}  # each oldest access first
         self._levels: list[int] = []  # sorted keys of _hits_to_bucket
+        self._parked: dict[BlockKey, int] = {}  # held key -> its hit count
+
+    def _detach(self, key: BlockKey) -> int:
+        return self._leave(key)
+
+    def _attach(self, key: BlockKey, hits: int, front: bool) -> None:
+        self._enter(key, hits)
+        if front:
+            self._hits_to_bucket[hits].move_to_end(key, last=False)
 
     def before_insert(self, key: BlockKey) -> None:
         """No history to adapt."""
@@ -42,6 +51,9 @@ class LFUPolicy:
 
     def on_access(self, key: BlockKey) -> None:
         """Count a hit: move ``key`` to the next bucket, as its most recent member."""
+        if key in self._parked:
+            self._parked[key] += 1
+            return
         hits = self._leave(key)
         self._enter(key, hits + 1)
 
@@ -52,19 +64,23 @@ class LFUPolicy:
 
     def on_remove(self, key: BlockKey) -> None:
         """Forget ``key``."""
-        self._leave(key)
+        if not self._forget_parked(key):
+            self._leave(key)
 
     def pop_victim(self, is_evictable: IsEvictable, incoming: BlockKey | None = None) -> BlockKey | None:
         """Forget and return the first evictable key in ``(hits, last access)`` order, or ``None``."""
-        for hits in self._levels:
-            for key in self._hits_to_bucket[hits]:
+        for hits in list(self._levels):
+            bucket = self._hits_to_bucket[hits]
+            for _ in range(len(bucket)):
+                key = next(iter(bucket))
                 if is_evictable(key):
                     self._leave(key)
                     return key
+                bucket.move_to_end(key)  # in use: counts as most recent of its level
         return None
 
     def __len__(self) -> int:
-        return len(self._key_to_hits)
+        return len(self._key_to_hits) + len(self._parked)
 
     def check_invariants(self) -> None:
         """Buckets, levels and the hit map describe the same blocks."""
@@ -74,6 +90,7 @@ class LFUPolicy:
         assert total == len(self._key_to_hits), (total, len(self._key_to_hits))
         for key, hits in self._key_to_hits.items():
             assert key in self._hits_to_bucket[hits], (key, hits)
+        assert not (self._parked.keys() & self._key_to_hits.keys()), "a key is both parked and idle"
 
     def _enter(self, key: BlockKey, hits: int) -> None:
         bucket = self._hits_to_bucket.get(hits)

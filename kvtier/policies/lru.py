@@ -10,17 +10,26 @@ from collections import OrderedDict, deque
 from typing import Iterable
 
 from ..keys import BlockKey
-from .base import IsEvictable, register_policy
+from .base import IsEvictable, Parking, pop_first_evictable, register_policy
 
 
 @register_policy("lru")
-class LRUPolicy:
-    """Evicts the least recently inserted-or-hit block first."""
+class LRUPolicy(Parking):
+    """Evicts the least recently inserted, hit or released block first."""
 
     name = "lru"
 
     def __init__(self, capacity_blocks: int) -> None:
-        self._order: OrderedDict[BlockKey, None] = OrderedDict()  # oldest first
+        self._order: OrderedDict[BlockKey, None] = OrderedDict()  # idle keys, oldest first
+        self._parked: dict[BlockKey, None] = {}
+
+    def _detach(self, key: BlockKey) -> None:
+        del self._order[key]
+
+    def _attach(self, key: BlockKey, state: None, front: bool) -> None:
+        self._order[key] = None
+        if front:
+            self._order.move_to_end(key, last=False)
 
     def before_insert(self, key: BlockKey) -> None:
         pass
@@ -29,23 +38,22 @@ class LRUPolicy:
         self._order[key] = None
 
     def on_access(self, key: BlockKey) -> None:
-        self._order.move_to_end(key)
+        if key in self._order:  # a parked key re-enters as most recent anyway
+            self._order.move_to_end(key)
 
     def on_access_many(self, keys: Iterable[BlockKey]) -> None:
-        deque(map(self._order.move_to_end, keys), maxlen=0)  # C-speed loop
+        order = self._order
+        deque(map(order.move_to_end, filter(order.__contains__, keys)), maxlen=0)  # C-speed loop
 
     def on_remove(self, key: BlockKey) -> None:
-        del self._order[key]
+        if not self._forget_parked(key):
+            del self._order[key]
 
     def pop_victim(self, is_evictable: IsEvictable, incoming: BlockKey | None = None) -> BlockKey | None:
-        for key in self._order:
-            if is_evictable(key):
-                del self._order[key]
-                return key
-        return None
+        return pop_first_evictable(self._order, is_evictable)
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._order) + len(self._parked)
 
     def check_invariants(self) -> None:
-        pass
+        assert not (self._parked.keys() & self._order.keys()), "a key is both parked and idle"

@@ -31,7 +31,7 @@ from collections import OrderedDict
 from typing import Iterable
 
 from ..keys import BlockKey
-from .base import IsEvictable, register_policy
+from .base import IsEvictable, Parking, register_policy
 
 MAX_FREQ = 3
 SMALL_RATIO = 0.1
@@ -40,7 +40,7 @@ _Queue = OrderedDict[BlockKey, None]  # a FIFO queue, tail (oldest) first
 
 
 @register_policy("s3fifo")
-class S3FIFOPolicy:
+class S3FIFOPolicy(Parking):
     """Quick demotion through a small FIFO, lazy promotion in a main FIFO."""
 
     name = "s3fifo"
@@ -52,6 +52,20 @@ class S3FIFOPolicy:
         self._main: _Queue = OrderedDict()
         self._ghost: _Queue = OrderedDict()
         self._key_to_freq: dict[BlockKey, int] = {}
+        self._parked: dict[BlockKey, tuple[bool, int]] = {}  # held key -> (in M, freq)
+
+    def _detach(self, key: BlockKey) -> tuple[bool, int]:
+        in_main = key in self._main
+        del (self._main if in_main else self._small)[key]
+        return in_main, self._key_to_freq.pop(key)
+
+    def _attach(self, key: BlockKey, state: tuple[bool, int], front: bool) -> None:
+        in_main, freq = state
+        queue = self._main if in_main else self._small
+        queue[key] = None
+        if front:
+            queue.move_to_end(key, last=False)
+        self._key_to_freq[key] = freq
 
     def before_insert(self, key: BlockKey) -> None:
         """Nothing: the ghost is consulted at ``on_insert``, after eviction (as in the paper)."""
@@ -67,16 +81,25 @@ class S3FIFOPolicy:
 
     def on_access(self, key: BlockKey) -> None:
         """Count a hit, saturating at 3."""
+        if key in self._parked:
+            in_main, freq = self._parked[key]
+            self._parked[key] = (in_main, min(freq + 1, MAX_FREQ))
+            return
         self._key_to_freq[key] = min(self._key_to_freq[key] + 1, MAX_FREQ)
 
     def on_access_many(self, keys: Iterable[BlockKey]) -> None:
         """``on_access`` for each of ``keys`` in order."""
         freq = self._key_to_freq
         for key in keys:
-            freq[key] = min(freq[key] + 1, MAX_FREQ)
+            if key in freq:
+                freq[key] = min(freq[key] + 1, MAX_FREQ)
+            else:
+                self.on_access(key)
 
     def on_remove(self, key: BlockKey) -> None:
         """Forget ``key`` without remembering it in the ghost."""
+        if self._forget_parked(key):
+            return
         del self._key_to_freq[key]
         if key in self._small:
             del self._small[key]
@@ -92,12 +115,13 @@ class S3FIFOPolicy:
         return victim if victim is not None else self._evict_small(is_evictable)
 
     def __len__(self) -> int:
-        return len(self._small) + len(self._main)
+        return len(self._small) + len(self._main) + len(self._parked)
 
     def check_invariants(self) -> None:
         """Queues are disjoint, counters cover exactly the residents, the ghost is bounded."""
         resident = self._small.keys() | self._main.keys()
-        assert len(resident) == len(self), "S and M overlap"
+        assert len(resident) + len(self._parked) == len(self), "S and M overlap"
+        assert not (resident & self._parked.keys()), "a key is both parked and queued"
         assert resident == self._key_to_freq.keys(), "freq map != residents"
         assert not (resident & self._ghost.keys()), "resident key in ghost"
         assert len(self._ghost) <= self._ghost_capacity_blocks, len(self._ghost)

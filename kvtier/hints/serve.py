@@ -1,0 +1,122 @@
+"""``kvtier serve``: build a :class:`~kvtier.hints.server.HintServer` from the
+command line and a kvtier config, then serve until SIGINT / SIGTERM.
+
+Owns: turning flags into server parts — the config (``kvtier.config.load_config``),
+the optional :class:`~kvtier.store.TieredStore` that commands act on
+(``--store``; imports torch only then), tokens, TLS files, the recorder and
+the metrics port. Must not hold server logic. Errors in flags raise
+``SystemExit`` with a message naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import DEFAULT_ADDRESS
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``serve`` flags (the CLI calls this on its sub-parser)."""
+    p.add_argument("--config", metavar="PATH", help="kvtier config file (.yaml/.toml); KVTIER_* variables apply too")
+    p.add_argument("--listen", metavar="HOST:PORT", default=None,
+                   help=f"TCP address to bind (default {DEFAULT_ADDRESS}; port 0 picks a free port). A non-loopback "
+                        "address needs --token/--token-file or --allow-unauthenticated-remote")
+    p.add_argument("--unix", metavar="PATH", help="serve on a unix socket at PATH instead of TCP")
+    p.add_argument("--token", metavar="TOKEN",
+                   help="require 'authorization: Bearer TOKEN' (tenant 'default'); prefer --token-file, "
+                        "command lines are visible to other users")
+    p.add_argument("--token-file", metavar="PATH",
+                   help="file of 'TENANT TOKEN' lines (or bare 'TOKEN' for tenant 'default'); each token "
+                        "names the tenant its caller acts as")
+    p.add_argument("--tls-cert", metavar="PEM", help="server certificate chain (PEM); enables TLS with --tls-key")
+    p.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert (PEM)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus /metrics on this port (0: any free port; default: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="address of the metrics endpoint (default 127.0.0.1)")
+    p.add_argument("--store", action="store_true",
+                   help="open a TieredStore from the config so pin/unpin/prefetch commands act on it "
+                        "(default: commands are validated and counted only)")
+    p.add_argument("--record", metavar="DIR",
+                   help="record applied hints to DIR/hints.jsonl and one AgentX trace per session to "
+                        "DIR/traces/ (replay with `kvtier replay DIR/traces`)")
+    p.add_argument("--session-ttl-s", type=float, default=600.0, metavar="S",
+                   help="expire sessions idle for S seconds (default 600)")
+    p.add_argument("--max-sessions", type=int, default=10_000, metavar="N",
+                   help="live sessions over all tenants (default 10000)")
+    p.add_argument("--allow-unauthenticated-remote", action="store_true",
+                   help="allow a non-loopback --listen without a token (not recommended)")
+
+
+def build_server(args: argparse.Namespace) -> tuple[Any, str, Any]:
+    """``(server, address, store)`` from parsed flags (the store is ``None`` unless ``--store``)."""
+    from ..agents.graph import GraphLimits
+    from ..config import load_config
+    from .server import HintServer, TLSFiles, load_tokens
+
+    if args.listen and args.unix:
+        raise SystemExit("kvtier serve: give --listen or --unix, not both")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("kvtier serve: --tls-cert and --tls-key go together")
+    cfg = load_config(args.config)
+    tokens: dict[str, str] = {}
+    if args.token_file:
+        try:
+            tokens.update(load_tokens(args.token_file))
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"kvtier serve: --token-file: {err}") from None
+    if args.token:
+        tokens[args.token] = "default"
+    tls = None
+    if args.tls_cert:
+        tls = TLSFiles(Path(args.tls_cert).read_bytes(), Path(args.tls_key).read_bytes())
+    store = None
+    if args.store:
+        from ..store import TieredStore
+
+        store = TieredStore(cfg)
+    recorder = None
+    if args.record:
+        from .recorder import TraceRecorder
+
+        recorder = TraceRecorder(args.record, block_size=cfg.layout.block_size, model=cfg.namespace.model)
+    try:
+        base = GraphLimits()
+        limits = GraphLimits(session_ttl_s=args.session_ttl_s, max_sessions=args.max_sessions,
+                             max_sessions_per_tenant=min(args.max_sessions, base.max_sessions_per_tenant),
+                             max_sessions_per_client=min(args.max_sessions, base.max_sessions_per_client))
+    except ValueError as err:
+        raise SystemExit(f"kvtier serve: {err} (--session-ttl-s / --max-sessions)") from None
+    server = HintServer(graph_limits=limits, store=store, recorder=recorder, tokens=tokens, tls=tls,
+                        metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                        allow_unauthenticated_remote=args.allow_unauthenticated_remote)
+    address = f"unix:{args.unix}" if args.unix else (args.listen or DEFAULT_ADDRESS)
+    return server, address, store
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until interrupted; prints the bound address (and metrics port) to stdout."""
+    from .server import serve_forever, tune_gc_for_serving
+
+    server, address, store = build_server(args)
+    tune_gc_for_serving()
+
+    def ready(bound: str) -> None:
+        extra = f", metrics on http://{args.metrics_host}:{server.metrics_port}/metrics" if server.metrics_port else ""
+        auth = "bearer tokens" if server.auth_enabled else "no auth"
+        tls = "TLS" if server.tls else "plaintext"
+        print(f"kvtier hints server on {bound} ({tls}, {auth}){extra}", flush=True)
+
+    try:
+        asyncio.run(serve_forever(server, address, ready=ready))
+    except (ValueError, RuntimeError) as err:
+        print(f"kvtier serve: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if store is not None:
+            store.close()
+    return 0

@@ -1,0 +1,132 @@
+"""Belady's offline-optimal eviction for replay: evict the block used farthest in the future.
+
+Owns: the next-use oracle built from a recorded order of requests, and an
+eviction policy over it (the bound no online policy can beat on the same
+request order). Offline only: it needs the future, so it is never registered
+for live use. Ties (same next use) evict the deeper block of a chain first,
+so prefixes outlive their tails, as the manager's tail-first rule expects.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_right
+from typing import Iterable, Sequence
+
+from ..keys import BlockKey
+from ..policies.base import IsEvictable
+
+NEVER = float("inf")
+
+
+class NextUseOracle:
+    """Positions at which every block is used, in a recorded request order.
+
+    ``order`` lists each request's block keys in the order requests are
+    served; :meth:`advance` moves the clock to a request's position.
+    """
+
+    def __init__(self, order: Sequence[Sequence[BlockKey]]) -> None:
+        uses: dict[BlockKey, list[int]] = {}
+        depth: dict[BlockKey, int] = {}
+        for pos, keys in enumerate(order):
+            for d, key in enumerate(keys):
+                lst = uses.get(key)
+                if lst is None:
+                    uses[key] = [pos]
+                    depth[key] = d
+                elif lst[-1] != pos:
+                    lst.append(pos)
+        self._uses = uses
+        self._depth = depth
+        self.clock = -1
+
+    def advance(self, position: int) -> None:
+        """The request at ``position`` is being served now."""
+        self.clock = position
+
+    def next_use(self, key: BlockKey) -> float:
+        """First position after the clock at which ``key`` is used (``inf``: never)."""
+        lst = self._uses.get(key)
+        if lst is None:
+            return NEVER
+        i = bisect_right(lst, self.clock)
+        return lst[i] if i < len(lst) else NEVER
+
+    def depth(self, key: BlockKey) -> int:
+        return self._depth.get(key, 0)
+
+
+class BeladyPolicy:
+    """Evicts the resident block with the farthest next use (a lazy max-heap)."""
+
+    name = "belady"
+
+    def __init__(self, oracle: NextUseOracle) -> None:
+        self._oracle = oracle
+        self._next: dict[BlockKey, float] = {}  # resident key -> next use in its live heap entry
+        self._heap: list[tuple[float, int, BlockKey]] = []  # (-next use, -depth, key)
+        self._parked: dict[BlockKey, bool] = {}  # held keys (out of the order)
+
+    def _push(self, key: BlockKey) -> None:
+        nu = self._oracle.next_use(key)
+        self._next[key] = nu
+        heapq.heappush(self._heap, (-nu, -self._oracle.depth(key), key))
+
+    def before_insert(self, key: BlockKey) -> None:
+        pass
+
+    def on_insert(self, key: BlockKey) -> None:
+        self._push(key)
+
+    def on_access(self, key: BlockKey) -> None:
+        if key not in self._parked:  # a parked key is re-pushed when it unparks
+            self._push(key)
+
+    def on_access_many(self, keys: Iterable[BlockKey]) -> None:
+        for key in keys:
+            if key not in self._parked:
+                self._push(key)
+
+    def on_remove(self, key: BlockKey) -> None:
+        if self._parked.pop(key, False) is False:
+            del self._next[key]
+
+    def on_hold(self, key: BlockKey) -> None:
+        del self._next[key]  # its heap entry goes stale
+        self._parked[key] = True
+
+    def on_unhold(self, key: BlockKey, front: bool = False) -> None:
+        del self._parked[key]
+        self._push(key)
+
+    def pop_victim(self, is_evictable: IsEvictable, incoming: BlockKey | None = None) -> BlockKey | None:
+        heap, nxt, clock = self._heap, self._next, self._oracle.clock
+        skipped: list[tuple[float, int, BlockKey]] = []
+        victim = None
+        while heap:
+            entry = heapq.heappop(heap)
+            neg_nu, _, key = entry
+            if nxt.get(key) != -neg_nu:
+                continue  # stale entry (re-pushed since, or removed)
+            if -neg_nu <= clock:  # its recorded next use has passed: refresh and retry
+                self._push(key)
+                continue
+            if is_evictable(key):
+                victim = key
+                del nxt[key]
+                break
+            skipped.append(entry)
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        if len(heap) > 4 * len(nxt) + 64:  # drop stale entries now and then
+            self._heap = [e for e in heap if nxt.get(e[2]) == -e[0]]
+            heapq.heapify(self._heap)
+        return victim
+
+    def __len__(self) -> int:
+        return len(self._next) + len(self._parked)
+
+    def check_invariants(self) -> None:
+        live = {e[2] for e in self._heap if self._next.get(e[2]) == -e[0]}
+        assert live == set(self._next), "every resident key has a live heap entry"

@@ -1,0 +1,202 @@
+"""Placement policies compared by ``kvtier replay``: what to keep, offload or drop, and when.
+
+Owns: the baseline policies (and their registry) as small decision objects.
+Each one names the eviction policy of every tier (run unchanged by the
+TierManager), whether blocks are written through to the lower tiers as they
+are computed (LMCache / vLLM CPU offloading) and what to do when an agent
+stops for a tool call. They decide through the narrow :class:`PlacementContext`
+(pin, unpin, offload, discard) and never touch the simulator's state, so the
+same objects can drive a live store.
+
+Baselines:
+
+* ``lru`` — HBM only, LRU: vLLM automatic prefix caching.
+* ``lru-dram`` — LRU in every tier, write-through to DRAM (and SSD when
+  enabled), loads on HBM misses: LMCache / vLLM CPU offloading.
+* ``arc``, ``s3fifo`` — the same tiers with ARC or S3-FIFO eviction.
+* ``ttl`` — Continuum (arXiv 2511.02230): on a tool call, pin the agent's
+  KV in HBM for a TTL chosen from the tool-duration distribution seen so far
+  (the quantile where keeping stops paying), over ``lru-dram``.
+* ``minwaste`` — InferCept (arXiv 2402.01869): on a tool call choose
+  preserve / swap / discard, whichever wastes the least memory-time, with
+  no write-through (swap is an explicit HBM → DRAM move).
+* ``belady`` — offline optimum by next use in every tier, over ``lru-dram``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+from ..errors import ConfigError
+from ..keys import BlockKey
+
+
+class PlacementContext(Protocol):
+    """What a placement policy may see and do (the simulator or a live store implements it)."""
+
+    now: float
+    block_size: int
+    hbm_capacity_blocks: int
+
+    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> bool: ...
+
+    def unpin(self, keys: Sequence[BlockKey]) -> None: ...
+
+    def offload(self, keys: Sequence[BlockKey], dst: str) -> int: ...
+
+    def discard(self, keys: Sequence[BlockKey]) -> int: ...
+
+    def transfer_time_s(self, num_blocks: int, link: str) -> float: ...
+
+    def recompute_time_s(self, num_tokens: int) -> float: ...
+
+    def running_blocks(self) -> int: ...
+
+    def tool_history_s(self) -> Sequence[float]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ToolWait:
+    """An agent just finished a request and will wait ``gap_s`` (known to the
+    policy only as a prediction) before its next one."""
+
+    agent_key: tuple[int, str]
+    keys: tuple[BlockKey, ...]  # the agent's context blocks (prompt + output) in HBM order
+    cause: str  # "tool" | "user" | "subagent_join"
+    predicted_gap_s: float
+
+
+class PlacementPolicy:
+    """Base: no tool-wait action; subclasses override the hooks they need."""
+
+    name = "base"
+    eviction = "lru"
+    write_through = True
+    use_lower_tiers = True
+    needs_oracle = False
+
+    def eviction_for(self, tier: str) -> str:
+        return self.eviction
+
+    def on_wait_start(self, ctx: PlacementContext, wait: ToolWait) -> None:
+        """An agent starts waiting (tool call, user, sub-agents)."""
+
+    def on_wait_end(self, ctx: PlacementContext, agent_key: tuple[int, str], keys: Sequence[BlockKey]) -> None:
+        """The agent's next request is ready (its wait ended)."""
+
+    def should_load(self, ctx: PlacementContext, num_blocks_by_tier: dict[str, int], context_tokens: int) -> bool:
+        """Load blocks found in lower tiers (True) or recompute them (False)?
+        Default: whichever the cost model says is faster."""
+        load_s = sum(ctx.transfer_time_s(n, f"{t}->hbm") for t, n in num_blocks_by_tier.items() if n)
+        num_tokens = sum(num_blocks_by_tier.values()) * ctx.block_size
+        return load_s < ctx.recompute_time_s(num_tokens)
+
+
+class LRU(PlacementPolicy):
+    name = "lru"
+    write_through = False
+    use_lower_tiers = False
+
+
+class LRUDram(PlacementPolicy):
+    name = "lru-dram"
+
+
+class ARC(PlacementPolicy):
+    name = "arc"
+    eviction = "arc"
+
+
+class S3FIFO(PlacementPolicy):
+    name = "s3fifo"
+    eviction = "s3fifo"
+
+
+class TTL(PlacementPolicy):
+    """Continuum-style TTL pinning across tool calls.
+
+    TTL = the smallest observed tool duration ``d`` such that a fraction
+    ``quantile`` of tools return within ``d``, capped at ``max_ttl_s``; before
+    enough history, ``prior_ttl_s``. Pins share a budget (the manager's).
+    """
+
+    name = "ttl"
+
+    def __init__(self, quantile: float = 0.7, prior_ttl_s: float = 10.0, max_ttl_s: float = 120.0,
+                 min_history: int = 8) -> None:
+        self.quantile, self.prior_ttl_s, self.max_ttl_s, self.min_history = quantile, prior_ttl_s, max_ttl_s, min_history
+
+    def ttl_s(self, history: Sequence[float]) -> float:
+        if len(history) < self.min_history:
+            return self.prior_ttl_s
+        ordered = sorted(history)
+        return min(self.max_ttl_s, ordered[int(self.quantile * (len(ordered) - 1))])
+
+    def on_wait_start(self, ctx: PlacementContext, wait: ToolWait) -> None:
+        if wait.cause == "tool":
+            ctx.pin(wait.keys, self.ttl_s(ctx.tool_history_s()))
+
+    def on_wait_end(self, ctx: PlacementContext, agent_key: tuple[int, str], keys: Sequence[BlockKey]) -> None:
+        ctx.unpin(keys)
+
+
+class MinWaste(PlacementPolicy):
+    """InferCept-style preserve / swap / discard by least wasted memory-time.
+
+    With ``C`` the agent's blocks, ``T`` the predicted wait, ``M`` the blocks of
+    running requests: preserve wastes ``C*T``; discard wastes the memory of the
+    whole batch while ``C`` is recomputed, ``(C+M)*t_recompute``; swap wastes
+    ``C*(t_out+t_in)`` (transfers on the host link).
+    """
+
+    name = "minwaste"
+    write_through = False
+
+    def on_wait_start(self, ctx: PlacementContext, wait: ToolWait) -> None:
+        if wait.cause != "tool" or not wait.keys:
+            return
+        c = len(wait.keys)
+        t = wait.predicted_gap_s
+        preserve = c * t
+        discard = (c + ctx.running_blocks()) * ctx.recompute_time_s(c * ctx.block_size)
+        swap = c * (ctx.transfer_time_s(c, "hbm->dram") + ctx.transfer_time_s(c, "dram->hbm"))
+        best = min(preserve, discard, swap)
+        if best == preserve:
+            ctx.pin(wait.keys, t)
+        elif best == swap:
+            ctx.offload(wait.keys, "dram")
+        else:
+            ctx.discard(wait.keys)
+
+    def on_wait_end(self, ctx: PlacementContext, agent_key: tuple[int, str], keys: Sequence[BlockKey]) -> None:
+        ctx.unpin(keys)
+
+
+class Belady(PlacementPolicy):
+    name = "belady"
+    eviction = "belady"
+    needs_oracle = True
+
+
+_REGISTRY: dict[str, Callable[[], PlacementPolicy]] = {
+    cls.name: cls for cls in (LRU, LRUDram, ARC, S3FIFO, TTL, MinWaste, Belady)
+}
+
+
+def register_placement(name: str, factory: Callable[[], PlacementPolicy]) -> None:
+    """Add a placement policy (e.g. the agent-aware ones) to the replay registry."""
+    if name in _REGISTRY:
+        raise ValueError(f"placement policy {name!r} registered twice")
+    _REGISTRY[name] = factory
+
+
+def placement_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def make_placement(name: str) -> PlacementPolicy:
+    try:
+        return _REGISTRY[name]()
+    except KeyError:
+        raise ConfigError("--policies", name, f"unknown replay policy; valid: {', '.join(_REGISTRY)}") from None

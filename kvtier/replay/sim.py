@@ -1,0 +1,635 @@
+"""The replay simulator: closed-loop agent sessions on a modelled continuous-batching engine.
+
+Owns: simulated time, the engine model (admission, chunked prefill with a
+token budget per step, decode steps fast-forwarded between events), the
+dependency rules of agent sessions (see :mod:`kvtier.replay.model`), the
+modelled mover (links with bandwidth and latency, FIFO per link) and the
+per-request measurements. Block residency is the unchanged
+:class:`~kvtier.manager.TierManager` with the unchanged eviction policies;
+placement decisions come from a :class:`~kvtier.replay.placement.PlacementPolicy`.
+Must not read files or print (progress goes through a callback).
+
+Engine model, per request:
+
+1. *Ready* when its dependencies finished plus its gap; it joins a FCFS queue.
+2. *Admission*: the longest cached prefix is looked up; blocks in DRAM / SSD
+   are loaded (modelled transfer) or recomputed, as the policy chooses; HBM
+   slots are reserved for the loaded, the computed and the decode blocks
+   (evicting as the HBM policy chooses). If HBM cannot hold it, it waits.
+3. *Prefill* in chunks sharing each step's token budget with decodes, after
+   its loads arrived; the first token comes at the end of the last chunk.
+4. *Decode* one token per step; then its blocks are released (they stay
+   cached), the blocks its output filled are cached for the next turn, and
+   the agent's wait (tool, user, sub-agents) begins.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from itertools import compress
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ..keys import BlockKey
+from ..manager import TierManager, TierSpec
+from .belady import BeladyPolicy, NextUseOracle
+from .model import Agent, Request, Session, Workload
+from .placement import PlacementPolicy, ToolWait
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """One replay point. Capacities are in engine blocks of ``workload.block_size`` tokens."""
+
+    hbm_blocks: int
+    dram_blocks: int = 0
+    ssd_blocks: int = 0
+    conc: int = 8
+    max_batch_tokens: int = 8192
+    max_running: int = 256
+    warmup_s: float = 0.0
+    gap_cap_s: float | None = None
+    pin_budget_fraction: float = 0.5
+    max_sessions: int | None = None
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What one served request measured."""
+
+    session: int
+    agent_id: str
+    index: int
+    first_turn: bool
+    ready_s: float
+    first_token_s: float
+    finish_s: float
+    input_tokens: int
+    output_tokens: int
+    hit_hbm_tokens: int
+    hit_dram_tokens: int
+    hit_ssd_tokens: int
+    computed_tokens: int
+    measured: bool
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.ready_s
+
+    @property
+    def interactivity_tok_s(self) -> float | None:
+        """Decode tokens per second seen by this user (None for a 1-token answer)."""
+        dt = self.finish_s - self.first_token_s
+        return (self.output_tokens - 1) / dt if self.output_tokens > 1 and dt > 0 else None
+
+
+@dataclass(slots=True)
+class SimResult:
+    records: list[RequestRecord]
+    session_latency_s: list[float]
+    makespan_s: float
+    measure_start_s: float
+    bytes_moved: dict[str, int]
+    block_touches: int
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+class _Run:
+    """A request in flight."""
+
+    __slots__ = (
+        "sess", "agent", "req", "keys", "ready_s", "prefill_left", "ctx_tokens", "decode_left",
+        "first_token_s", "held", "store_plan", "computed_keys", "loads_pending", "load_ready_s",
+        "hit", "computed_tokens", "uncached", "reserved",
+    )
+
+    def __init__(self, sess: "_SessionRun", agent: Agent, req: Request, ready_s: float) -> None:
+        self.sess, self.agent, self.req, self.ready_s = sess, agent, req, ready_s
+        self.keys: tuple[BlockKey, ...] = req.block_ids  # trace ids are the replay's block keys
+        self.prefill_left = 0
+        self.ctx_tokens = 0
+        self.decode_left = 0
+        self.first_token_s = 0.0
+        self.held: BlockKey | None = None  # the chain tail referenced in HBM (protects its prefix)
+        self.store_plan: Any = None
+        self.computed_keys: tuple[BlockKey, ...] = ()
+        self.loads_pending = 0
+        self.load_ready_s = 0.0
+        self.hit = {"hbm": 0, "dram": 0, "ssd": 0}
+        self.computed_tokens = 0
+        self.uncached = False
+        self.reserved = 0  # HBM blocks reserved for the decode
+
+
+class _SessionRun:
+    __slots__ = ("idx", "session", "start_s", "next_index", "finished", "running", "agents_left", "children_of")
+
+    def __init__(self, idx: int, session: Session, start_s: float) -> None:
+        self.idx, self.session, self.start_s = idx, session, start_s
+        self.next_index = {a.agent_id: 0 for a in session.agents}  # next request to issue
+        self.finished = {a.agent_id: not a.requests for a in session.agents}
+        self.running: set[str] = set()
+        self.agents_left = sum(1 for a in session.agents if a.requests)
+        self.children_of: dict[str, list[Agent]] = {}
+        for a in session.agents[1:]:
+            self.children_of.setdefault(a.parent_id or "", []).append(a)
+
+
+class Simulator:
+    """Replays ``workload`` under ``policy`` on ``profile``; :meth:`run` returns a :class:`SimResult`.
+
+    ``order_log``: when a list is given, the block keys of every admitted
+    request are appended in admission order (used to build Belady's oracle).
+    """
+
+    def __init__(
+        self,
+        workload: Workload,
+        config: SimConfig,
+        policy: PlacementPolicy,
+        profile: Any,
+        *,
+        oracle: NextUseOracle | None = None,
+        order_log: list[tuple[BlockKey, ...]] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        if workload.open_loop:
+            raise ValueError("Simulator replays closed-loop workloads; use OpenLoopSimulator for open-loop traces")
+        self.w, self.cfg, self.policy, self.profile = workload, config, policy, profile
+        self.block_size = workload.block_size
+        self.hbm_capacity_blocks = config.hbm_blocks
+        self.bytes_per_block = profile.kv_bytes_per_block(self.block_size)
+        self.oracle = oracle
+        self.order_log = order_log
+        self.progress = progress
+        self.mgr = TierManager(self._tier_specs(), pin_budget_blocks=config.hbm_blocks,
+                               clock=lambda: self.now, record_events=False)
+        self._pin_budget_blocks = int(config.hbm_blocks * config.pin_budget_fraction)
+        self._pinned_blocks = 0
+        self._pin_sizes: dict[BlockKey, int] = {}  # pinned chain tail -> blocks it protects
+        self.lower = [t for t in self.mgr.tier_names if t != "hbm"]
+        self.now = 0.0
+        self._seq = itertools.count()
+        self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
+        self.waiting: deque[_Run] = deque()
+        self.prefilling: list[_Run] = []
+        self.decoding: list[_Run] = []
+        self.link_free_s: dict[str, float] = {}
+        self.bytes_moved: dict[str, int] = {}
+        self.records: list[RequestRecord] = []
+        self.session_latency_s: list[float] = []
+        self._sessions = list(workload.sessions[: config.max_sessions] if config.max_sessions else workload.sessions)
+        self._next_session = 0
+        self._live_sessions = 0
+        self._admission_blocked = False
+        self._tool_history: deque[float] = deque(maxlen=512)
+        self._admitted = 0
+        self._total_requests = sum(s.num_requests() for s in self._sessions)
+        self.block_touches = 0
+        self.counters: dict[str, int] = {"admission_waits": 0, "oversized_requests": 0, "pins_refused": 0,
+                                         "offloaded_blocks": 0, "discarded_blocks": 0}
+
+    # ------------------------------------------------------------------ setup
+
+    def _tier_specs(self) -> list[TierSpec]:
+        specs = [TierSpec("hbm", self.cfg.hbm_blocks, self._eviction("hbm"))]
+        if self.policy.use_lower_tiers or not self.policy.write_through:
+            if self.cfg.dram_blocks > 0 and (self.policy.use_lower_tiers or self.policy.name == "minwaste"):
+                specs.append(TierSpec("dram", self.cfg.dram_blocks, self._eviction("dram")))
+            if self.cfg.ssd_blocks > 0 and self.policy.use_lower_tiers:
+                specs.append(TierSpec("ssd", self.cfg.ssd_blocks, self._eviction("ssd")))
+        return specs
+
+    def _eviction(self, tier: str) -> Any:
+        name = self.policy.eviction_for(tier)
+        if name == "belady":
+            if self.oracle is None:
+                raise ValueError("the belady policy needs a next-use oracle (run via replay.run_point)")
+            return BeladyPolicy(self.oracle)
+        return name
+
+    # ------------------------------------------------------------------ events
+
+    def _at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn, args))
+
+    def run(self) -> SimResult:
+        for _ in range(min(self.cfg.conc, len(self._sessions))):
+            self._start_next_session()
+        while True:
+            while self._events and self._events[0][0] <= self.now:
+                _, _, fn, args = heapq.heappop(self._events)
+                fn(*args)
+            self._admit_waiting()
+            if self.prefilling or self.decoding:
+                self._step()
+            elif self._events:
+                self.now = max(self.now, self._events[0][0])
+            else:
+                break
+        return SimResult(self.records, self.session_latency_s, self.now, self.cfg.warmup_s,
+                         dict(self.bytes_moved), self.block_touches, dict(self.counters))
+
+    # --------------------------------------------------------------- sessions
+
+    def _start_next_session(self) -> None:
+        if self._next_session >= len(self._sessions):
+            return
+        idx = self._next_session
+        self._next_session += 1
+        self._live_sessions += 1
+        sr = _SessionRun(idx, self._sessions[idx], self.now)
+        root = sr.session.root
+        if not root.requests:
+            self._end_session(sr)
+            return
+        self._issue(sr, root, 0)
+        for child in sr.children_of.get(root.agent_id, []):
+            if child.spawn_after is None:
+                self._issue(sr, child, 0)
+
+    def _end_session(self, sr: _SessionRun) -> None:
+        self._live_sessions -= 1
+        self.session_latency_s.append(self.now - sr.start_s)
+        self._start_next_session()
+
+    def _issue(self, sr: _SessionRun, agent: Agent, index: int) -> None:
+        """Schedule request ``index`` of ``agent`` if its dependencies allow it."""
+        if not agent.requests or index >= len(agent.requests):
+            return
+        req = agent.requests[index]
+        if agent.agent_id in sr.running or sr.next_index[agent.agent_id] != index:
+            return
+        if any(not sr.finished[d] for d in req.depends_on):
+            return
+        gap = req.gap_s if index > 0 or agent.parent_id is not None else 0.0
+        if self.cfg.gap_cap_s is not None:
+            gap = min(gap, self.cfg.gap_cap_s)
+        sr.running.add(agent.agent_id)
+        self._at(self.now + gap, self._on_ready, sr, agent, req, gap)
+
+    def _on_ready(self, sr: _SessionRun, agent: Agent, req: Request, waited_s: float) -> None:
+        if req.gap_cause == "tool":  # a tool's duration is known once it returned
+            self._tool_history.append(waited_s)
+        run = _Run(sr, agent, req, self.now)
+        self.policy.on_wait_end(self, (sr.idx, agent.agent_id), run.keys)
+        self.waiting.append(run)
+
+    # ---------------------------------------------------------------- admission
+
+    def _admit_waiting(self) -> None:
+        if self._admission_blocked:
+            return
+        while self.waiting and len(self.prefilling) + len(self.decoding) < self.cfg.max_running:
+            run = self.waiting[0]
+            if not self._admit(run):
+                self._admission_blocked = True
+                self.counters["admission_waits"] += 1
+                return
+            self.waiting.popleft()
+            self.prefilling.append(run)
+
+    def _admit(self, run: _Run) -> bool:
+        mgr, keys, bs = self.mgr, run.keys, self.block_size
+        req = run.req
+        need = math.ceil((req.input_tokens + req.output_tokens) / bs)
+        if self.oracle is not None:
+            self.oracle.advance(self._admitted)
+        if need > self.cfg.hbm_blocks:  # can never fit: served without caching
+            self.counters["oversized_requests"] += 1
+            run.uncached = True
+            run.prefill_left = run.computed_tokens = req.input_tokens
+            self._admitted += 1
+            self.block_touches += len(keys)
+            if self.order_log is not None:
+                self.order_log.append(keys)
+            return True
+        hit = mgr.lookup(keys)
+        names = hit.tier_names
+        tiers = hit.tier_indices
+        n_used = hit.num_blocks
+        hbm_idx = 0
+        if any(t != hbm_idx for t in tiers):
+            by_tier: dict[str, int] = {}
+            for t in tiers:
+                if t != hbm_idx:
+                    by_tier[names[t]] = by_tier.get(names[t], 0) + 1
+            if not self.policy.should_load(self, by_tier, 0):
+                n_used = tiers.index(next(t for t in tiers if t != hbm_idx))
+        used_tiers = tiers[:n_used]
+        all_hbm = used_tiers.count(hbm_idx) == n_used
+        moves = []
+        ok = True
+        for src_idx in range(1, len(names) if not all_hbm else 1):
+            src_keys = list(compress(keys, map(src_idx.__eq__, used_tiers)))
+            if not src_keys:
+                continue
+            plan = mgr.prepare_move(src_keys, names[src_idx], "hbm", keep_source=True)
+            if plan is not None:
+                moves.append(plan)
+            if plan is None or len(plan.keys) < len(src_keys):
+                ok = False
+                break
+        # One reference on the deepest ready HBM block protects its whole prefix
+        # in HBM (a block with a resident child is never a victim): O(1) per request.
+        tail = self._deepest_ready_hbm(keys, n_used)
+        if tail is not None:
+            mgr.acquire((tail,))
+        store_plan = None
+        if ok and n_used < len(keys):
+            store_plan = mgr.prepare_store("hbm", keys[n_used:], keys[n_used - 1] if n_used else None)
+            if store_plan is None or len(store_plan.keys) + len(store_plan.skipped) < len(keys) - n_used:
+                ok = False
+        reserve = need - len(keys)
+        if ok and reserve > 0 and not mgr.reserve("hbm", reserve):
+            ok = False
+        if not ok:  # roll back; the request waits for memory
+            for plan in moves:
+                mgr.complete_move(plan, False)
+            if store_plan is not None:
+                mgr.complete_store(store_plan, False)
+            if tail is not None:
+                mgr.release((tail,))
+            return False
+        self._admitted += 1
+        self.block_touches += len(keys)
+        if self.order_log is not None:
+            self.order_log.append(keys)
+        mgr.touch(keys[:n_used], "hbm")
+        if store_plan is not None and store_plan.skipped:
+            mgr.touch(store_plan.skipped, "hbm")
+        if self.policy.write_through:
+            # A write-through store of this prompt refreshes the copies already
+            # below (so a chain's head stays at least as recent as its tail).
+            for tier in self.lower:
+                mgr.touch(keys, tier)
+        run.held, run.reserved, run.store_plan = tail, max(0, reserve), store_plan
+        run.computed_keys = store_plan.keys if store_plan is not None else ()
+        run.hit["hbm"] = used_tiers.count(hbm_idx) * bs
+        for plan in moves:
+            run.hit[plan.src] += len(plan.keys) * bs
+            done = self._transfer(plan.src, "hbm", len(plan.keys))
+            run.loads_pending += 1
+            run.load_ready_s = max(run.load_ready_s, done)
+            self._at(done, self._on_load_done, run, plan)
+        hit_tokens = sum(run.hit.values())
+        # vLLM recomputes at least the last token of a fully cached prompt
+        run.computed_tokens = max(1, req.input_tokens - hit_tokens)
+        run.prefill_left = run.computed_tokens
+        run.ctx_tokens = req.input_tokens - run.computed_tokens
+        return True
+
+    def _deepest_ready_hbm(self, keys: Sequence[BlockKey], n_used: int) -> BlockKey | None:
+        contains = self.mgr.contains
+        if keys and contains(keys[-1], "hbm"):
+            return keys[-1]
+        for i in range(n_used - 1, -1, -1):
+            if contains(keys[i], "hbm"):
+                return keys[i]
+        return None
+
+    def _retail(self, run: _Run) -> None:
+        """Move the run's reference to its prompt's last block once it is ready in HBM."""
+        last = run.keys[-1] if run.keys else None
+        if last is None or last == run.held or not self.mgr.contains(last, "hbm"):
+            return
+        self.mgr.acquire((last,))
+        if run.held is not None:
+            self.mgr.release((run.held,))
+        run.held = last
+
+    def _on_load_done(self, run: _Run, plan: Any) -> None:
+        self.mgr.complete_move(plan, True)
+        run.loads_pending -= 1
+        self._retail(run)
+
+    # ------------------------------------------------------------------ mover
+
+    def _transfer(self, src: str, dst: str, num_blocks: int) -> float:
+        """Queue a modelled copy on the link(s) from ``src`` to ``dst``; returns its finish time."""
+        hops = [(src, dst)]
+        if src == "ssd" and dst == "hbm":
+            hops = [("ssd", "dram"), ("dram", "hbm")]
+        elif src == "hbm" and dst == "ssd":
+            hops = [("hbm", "dram"), ("dram", "ssd")]
+        t = self.now
+        nbytes = num_blocks * self.bytes_per_block
+        for a, b in hops:
+            link = f"{a}->{b}"
+            start = max(t, self.link_free_s.get(link, 0.0))
+            t = start + self.profile.transfer_time_s(nbytes, link)
+            self.link_free_s[link] = t
+            self.bytes_moved[link] = self.bytes_moved.get(link, 0) + nbytes
+        return t
+
+    def _write_through(self, keys: Sequence[BlockKey], parent: BlockKey | None) -> None:
+        """Copy freshly computed HBM blocks down to every lower tier (modelled, async)."""
+        if not self.policy.write_through or not keys:
+            return
+        for tier in self.lower:
+            plan = self.mgr.prepare_store(tier, keys, parent)
+            if plan is None or not plan.keys:
+                if plan is not None:
+                    self.mgr.complete_store(plan, True)
+                continue
+            self._at(self._transfer("hbm", tier, len(plan.keys)), self.mgr.complete_store, plan, True)
+
+    # ------------------------------------------------------------------ steps
+
+    def _step(self) -> None:
+        budget = self.cfg.max_batch_tokens - len(self.decoding)
+        chunks: list[tuple[_Run, int]] = []
+        prefill_tokens = 0
+        weighted_ctx = 0
+        for run in self.prefilling:
+            if budget <= 0:
+                break
+            if run.loads_pending:
+                continue
+            take = min(run.prefill_left, budget)
+            chunks.append((run, take))
+            budget -= take
+            prefill_tokens += take
+            weighted_ctx += take * run.ctx_tokens
+        batch = len(self.decoding)
+        decode_ctx = sum(r.ctx_tokens for r in self.decoding)
+        if not chunks and not batch:  # only prefills waiting for their loads
+            self.now = max(self.now, min(r.load_ready_s for r in self.prefilling))
+            return
+        dt = self.profile.step_time_s(prefill_tokens, weighted_ctx / prefill_tokens if prefill_tokens else 0,
+                                      batch, decode_ctx)
+        steps = 1
+        if not chunks:  # decode only: fast-forward to the next finish or event
+            steps = min(r.decode_left for r in self.decoding)
+            if self._events:
+                steps = min(steps, max(1, math.ceil((self._events[0][0] - self.now) / dt)))
+            steps = max(1, steps)
+        self.now += dt * steps
+        for run in self.decoding:
+            run.decode_left -= steps
+            run.ctx_tokens += steps
+        finished = [r for r in self.decoding if r.decode_left <= 0]
+        if finished:
+            self.decoding = [r for r in self.decoding if r.decode_left > 0]
+        for run, take in chunks:
+            run.prefill_left -= take
+            run.ctx_tokens += take
+            if run.prefill_left == 0:
+                self._prefill_done(run)
+                if run.decode_left <= 0:
+                    finished.append(run)
+                else:
+                    self.decoding.append(run)
+        if any(r.prefill_left == 0 for r, _ in chunks):
+            self.prefilling = [r for r in self.prefilling if r.prefill_left > 0]
+        for run in finished:
+            self._finish(run)
+
+    def _prefill_done(self, run: _Run) -> None:
+        run.first_token_s = self.now
+        run.decode_left = run.req.output_tokens - 1
+        if run.store_plan is not None:
+            self.mgr.complete_store(run.store_plan, True)
+            self._retail(run)
+            first = run.keys.index(run.computed_keys[0]) if run.computed_keys else 0
+            self._write_through(run.computed_keys, run.keys[first - 1] if first else None)
+            run.store_plan = None
+
+    def _finish(self, run: _Run) -> None:
+        mgr, req, sr, agent = self.mgr, run.req, run.sess, run.agent
+        if not run.uncached:
+            if run.held is not None:
+                mgr.release((run.held,))
+            if run.reserved:
+                mgr.unreserve("hbm", run.reserved)
+        ctx_keys = self._cache_output_blocks(run) if not run.uncached else run.keys
+        self._admission_blocked = False
+        self._record(run)
+        sr.running.discard(agent.agent_id)
+        index = req.index
+        sr.next_index[agent.agent_id] = index + 1
+        last = index + 1 >= len(agent.requests)
+        if last:
+            sr.finished[agent.agent_id] = True
+            sr.agents_left -= 1
+        for child in sr.children_of.get(agent.agent_id, []):
+            if child.spawn_after == index:
+                self._issue(sr, child, 0)
+        if not last:
+            nxt = agent.requests[index + 1]
+            predicted = self._predict_gap(nxt)
+            self.policy.on_wait_start(self, ToolWait((sr.idx, agent.agent_id), tuple(ctx_keys), nxt.gap_cause,
+                                                     predicted))
+            self._issue(sr, agent, index + 1)
+        elif agent.parent_id is not None:
+            parent = sr.session.agent(agent.parent_id)
+            self._issue(sr, parent, sr.next_index[parent.agent_id])
+        if sr.agents_left == 0:
+            self._end_session(sr)
+        if self.progress is not None and len(self.records) % 500 == 0:
+            self.progress(len(self.records), self._total_requests)
+
+    def _cache_output_blocks(self, run: _Run) -> tuple[BlockKey, ...]:
+        """Blocks the answer filled become cacheable: the next request of the same
+        agent names them (its prompt extends this one). Returns the agent's context keys."""
+        agent, req = run.agent, run.req
+        if req.index + 1 >= len(agent.requests):
+            return run.keys
+        nxt = agent.requests[req.index + 1].block_ids
+        n = len(run.keys)
+        if nxt[:n] != run.keys:
+            return run.keys
+        upto = min(len(nxt), (req.input_tokens + req.output_tokens) // self.block_size)
+        out_keys = nxt[n:upto]
+        if out_keys:
+            plan = self.mgr.prepare_store("hbm", out_keys, run.keys[-1] if n else None)
+            if plan is not None:
+                self.mgr.complete_store(plan, True)
+                self._write_through(plan.keys, run.keys[-1] if n else None)
+        return nxt[:upto]
+
+    def _predict_gap(self, nxt: Request) -> float:
+        """The wait a policy is told to expect: the mean of past tool waits (tools),
+        the true gap is never revealed."""
+        if nxt.gap_cause == "tool" and self._tool_history:
+            return sum(self._tool_history) / len(self._tool_history)
+        return 10.0
+
+    def _record(self, run: _Run) -> None:
+        req = run.req
+        self.records.append(RequestRecord(
+            session=run.sess.idx, agent_id=run.agent.agent_id, index=req.index,
+            first_turn=run.agent.parent_id is None and req.index == 0,
+            ready_s=run.ready_s, first_token_s=run.first_token_s, finish_s=self.now,
+            input_tokens=req.input_tokens, output_tokens=req.output_tokens,
+            hit_hbm_tokens=run.hit["hbm"], hit_dram_tokens=run.hit["dram"], hit_ssd_tokens=run.hit["ssd"],
+            computed_tokens=run.computed_tokens, measured=run.ready_s >= self.cfg.warmup_s,
+        ))
+
+    # ------------------------------------------------------- PlacementContext
+
+    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> bool:
+        """Pin a chain by its deepest HBM block (tail-first eviction keeps its prefix).
+        The budget counts the chain's blocks."""
+        tail = self._deepest_ready_hbm(keys, len(keys))
+        if ttl_s <= 0 or tail is None:
+            return False
+        n = keys.index(tail) + 1
+        if self._pinned_blocks + n - self._pin_sizes.get(tail, 0) > self._pin_budget_blocks:
+            self.counters["pins_refused"] += 1
+            return False
+        self.mgr.pin((tail,), ttl_s)
+        self._pinned_blocks += n - self._pin_sizes.get(tail, 0)
+        self._pin_sizes[tail] = n
+        self._at(self.now + ttl_s, self._pin_lapsed, tail)
+        return True
+
+    def _pin_lapsed(self, tail: BlockKey) -> None:
+        if tail in self._pin_sizes and not self.mgr.is_pinned(tail):
+            self._pinned_blocks -= self._pin_sizes.pop(tail)
+        self._admission_blocked = False
+
+    def unpin(self, keys: Sequence[BlockKey]) -> None:
+        tails = [k for k in keys if k in self._pin_sizes]
+        if tails:
+            self.mgr.unpin(tails)
+            for tail in tails:
+                self._pinned_blocks -= self._pin_sizes.pop(tail)
+            self._admission_blocked = False
+
+    def offload(self, keys: Sequence[BlockKey], dst: str) -> int:
+        if dst not in self.mgr.tier_names:
+            return 0
+        plan = self.mgr.prepare_move([k for k in keys if self.mgr.contains(k, "hbm")], "hbm", dst, keep_source=False)
+        if plan is None:
+            return 0
+        self.counters["offloaded_blocks"] += len(plan.keys)
+        self._at(self._transfer("hbm", dst, len(plan.keys)), self._complete_offload, plan)
+        return len(plan.keys)
+
+    def _complete_offload(self, plan: Any) -> None:
+        self.mgr.complete_move(plan, True)
+        self._admission_blocked = False
+
+    def discard(self, keys: Sequence[BlockKey]) -> int:
+        n = self.mgr.remove(keys, "hbm")
+        self.counters["discarded_blocks"] += n
+        self._admission_blocked = False
+        return n
+
+    def transfer_time_s(self, num_blocks: int, link: str) -> float:
+        if link == "ssd->hbm":
+            return (self.profile.transfer_time_s(num_blocks * self.bytes_per_block, "ssd->dram")
+                    + self.profile.transfer_time_s(num_blocks * self.bytes_per_block, "dram->hbm"))
+        return self.profile.transfer_time_s(num_blocks * self.bytes_per_block, link)
+
+    def recompute_time_s(self, num_tokens: int) -> float:
+        return self.profile.recompute_time_s(num_tokens, 0)
+
+    def running_blocks(self) -> int:
+        return sum(len(r.keys) + r.reserved for r in itertools.chain(self.prefilling, self.decoding))
+
+    def tool_history_s(self) -> Sequence[float]:
+        return self._tool_history

@@ -1,0 +1,547 @@
+"""Hint clients for agent frameworks: :class:`HintClient` (a background thread)
+and :class:`AsyncHintClient` (an asyncio task).
+
+Owns: the bounded event queue, batching, the wire conversion (protobuf
+messages are built on the sender, never in :meth:`emit`), sending with
+reconnect and exponential backoff, and the drop accounting. Must never block
+the agent beyond one bounded enqueue, and never raise because the server is
+slow, down or rejecting: such events are *dropped and counted*
+(:attr:`_Emitter.drops`). Caller bugs (an unknown event kind) raise.
+
+``emit(kind, **fields)`` is the whole hot path: a dict lookup, an id, a
+timestamp and a ``deque.append`` (p99 well under 20 us on the caller thread).
+``kind`` is a field name of the ``Signal`` / ``Command`` oneof in
+``proto/kvtier/v1/hints.proto`` (``session_start``, ``tool_call_start``,
+``pin``, ...); ``fields`` are that message's fields. Block keys may be given
+as packed bytes (16 per key), as ints or as 16-byte strings; enum fields
+accept the proto name (``"TOOL_STATUS_OK"``), its short form (``"ok"``) or
+the number.
+
+>>> client = HintClient("127.0.0.1:1", start=False)   # nothing listens there
+>>> client.emit("session_start", session_id="s1")
+True
+>>> client.stats().queued
+1
+>>> client.close(timeout_s=0.2)   # cannot deliver: dropped and counted, never raised
+>>> client.drops["closed"] + client.drops["unavailable"]
+1
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import secrets
+import socket
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import grpc
+
+from ..hints._gen import hints_pb2 as pb
+from ..hints._gen import hints_pb2_grpc as pb_grpc
+from .handles import AgentHandle, RequestHandle, SessionHandle, ToolCallHandle, current_scope
+
+SIGNAL_KINDS = frozenset(f.name for f in pb.Signal.DESCRIPTOR.oneofs_by_name["kind"].fields)
+COMMAND_KINDS = frozenset(f.name for f in pb.Command.DESCRIPTOR.oneofs_by_name["kind"].fields)
+_KINDS = SIGNAL_KINDS | COMMAND_KINDS
+_KEY_FIELDS = ("prompt_block_keys", "shared_block_keys", "block_keys")
+_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                        grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+                        grpc.StatusCode.INTERNAL})
+_DROP_REASONS = ("queue_full", "unavailable", "invalid", "unauthenticated", "rejected_batch", "closed")
+
+
+def _enum_prefixes() -> dict[str, dict[str, str]]:
+    """kind -> {enum field -> NAME_PREFIX_} for short enum names ("ok" -> "TOOL_STATUS_OK")."""
+    out: dict[str, dict[str, str]] = {}
+    for holder in (pb.Signal, pb.Command):
+        for f in holder.DESCRIPTOR.oneofs_by_name["kind"].fields:
+            for sub in f.message_type.fields:
+                if sub.enum_type is not None:
+                    first = sub.enum_type.values[0].name  # e.g. TOOL_STATUS_UNSPECIFIED
+                    out.setdefault(f.name, {})[sub.name] = first[: -len("UNSPECIFIED")]
+    return out
+
+
+_ENUM_PREFIX = _enum_prefixes()
+
+
+def pack_keys(keys: bytes | Iterable[int | bytes]) -> bytes:
+    """Block keys as the wire wants them: 16 big-endian bytes each, concatenated."""
+    if isinstance(keys, (bytes, bytearray, memoryview)):
+        return bytes(keys)
+    return b"".join(k if isinstance(k, (bytes, bytearray)) else int(k).to_bytes(16, "big") for k in keys)
+
+
+def _normalise(kind: str, fields: dict[str, Any]) -> dict[str, Any]:
+    for name in _KEY_FIELDS:
+        value = fields.get(name)
+        if value is not None and not isinstance(value, bytes):
+            fields[name] = pack_keys(value)
+    prefixes = _ENUM_PREFIX.get(kind)
+    if prefixes:
+        for name, prefix in prefixes.items():
+            value = fields.get(name)
+            if isinstance(value, str) and not value.startswith(prefix):
+                fields[name] = prefix + value.upper()
+    return fields
+
+
+@dataclass(frozen=True, slots=True)
+class ClientStats:
+    """A snapshot of a client's counters.
+
+    ``emitted``: events accepted by :meth:`emit`; ``accepted`` /
+    ``duplicates`` / ``rejected``: what the server said about delivered
+    events; ``dropped``: by reason (``queue_full``, ``unavailable`` after
+    retries, ``invalid`` (could not be encoded), ``unauthenticated``,
+    ``rejected_batch``, ``closed``); ``queued``: waiting to be sent.
+    """
+
+    emitted: int
+    accepted: int
+    duplicates: int
+    rejected: int
+    dropped: Mapping[str, int]
+    queued: int
+    batches_sent: int
+    reconnects: int
+    connected: bool
+    last_error: str
+
+    @property
+    def num_dropped(self) -> int:
+        return sum(self.dropped.values())
+
+
+class _Emitter:
+    """The queue, ``emit`` and the helpers shared by both clients."""
+
+    def __init__(self, *, client_id: str | None, max_queue_events: int, batch_max_events: int,
+                 flush_interval_s: float) -> None:
+        if max_queue_events <= 0 or batch_max_events <= 0 or flush_interval_s <= 0:
+            raise ValueError("max_queue_events, batch_max_events and flush_interval_s must be > 0")
+        self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self._queue: deque[tuple[str, int, int, dict[str, Any]]] = deque()
+        self._max_queue = max_queue_events
+        self._batch_max = batch_max_events
+        self._flush_interval_s = flush_interval_s
+        self._first_id = secrets.randbits(62) + 1
+        self._ids = itertools.count(self._first_id)
+        self._counts_lock = threading.Lock()
+        self.drops: Counter[str] = Counter({reason: 0 for reason in _DROP_REASONS})
+        self._accepted = self._duplicates = self._rejected = self._batches = self._reconnects = 0
+        self._connected = False
+        self._last_error = ""
+        self._in_flight = 0
+        self.last_rejections: deque[Any] = deque(maxlen=16)
+
+    # ----------------------------------------------------------- hot path
+
+    def emit(self, kind: str, **fields: Any) -> bool:
+        """Queue one event; ``False`` (and counted in ``drops["queue_full"]``) when
+        the queue is full. Never blocks, never raises for server trouble;
+        raises ``ValueError`` for an unknown ``kind``."""
+        if kind not in _KINDS:
+            raise ValueError(f"unknown hint event kind {kind!r}; valid: {', '.join(sorted(_KINDS))}")
+        queue = self._queue
+        if len(queue) >= self._max_queue:
+            self._count_drop("queue_full", 1)
+            return False
+        queue.append((kind, next(self._ids), time.time_ns() // 1000, fields))
+        if len(queue) == self._batch_max:
+            self._wake()
+        return True
+
+    def _wake(self) -> None:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------- accounting
+
+    def _count_drop(self, reason: str, n: int, error: str = "") -> None:
+        with self._counts_lock:
+            self.drops[reason] += n
+            if error:
+                self._last_error = error
+
+    def stats(self) -> ClientStats:
+        """Counters now (see :class:`ClientStats`)."""
+        with self._counts_lock:
+            emitted = next(self._ids) - self._first_id  # the probe id is never used
+            self._first_id += 1
+            return ClientStats(emitted, self._accepted, self._duplicates, self._rejected, dict(self.drops),
+                               len(self._queue), self._batches, self._reconnects, self._connected,
+                               self._last_error)
+
+    # ----------------------------------------------------------- batches
+
+    def _take_batch(self) -> list[tuple[str, int, int, dict[str, Any]]]:
+        """Pop up to one batch. ``_in_flight`` is raised *before* popping, so a
+        concurrent ``flush`` never sees an empty queue and nothing in flight
+        while a batch is on its way."""
+        queue, items = self._queue, []
+        n = min(self._batch_max, len(queue))
+        self._in_flight = n
+        popleft = queue.popleft
+        for _ in range(n):
+            items.append(popleft())
+        return items
+
+    def _build(self, items: list[tuple[str, int, int, dict[str, Any]]]) -> tuple[Any, int]:
+        """The ``PublishRequest`` of ``items`` and how many of them it holds (bad ones are dropped)."""
+        req = pb.PublishRequest(client_id=self.client_id, skip_invalid=True)
+        add_signal, add_command = req.signals.add, req.commands.add
+        n = 0
+        for kind, eid, ts, fields in items:
+            container = req.commands if kind in COMMAND_KINDS else req.signals
+            before = len(container)
+            try:
+                (add_command if kind in COMMAND_KINDS else add_signal)(
+                    event_id=eid, client_time_unix_us=ts, **{kind: _normalise(kind, fields)})
+                n += 1
+            except (TypeError, ValueError, AttributeError) as err:  # protobuf's errors for bad fields
+                del container[before:]  # a half-built entry, if any
+                self._count_drop("invalid", 1, f"{kind}: {err}")
+        return req, n
+
+    def _on_response(self, resp: Any) -> None:
+        with self._counts_lock:
+            if not self._connected and self._batches:
+                self._reconnects += 1
+            self._connected = True
+            self._batches += 1
+            self._accepted += resp.num_accepted
+            self._duplicates += resp.num_duplicates
+            self._rejected += resp.num_rejected
+            self.last_rejections.extend(resp.rejections)
+
+    def _classify_failure(self, err: Any) -> str | None:
+        """``None`` when the batch should be retried, else the drop reason."""
+        code = err.code() if hasattr(err, "code") else None
+        with self._counts_lock:
+            self._last_error = f"{code}: {err.details() if hasattr(err, 'details') else err}"
+        if code in _RETRYABLE:
+            self._connected = False
+            return None
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return "unauthenticated"
+        return "rejected_batch"
+
+    def _metadata(self, token: str | None, tenant: str | None) -> tuple[tuple[str, str], ...]:
+        md = []
+        if token:
+            md.append(("authorization", f"Bearer {token}"))
+        if tenant:
+            md.append(("x-kvtier-tenant", tenant))
+        return tuple(md)
+
+    # ----------------------------------------------------------- helpers
+
+    def session(self, session_id: str | None = None, *, model: str = "") -> SessionHandle:
+        """A session handle; ``with`` starts and ends it and makes it current."""
+        return SessionHandle(self, session_id or secrets.token_hex(8), model)
+
+    def agent(self, agent_type: str = "", *, agent_id: str | None = None, session_id: str | None = None,
+              parent_id: str | None = "", importance: str | int = 0, join_group: str = "",
+              expected_num_requests: int = 0) -> AgentHandle:
+        """An agent of the current (or given) session; its parent defaults to the
+        current agent (``parent_id=None`` forces a root). ``with`` spawns it,
+        makes it current and ends it (``failed`` on an exception)."""
+        scope = current_scope(self)
+        sid = session_id or (scope.session_id if scope else None)
+        if not sid:
+            raise RuntimeError("no current session: use `with client.session(...)` or pass session_id=")
+        if parent_id == "":
+            parent_id = scope.agent_id if scope and scope.session_id == sid else None
+        return AgentHandle(self, sid, agent_id or f"{agent_type or 'agent'}-{secrets.token_hex(4)}", parent_id,
+                           agent_type, importance, join_group, expected_num_requests)
+
+    def tool_call(self, tool_name: str, *, expected_s: float | None = None,
+                  tool_call_id: str | None = None) -> ToolCallHandle:
+        """``with client.tool_call("bash", expected_s=3.0): ...`` on the current agent."""
+        return self._current_agent("tool_call").tool_call(tool_name, expected_s=expected_s, tool_call_id=tool_call_id)
+
+    def request(self, request_id: str | None = None, **kwargs: Any) -> RequestHandle:
+        """``with client.request(prompt_block_keys=keys) as r: ...`` on the current agent."""
+        return self._current_agent("request").request(request_id, **kwargs)
+
+    def _current_agent(self, what: str) -> AgentHandle:
+        scope = current_scope(self)
+        if scope is None or scope.agent is None:
+            raise RuntimeError(f"client.{what}() needs a current agent: use `with client.agent(...)`")
+        return scope.agent
+
+
+class HintClient(_Emitter):
+    """Sends hints from a daemon thread. ``target``: ``host:port`` or ``unix:PATH``.
+
+    ``token``: bearer token (auth on the server); ``tenant``: tenant metadata
+    (auth off). ``tls``/``root_certificates``: TLS (PEM roots; ``None`` for
+    the system roots). Batches of up to ``batch_max_events`` leave at least
+    every ``flush_interval_s``; a failed batch is retried up to
+    ``max_batch_attempts`` times with exponential backoff
+    (``backoff_initial_s`` doubling to ``backoff_max_s``), then dropped.
+    """
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None, tenant: str | None = None,
+                 tls: bool = False, root_certificates: bytes | None = None, tls_server_name: str | None = None,
+                 client_id: str | None = None, max_queue_events: int = 65_536, batch_max_events: int = 512,
+                 flush_interval_s: float = 0.005, rpc_timeout_s: float = 5.0, backoff_initial_s: float = 0.05,
+                 backoff_max_s: float = 2.0, max_batch_attempts: int = 3, start: bool = True) -> None:
+        super().__init__(client_id=client_id, max_queue_events=max_queue_events, batch_max_events=batch_max_events,
+                         flush_interval_s=flush_interval_s)
+        self.target = target
+        self._md = self._metadata(token, tenant)
+        self._tls = (tls or root_certificates is not None, root_certificates, tls_server_name)
+        self._rpc_timeout_s = rpc_timeout_s
+        self._backoff = (backoff_initial_s, backoff_max_s)
+        self._next_backoff_s = backoff_initial_s
+        self._max_attempts = max(1, max_batch_attempts)
+        self._wake_event = threading.Event()
+        self._stop = threading.Event()
+        self._idle = threading.Condition()
+        self._closing_now = False
+        self._channel: Any = None
+        self._thread: threading.Thread | None = None
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Open the channel and start the sender thread (done by the constructor unless ``start=False``)."""
+        if self._thread is not None:
+            return
+        self._channel = _channel(self.target, *self._tls, aio=False)
+        self._publish = pb_grpc.HintServiceStub(self._channel).Publish
+        self._thread = threading.Thread(target=self._run, name=f"kvtier-hints-{self.client_id}", daemon=True)
+        self._thread.start()
+
+    def _wake(self) -> None:
+        self._wake_event.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake_event.wait(self._flush_interval_s)
+            self._wake_event.clear()
+            while self._queue and not self._closing_now:
+                items = self._take_batch()
+                req, n = self._build(items)
+                if n:
+                    self._send(req, n)
+                with self._idle:
+                    self._in_flight = 0
+                    self._idle.notify_all()
+            if self._stop.is_set():
+                return
+
+    def _send(self, req: Any, n: int) -> None:
+        for attempt in range(1, self._max_attempts + 1):
+            try:
+                resp = self._publish(req, timeout=self._rpc_timeout_s, metadata=self._md)
+            except grpc.RpcError as err:
+                reason = self._classify_failure(err)
+                if reason is not None:
+                    self._count_drop(reason, n)
+                    return
+                if attempt == self._max_attempts or self._closing_now:
+                    self._count_drop("unavailable", n)
+                    self._sleep_backoff()
+                    return
+                self._sleep_backoff()
+                continue
+            self._on_response(resp)
+            self._next_backoff_s = self._backoff[0]
+            return
+
+    def _sleep_backoff(self) -> None:
+        delay = self._next_backoff_s * (0.5 + secrets.randbelow(1000) / 1000)  # jitter 0.5x..1.5x
+        self._next_backoff_s = min(self._backoff[1], self._next_backoff_s * 2)
+        self._stop.wait(delay)
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until everything queued so far was sent (or dropped); ``False`` on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._queue or self._in_flight:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._thread is None or not self._thread.is_alive():
+                    return False
+                self._wake_event.set()
+                self._idle.wait(min(left, 0.05))
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Flush for up to ``timeout_s``, stop the thread, close the channel.
+        Events still queued are dropped as ``closed``."""
+        if self._thread is not None:
+            self.flush(timeout_s)
+            self._closing_now = True
+            self._stop.set()
+            self._wake_event.set()
+            self._thread.join(timeout=max(1.0, timeout_s))
+            self._thread = None
+        left = len(self._queue)
+        self._queue.clear()
+        if left:
+            self._count_drop("closed", left)
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def __enter__(self) -> HintClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncHintClient(_Emitter):
+    """The asyncio twin of :class:`HintClient` (same arguments and helpers).
+
+    ``emit`` stays synchronous and non-blocking; sending runs in a task on
+    the loop that called :meth:`start` (``async with`` starts it). ``emit``
+    may also be called from other threads.
+    """
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None, tenant: str | None = None,
+                 tls: bool = False, root_certificates: bytes | None = None, tls_server_name: str | None = None,
+                 client_id: str | None = None, max_queue_events: int = 65_536, batch_max_events: int = 512,
+                 flush_interval_s: float = 0.005, rpc_timeout_s: float = 5.0, backoff_initial_s: float = 0.05,
+                 backoff_max_s: float = 2.0, max_batch_attempts: int = 3) -> None:
+        super().__init__(client_id=client_id, max_queue_events=max_queue_events, batch_max_events=batch_max_events,
+                         flush_interval_s=flush_interval_s)
+        self.target = target
+        self._md = self._metadata(token, tenant)
+        self._tls = (tls or root_certificates is not None, root_certificates, tls_server_name)
+        self._rpc_timeout_s = rpc_timeout_s
+        self._backoff = (backoff_initial_s, backoff_max_s)
+        self._next_backoff_s = backoff_initial_s
+        self._max_attempts = max(1, max_batch_attempts)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake_event: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._channel: Any = None
+        self._closing = False
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._wake_event = asyncio.Event()
+        self._channel = _channel(self.target, *self._tls, aio=True)
+        self._publish = pb_grpc.HintServiceStub(self._channel).Publish
+        self._task = self._loop.create_task(self._run())
+
+    def _wake(self) -> None:
+        loop, event = self._loop, self._wake_event
+        if loop is None or event is None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            event.set()
+        else:
+            loop.call_soon_threadsafe(event.set)
+
+    async def _run(self) -> None:
+        assert self._wake_event is not None
+        while True:
+            try:
+                await asyncio.wait_for(self._wake_event.wait(), self._flush_interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._wake_event.clear()
+            while self._queue:
+                items = self._take_batch()
+                req, n = self._build(items)
+                if n:
+                    await self._send(req, n)
+                self._in_flight = 0
+            if self._closing:
+                return
+
+    async def _send(self, req: Any, n: int) -> None:
+        for attempt in range(1, self._max_attempts + 1):
+            try:
+                resp = await self._publish(req, timeout=self._rpc_timeout_s, metadata=self._md)
+            except grpc.RpcError as err:
+                reason = self._classify_failure(err)
+                if reason is not None:
+                    self._count_drop(reason, n)
+                    return
+                if attempt == self._max_attempts or self._closing:
+                    self._count_drop("unavailable", n)
+                    await self._sleep_backoff()
+                    return
+                await self._sleep_backoff()
+                continue
+            self._on_response(resp)
+            self._next_backoff_s = self._backoff[0]
+            return
+
+    async def _sleep_backoff(self) -> None:
+        delay = self._next_backoff_s * (0.5 + secrets.randbelow(1000) / 1000)
+        self._next_backoff_s = min(self._backoff[1], self._next_backoff_s * 2)
+        if not self._closing:
+            await asyncio.sleep(delay)
+
+    async def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until everything queued so far was sent (or dropped); ``False`` on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue or self._in_flight:
+            if time.monotonic() >= deadline or self._task is None or self._task.done():
+                return False
+            self._wake()
+            await asyncio.sleep(0.002)
+        return True
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Flush for up to ``timeout_s``, stop the task, close the channel; leftovers drop as ``closed``."""
+        if self._task is not None:
+            await self.flush(timeout_s)
+            self._closing = True
+            self._wake()
+            try:
+                await asyncio.wait_for(self._task, max(1.0, timeout_s))
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self._task.cancel()
+            self._task = None
+        left = len(self._queue)
+        self._queue.clear()
+        if left:
+            self._count_drop("closed", left)
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    async def __aenter__(self) -> AsyncHintClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+_CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.enable_retries", 0),
+    ("grpc.max_send_message_length", 16 << 20),
+)
+
+
+def _channel(target: str, tls: bool, roots: bytes | None, server_name: str | None, *, aio: bool) -> Any:
+    options = list(_CHANNEL_OPTIONS)
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    mod: Any = grpc.aio if aio else grpc
+    if tls:
+        return mod.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=roots), options=options)
+    return mod.insecure_channel(target, options=options)

@@ -1,0 +1,225 @@
+"""Context-manager handles of the SDK: sessions, agents, requests, tool calls.
+
+Owns: turning ``with`` blocks into start / end event pairs, the *current*
+session and agent (a :mod:`contextvars` variable, so threads and asyncio
+tasks each see their own), and :func:`tag_request`. Every handle only calls
+its client's ``emit``; it must not talk to the network or block. Handles
+work with ``with`` and ``async with`` alike.
+
+>>> tag_request({"model": "m", "messages": []}, "s1", "planner-1")["kv_transfer_params"]
+{'kvtier_session_id': 's1', 'kvtier_agent_id': 'planner-1'}
+"""
+
+from __future__ import annotations
+
+import contextvars
+import secrets
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+KV_TRANSFER_PARAMS = "kv_transfer_params"
+SESSION_ID_PARAM = "kvtier_session_id"
+AGENT_ID_PARAM = "kvtier_agent_id"
+
+
+def tag_request(body: Mapping[str, Any], session_id: str, agent_id: str) -> dict[str, Any]:
+    """A copy of an OpenAI-compatible request ``body`` whose ``kv_transfer_params``
+    also carry ``kvtier_session_id`` and ``kvtier_agent_id`` (existing params are
+    kept; ``body`` is not modified). With the ``openai`` client, pass
+    ``extra_body={"kv_transfer_params": tagged["kv_transfer_params"]}``."""
+    params = dict(body.get(KV_TRANSFER_PARAMS) or {})
+    params[SESSION_ID_PARAM] = session_id
+    params[AGENT_ID_PARAM] = agent_id
+    tagged = dict(body)
+    tagged[KV_TRANSFER_PARAMS] = params
+    return tagged
+
+
+def request_tags(kv_transfer_params: Mapping[str, Any] | None) -> tuple[str | None, str | None]:
+    """``(session_id, agent_id)`` that :func:`tag_request` put into ``kv_transfer_params``
+    (``None`` for a missing one); what an engine connector calls."""
+    params = kv_transfer_params or {}
+    sid, aid = params.get(SESSION_ID_PARAM), params.get(AGENT_ID_PARAM)
+    return (sid if isinstance(sid, str) else None, aid if isinstance(aid, str) else None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Scope:
+    client: Any
+    session_id: str
+    agent: AgentHandle | None
+
+    @property
+    def agent_id(self) -> str | None:
+        return None if self.agent is None else self.agent.agent_id
+
+
+_SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("kvtier_sdk_scope", default=None)
+
+
+def current_scope(client: Any) -> _Scope | None:
+    """The innermost session/agent of ``client`` entered in this thread or task."""
+    scope = _SCOPE.get()
+    return scope if scope is not None and scope.client is client else None
+
+
+class _Handle:
+    """Start on enter, end on exit (``failed`` when the block raised); sync or async."""
+
+    _token: contextvars.Token[_Scope | None] | None = None
+
+    def start(self) -> Any:
+        raise NotImplementedError
+
+    def end(self, failed: bool = False) -> None:
+        raise NotImplementedError
+
+    def _scope(self) -> _Scope | None:
+        return None
+
+    def __enter__(self) -> Any:
+        self.start()
+        scope = self._scope()
+        if scope is not None:
+            self._token = _SCOPE.set(scope)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._token is not None:
+            _SCOPE.reset(self._token)
+            self._token = None
+        self.end(failed=exc_type is not None)
+
+    async def __aenter__(self) -> Any:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+
+class SessionHandle(_Handle):
+    """``with client.session("s1") as s:`` emits ``session_start`` / ``session_end``."""
+
+    def __init__(self, client: Any, session_id: str, model: str = "") -> None:
+        self.client, self.session_id, self.model = client, session_id, model
+
+    def start(self) -> SessionHandle:
+        self.client.emit("session_start", session_id=self.session_id, model=self.model)
+        return self
+
+    def end(self, failed: bool = False) -> None:
+        self.client.emit("session_end", session_id=self.session_id)
+
+    def _scope(self) -> _Scope:
+        return _Scope(self.client, self.session_id, None)
+
+    def agent(self, agent_type: str = "", **kwargs: Any) -> AgentHandle:
+        """A root agent of this session (``parent_id=`` to attach it elsewhere)."""
+        kwargs.setdefault("parent_id", None)
+        return self.client.agent(agent_type, session_id=self.session_id, **kwargs)
+
+
+class AgentHandle(_Handle):
+    """One agent; ``with`` spawns it and ends it. Children: :meth:`agent`."""
+
+    def __init__(self, client: Any, session_id: str, agent_id: str, parent_id: str | None, agent_type: str,
+                 importance: str | int, join_group: str, expected_num_requests: int) -> None:
+        self.client, self.session_id, self.agent_id, self.parent_id = client, session_id, agent_id, parent_id
+        self.agent_type, self.importance, self.join_group = agent_type, importance, join_group
+        self.expected_num_requests = expected_num_requests
+
+    def start(self) -> AgentHandle:
+        self.client.emit("agent_spawn", session_id=self.session_id, agent_id=self.agent_id,
+                         parent_agent_id=self.parent_id or "", agent_type=self.agent_type,
+                         importance=self.importance, join_group=self.join_group,
+                         expected_num_requests=self.expected_num_requests)
+        return self
+
+    def end(self, failed: bool = False) -> None:
+        self.client.emit("agent_end", session_id=self.session_id, agent_id=self.agent_id,
+                         status="failed" if failed else "completed")
+
+    def _scope(self) -> _Scope:
+        return _Scope(self.client, self.session_id, self)
+
+    def agent(self, agent_type: str = "", **kwargs: Any) -> AgentHandle:
+        """A child agent of this one."""
+        kwargs.setdefault("parent_id", self.agent_id)
+        return self.client.agent(agent_type, session_id=self.session_id, **kwargs)
+
+    def tool_call(self, tool_name: str, *, expected_s: float | None = None,
+                  tool_call_id: str | None = None) -> ToolCallHandle:
+        return ToolCallHandle(self, tool_call_id or f"{tool_name}-{secrets.token_hex(4)}", tool_name, expected_s)
+
+    def request(self, request_id: str | None = None, *, prompt_block_keys: bytes | Iterable[Any] = b"",
+                num_prompt_tokens: int = 0, model: str = "") -> RequestHandle:
+        return RequestHandle(self, request_id or f"req-{secrets.token_hex(6)}", prompt_block_keys,
+                             num_prompt_tokens, model)
+
+    def depends_on(self, other: AgentHandle | str) -> None:
+        """This agent waits for ``other`` (a dependency edge)."""
+        other_id = other if isinstance(other, str) else other.agent_id
+        self.client.emit("dependency", session_id=self.session_id, from_agent_id=other_id, to_agent_id=self.agent_id)
+
+    def set_priority(self, priority: str | int) -> None:
+        """Command: ``"low"``, ``"normal"`` or ``"high"``."""
+        self.client.emit("priority", session_id=self.session_id, agent_id=self.agent_id, priority=priority)
+
+    def pin(self, block_keys: bytes | Iterable[Any], ttl_s: float) -> None:
+        self.client.emit("pin", session_id=self.session_id, block_keys=block_keys, ttl_s=ttl_s)
+
+    def unpin(self, block_keys: bytes | Iterable[Any]) -> None:
+        self.client.emit("unpin", session_id=self.session_id, block_keys=block_keys)
+
+    def prefetch(self, block_keys: bytes | Iterable[Any], tier: str = "dram") -> None:
+        self.client.emit("prefetch", session_id=self.session_id, block_keys=block_keys, tier=tier)
+
+    def tag(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """:func:`tag_request` with this agent's ids."""
+        return tag_request(body, self.session_id, self.agent_id)
+
+
+class ToolCallHandle(_Handle):
+    """``tool_call_start`` on enter; ``tool_call_end`` on exit (``error`` when the block raised)."""
+
+    def __init__(self, agent: AgentHandle, tool_call_id: str, tool_name: str, expected_s: float | None) -> None:
+        self.agent, self.tool_call_id, self.tool_name, self.expected_s = agent, tool_call_id, tool_name, expected_s
+
+    def start(self) -> ToolCallHandle:
+        fields: dict[str, Any] = {"session_id": self.agent.session_id, "agent_id": self.agent.agent_id,
+                                  "tool_call_id": self.tool_call_id, "tool_name": self.tool_name}
+        if self.expected_s is not None:
+            fields["expected_duration_s"] = float(self.expected_s)
+        self.agent.client.emit("tool_call_start", **fields)
+        return self
+
+    def end(self, failed: bool = False) -> None:
+        self.agent.client.emit("tool_call_end", session_id=self.agent.session_id, agent_id=self.agent.agent_id,
+                               tool_call_id=self.tool_call_id, status="error" if failed else "ok")
+
+
+class RequestHandle(_Handle):
+    """``request_start`` on enter; ``request_end`` on exit with :attr:`num_output_tokens`
+    and :attr:`stop` (``"tool_use"``, ``"end_turn"``, ...; ``"error"`` when the block raised)."""
+
+    def __init__(self, agent: AgentHandle, request_id: str, prompt_block_keys: bytes | Iterable[Any],
+                 num_prompt_tokens: int, model: str) -> None:
+        self.agent, self.request_id = agent, request_id
+        self.prompt_block_keys, self.num_prompt_tokens, self.model = prompt_block_keys, num_prompt_tokens, model
+        self.num_output_tokens = 0
+        self.stop = ""
+
+    def start(self) -> RequestHandle:
+        self.agent.client.emit("request_start", session_id=self.agent.session_id, agent_id=self.agent.agent_id,
+                               request_id=self.request_id, prompt_block_keys=self.prompt_block_keys,
+                               num_prompt_tokens=self.num_prompt_tokens, model=self.model)
+        return self
+
+    def end(self, failed: bool = False) -> None:
+        stop = "error" if failed else (self.stop or "unspecified")
+        self.agent.client.emit("request_end", session_id=self.agent.session_id, agent_id=self.agent.agent_id,
+                               request_id=self.request_id, num_output_tokens=self.num_output_tokens, stop=stop)
+
+    def tag(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """:func:`tag_request` with this request's agent ids."""
+        return self.agent.tag(body)

@@ -1,0 +1,516 @@
+"""SSD tier storage engine: block bytes in one LMDB environment.
+
+Owns: the on-disk bytes of SSD-resident blocks — batched, atomic, checksummed
+writes (values in the :mod:`kvtier.tiers.codec` format, keys as 16 big-endian
+bytes), verified reads into caller buffers, deletes, and a header scan so a
+warm restart can rebuild chains. Must not decide which blocks live here, keep
+any index of its own, or evict: that is the TierManager's bookkeeping. Must not
+import torch.
+
+Failure model. Expected failures are values, counted in :attr:`SSDTier.stats`:
+a missing, corrupt, truncated or foreign (other namespace / layout) value is a
+miss; a full LMDB map makes :meth:`SSDTier.put_many` write fewer blocks (the
+longest prefix that fits) and sets :attr:`SSDTier.last_error`, which names
+``tiers.ssd.map_size_bytes``; deletes still work on a full map (see
+:meth:`SSDTier.delete_many`). Exceptions are for misuse and configuration: a
+directory that cannot be created or opened raises ``StorageError`` naming
+``tiers.ssd.path``.
+
+Durability. Each ``put_many`` / ``delete_many`` is one LMDB write transaction:
+all of it becomes visible at commit or none of it does, also when the process
+is SIGKILLed mid-write (tested). With ``sync=True`` a returned ``put_many`` is
+on disk (``fdatasync`` of the data pages, then an ``O_DSYNC`` meta-page write)
+and survives power loss too. With ``sync=False`` commits are still atomic but
+the last ones may be lost on power loss; :meth:`SSDTier.close` syncs.
+``writemap`` is deliberately not used: with a sparse map file a full disk
+would kill the process with SIGBUS instead of failing a write.
+
+Threading. Reads may run concurrently from several threads; writers are
+serialized by LMDB's writer lock. Every transaction holds a shared gate that
+the (rare) map resize of a delete on a full map takes exclusively. Counters
+are best-effort under races. Buffers are anything with the buffer protocol
+(bytes, bytearray, numpy arrays); pass a torch CPU tensor as
+``t.view(torch.uint8).numpy()``.
+
+>>> import tempfile
+>>> from kvtier.keys import Namespace
+>>> from kvtier.layout import KVLayout
+>>> layout = KVLayout(2, 1, 64, "bfloat16", 4)
+>>> tmp = tempfile.TemporaryDirectory()
+>>> tier = SSDTier(tmp.name, Namespace("m", "bfloat16", "fused", 4), layout)
+>>> block = bytes(layout.bytes_per_block)
+>>> tier.put_many([(BlockKey(1), block, None), (BlockKey(2), block, BlockKey(1))])
+2
+>>> out = bytearray(layout.bytes_per_block)
+>>> tier.get_into(BlockKey(2), out), tier.get_into(BlockKey(3), out)
+(True, False)
+>>> [(b.key, b.parent) for b in tier.scan()]
+[(1, None), (2, 1)]
+>>> tier.close(); tmp.cleanup()
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterator, NamedTuple, Sequence, TypeVar
+
+import lmdb
+
+from ..errors import ConfigError, ProtocolError, StorageError
+from ..keys import KEY_BYTES, BlockKey, Namespace, key_from_bytes, key_to_bytes
+from ..layout import KVLayout
+from .codec import ValueContext, check_codec, decode_into, encode_many, read_header
+
+DEFAULT_MAP_SIZE_BYTES = 16 << 30
+_DELETE_HEADROOM_BYTES = 1 << 20
+_NUDGE_KEY = b"\x00"  # never a block key (those are 16 bytes)
+_SCAN_CHUNK_ENTRIES = 1024
+_T = TypeVar("_T")
+
+STAT_NAMES: tuple[str, ...] = (
+    "puts",  # blocks written (committed)
+    "gets",  # blocks looked up by get_into / get_many_into
+    "hits",  # lookups that returned verified bytes
+    "misses",  # lookups that did not (absent, corrupt or foreign)
+    "checksum_failures",  # header or raw checksum mismatch
+    "decode_failures",  # bad magic/version/codec/lengths, zstd error, truncation
+    "mismatches",  # valid value of another namespace or layout
+    "map_full",  # put_many / delete_many calls that hit the LMDB map size
+    "write_errors",  # other LMDB errors while writing (disk full, I/O error)
+    "deletes",  # keys removed by delete_many
+    "bytes_written",  # stored (encoded) bytes committed
+    "raw_bytes_written",  # raw block bytes committed
+    "bytes_read",  # stored bytes of hits
+    "raw_bytes_read",  # raw bytes returned by hits
+)
+
+
+class StoredBlock(NamedTuple):
+    """One entry of :meth:`SSDTier.scan` (read from the header only)."""
+
+    key: BlockKey
+    parent: BlockKey | None
+    codec: str
+    raw_len: int
+    stored_len: int
+
+
+class SSDTier:
+    """Block bytes for one (namespace, layout) in an LMDB directory.
+
+    ``codec`` is the write codec (``auto``, ``raw``, ``zstd``,
+    ``bplane-zstd``); reads accept every codec. ``min_ratio`` is the least
+    raw/stored ratio for which ``auto`` keeps a compressed value.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        namespace: Namespace,
+        layout: KVLayout,
+        map_size_bytes: int = DEFAULT_MAP_SIZE_BYTES,
+        codec: str = "auto",
+        zstd_level: int = 1,
+        sync: bool = True,
+        readonly: bool = False,
+        min_ratio: float = 1.05,
+    ) -> None:
+        if not isinstance(map_size_bytes, int) or map_size_bytes <= 0:
+            raise ConfigError("tiers.ssd.map_size_bytes", map_size_bytes, "must be a positive integer")
+        self.path = os.fspath(path)
+        self.namespace = namespace
+        self.layout = layout
+        self.codec = check_codec(codec)
+        self.zstd_level = zstd_level
+        self.min_ratio = min_ratio
+        self.sync = sync
+        self.readonly = readonly
+        self.last_error: str | None = None
+        self._ctx = ValueContext.of(namespace, layout)
+        self._stats: dict[str, int] = dict.fromkeys(STAT_NAMES, 0)
+        self._gate = _TxnGate()
+        self._env: lmdb.Environment | None = _open_env(self.path, map_size_bytes, sync, readonly)
+        self.map_size_bytes: int = self._env.info()["map_size"]
+        if not readonly:
+            self._env.reader_check()  # free slots of readers that died (e.g. SIGKILL)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Close the environment (idempotent). With ``sync=False``, flushes first."""
+        if self._env is not None:
+            if not self.sync and not self.readonly:
+                self._env.sync(True)
+            self._env.close()
+            self._env = None
+
+    def __enter__(self) -> SSDTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        """Number of stored values (any namespace, valid or not). O(1)."""
+        return self._live_env().stat()["entries"]
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """A snapshot of the counters listed in :data:`STAT_NAMES`."""
+        return dict(self._stats)
+
+    # ---------------------------------------------------------------- writes
+
+    def put_many(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]]) -> int:
+        """Store ``(key, raw block bytes, parent key or None)`` items in one transaction.
+
+        Returns how many were written: all, or on a full map the longest prefix
+        that fits (possibly 0; ``stats["map_full"]`` and :attr:`last_error` say
+        so). Existing keys are overwritten. Encoding runs before the write lock
+        is taken, into a reused per-thread arena. Raises ``ValueError`` for a block that is not
+        ``layout.bytes_per_block`` long, ``ProtocolError`` when read-only.
+        Called by the mover; cost ≈ encode + one synced commit per call.
+        """
+        self._writable_env()
+        for _, buf, _ in items:
+            self._check_block(buf)
+        values = encode_many(
+            [(buf, parent) for _, buf, parent in items], self._ctx, self.codec, self.zstd_level, self.min_ratio
+        )
+        encoded = [(key_to_bytes(key), value) for (key, _, _), value in zip(items, values)]
+        num_written = self._write_prefix(encoded)
+        if num_written:
+            self._stats["puts"] += num_written
+            self._stats["bytes_written"] += sum(len(v) for _, v in encoded[:num_written])
+            self._stats["raw_bytes_written"] += num_written * self.layout.bytes_per_block
+        return num_written
+
+    def delete_many(self, keys: Sequence[BlockKey]) -> int:
+        """Remove ``keys`` in one transaction; returns how many existed.
+
+        Deletes need fresh pages too (copy-on-write, free-list records), so on
+        a completely full map the map is grown for this one transaction by
+        about 1 MiB plus 0.2% of the bytes being freed, then set back (LMDB
+        keeps it at least as large as the data). Eviction therefore always
+        works; the file may end up slightly above ``tiers.ssd.map_size_bytes``.
+        If even that fails, nothing is removed, 0 is returned and it is counted.
+        """
+        self._writable_env()
+        key_bytes = [key_to_bytes(k) for k in keys]
+        try:
+            try:
+                num_deleted = self._delete(key_bytes)
+            except lmdb.MapFullError:
+                num_deleted = self._delete_with_headroom(key_bytes)
+        except lmdb.MapFullError:
+            self._note_map_full(0, len(keys), "delete_many")
+            return 0
+        except lmdb.Error as exc:
+            self._note_write_error(exc)
+            return 0
+        self._stats["deletes"] += num_deleted
+        return num_deleted
+
+    def _delete(self, key_bytes: list[bytes]) -> int:
+        with self._write_txn() as txn:
+            return sum(txn.delete(k) for k in key_bytes)
+
+    def _delete_with_headroom(self, key_bytes: list[bytes]) -> int:
+        with self._read_txn() as txn:
+            freed_bytes = sum(len(v) for v in map(txn.get, key_bytes) if v is not None)
+        with self._headroom(_DELETE_HEADROOM_BYTES + freed_bytes // 512):
+            num_deleted = self._delete(key_bytes)
+            self._nudge()
+        return num_deleted
+
+    def _nudge(self) -> None:
+        """Commit a no-op write (put and delete a 1-byte key) to advance the txn id.
+
+        LMDB reuses pages freed by transaction N only from transaction N+2 on
+        (the previous snapshot stays intact), so after deletes on a full map no
+        put could ever commit to advance it. Raises ``lmdb.MapFullError``.
+        """
+        with self._write_txn() as txn:
+            txn.put(_NUDGE_KEY, b"")
+            txn.delete(_NUDGE_KEY)
+
+    def _nudge_with_headroom(self) -> bool:
+        """:meth:`_nudge`, growing the map briefly if even that does not fit."""
+        try:
+            try:
+                self._nudge()
+            except lmdb.MapFullError:
+                with self._headroom(_DELETE_HEADROOM_BYTES):
+                    self._nudge()
+        except lmdb.Error:
+            return False
+        return True
+
+    @contextmanager
+    def _headroom(self, extra_bytes: int) -> Iterator[None]:
+        """Grow the map by ``extra_bytes`` for the body, then set it back (LMDB keeps
+        it at least as large as the data). No transaction may be open meanwhile."""
+        env = self._live_env()
+        with self._gate.exclusive():
+            env.set_mapsize(self.map_size_bytes + extra_bytes)
+        try:
+            yield
+        finally:
+            with self._gate.exclusive():
+                env.set_mapsize(self.map_size_bytes)
+
+    def _check_block(self, buf: object) -> None:
+        nbytes = memoryview(buf).nbytes
+        if nbytes != self.layout.bytes_per_block:
+            raise ValueError(
+                f"block has {nbytes} bytes, layout {self.layout.describe()} needs {self.layout.bytes_per_block}"
+            )
+
+    def _write_prefix(self, encoded: list[tuple[bytes, memoryview]]) -> int:
+        """Commit the longest prefix of ``encoded`` that fits; returns its length."""
+        n = len(encoded)
+        nudged = False
+        while n > 0:
+            try:
+                failed_at = self._write(encoded[:n])
+            except lmdb.Error as exc:
+                self._note_write_error(exc)
+                return 0
+            if failed_at is None:
+                break
+            if failed_at == 0 and not nudged:
+                nudged = True  # pages freed by recent deletes may become reusable
+                if self._nudge_with_headroom():
+                    continue
+            n = failed_at if failed_at < n else n // 2  # failed at commit: halve
+        if n < len(encoded):
+            self._note_map_full(n, len(encoded), "put_many")
+        return n
+
+    def _write(self, encoded: list[tuple[bytes, memoryview]]) -> int | None:
+        """One write transaction: ``None`` if committed, else how many puts fit before
+        the map filled (``len(encoded)`` when the commit itself did not fit)."""
+        num_put = 0
+        try:
+            with self._write_txn() as txn:
+                for key_bytes, value in encoded:
+                    txn.put(key_bytes, value)
+                    num_put += 1
+        except lmdb.MapFullError:
+            return num_put
+        return None
+
+    def _note_map_full(self, num_written: int, num_asked: int, op: str) -> None:
+        self._stats["map_full"] += 1
+        self.last_error = (
+            f"tiers.ssd.map_size_bytes={self.map_size_bytes}: LMDB map at {self.path!r} is full; "
+            f"{op} wrote {num_written} of {num_asked}. Raise tiers.ssd.map_size_bytes or evict blocks."
+        )
+
+    def _note_write_error(self, exc: lmdb.Error) -> None:
+        self._stats["write_errors"] += 1
+        self.last_error = f"tiers.ssd.path={self.path!r}: LMDB write failed: {exc}"
+
+    # ----------------------------------------------------------------- reads
+
+    def get_into(self, key: BlockKey, out: object) -> bool:
+        """Decode ``key``'s bytes into ``out`` (writable, ``bytes_per_block`` long).
+
+        ``True`` only when the bytes verified; on ``False`` (absent, corrupt,
+        foreign) ``out`` holds unspecified bytes. Never raises for bad data.
+        """
+        return self.get_many_into([key], [out])[0]
+
+    def get_many_into(self, keys: Sequence[BlockKey], outs: Sequence[object]) -> list[bool]:
+        """:meth:`get_into` for many keys in one read transaction (zero-copy reads)."""
+        if len(keys) != len(outs):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
+        for out in outs:
+            self._check_out(out)
+        results: list[bool] = []
+        with self._read_txn() as txn:
+            for key, out in zip(keys, outs):
+                value = txn.get(key_to_bytes(key))
+                ok = value is not None and decode_into(value, out, self._ctx, self._stats)
+                if ok:
+                    self._stats["bytes_read"] += len(value)
+                results.append(ok)
+        num_hits = sum(results)
+        self._stats["gets"] += len(keys)
+        self._stats["hits"] += num_hits
+        self._stats["misses"] += len(keys) - num_hits
+        self._stats["raw_bytes_read"] += num_hits * self.layout.bytes_per_block
+        return results
+
+    def contains(self, key: BlockKey) -> bool:
+        """Whether a value is stored under ``key`` (not verified; O(log n), no copy)."""
+        with self._read_txn() as txn:
+            return txn.get(key_to_bytes(key)) is not None
+
+    def scan(self, include_foreign: bool = False) -> Iterator[StoredBlock]:
+        """Every stored block with a valid header, in key order (headers only).
+
+        Values of another namespace or layout are skipped unless
+        ``include_foreign``; values with a bad header are always skipped.
+        Reads in short transactions of 1024 entries, so a slow consumer never
+        pins old pages; blocks written during a scan may or may not appear.
+        """
+        return self._walk(lambda key_bytes, value: self._scan_entry(key_bytes, value, include_foreign))
+
+    def _scan_entry(self, key_bytes: bytes, value: memoryview, include_foreign: bool) -> StoredBlock | None:
+        header = read_header(value) if len(key_bytes) == KEY_BYTES else None
+        if header is None:
+            return None
+        foreign = header.namespace_digest != self._ctx.namespace_digest or header.layout_hash != self._ctx.layout_hash
+        if foreign and not include_foreign:
+            return None
+        return StoredBlock(key_from_bytes(key_bytes), header.parent, header.codec, header.raw_len, header.stored_len)
+
+    def verify_all(self, delete_bad: bool = False) -> tuple[int, int]:
+        """Fully decode and verify every stored value; returns ``(ok, bad)``.
+
+        Bad = not decodable into a verified block of this namespace and layout
+        (corrupt, truncated, foreign, or a key that is not 16 bytes). Failures
+        bump the same counters as reads. With ``delete_bad`` they are removed
+        afterwards (one write transaction). O(total stored bytes).
+        """
+        scratch = bytearray(self.layout.bytes_per_block)
+
+        def check(key_bytes: bytes, value: memoryview) -> tuple[bytes, bool]:
+            ok = len(key_bytes) == KEY_BYTES and decode_into(value, scratch, self._ctx, self._stats)
+            return key_bytes, ok
+
+        num_ok = 0
+        bad_keys: list[bytes] = []
+        for key_bytes, ok in self._walk(check):
+            if ok:
+                num_ok += 1
+            else:
+                bad_keys.append(key_bytes)
+        if delete_bad and bad_keys:
+            self._delete(bad_keys)
+        return num_ok, len(bad_keys)
+
+    def _walk(self, visit: Callable[[bytes, memoryview], _T | None]) -> Iterator[_T]:
+        """``visit(key, value)`` for every entry in key order, in read transactions of
+        1024 entries (``value`` is only valid during the call); yields non-``None`` results."""
+        start = b""
+        while True:
+            results: list[_T] = []
+            num_seen = 0
+            with self._read_txn() as txn:
+                cursor = txn.cursor()
+                if cursor.set_range(start):
+                    for key_mv, value in cursor:
+                        key_bytes = bytes(key_mv)
+                        if key_bytes == start:
+                            continue  # resumed on the last key of the previous chunk
+                        num_seen += 1
+                        result = visit(key_bytes, value)
+                        if result is not None:
+                            results.append(result)
+                        if num_seen == _SCAN_CHUNK_ENTRIES:
+                            start = key_bytes
+                            break
+            yield from results
+            if num_seen < _SCAN_CHUNK_ENTRIES:
+                return
+
+    # ---------------------------------------------------------------- helpers
+
+    @contextmanager
+    def _read_txn(self) -> Iterator[lmdb.Transaction]:
+        """A zero-copy read transaction; its memoryviews must not outlive it."""
+        with self._gate.shared(), self._live_env().begin(buffers=True) as txn:
+            yield txn
+
+    @contextmanager
+    def _write_txn(self) -> Iterator[lmdb.Transaction]:
+        """A write transaction, committed on normal exit and aborted on an exception."""
+        with self._gate.shared(), self._writable_env().begin(write=True) as txn:
+            yield txn
+
+    def _check_out(self, out: object) -> None:
+        view = memoryview(out)
+        if view.readonly:
+            raise TypeError("output buffer must be writable")
+        nbytes = view.nbytes
+        if nbytes != self.layout.bytes_per_block:
+            raise ValueError(f"output buffer has {nbytes} bytes, needs {self.layout.bytes_per_block}")
+
+    def _live_env(self) -> lmdb.Environment:
+        if self._env is None:
+            raise ProtocolError(f"SSDTier at {self.path!r} is closed")
+        return self._env
+
+    def _writable_env(self) -> lmdb.Environment:
+        if self.readonly:
+            raise ProtocolError(f"SSDTier at {self.path!r} was opened read-only (tiers.ssd.readonly=True)")
+        return self._live_env()
+
+
+def _open_env(path: str, map_size_bytes: int, sync: bool, readonly: bool) -> lmdb.Environment:
+    """Open (creating unless ``readonly``) the LMDB directory, or raise ``StorageError``."""
+    if not readonly:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"tiers.ssd.path={path!r}: cannot create directory: {exc.strerror or exc}") from exc
+    try:
+        return lmdb.open(
+            path,
+            map_size=map_size_bytes,
+            subdir=True,
+            readonly=readonly,
+            create=not readonly,
+            sync=sync,
+            metasync=sync,
+            readahead=True,
+            max_readers=256,
+        )
+    except (lmdb.Error, OSError) as exc:
+        raise StorageError(f"tiers.ssd.path={path!r}: cannot open LMDB environment: {exc}") from exc
+
+
+class _TxnGate:
+    """Shared/exclusive gate: transactions hold it shared; resizing the map holds it
+    exclusively (LMDB forbids ``set_mapsize`` while this process has a transaction
+    open, and zero-copy memoryviews would dangle). A waiting exclusive holder
+    blocks new shared ones, so a busy reader pool cannot starve a resize."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._num_shared = 0
+        self._num_exclusive_waiting = 0
+        self._exclusive = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive or self._num_exclusive_waiting:
+                self._cond.wait()
+            self._num_shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._num_shared -= 1
+                if self._num_shared == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._num_exclusive_waiting += 1
+            while self._exclusive or self._num_shared:
+                self._cond.wait()
+            self._num_exclusive_waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()

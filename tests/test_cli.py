@@ -1,0 +1,64 @@
+"""The command line: --help everywhere, inspect over a real SSD directory."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import lmdb
+import pytest
+import torch
+
+from kvtier.cli import build_parser, main
+from kvtier.config import load_config
+from kvtier.keys import key_to_bytes
+from kvtier.store import TieredStore
+
+LAYOUT = {"num_layers": 1, "num_kv_heads": 2, "head_dim": 16, "dtype": "bfloat16", "block_size": 4}
+
+
+def _subcommands() -> list[list[str]]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    return [[name] for name in sub.choices]
+
+
+@pytest.mark.parametrize("argv", [[], *_subcommands()])
+def test_every_command_has_help(argv: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_import_kvtier_pulls_no_engine_or_grpc() -> None:
+    code = ("import sys, kvtier; bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'vllm', 'sglang', 'torch_npu', 'grpc')]; print(bad); sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_inspect_lists_and_flags_a_corrupt_value(tmp_path: Path, capsys) -> None:
+    ssd = tmp_path / "ssd"
+    cfg = load_config(env={}, overrides={"layout": LAYOUT, "put_tier": "ssd", "tiers": {
+        "hbm": {"enabled": False}, "dram": {"enabled": False},
+        "ssd": {"enabled": True, "capacity_blocks": 8, "path": str(ssd), "codec": "auto"}}})
+    with TieredStore(cfg) as store:
+        keys = store.keys_for(list(range(12)))
+        store.put(keys, [torch.randn(256).to(torch.bfloat16) for _ in keys])
+    assert main(["inspect", str(ssd)]) == 0
+    out = capsys.readouterr().out
+    assert "3 blocks" in out
+    env = lmdb.open(str(ssd))
+    with env.begin(write=True) as txn:
+        raw = bytearray(txn.get(key_to_bytes(keys[0])))
+        raw[-1] ^= 0x01
+        txn.put(key_to_bytes(keys[0]), bytes(raw))
+    env.close()
+    assert main(["inspect", str(ssd)]) == 1
+
+
+def test_inspect_of_a_non_tier_directory_names_the_setting(tmp_path: Path) -> None:
+    with pytest.raises(Exception, match="tiers.ssd.path"):
+        main(["inspect", str(tmp_path)])

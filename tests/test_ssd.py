@@ -1,0 +1,393 @@
+"""SSD tier and its value codec: round trips, corruption, mismatches, capacity, errors.
+
+The rule under test everywhere: ``get_into`` / ``decode_into`` return ``True``
+only for bytes that verified and belong to the tier's namespace and layout;
+anything else is a counted miss, never an exception.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier.errors import ConfigError, ProtocolError, StorageError
+from kvtier.keys import BlockKey, Namespace
+from kvtier.layout import DTYPE_TO_BYTES, KVLayout
+from kvtier.tiers.codec import HEADER_BYTES, ValueContext, decode_into, encode, read_header
+from kvtier.tiers.ssd import SSDTier
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16", block_size=16)  # 16 KiB
+SAME_SIZE_LAYOUT = KVLayout(num_layers=4, num_kv_heads=1, head_dim=64, dtype="bfloat16", block_size=16)
+NS = Namespace("tiny", "bfloat16", "fused", 16)
+OTHER_NS = Namespace("tiny", "bfloat16", "fused", 16, tenant="other")
+CTX = ValueContext.of(NS, LAYOUT)
+CODECS = ("raw", "zstd", "bplane-zstd")
+BPB = LAYOUT.bytes_per_block
+FAILURE_COUNTERS = ("checksum_failures", "decode_failures", "mismatches")
+
+
+def bf16_block(seed: int, nbytes: int = BPB) -> np.ndarray:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(nbytes // 2, generator=g).to(torch.bfloat16).view(torch.uint8).numpy()
+
+
+def random_block(seed: int, nbytes: int = BPB) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def make_block(kind: str, seed: int) -> np.ndarray:
+    if kind == "bf16":
+        return bf16_block(seed)
+    if kind == "random":
+        return random_block(seed)
+    return np.zeros(BPB, dtype=np.uint8)
+
+
+def failures(tier: SSDTier) -> int:
+    return sum(tier.stats[c] for c in FAILURE_COUNTERS)
+
+
+def rewrite_values(path: Path, edit) -> None:
+    """Open the LMDB directory directly (tier closed) and replace each value by ``edit(key, value)``."""
+    env = lmdb.open(str(path), map_size=1 << 30)
+    with env.begin(write=True) as txn:
+        for key, value in list(txn.cursor()):
+            txn.put(key, edit(key, value))
+    env.close()
+
+
+@pytest.fixture
+def tier_path(tmp_path: Path) -> Path:
+    return tmp_path / "ssd"
+
+
+# ----------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("codec", [*CODECS, "auto"])
+@pytest.mark.parametrize("kind", ["bf16", "random", "zeros"])
+def test_round_trip_every_codec(tier_path: Path, codec: str, kind: str) -> None:
+    blocks = {BlockKey(i + 1): make_block(kind, i) for i in range(6)}
+    with SSDTier(tier_path, NS, LAYOUT, codec=codec) as tier:
+        items = [(k, b, BlockKey(k - 1) if k > 1 else None) for k, b in blocks.items()]
+        assert tier.put_many(items) == 6
+        outs = [np.empty(BPB, dtype=np.uint8) for _ in blocks]
+        assert tier.get_many_into(list(blocks), outs) == [True] * 6
+        for out, block in zip(outs, blocks.values()):
+            assert np.array_equal(out, block)
+        assert tier.stats["hits"] == 6 and tier.stats["misses"] == 0 and failures(tier) == 0
+    # Reopened: the same bytes, and the scan rebuilds the chain.
+    with SSDTier(tier_path, NS, LAYOUT, readonly=True) as tier:
+        out = bytearray(BPB)
+        assert tier.get_into(BlockKey(3), out) and bytes(out) == blocks[BlockKey(3)].tobytes()
+        entries = list(tier.scan())
+        assert [(e.key, e.parent) for e in entries] == [(k, BlockKey(k - 1) if k > 1 else None) for k in blocks]
+        assert all(e.raw_len == BPB for e in entries)
+        if codec != "auto":
+            assert {e.codec for e in entries} == {codec}
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "expected_codec"),
+    [
+        ("bf16", "bfloat16", "bplane-zstd"),  # exponent plane compresses ~3x
+        ("random", "bfloat16", "raw"),  # nothing compresses: keep raw
+        ("zeros", "bfloat16", "bplane-zstd"),
+        ("zeros", "float8_e4m3fn", "zstd"),  # 1-byte dtype: plain zstd candidate
+        ("random", "float8_e4m3fn", "raw"),
+    ],
+)
+def test_auto_codec_choice(kind: str, dtype: str, expected_codec: str) -> None:
+    layout = KVLayout(2, 2, 64, dtype, 32 // DTYPE_TO_BYTES[dtype])
+    assert layout.bytes_per_block == BPB
+    ctx = ValueContext.of(NS, layout)
+    raw = make_block(kind, 7)
+    value = encode(raw, ctx, "auto")
+    assert read_header(value).codec == expected_codec
+    out = np.empty(BPB, dtype=np.uint8)
+    assert decode_into(value, out, ctx) and np.array_equal(out, raw)
+
+
+def test_bplane_compresses_bf16_better_than_zstd() -> None:
+    raw = bf16_block(1, 1 << 20)
+    ctx = ValueContext.of(NS, KVLayout(32, 2, 128, "bfloat16", 32))
+    sizes = {c: len(encode(raw, ctx, c)) for c in CODECS}
+    assert sizes["bplane-zstd"] < sizes["zstd"] < sizes["raw"]
+    assert raw.nbytes / sizes["bplane-zstd"] > 1.35  # measured ~1.5 on bf16 normals
+
+
+def test_get_many_into_mixes_hits_and_misses(tier_path: Path) -> None:
+    with SSDTier(tier_path, NS, LAYOUT) as tier:
+        tier.put_many([(BlockKey(1), bf16_block(1), None), (BlockKey(3), bf16_block(3), None)])
+        outs = [bytearray(BPB) for _ in range(3)]
+        assert tier.get_many_into([BlockKey(1), BlockKey(2), BlockKey(3)], outs) == [True, False, True]
+        assert tier.contains(BlockKey(3)) and not tier.contains(BlockKey(2))
+        s = tier.stats
+        assert (s["gets"], s["hits"], s["misses"], failures(tier)) == (3, 2, 1, 0)
+        assert s["raw_bytes_read"] == 2 * BPB and 0 < s["bytes_read"] and s["puts"] == 2
+
+
+def test_delete_many_and_overwrite(tier_path: Path) -> None:
+    with SSDTier(tier_path, NS, LAYOUT) as tier:
+        tier.put_many([(BlockKey(i), bf16_block(i), None) for i in (1, 2, 3)])
+        assert tier.delete_many([BlockKey(2), BlockKey(9)]) == 1  # 9 never existed
+        assert [e.key for e in tier.scan()] == [1, 3]
+        tier.put_many([(BlockKey(1), random_block(5), BlockKey(3))])  # overwrite
+        out = np.empty(BPB, dtype=np.uint8)
+        assert tier.get_into(BlockKey(1), out) and np.array_equal(out, random_block(5))
+        assert next(iter(tier.scan())).parent == BlockKey(3)
+        assert len(tier) == 2 and tier.stats["deletes"] == 1
+
+
+def test_scan_crosses_chunk_boundaries(tier_path: Path) -> None:
+    # 2,500 tiny entries: more than two scan chunks of 1,024.
+    layout = KVLayout(1, 1, 8, "bfloat16", 2, arrangement="mla")
+    with SSDTier(tier_path, NS, layout) as tier:
+        items = [(BlockKey(i), bytes(layout.bytes_per_block), None) for i in range(1, 2501)]
+        assert tier.put_many(items) == 2500
+        assert [e.key for e in tier.scan()] == list(range(1, 2501))
+        assert tier.verify_all() == (2500, 0)
+
+
+def test_misuse_raises(tier_path: Path) -> None:
+    with SSDTier(tier_path, NS, LAYOUT) as tier:
+        with pytest.raises(ValueError, match="needs 16384"):
+            tier.put_many([(BlockKey(1), bytes(BPB - 2), None)])
+        with pytest.raises(ValueError, match="needs 16384"):
+            tier.get_into(BlockKey(1), bytearray(BPB + 1))
+        with pytest.raises(TypeError, match="writable"):
+            tier.get_into(BlockKey(1), bytes(BPB))  # even for a key that is absent
+    with pytest.raises(ProtocolError, match="closed"):
+        tier.contains(BlockKey(1))
+    with SSDTier(tier_path, NS, LAYOUT, readonly=True) as ro:
+        with pytest.raises(ProtocolError, match="read-only"):
+            ro.put_many([(BlockKey(2), bytes(BPB), None)])
+    with pytest.raises(ConfigError, match="tiers.ssd.codec"):
+        SSDTier(tier_path, NS, LAYOUT, codec="lz4")
+    with pytest.raises(ConfigError, match="tiers.ssd.map_size_bytes"):
+        SSDTier(tier_path, NS, LAYOUT, map_size_bytes=0)
+
+
+# ------------------------------------------------------------------ corruption
+
+
+def _flip(value: bytes, offset: int, mask: int) -> bytes:
+    b = bytearray(value)
+    b[offset] ^= mask
+    return bytes(b)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("region", ["header", "payload"])
+def test_flipped_bytes_are_counted_misses(tier_path: Path, codec: str, region: str) -> None:
+    rng = random.Random(f"{codec}-{region}")
+    keys = [BlockKey(i) for i in range(1, 41)]
+    originals = {k: (bf16_block(k) if k % 2 else random_block(k)) for k in keys}
+    with SSDTier(tier_path, NS, LAYOUT, codec=codec) as tier:
+        tier.put_many([(k, originals[k], None) for k in keys])
+    flipped_at: dict[bytes, int] = {}
+
+    def corrupt(key: bytes, value: memoryview) -> bytes:
+        value = bytes(value)
+        lo, hi = (0, HEADER_BYTES) if region == "header" else (HEADER_BYTES, len(value))
+        offset = rng.randrange(lo, hi)
+        flipped_at[key] = offset
+        return _flip(value, offset, rng.randrange(1, 256))
+
+    rewrite_values(tier_path, corrupt)
+    with SSDTier(tier_path, NS, LAYOUT) as tier:
+        out = np.empty(BPB, dtype=np.uint8)
+        for n, key in enumerate(keys, start=1):
+            out[:] = originals[key]  # even a buffer already holding the right bytes is not "valid"
+            assert not tier.get_into(key, out), f"{codec} flip at {flipped_at[key.to_bytes(16, 'big')]}"
+            assert failures(tier) == n
+        s = tier.stats
+        assert (s["hits"], s["misses"], s["mismatches"]) == (0, len(keys), 0)
+        if region == "payload" and codec == "raw":
+            assert s["checksum_failures"] == len(keys)  # only the raw checksum can catch these
+        assert tier.verify_all() == (0, len(keys))
+        assert tier.verify_all(delete_bad=True) == (0, len(keys)) and len(tier) == 0
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_truncated_and_extended_values_are_decode_failures(tier_path: Path, codec: str) -> None:
+    block = bf16_block(11)
+    with SSDTier(tier_path, NS, LAYOUT, codec=codec) as tier:
+        tier.put_many([(BlockKey(1), block, None)])
+    for cut in (0, 1, 4, HEADER_BYTES - 1, HEADER_BYTES, HEADER_BYTES + 1, -1, "half", "extend"):
+
+        def edit(key: bytes, value: memoryview, cut=cut) -> bytes:
+            value = bytes(value)
+            if cut == "half":
+                return value[: len(value) // 2]
+            if cut == "extend":
+                return value + b"\0"
+            return value[:cut]
+
+        with SSDTier(tier_path, NS, LAYOUT, codec=codec) as tier:
+            tier.put_many([(BlockKey(1), block, None)])  # restore the good value
+        rewrite_values(tier_path, edit)
+        with SSDTier(tier_path, NS, LAYOUT) as tier:
+            assert not tier.get_into(BlockKey(1), np.empty(BPB, dtype=np.uint8)), cut
+            assert tier.stats["decode_failures"] == 1 and tier.stats["misses"] == 1
+            assert list(tier.scan()) == []  # no valid header: not offered for warm restart
+
+
+def test_foreign_namespace_and_layout_are_misses(tier_path: Path) -> None:
+    block = bf16_block(3)
+    with SSDTier(tier_path, NS, LAYOUT) as tier:
+        tier.put_many([(BlockKey(1), block, None)])
+    out = np.empty(BPB, dtype=np.uint8)
+    with SSDTier(tier_path, OTHER_NS, LAYOUT) as tier:
+        assert not tier.get_into(BlockKey(1), out)
+        assert tier.stats["mismatches"] == 1 and tier.stats["misses"] == 1
+        assert list(tier.scan()) == [] and [e.key for e in tier.scan(include_foreign=True)] == [1]
+        assert tier.verify_all() == (0, 1)
+    with SSDTier(tier_path, NS, SAME_SIZE_LAYOUT) as tier:  # same bytes per block, other shape
+        assert not tier.get_into(BlockKey(1), out)
+        assert tier.stats["mismatches"] == 1
+    with SSDTier(tier_path, NS, LAYOUT) as tier:
+        assert tier.get_into(BlockKey(1), out) and np.array_equal(out, block)
+
+
+# ------------------------------------------------------------ capacity, errors
+
+
+def test_map_full_keeps_earlier_data_and_names_the_setting(tier_path: Path) -> None:
+    map_size = 1 << 20  # 1 MiB: room for a few dozen 16 KiB raw blocks
+    blocks = {BlockKey(i): random_block(i) for i in range(1, 201)}
+    keys = list(blocks)
+    with SSDTier(tier_path, NS, LAYOUT, map_size_bytes=map_size, codec="raw") as tier:
+        assert tier.put_many([(k, blocks[k], None) for k in keys[:10]]) == 10
+        written = tier.put_many([(k, blocks[k], None) for k in keys[10:]])  # does not fit
+        assert 0 <= written < 190
+        assert tier.stats["map_full"] == 1
+        assert f"tiers.ssd.map_size_bytes={map_size}" in tier.last_error
+        # Exactly the longest prefix that fit was written; the rest is absent.
+        stored = [e.key for e in tier.scan()]
+        assert stored == keys[: 10 + written] and tier.stats["puts"] == 10 + written
+        rest = keys[10 + written :]
+        assert tier.put_many([(k, blocks[k], None) for k in rest]) < len(rest)  # still full: a value, not a crash
+        assert tier.stats["map_full"] == 2
+        out = np.empty(BPB, dtype=np.uint8)
+        stored = [e.key for e in tier.scan()]
+        for k in stored:
+            assert tier.get_into(k, out) and np.array_equal(out, blocks[k])
+        # Deleting makes room again.
+        assert tier.delete_many(stored[:8]) == 8
+        assert tier.put_many([(keys[-1], blocks[keys[-1]], None)]) == 1
+
+
+def test_unwritable_directory_raises_storage_error(tmp_path: Path) -> None:
+    regular_file = tmp_path / "not-a-dir"
+    regular_file.write_bytes(b"x")
+    for bad in (regular_file / "ssd", regular_file):
+        with pytest.raises(StorageError, match="tiers.ssd.path") as info:
+            SSDTier(bad, NS, LAYOUT)
+        assert str(bad) in str(info.value)
+    with pytest.raises(StorageError, match="tiers.ssd.path"):
+        SSDTier(tmp_path / "missing", NS, LAYOUT, readonly=True)
+
+
+def test_sync_false_is_flushed_on_close(tier_path: Path) -> None:
+    with SSDTier(tier_path, NS, LAYOUT, sync=False) as tier:
+        tier.put_many([(BlockKey(1), bf16_block(1), None)])
+    with SSDTier(tier_path, NS, LAYOUT) as tier:
+        assert tier.get_into(BlockKey(1), bytearray(BPB))
+
+
+# ------------------------------------------------------- decode property tests
+
+SMALL = KVLayout(1, 1, 512, "bfloat16", 2, arrangement="mla")  # 2 KiB
+SMALL_CTX = ValueContext.of(NS, SMALL)
+SMALL_RAWS = {
+    "bf16": bf16_block(5, SMALL.bytes_per_block).tobytes(),
+    "random": random_block(5, SMALL.bytes_per_block).tobytes(),
+    "zeros": bytes(SMALL.bytes_per_block),
+}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=3 * SMALL.bytes_per_block))
+def test_decode_of_random_bytes_never_raises_or_succeeds(data: bytes) -> None:
+    counters: dict[str, int] = {}
+    assert not decode_into(data, bytearray(SMALL.bytes_per_block), SMALL_CTX, counters)
+    assert sum(counters.values()) == 1
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    codec=st.sampled_from(CODECS),
+    kind=st.sampled_from(sorted(SMALL_RAWS)),
+    edits=st.lists(
+        st.tuples(st.sampled_from(["flip", "cut", "insert", "delete"]), st.integers(0, 10**6), st.integers(1, 255)),
+        min_size=1,
+        max_size=4,
+    ),
+)
+def test_decode_of_mutated_values_never_returns_wrong_bytes(codec: str, kind: str, edits: list) -> None:
+    raw = SMALL_RAWS[kind]
+    original = encode(raw, SMALL_CTX, codec)
+    value = bytearray(original)
+    for op, pos, byte in edits:
+        pos %= len(value) + 1
+        if op == "flip" and pos < len(value):
+            value[pos] ^= byte
+        elif op == "cut":
+            del value[pos:]
+        elif op == "insert":
+            value[pos:pos] = bytes([byte])
+        elif op == "delete" and pos < len(value):
+            del value[pos]
+    out = bytearray(b"\xaa" * SMALL.bytes_per_block)
+    counters: dict[str, int] = {}
+    ok = decode_into(bytes(value), out, SMALL_CTX, counters)
+    if ok:
+        assert bytes(out) == raw, "a mutated value decoded to wrong bytes and was called valid"
+        assert not counters
+    else:
+        assert sum(counters.values()) == 1
+    if bytes(value) == original:
+        assert ok
+
+
+def test_map_resize_for_deletes_is_safe_with_concurrent_readers(tier_path: Path) -> None:
+    # Deletes on a full map grow it briefly (set_mapsize); zero-copy reads in other
+    # threads must never run across that (they would read unmapped memory).
+    import threading
+
+    blocks = {BlockKey(i): bf16_block(i) for i in range(1, 9)}
+    errors: list[str] = []
+    stop = threading.Event()
+    with SSDTier(tier_path, NS, LAYOUT, map_size_bytes=1 << 20) as tier:
+        tier.put_many([(k, b, None) for k, b in blocks.items()])
+
+        def reader() -> None:
+            outs = [np.empty(BPB, dtype=np.uint8) for _ in blocks]
+            while not stop.is_set():
+                if tier.get_many_into(list(blocks), outs) != [True] * len(blocks):
+                    errors.append(f"miss: {tier.stats}")
+                if not all(np.array_equal(o, b) for o, b in zip(outs, blocks.values())):
+                    errors.append("wrong bytes")
+
+        threads = [threading.Thread(target=reader) for _ in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            for i in range(30):
+                with tier._headroom(1 << 20):  # what a delete on a full map does
+                    tier.put_many([(BlockKey(100 + i), random_block(i), None)])
+                tier.delete_many([BlockKey(100 + i)])
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        assert errors == []
+        assert tier._env.info()["map_size"] == 1 << 20  # set back afterwards
