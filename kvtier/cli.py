@@ -1,4 +1,5 @@
-"""The ``kvtier`` command line: ``kvtier bench tiers|hints``, ``kvtier inspect DIR``, ``kvtier serve``.
+"""The ``kvtier`` command line: ``kvtier replay``, ``kvtier bench tiers|hints``, ``kvtier inspect DIR``,
+``kvtier serve``.
 
 Owns: argument parsing and printing. Every subcommand has ``--help``; the
 work itself lives in the modules it calls (no logic here beyond wiring).
@@ -58,6 +59,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve.run(args)
 
 
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from .replay.cli import command
+
+    return command(args)
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .inspect import inspect_dir
 
@@ -71,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    from .replay.cli import DESCRIPTION as REPLAY_DESCRIPTION, add_arguments as add_replay_arguments
+
+    r = sub.add_parser("replay", help="replay agent traces and compare KV placement policies (the main job)",
+                       description=REPLAY_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_replay_arguments(r)
+    r.set_defaults(func=_cmd_replay)
 
     b = sub.add_parser("bench", help="run a benchmark (prints a table; --json writes figures)",
                        description="Benchmarks that compare kvtier against a baseline measured in the same run.")

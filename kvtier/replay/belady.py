@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_right
-from typing import Iterable, Sequence
+from typing import Hashable, Iterable, Sequence
 
 from ..keys import BlockKey
 from ..policies.base import IsEvictable
@@ -22,14 +22,19 @@ NEVER = float("inf")
 class NextUseOracle:
     """Positions at which every block is used, in a recorded request order.
 
-    ``order`` lists each request's block keys in the order requests are
-    served; :meth:`advance` moves the clock to a request's position.
+    ``order`` lists ``(request id, block keys)`` in the order requests were
+    served by a first pass; :meth:`advance` moves the clock to a request's
+    position in it. When the replay serves requests in the recorded order
+    (one session at a time) the oracle is exact; otherwise it is the recorded
+    run's future, a close but not provable bound.
     """
 
-    def __init__(self, order: Sequence[Sequence[BlockKey]]) -> None:
+    def __init__(self, order: Sequence[tuple[Hashable, Sequence[BlockKey]]]) -> None:
         uses: dict[BlockKey, list[int]] = {}
         depth: dict[BlockKey, int] = {}
-        for pos, keys in enumerate(order):
+        self._position: dict[Hashable, int] = {}
+        for pos, (request_id, keys) in enumerate(order):
+            self._position[request_id] = pos
             for d, key in enumerate(keys):
                 lst = uses.get(key)
                 if lst is None:
@@ -41,9 +46,9 @@ class NextUseOracle:
         self._depth = depth
         self.clock = -1
 
-    def advance(self, position: int) -> None:
-        """The request at ``position`` is being served now."""
-        self.clock = position
+    def advance(self, request_id: Hashable) -> None:
+        """``request_id`` is being served now (unknown ids leave the clock as it is)."""
+        self.clock = self._position.get(request_id, self.clock)
 
     def next_use(self, key: BlockKey) -> float:
         """First position after the clock at which ``key`` is used (``inf``: never)."""

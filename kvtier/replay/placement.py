@@ -20,7 +20,10 @@ Baselines:
 * ``minwaste`` — InferCept (arXiv 2402.01869): on a tool call choose
   preserve / swap / discard, whichever wastes the least memory-time, with
   no write-through (swap is an explicit HBM → DRAM move).
-* ``belady`` — offline optimum by next use in every tier, over ``lru-dram``.
+* ``belady`` — offline optimum of HBM eviction by next use (HBM only, like
+  ``lru``): the bound on HBM hits no online eviction policy can beat on the
+  same request order. (Per-tier Belady is not optimal for a hierarchy, so it
+  is not offered as a bound on DRAM/SSD reuse.)
 """
 
 from __future__ import annotations
@@ -176,6 +179,8 @@ class MinWaste(PlacementPolicy):
 class Belady(PlacementPolicy):
     name = "belady"
     eviction = "belady"
+    write_through = False
+    use_lower_tiers = False
     needs_oracle = True
 
 

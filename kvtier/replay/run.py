@@ -74,8 +74,8 @@ def run_point(spec: ReplaySpec, policy_name: str, conc: int, hbm_blocks: int,
     label = f"{policy_name} conc={conc} hbm={hbm_blocks}"
     oracle = None
     if policy.needs_oracle:  # pass 1 records the order requests are served in
-        order: list[tuple[BlockKey, ...]] = []
-        Simulator(spec.workload, cfg, make_placement("lru-dram"), spec.profile, order_log=order).run()
+        order: list = []
+        Simulator(spec.workload, cfg, make_placement("lru"), spec.profile, order_log=order).run()
         oracle = NextUseOracle(order)
 
     def tick(done: int, total: int) -> None:
@@ -110,7 +110,7 @@ def report_header(spec: ReplaySpec) -> dict[str, Any]:
     return {
         "kvtier_version": __version__,
         "trace": spec.trace_name,
-        "profile": spec.profile.name,
+        "profile": spec.profile.spec,
         "seed": spec.seed,
         "block_size": w.block_size,
         "workload": {"sessions": len(w.sessions), "requests": w.num_requests(),

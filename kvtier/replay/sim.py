@@ -152,7 +152,7 @@ class Simulator:
         profile: Any,
         *,
         oracle: NextUseOracle | None = None,
-        order_log: list[tuple[BlockKey, ...]] | None = None,
+        order_log: list[tuple[tuple[int, str, int], tuple[BlockKey, ...]]] | None = None,
         progress: Callable[[int, int], None] | None = None,
     ) -> None:
         if workload.open_loop:
@@ -295,8 +295,9 @@ class Simulator:
         mgr, keys, bs = self.mgr, run.keys, self.block_size
         req = run.req
         need = math.ceil((req.input_tokens + req.output_tokens) / bs)
+        request_id = (run.sess.idx, run.agent.agent_id, req.index)
         if self.oracle is not None:
-            self.oracle.advance(self._admitted)
+            self.oracle.advance(request_id)
         if need > self.cfg.hbm_blocks:  # can never fit: served without caching
             self.counters["oversized_requests"] += 1
             run.uncached = True
@@ -304,7 +305,7 @@ class Simulator:
             self._admitted += 1
             self.block_touches += len(keys)
             if self.order_log is not None:
-                self.order_log.append(keys)
+                self.order_log.append((request_id, keys))
             return True
         hit = mgr.lookup(keys)
         names = hit.tier_names
@@ -356,7 +357,7 @@ class Simulator:
         self._admitted += 1
         self.block_touches += len(keys)
         if self.order_log is not None:
-            self.order_log.append(keys)
+            self.order_log.append((request_id, keys))
         mgr.touch(keys[:n_used], "hbm")
         if store_plan is not None and store_plan.skipped:
             mgr.touch(store_plan.skipped, "hbm")

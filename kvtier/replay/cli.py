@@ -1,0 +1,160 @@
+"""``kvtier replay``: arguments and the command (wiring only; the work is in ``run``/``report``).
+
+Owns: the replay flags, turning them into a :class:`~kvtier.replay.run.ReplaySpec`,
+progress on stderr, the terminal table, ``--json`` and ``--plot``. Must not
+simulate or compute metrics itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+DESCRIPTION = """\
+Replay agent traces closed-loop against a modelled engine and compare KV-cache
+placement policies on TTFT, interactivity, throughput per chip and prefill work.
+With no --trace, replays the embedded workload: deterministic AgentX-shaped
+coding-agent sessions (see kvtier.replay.generator). Policies: lru (vLLM prefix
+caching, HBM only), lru-dram (LMCache-style write-through to DRAM/SSD), arc,
+s3fifo, ttl (Continuum), minwaste (InferCept), belady (offline optimum).
+"""
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .run import DEFAULT_POLICIES
+
+    p.add_argument("--trace", metavar="PATH",
+                   help="AgentX/Weka JSON, Mooncake JSONL, or a directory or tarball of them "
+                        "(default: the embedded workload)")
+    p.add_argument("--skip-bad", action="store_true", help="skip (and count) malformed traces instead of failing")
+    p.add_argument("--sessions", type=int, metavar="N",
+                   help="embedded workload: number of sessions (default 40); traces: replay only the first N")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help=f"comma-separated policies to compare (default: {','.join(DEFAULT_POLICIES)})")
+    p.add_argument("--profile", default=None, metavar="HW:MODEL[:CHIPS]",
+                   help="hardware and model profile, e.g. h100-80gb:llama-3.1-8b (the default), "
+                        "b200:llama-3.1-70b:4, ascend-910c:deepseek-r1")
+    p.add_argument("--profile-file", metavar="YAML", help="override profile fields from a YAML file")
+    p.add_argument("--block-size", type=int, metavar="TOKENS",
+                   help="engine block size: re-block the trace (merge exactly, split with derived ids)")
+    p.add_argument("--conc", type=int, default=8, help="live session trees (closed loop; default 8)")
+    p.add_argument("--sweep-conc", type=_ints, metavar="1,2,4,...", help="replay every listed conc")
+    cap = p.add_mutually_exclusive_group()
+    cap.add_argument("--hbm-blocks", type=_ints, metavar="N[,N...]",
+                     help="HBM KV capacity in blocks (default: what the profile's HBM holds after weights)")
+    cap.add_argument("--hbm-fraction", type=_floats, metavar="F[,F...]",
+                     help="HBM capacity as a fraction of the trace's distinct blocks (several: capacity sweep)")
+    p.add_argument("--dram-blocks", type=int, help="DRAM tier capacity in blocks (default 2x HBM)")
+    p.add_argument("--ssd-blocks", type=int, default=0, help="SSD tier capacity in blocks (default 0: off)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the embedded workload (default 0)")
+    p.add_argument("--warmup", type=float, default=0.0, metavar="S",
+                   help="exclude requests ready before S simulated seconds from the figures")
+    p.add_argument("--gap-cap", type=float, metavar="S", help="cap tool/user gaps at S seconds (AgentX uses 10)")
+    p.add_argument("--max-batch-tokens", type=int, default=8192, help="token budget per engine step (default 8192)")
+    p.add_argument("--slo-ttft-p99", type=float, metavar="S", help="SLO capacity search: p99 TTFT bound (s)")
+    p.add_argument("--slo-interactivity", type=float, metavar="TOK_S",
+                   help="SLO capacity search: p50 interactivity floor (tokens/s/user)")
+    p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
+    p.add_argument("--plot", metavar="PATH.png", help="write the Pareto / hit-rate chart as a PNG")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def build_spec(args: argparse.Namespace, progress=None) -> Any:
+    from .profiles import DEFAULT_PROFILE, load_profile_overrides, parse_profile
+    from .readers import load_trace_with_report
+    from .run import ReplaySpec
+
+    profile = parse_profile(args.profile or DEFAULT_PROFILE)
+    if args.profile_file:
+        profile = load_profile_overrides(args.profile_file, base=profile)
+    extra: dict[str, Any] = {}
+    if args.trace:
+        workload, report = load_trace_with_report(args.trace, skip_bad=args.skip_bad)
+        extra["skipped_traces"] = report.num_skipped
+        if report.num_skipped and progress:
+            progress(f"[replay] skipped {report.num_skipped} bad trace(s): {report.skipped_by_kind()}")
+        trace_name = str(args.trace)
+    else:
+        from .generator import default_workload
+
+        workload = default_workload(seed=args.seed, num_sessions=args.sessions or 40)
+        trace_name = f"embedded(seed={args.seed}, sessions={len(workload.sessions)})"
+    if workload.open_loop:
+        raise ConfigError("--trace", args.trace, "open-loop traces (Mooncake) are not replayed closed-loop yet; "
+                                                 "use an AgentX/Weka trace")
+    if args.trace and args.sessions:
+        workload = replace(workload, sessions=workload.sessions[: args.sessions])
+    if args.block_size and args.block_size != workload.block_size:
+        workload = workload.reblock(args.block_size)
+    policies = tuple(p for p in args.policies.split(",") if p)
+    from .placement import make_placement
+
+    for name in policies:
+        make_placement(name)  # unknown names fail before any work
+    return ReplaySpec(
+        workload=workload, profile=profile, policies=policies,
+        concs=args.sweep_conc or (args.conc,),
+        hbm_blocks=args.hbm_blocks, hbm_fractions=args.hbm_fraction,
+        dram_blocks=args.dram_blocks, ssd_blocks=args.ssd_blocks, seed=args.seed,
+        warmup_s=args.warmup, gap_cap_s=args.gap_cap, max_batch_tokens=args.max_batch_tokens,
+        trace_name=trace_name, extra=extra,
+    )
+
+
+def command(args: argparse.Namespace) -> int:
+    from .report import format_table, plot
+    from .run import report_header, run_replay, slo_capacity
+
+    def progress(msg: str) -> None:
+        if not args.quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    start = time.perf_counter()
+    spec = build_spec(args, progress)
+    w = spec.workload
+    progress(f"[replay] {spec.trace_name}: {len(w.sessions)} sessions, {w.num_requests()} requests, "
+             f"{w.num_distinct_blocks()} distinct blocks of {w.block_size} tokens; profile {spec.profile.spec}")
+    if args.slo_ttft_p99 is not None or args.slo_interactivity is not None:
+        report = report_header(spec)
+        report["slo"] = [slo_capacity(spec, pol, spec.capacities()[0], args.slo_ttft_p99, args.slo_interactivity,
+                                      progress=progress) for pol in spec.policies]
+        print(f"SLO capacity (largest conc with p99 TTFT <= {args.slo_ttft_p99} s and "
+              f"p50 interactivity >= {args.slo_interactivity} tok/s/user):")
+        for row in report["slo"]:
+            print(f"  {row['policy']:>10}: conc {row['max_conc']}")
+        report["results"] = [pt for row in report["slo"] for pt in row["points"]]
+    else:
+        report = run_replay(spec, progress)
+    rows = report["results"]
+    print(format_table(rows))
+    baseline = next((r for r in rows if r["policy"] == "lru"), None)
+    if baseline and baseline["prefill_tokens_computed"]:
+        print("prefill tokens computed vs lru (same conc and capacity): " + ", ".join(
+            f"{r['policy']}={r['prefill_tokens_computed'] / b['prefill_tokens_computed']:.2f}x"
+            for r in rows for b in [next(x for x in rows if x["policy"] == "lru" and x["conc"] == r["conc"]
+                                         and x["hbm_blocks"] == r["hbm_blocks"])]))
+    report["wall_s"] = time.perf_counter() - start
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, default=float) + "\n")
+        progress(f"[replay] wrote {args.json}")
+    if args.plot:
+        caps = rows if len({r["hbm_blocks"] for r in rows}) > 1 else []
+        plot(rows, caps, args.plot, f"{spec.trace_name} on {spec.profile.spec}")
+        progress(f"[replay] wrote {args.plot}")
+    progress(f"[replay] finished in {report['wall_s']:.1f}s")
+    return 0
