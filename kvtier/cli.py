@@ -12,6 +12,7 @@ import sys
 from typing import Sequence
 
 from . import __version__
+from .errors import KVTierError
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -24,7 +25,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         report = tiers.run(total_mib=args.total_mib, ssd_total_mib=args.ssd_total_mib,
                            progress=lambda m: print(m, file=sys.stderr, flush=True))
-        cols = ["block_kib", "memcpy_gbps", "dram_put_gbps", "dram_get_gbps", "dram_put_vs_memcpy",
+        cols = ["block_kib", "memcpy_gbps", "dram_put_gbps", "dram_get_gbps", "dram_put_evicting_gbps",
+                "dram_put_vs_memcpy",
                 "dram_get_vs_memcpy", "raw_file_write_gbps", "ssd_put_gbps", "ssd_put_vs_raw_write",
                 "raw_file_read_gbps", "ssd_get_gbps", "ssd_get_vs_raw_read", "ssd_put_gbps_auto",
                 "ssd_get_gbps_auto", "zstd_ratio_bf16"]
@@ -119,7 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KVTierError as exc:  # bad input or configuration: the message names what to fix
+        print(f"kvtier {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -138,7 +138,8 @@ class MovePlan:
 class _Block:
     """Index node of one key: residency per tier, chain links, refs, pin."""
 
-    __slots__ = ("key", "parent", "state", "slot", "children_in", "num_children", "ref_count", "pin_until")
+    __slots__ = ("key", "parent", "state", "slot", "children_in", "num_children", "ref_count", "hold_count",
+                 "pin_until")
 
     def __init__(self, key: BlockKey, parent: BlockKey | None, num_tiers: int) -> None:
         self.key = key
@@ -147,7 +148,8 @@ class _Block:
         self.slot: list[int] = [0] * num_tiers
         self.children_in = [0] * num_tiers  # children with any residency in that tier
         self.num_children = 0  # child nodes in the index
-        self.ref_count = 0
+        self.ref_count = 0  # every reference: acquire() holds plus in-flight loads and moves
+        self.hold_count = 0  # acquire() references only (parked while > 0)
         self.pin_until = 0.0
 
     def present_anywhere(self) -> bool:
@@ -458,15 +460,22 @@ class TierManager:
         """Reference known ``keys`` (e.g. held by a running request): unevictable
         until :meth:`release`. Unknown keys raise ``KeyError``."""
         for key in keys:
-            self._ref(self._blocks[key])
+            node = self._blocks[key]
+            node.ref_count += 1
+            node.hold_count += 1
+            if node.hold_count == 1:
+                self._hold(node)
 
     def release(self, keys: Iterable[BlockKey]) -> None:
         """Drop one reference taken by :meth:`acquire` (tail first, so a chain's head
         becomes the most recent block)."""
         for key in reversed(keys) if isinstance(keys, Sequence) else keys:
             node = self._blocks[key]
-            if node.ref_count <= 0:
+            if node.hold_count <= 0:
                 raise ProtocolError(f"release of block {key:#x} with no reference")
+            node.hold_count -= 1
+            if not node.hold_count:
+                self._maybe_unhold(node)
             self._unref(node)
 
     def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> int | None:
@@ -612,7 +621,8 @@ class TierManager:
             assert self._fastest.get(node.key) == (None if best is None else best.index), "fastest index"
         assert set(self._fastest) <= set(self._blocks), "fastest index holds forgotten keys"
         assert len(self._pinned) <= self._pin_budget, "pin budget exceeded"
-        held = {n.key for n in self._blocks.values() if n.ref_count or n.key in self._pinned}
+        held = {n.key for n in self._blocks.values() if n.hold_count or n.key in self._pinned}
+        assert all(n.hold_count <= n.ref_count for n in self._blocks.values()), "holds exceed references"
         assert self._held == held, "held set out of date"
         for t in self._tiers:
             want = {n.key for n in self._blocks.values()
@@ -703,14 +713,12 @@ class TierManager:
         self._maybe_forget(node)
 
     def _ref(self, node: _Block) -> None:
+        """A transient reference (a load or move in flight): unevictable, not parked."""
         node.ref_count += 1
-        if node.ref_count == 1:
-            self._hold(node)
 
     def _unref(self, node: _Block) -> None:
         node.ref_count -= 1
         if not node.ref_count:
-            self._maybe_unhold(node)
             self._maybe_forget(node)
 
     def _hold(self, node: _Block) -> None:
@@ -724,7 +732,7 @@ class TierManager:
     def _maybe_unhold(self, node: _Block) -> None:
         """Back into the eviction orders (as most recent) once no reference and no pin hold it."""
         key = node.key
-        if node.ref_count or key in self._pinned or key not in self._held:
+        if node.hold_count or key in self._pinned or key not in self._held:
             return
         self._held.discard(key)
         for t in self._tiers:
@@ -775,7 +783,8 @@ class TierManager:
         blocks = self._blocks
 
         def is_evictable(key: BlockKey) -> bool:  # held and interior blocks are parked: never offered
-            return key != protect and not blocks[key].children_in[idx]
+            node = blocks[key]
+            return key != protect and not node.ref_count and not node.children_in[idx]
 
         victim = t.policy.pop_victim(is_evictable, incoming)
         if victim is None:

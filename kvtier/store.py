@@ -162,8 +162,8 @@ class TieredStore:
             self.manager.complete_load(plan, oks)
             self._pump_events()
         n = oks.index(False) if False in oks else len(oks)
-        for tier in plan.tiers[:n]:
-            self.counters[f"hit_blocks_{tier}"] += 1
+        for tier, count in Counter(plan.tiers[:n]).items():
+            self.counters[f"hit_blocks_{tier}"] += count
         self.counters["get_blocks_missed"] += len(keys) - n
         from_ssd = [i for i in range(n) if plan.tiers[i] == "ssd"]
         if promote and from_ssd and "dram" in self.manager.tier_names:

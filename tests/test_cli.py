@@ -59,6 +59,33 @@ def test_inspect_lists_and_flags_a_corrupt_value(tmp_path: Path, capsys) -> None
     assert main(["inspect", str(ssd)]) == 1
 
 
-def test_inspect_of_a_non_tier_directory_names_the_setting(tmp_path: Path) -> None:
-    with pytest.raises(Exception, match="tiers.ssd.path"):
-        main(["inspect", str(tmp_path)])
+def test_inspect_of_a_non_tier_directory_names_the_setting(tmp_path: Path, capsys) -> None:
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "tiers.ssd.path" in capsys.readouterr().err
+
+
+def test_replay_cli_writes_json_and_plot(tmp_path: Path, capsys) -> None:
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = main(["replay", "--sessions", "3", "--policies", "lru,lru-dram", "--sweep-conc", "1,2",
+               "--hbm-fraction", "0.2", "--json", str(out_json), "--plot", str(out_png), "--quiet"])
+    assert rc == 0
+    import json
+
+    report = json.loads(out_json.read_text())
+    for key in ("trace", "profile", "seed", "kvtier_version"):
+        assert key in report
+    assert len(report["results"]) == 4  # 2 policies x 2 conc
+    required = ("policy", "conc", "hbm_blocks", "ttft_p50_s", "ttft_p99_s", "ttft_p99_later_turns_s",
+                "interactivity_p50", "e2e_mean_s", "throughput_per_chip_tok_s", "prefill_tokens_computed",
+                "prefill_tokens_hit_hbm", "prefill_tokens_hit_dram", "prefill_tokens_hit_ssd", "bytes_moved")
+    for row in report["results"]:
+        assert all(k in row for k in required), set(required) - set(row)
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "lru-dram" in capsys.readouterr().out
+
+
+def test_replay_cli_names_a_truncated_trace(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "broken.json"
+    bad.write_text('{"id": "x", "block_size": 64, "requests": [{"t": 0, "type": "n", "in": 100')
+    assert main(["replay", "--trace", str(bad), "--quiet"]) == 2
+    assert "broken.json" in capsys.readouterr().err

@@ -5,6 +5,7 @@ For each block size it measures, through the public :class:`~kvtier.store.Tiered
 
 * ``memcpy_gbps``: a torch copy of the same bytes between preallocated buffers (baseline);
 * ``dram_put_gbps`` / ``dram_get_gbps``: store.put / store.get on a DRAM-only store;
+  ``dram_put_evicting_gbps``: puts into a full store, each block evicting one;
 * ``raw_file_write_gbps``: plain ``write`` + ``fsync`` of the same bytes in the same
   batches (baseline); ``ssd_put_gbps``: store.put on an SSD-only store with
   ``sync=True`` (one fsync'ed LMDB transaction per batch: equal durability);
@@ -67,6 +68,21 @@ def _batches(items: list[Any]) -> list[list[Any]]:
     return [items[i : i + BATCH_BLOCKS] for i in range(0, len(items), BATCH_BLOCKS)]
 
 
+class _RoundPutter:
+    """Calling it puts ``blocks`` under a fresh set of keys (one round); ``keys``
+    are the last round's."""
+
+    def __init__(self, store: TieredStore, blocks: list[torch.Tensor]) -> None:
+        self.store, self.blocks, self.round = store, blocks, 0
+        self.keys: list[BlockKey] = []
+
+    def __call__(self) -> None:
+        self.round += 1
+        self.keys = [BlockKey((self.round << 64) | i) for i in range(len(self.blocks))]
+        for kb, bb in zip(_batches(self.keys), _batches(self.blocks)):
+            self.store.put(kb, bb)
+
+
 def bench_memcpy_and_dram(block_bytes: int, total_bytes: int) -> dict[str, float]:
     n = max(BATCH_BLOCKS, total_bytes // block_bytes)
     blocks = bf16_blocks(n, block_bytes)
@@ -78,18 +94,17 @@ def bench_memcpy_and_dram(block_bytes: int, total_bytes: int) -> dict[str, float
             dst.copy_(src)
 
     memcpy_s = best_seconds(memcpy)
-    store = _store(block_bytes, n, "dram")
-    rounds = iter(range(1, 1000))
-
-    def put() -> None:  # fresh keys every round: each round also evicts the last one's blocks
-        r = next(rounds)
-        keys = [BlockKey((r << 64) | i) for i in range(n)]
-        for kb, bb in zip(_batches(keys), _batches(blocks)):
-            store.put(kb, bb)
-
+    # 3 rounds of fresh keys fit: this measures the put path itself (no eviction)
+    store = _store(block_bytes, 3 * n, "dram")
+    put = _RoundPutter(store, blocks)
     put_s = best_seconds(put)
-    last = next(rounds) - 1
-    keys = [BlockKey((last << 64) | i) for i in range(n)]
+    keys = put.keys
+    # steady state of a full cache: every put also evicts one block
+    full = _store(block_bytes, n, "dram")
+    put_evicting = _RoundPutter(full, blocks)
+    put_evicting()  # fill
+    put_evict_s = best_seconds(put_evicting)
+    full.close()
 
     def get() -> None:
         for kb, ob in zip(_batches(keys), _batches(outs)):
@@ -99,7 +114,7 @@ def bench_memcpy_and_dram(block_bytes: int, total_bytes: int) -> dict[str, float
     assert all(torch.equal(a, b) for a, b in zip(blocks, outs)), "dram get returned wrong bytes"
     store.close()
     return {"memcpy_gbps": gbps(nbytes, memcpy_s), "dram_put_gbps": gbps(nbytes, put_s),
-            "dram_get_gbps": gbps(nbytes, get_s)}
+            "dram_get_gbps": gbps(nbytes, get_s), "dram_put_evicting_gbps": gbps(nbytes, put_evict_s)}
 
 
 def bench_ssd(block_bytes: int, total_bytes: int, workdir: str) -> dict[str, float]:
@@ -143,17 +158,9 @@ def _bench_store_ssd(block_bytes: int, blocks: list[torch.Tensor], outs: list[to
     n = len(blocks)
     ssd_dir = tempfile.mkdtemp(prefix=f"ssd_{codec}_{block_bytes}_", dir=workdir)
     store = _store(block_bytes, n, "ssd", ssd_dir, codec)
-    rounds = iter(range(1, 1000))
-
-    def put() -> None:
-        r = next(rounds)
-        keys = [BlockKey((r << 64) | i) for i in range(n)]
-        for kb, bb in zip(_batches(keys), _batches(blocks)):
-            store.put(kb, bb)
-
+    put = _RoundPutter(store, blocks)
     put_s = best_seconds(put)
-    last = next(rounds) - 1
-    keys = [BlockKey((last << 64) | i) for i in range(n)]
+    keys = put.keys
     for o in outs:
         o.zero_()
 

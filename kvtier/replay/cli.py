@@ -15,7 +15,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
 
 DESCRIPTION = """\
 Replay agent traces closed-loop against a modelled engine and compare KV-cache
@@ -43,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: the embedded workload)")
     p.add_argument("--skip-bad", action="store_true", help="skip (and count) malformed traces instead of failing")
     p.add_argument("--sessions", type=int, metavar="N",
-                   help="embedded workload: number of sessions (default 40); traces: replay only the first N")
+                   help="embedded workload: number of sessions (default 30); traces: replay only the first N")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help=f"comma-separated policies to compare (default: {','.join(DEFAULT_POLICIES)})")
     p.add_argument("--profile", default=None, metavar="HW:MODEL[:CHIPS]",
@@ -65,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=float, default=0.0, metavar="S",
                    help="exclude requests ready before S simulated seconds from the figures")
     p.add_argument("--gap-cap", type=float, metavar="S", help="cap tool/user gaps at S seconds (AgentX uses 10)")
+    p.add_argument("--time-scale", type=float, default=1.0, metavar="X",
+                   help="open-loop traces (Mooncake): multiply arrival times by X (0.5 = twice the rate)")
     p.add_argument("--max-batch-tokens", type=int, default=8192, help="token budget per engine step (default 8192)")
     p.add_argument("--slo-ttft-p99", type=float, metavar="S", help="SLO capacity search: p99 TTFT bound (s)")
     p.add_argument("--slo-interactivity", type=float, metavar="TOK_S",
@@ -92,11 +93,8 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
     else:
         from .generator import default_workload
 
-        workload = default_workload(seed=args.seed, num_sessions=args.sessions or 40)
+        workload = default_workload(seed=args.seed, num_sessions=args.sessions or 30)
         trace_name = f"embedded(seed={args.seed}, sessions={len(workload.sessions)})"
-    if workload.open_loop:
-        raise ConfigError("--trace", args.trace, "open-loop traces (Mooncake) are not replayed closed-loop yet; "
-                                                 "use an AgentX/Weka trace")
     if args.trace and args.sessions:
         workload = replace(workload, sessions=workload.sessions[: args.sessions])
     if args.block_size and args.block_size != workload.block_size:
@@ -112,6 +110,7 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
         hbm_blocks=args.hbm_blocks, hbm_fractions=args.hbm_fraction,
         dram_blocks=args.dram_blocks, ssd_blocks=args.ssd_blocks, seed=args.seed,
         warmup_s=args.warmup, gap_cap_s=args.gap_cap, max_batch_tokens=args.max_batch_tokens,
+        time_scale=args.time_scale,
         trace_name=trace_name, extra=extra,
     )
 

@@ -47,6 +47,7 @@ class ReplaySpec:
     gap_cap_s: float | None = None
     max_batch_tokens: int = 8192
     max_sessions: int | None = None
+    time_scale: float = 1.0
     trace_name: str = "embedded"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -63,7 +64,7 @@ def sim_config(spec: ReplaySpec, conc: int, hbm_blocks: int) -> SimConfig:
     dram = spec.dram_blocks if spec.dram_blocks is not None else 2 * hbm_blocks
     return SimConfig(hbm_blocks=hbm_blocks, dram_blocks=dram, ssd_blocks=spec.ssd_blocks, conc=conc,
                      max_batch_tokens=spec.max_batch_tokens, warmup_s=spec.warmup_s, gap_cap_s=spec.gap_cap_s,
-                     max_sessions=spec.max_sessions)
+                     max_sessions=spec.max_sessions, time_scale=spec.time_scale)
 
 
 def run_point(spec: ReplaySpec, policy_name: str, conc: int, hbm_blocks: int,

@@ -7,7 +7,9 @@ modelled mover (links with bandwidth and latency, FIFO per link) and the
 per-request measurements. Block residency is the unchanged
 :class:`~kvtier.manager.TierManager` with the unchanged eviction policies;
 placement decisions come from a :class:`~kvtier.replay.placement.PlacementPolicy`.
-Must not read files or print (progress goes through a callback).
+Must not read files or print (progress goes through a callback). Closed-loop
+workloads keep ``conc`` session trees live; open-loop ones (Mooncake) start
+every single-request session at its recorded arrival time.
 
 Engine model, per request:
 
@@ -53,6 +55,7 @@ class SimConfig:
     gap_cap_s: float | None = None
     pin_budget_fraction: float = 0.5
     max_sessions: int | None = None
+    time_scale: float = 1.0  # open loop: arrival times are multiplied by this (< 1 raises the rate)
 
 
 @dataclass(slots=True)
@@ -155,8 +158,6 @@ class Simulator:
         order_log: list[tuple[tuple[int, str, int], tuple[BlockKey, ...]]] | None = None,
         progress: Callable[[int, int], None] | None = None,
     ) -> None:
-        if workload.open_loop:
-            raise ValueError("Simulator replays closed-loop workloads; use OpenLoopSimulator for open-loop traces")
         self.w, self.cfg, self.policy, self.profile = workload, config, policy, profile
         self.block_size = workload.block_size
         self.hbm_capacity_blocks = config.hbm_blocks
@@ -216,8 +217,14 @@ class Simulator:
         heapq.heappush(self._events, (t, next(self._seq), fn, args))
 
     def run(self) -> SimResult:
-        for _ in range(min(self.cfg.conc, len(self._sessions))):
-            self._start_next_session()
+        if self.w.open_loop:  # every session (one request each) starts at its recorded arrival
+            self._next_session = len(self._sessions)
+            for idx, session in enumerate(self._sessions):
+                arrival = session.root.requests[0].arrival_s if session.root.requests else 0.0
+                self._at(arrival * self.cfg.time_scale, self._start_session, idx)
+        else:
+            for _ in range(min(self.cfg.conc, len(self._sessions))):
+                self._start_next_session()
         while True:
             while self._events and self._events[0][0] <= self.now:
                 _, _, fn, args = heapq.heappop(self._events)
@@ -237,8 +244,10 @@ class Simulator:
     def _start_next_session(self) -> None:
         if self._next_session >= len(self._sessions):
             return
-        idx = self._next_session
         self._next_session += 1
+        self._start_session(self._next_session - 1)
+
+    def _start_session(self, idx: int) -> None:
         self._live_sessions += 1
         sr = _SessionRun(idx, self._sessions[idx], self.now)
         root = sr.session.root
@@ -601,14 +610,22 @@ class Simulator:
             self._admission_blocked = False
 
     def offload(self, keys: Sequence[BlockKey], dst: str) -> int:
+        """Swap the HBM copies of ``keys`` out to ``dst``: blocks already there just
+        drop their HBM copy; the rest move over the link (modelled)."""
         if dst not in self.mgr.tier_names:
             return 0
-        plan = self.mgr.prepare_move([k for k in keys if self.mgr.contains(k, "hbm")], "hbm", dst, keep_source=False)
+        mgr = self.mgr
+        in_hbm = [k for k in keys if mgr.contains(k, "hbm")]
+        already = [k for k in in_hbm if mgr.contains(k, dst)]
+        dropped = mgr.remove(already, "hbm") if already else 0
+        plan = mgr.prepare_move([k for k in in_hbm if not mgr.contains(k, dst)], "hbm", dst, keep_source=False)
+        self.counters["offloaded_blocks"] += dropped
         if plan is None:
-            return 0
+            self._admission_blocked = False
+            return dropped
         self.counters["offloaded_blocks"] += len(plan.keys)
         self._at(self._transfer("hbm", dst, len(plan.keys)), self._complete_offload, plan)
-        return len(plan.keys)
+        return dropped + len(plan.keys)
 
     def _complete_offload(self, plan: Any) -> None:
         self.mgr.complete_move(plan, True)

@@ -59,6 +59,18 @@ def as_byte_tensor(buf: Any) -> torch.Tensor:
     raise TypeError(f"unsupported KV buffer type {type(buf).__name__}; use a tensor, ndarray or bytes")
 
 
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool) -> None:
+    """``dsts[i].copy_(srcs[i])`` for all i in one call (one C++ loop, no per-block
+    Python dispatch) when every pair shares dtype and device; per pair otherwise."""
+    if hasattr(torch, "_foreach_copy_") and all(
+        d.dtype == s.dtype and d.device == s.device for d, s in zip(dsts, srcs)
+    ):
+        torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+        return
+    for d, s in zip(dsts, srcs):
+        d.copy_(s, non_blocking=non_blocking)
+
+
 class TensorPool:
     """``num_slots`` blocks of ``bytes_per_block`` bytes on ``device``."""
 
@@ -68,7 +80,9 @@ class TensorPool:
         self.device = device
         pin = pin_memory and device.type == "cpu" and accelerator_device() is not None
         self.pinned = pin
-        self.data = torch.empty((num_slots, bytes_per_block), dtype=torch.uint8, device=device, pin_memory=pin)
+        # zeros, not empty: every page is faulted in now, not on the first put
+        self.data = torch.zeros((num_slots, bytes_per_block), dtype=torch.uint8, device=device, pin_memory=pin)
+        self._views = list(self.data.unbind(0))  # one zero-copy view per slot, made once
 
     @property
     def nbytes(self) -> int:
@@ -76,21 +90,21 @@ class TensorPool:
 
     def view(self, slot: int) -> torch.Tensor:
         """Zero-copy ``uint8`` view of one slot."""
-        return self.data[slot]
+        return self._views[slot]
 
     def write(self, slots: list[int] | tuple[int, ...], srcs: list[torch.Tensor]) -> list[bool]:
         """Copy each ``srcs[i]`` (``bytes_per_block`` bytes) into ``slots[i]``."""
         non_blocking = self.pinned or self.device.type != "cpu"
-        for slot, src in zip(slots, srcs):
-            self.data[slot].copy_(src, non_blocking=non_blocking)
+        views = self._views
+        _copy_all([views[s] for s in slots], srcs, non_blocking)
         self.synchronize()
         return [True] * len(slots)
 
     def read(self, slots: list[int] | tuple[int, ...], dsts: list[torch.Tensor]) -> list[bool]:
         """Copy ``slots[i]`` into the caller's ``dsts[i]``."""
         non_blocking = self.pinned or self.device.type != "cpu"
-        for slot, dst in zip(slots, dsts):
-            dst.copy_(self.data[slot], non_blocking=non_blocking)
+        views = self._views
+        _copy_all(list(dsts), [views[s] for s in slots], non_blocking)
         self.synchronize()
         return [True] * len(slots)
 
