@@ -353,7 +353,8 @@ class TierManager:
             if good:
                 self._mark_ready(node, t)
             else:
-                self._emit(StoreFailed(key, t.name))
+                if self._record:
+                    self._events.append(StoreFailed(key, t.name))
                 self._drop_residency(node, t, None)
 
     # --------------------------------------------------------------- load
@@ -382,7 +383,8 @@ class TierManager:
         for key, tier, good in zip(reversed(plan.keys), reversed(plan.tiers), reversed(oks)):
             node = self._blocks[key]
             t = self._tier_by_name[tier]
-            self._emit(BlockLoaded(key, tier, good))
+            if self._record:
+                self._events.append(BlockLoaded(key, tier, good))
             if node.state[t.index] == _READY:
                 if good:
                     t.policy.on_access(key)
@@ -442,7 +444,8 @@ class TierManager:
         for key, good in zip(reversed(plan.keys), reversed(oks)):
             node = self._blocks[key]
             if not good:
-                self._emit(StoreFailed(key, d.name))
+                if self._record:
+                    self._events.append(StoreFailed(key, d.name))
                 self._drop_residency(node, d, None)
             else:
                 self._mark_ready(node, d)
@@ -489,7 +492,8 @@ class TierManager:
         known = [k for k in dict.fromkeys(keys) if k in self._blocks]
         new = sum(1 for k in known if k not in self._pinned)
         if len(self._pinned) + new > self._pin_budget:
-            self._emit(PinRefused(len(known), self._pin_budget))
+            if self._record:
+                self._events.append(PinRefused(len(known), self._pin_budget))
             return None
         until = now + ttl_s
         for key in known:
@@ -498,7 +502,8 @@ class TierManager:
             self._pinned[key] = node.pin_until
             heapq.heappush(self._pin_heap, (node.pin_until, key))
             self._hold(node)
-            self._emit(BlockPinned(key, node.pin_until))
+            if self._record:
+                self._events.append(BlockPinned(key, node.pin_until))
         return len(known)
 
     def unpin(self, keys: Iterable[BlockKey]) -> None:
@@ -507,7 +512,8 @@ class TierManager:
             if self._pinned.pop(key, None) is not None:
                 node = self._blocks[key]
                 node.pin_until = 0.0
-                self._emit(BlockUnpinned(key, "unpinned"))
+                if self._record:
+                    self._events.append(BlockUnpinned(key, "unpinned"))
                 self._maybe_unhold(node)
                 self._maybe_forget(node)
 
@@ -552,17 +558,35 @@ class TierManager:
         """Drop ready, unreferenced copies of ``keys`` (in ``tier`` or everywhere),
         children before parents. Returns the number of copies dropped."""
         tiers = self._tiers if tier is None else [self._tier(tier)]
+        keys = list(keys)
+        doomed = set(keys)
         dropped = 0
-        for key in reversed(list(keys)):
+        for key in reversed(keys):
             node = self._blocks.get(key)
             if node is None or node.ref_count:
                 continue
+            # a parent removed by this same call need not re-enter its order first
+            parent = self._blocks.get(node.parent) if node.parent in doomed else None
+            keep_parked = parent is not None and not parent.ref_count
             for t in tiers:
                 if node.state[t.index] == _READY:
                     t.policy.on_remove(key)
-                    self._drop_residency(node, t, "removed")
+                    self._drop_residency(node, t, "removed",
+                                         unpark_parent=not (keep_parked and parent.state[t.index] == _READY))
                     dropped += 1
         return dropped
+
+    def last_present(self, keys: Sequence[BlockKey], tier: str) -> BlockKey | None:
+        """The last of ``keys`` readable in ``tier`` (e.g. the tail of a cached prefix)."""
+        ready = self._ready[self._tier(tier).index]
+        for key in reversed(keys):
+            if key in ready:
+                return key
+        return None
+
+    def present(self, keys: Iterable[BlockKey], tier: str) -> list[BlockKey]:
+        """The ``keys`` readable in ``tier``, in order (one set probe each, at C speed)."""
+        return list(filter(self._ready[self._tier(tier).index].__contains__, keys))
 
     def evict(self, tier: str, num_blocks: int) -> tuple[BlockKey, ...]:
         """Evict up to ``num_blocks`` from ``tier`` in policy order (e.g. to free
@@ -676,7 +700,7 @@ class TierManager:
         if node.parent is not None:
             pnode = self._blocks[node.parent]
             pnode.children_in[t.index] += 1
-            if pnode.children_in[t.index] == 1:
+            if pnode.children_in[t.index] == 1 and pnode.state[t.index] == _READY:
                 self._sync_park(pnode, t)
 
     def _mark_ready(self, node: _Block, t: _Tier) -> None:
@@ -687,16 +711,19 @@ class TierManager:
         if best is None or t.index < best:
             self._fastest[node.key] = t.index
         t.policy.on_insert(node.key)
-        self._sync_park(node, t)
-        self._emit(BlockStored(node.key, t.name, node.parent))
+        if node.children_in[t.index] or node.key in self._held:
+            self._sync_park(node, t)
+        if self._record:
+            self._events.append(BlockStored(node.key, t.name, node.parent))
 
-    def _drop_residency(self, node: _Block, t: _Tier, reason: RemoveReason | None) -> None:
+    def _drop_residency(self, node: _Block, t: _Tier, reason: RemoveReason | None, unpark_parent: bool = True) -> None:
         """Clear ``node``'s residency in ``t`` (the policy must already have forgotten it)."""
         if node.state[t.index] == _READY:
             t.num_ready -= 1
             self._ready[t.index].discard(node.key)
             self._parked[t.index].discard(node.key)
-            self._emit(BlockRemoved(node.key, t.name, reason or "removed"))
+            if self._record:
+                self._events.append(BlockRemoved(node.key, t.name, reason or "removed"))
         node.state[t.index] = None
         if self._fastest.get(node.key) == t.index:
             nxt = self._fastest_ready(node)
@@ -708,7 +735,7 @@ class TierManager:
         if node.parent is not None:
             pnode = self._blocks[node.parent]
             pnode.children_in[t.index] -= 1
-            if not pnode.children_in[t.index]:  # the parent is the chain's tail now
+            if not pnode.children_in[t.index] and unpark_parent:  # the parent is the chain's tail now
                 self._sync_park(pnode, t, front=True)
         self._maybe_forget(node)
 
@@ -801,7 +828,8 @@ class TierManager:
                 del self._pinned[key]
                 node = self._blocks[key]
                 node.pin_until = 0.0
-                self._emit(BlockUnpinned(key, "expired"))
+                if self._record:
+                    self._events.append(BlockUnpinned(key, "expired"))
                 self._maybe_unhold(node)
                 self._maybe_forget(node)
 
@@ -817,6 +845,3 @@ class TierManager:
             raise ProtocolError(f"ok has {len(ok)} entries for a plan of {n} keys")
         return ok
 
-    def _emit(self, event: Event) -> None:
-        if self._record:
-            self._events.append(event)

@@ -392,13 +392,9 @@ class Simulator:
         return True
 
     def _deepest_ready_hbm(self, keys: Sequence[BlockKey], n_used: int) -> BlockKey | None:
-        contains = self.mgr.contains
-        if keys and contains(keys[-1], "hbm"):
+        if keys and self.mgr.contains(keys[-1], "hbm"):
             return keys[-1]
-        for i in range(n_used - 1, -1, -1):
-            if contains(keys[i], "hbm"):
-                return keys[i]
-        return None
+        return self.mgr.last_present(keys[:n_used], "hbm")
 
     def _retail(self, run: _Run) -> None:
         """Move the run's reference to its prompt's last block once it is ready in HBM."""
@@ -615,10 +611,11 @@ class Simulator:
         if dst not in self.mgr.tier_names:
             return 0
         mgr = self.mgr
-        in_hbm = [k for k in keys if mgr.contains(k, "hbm")]
-        already = [k for k in in_hbm if mgr.contains(k, dst)]
+        in_hbm = mgr.present(keys, "hbm")
+        already = mgr.present(in_hbm, dst)
         dropped = mgr.remove(already, "hbm") if already else 0
-        plan = mgr.prepare_move([k for k in in_hbm if not mgr.contains(k, dst)], "hbm", dst, keep_source=False)
+        plan = mgr.prepare_move(in_hbm if not already else mgr.present(in_hbm, "hbm"), "hbm", dst,
+                                keep_source=False)
         self.counters["offloaded_blocks"] += dropped
         if plan is None:
             self._admission_blocked = False
