@@ -22,18 +22,17 @@ NEVER = float("inf")
 class NextUseOracle:
     """Positions at which every block is used, in a recorded request order.
 
-    ``order`` lists ``(request id, block keys)`` in the order requests were
-    served by a first pass; :meth:`advance` moves the clock to a request's
-    position in it. When the replay serves requests in the recorded order
-    (one session at a time) the oracle is exact; otherwise it is the recorded
-    run's future, a close but not provable bound.
+    ``order`` lists ``(request id, block keys, time served)`` in the order
+    requests were served by a first pass; :meth:`advance` moves the clock to a
+    request's position in it. When the replay serves requests in the recorded
+    order (one session at a time) the oracle is exact.
     """
 
-    def __init__(self, order: Sequence[tuple[Hashable, Sequence[BlockKey]]]) -> None:
+    def __init__(self, order: Sequence[tuple[Hashable, Sequence[BlockKey], float]]) -> None:
         uses: dict[BlockKey, list[int]] = {}
         depth: dict[BlockKey, int] = {}
         self._position: dict[Hashable, int] = {}
-        for pos, (request_id, keys) in enumerate(order):
+        for pos, (request_id, keys, _) in enumerate(order):
             self._position[request_id] = pos
             for d, key in enumerate(keys):
                 lst = uses.get(key)
@@ -46,7 +45,7 @@ class NextUseOracle:
         self._depth = depth
         self.clock = -1
 
-    def advance(self, request_id: Hashable) -> None:
+    def advance(self, request_id: Hashable, now_s: float) -> None:
         """``request_id`` is being served now (unknown ids leave the clock as it is)."""
         self.clock = self._position.get(request_id, self.clock)
 
@@ -62,12 +61,70 @@ class NextUseOracle:
         return self._depth.get(key, 0)
 
 
+class DriftOracle:
+    """Next use as an estimated *time*, for replays whose order moves with timing.
+
+    With several live sessions each policy serves requests in its own order,
+    so a recorded order goes stale. This oracle keeps the first pass's time of
+    every use and shifts each session's future by how far that session now
+    runs ahead of or behind its recorded self (its drift, updated at every
+    request it serves). ``request_id[0]`` names the session. An estimate, not
+    a bound.
+    """
+
+    def __init__(self, order: Sequence[tuple[Hashable, Sequence[BlockKey], float]]) -> None:
+        uses: dict[BlockKey, dict[Hashable, list[float]]] = {}
+        depth: dict[BlockKey, int] = {}
+        self._t1: dict[Hashable, float] = {}
+        for request_id, keys, t1 in order:
+            self._t1[request_id] = t1
+            session = request_id[0]  # type: ignore[index]
+            for d, key in enumerate(keys):
+                per = uses.get(key)
+                if per is None:
+                    uses[key] = {session: [t1]}
+                    depth[key] = d
+                else:
+                    lst = per.setdefault(session, [])
+                    if not lst or lst[-1] != t1:
+                        lst.append(t1)
+        self._uses = uses
+        self._depth = depth
+        self._offset: dict[Hashable, float] = {}  # session -> now - recorded time
+        self._progress: dict[Hashable, float] = {}  # session -> recorded time of its last served request
+        self._drift = 0.0
+        self.clock = 0.0
+
+    def advance(self, request_id: Hashable, now_s: float) -> None:
+        t1 = self._t1.get(request_id)
+        self.clock = now_s
+        if t1 is None:
+            return
+        session = request_id[0]  # type: ignore[index]
+        self._offset[session] = self._drift = now_s - t1
+        self._progress[session] = t1
+
+    def next_use(self, key: BlockKey) -> float:
+        per = self._uses.get(key)
+        if per is None:
+            return NEVER
+        best = NEVER
+        for session, times in per.items():
+            i = bisect_right(times, self._progress.get(session, -1.0))
+            if i < len(times):
+                best = min(best, times[i] + self._offset.get(session, self._drift))
+        return best
+
+    def depth(self, key: BlockKey) -> int:
+        return self._depth.get(key, 0)
+
+
 class BeladyPolicy:
     """Evicts the resident block with the farthest next use (a lazy max-heap)."""
 
     name = "belady"
 
-    def __init__(self, oracle: NextUseOracle) -> None:
+    def __init__(self, oracle: NextUseOracle | DriftOracle) -> None:
         self._oracle = oracle
         self._next: dict[BlockKey, float] = {}  # resident key -> next use in its live heap entry
         self._heap: list[tuple[float, int, BlockKey]] = []  # (-next use, -depth, key)

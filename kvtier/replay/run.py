@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 from .. import __version__
 from ..keys import BlockKey
-from .belady import NextUseOracle
+from .belady import DriftOracle, NextUseOracle
 from .model import Workload
 from .placement import make_placement
 from .report import summarize
@@ -77,7 +77,9 @@ def run_point(spec: ReplaySpec, policy_name: str, conc: int, hbm_blocks: int,
     if policy.needs_oracle:  # pass 1 records the order requests are served in
         order: list = []
         Simulator(spec.workload, cfg, make_placement("lru"), spec.profile, order_log=order).run()
-        oracle = NextUseOracle(order)
+        # one session at a time: the order is the same under every policy and the
+        # recorded future exact; otherwise shift it by each session's drift
+        oracle = NextUseOracle(order) if conc == 1 and not spec.workload.open_loop else DriftOracle(order)
 
     def tick(done: int, total: int) -> None:
         if progress is not None:

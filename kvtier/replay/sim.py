@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 from ..keys import BlockKey
 from ..manager import TierManager, TierSpec
-from .belady import BeladyPolicy, NextUseOracle
+from .belady import BeladyPolicy, DriftOracle, NextUseOracle
 from .model import Agent, Request, Session, Workload
 from .placement import PlacementPolicy, ToolWait
 
@@ -154,8 +154,8 @@ class Simulator:
         policy: PlacementPolicy,
         profile: Any,
         *,
-        oracle: NextUseOracle | None = None,
-        order_log: list[tuple[tuple[int, str, int], tuple[BlockKey, ...]]] | None = None,
+        oracle: NextUseOracle | DriftOracle | None = None,
+        order_log: list[tuple[tuple[int, str, int], tuple[BlockKey, ...], float]] | None = None,
         progress: Callable[[int, int], None] | None = None,
     ) -> None:
         self.w, self.cfg, self.policy, self.profile = workload, config, policy, profile
@@ -306,7 +306,7 @@ class Simulator:
         need = math.ceil((req.input_tokens + req.output_tokens) / bs)
         request_id = (run.sess.idx, run.agent.agent_id, req.index)
         if self.oracle is not None:
-            self.oracle.advance(request_id)
+            self.oracle.advance(request_id, self.now)
         if need > self.cfg.hbm_blocks:  # can never fit: served without caching
             self.counters["oversized_requests"] += 1
             run.uncached = True
@@ -314,7 +314,7 @@ class Simulator:
             self._admitted += 1
             self.block_touches += len(keys)
             if self.order_log is not None:
-                self.order_log.append((request_id, keys))
+                self.order_log.append((request_id, keys, self.now))
             return True
         hit = mgr.lookup(keys)
         names = hit.tier_names
@@ -366,7 +366,7 @@ class Simulator:
         self._admitted += 1
         self.block_touches += len(keys)
         if self.order_log is not None:
-            self.order_log.append((request_id, keys))
+            self.order_log.append((request_id, keys, self.now))
         mgr.touch(keys[:n_used], "hbm")
         if store_plan is not None and store_plan.skipped:
             mgr.touch(store_plan.skipped, "hbm")
