@@ -21,12 +21,12 @@ Baselines:
   preserve / swap / discard, whichever wastes the least memory-time, with
   no write-through (swap is an explicit HBM → DRAM move).
 * ``belady`` — offline optimum of HBM eviction by next use (HBM only, like
-  ``lru``), with the future recorded by an ``lru`` pass. Exact, and the bound
-  on HBM hits no online policy beats, when requests are served in the same
-  order under every policy (one session at a time, no parallel sub-agents:
-  tested). With several live sessions the order shifts with each policy's
-  timing and the recorded future is only an estimate; it can then lose to
-  ``lru``. (Per-tier Belady is not optimal for a hierarchy, so it is not
+  ``lru``), with the future recorded by an ``lru`` pass. With one session at
+  a time every policy serves the same order, the recorded future is exact
+  and Belady is the bound on HBM hits no online policy beats (tested). With
+  several live sessions the order moves with each policy's timing; the
+  future is then the recorded timeline shifted by each session's drift, an
+  estimate. (Per-tier Belady is not optimal for a hierarchy, so it is not
   offered as a bound on DRAM/SSD reuse.)
 """
 
