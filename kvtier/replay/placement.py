@@ -80,7 +80,7 @@ class PlacementPolicy:
     name = "base"
     eviction = "lru"
     write_through = True
-    use_lower_tiers = True
+    lower_tiers: tuple[str, ...] = ("dram", "ssd")  # tiers below HBM it uses, where enabled
     needs_oracle = False
 
     def eviction_for(self, tier: str) -> str:
@@ -103,7 +103,7 @@ class PlacementPolicy:
 class LRU(PlacementPolicy):
     name = "lru"
     write_through = False
-    use_lower_tiers = False
+    lower_tiers = ()
 
 
 class LRUDram(PlacementPolicy):
@@ -159,6 +159,7 @@ class MinWaste(PlacementPolicy):
 
     name = "minwaste"
     write_through = False
+    lower_tiers = ("dram",)  # swap space
 
     def on_wait_start(self, ctx: PlacementContext, wait: ToolWait) -> None:
         if wait.cause != "tool" or not wait.keys:
@@ -184,7 +185,7 @@ class Belady(PlacementPolicy):
     name = "belady"
     eviction = "belady"
     write_through = False
-    use_lower_tiers = False
+    lower_tiers = ()
     needs_oracle = True
 
 

@@ -196,11 +196,10 @@ class Simulator:
 
     def _tier_specs(self) -> list[TierSpec]:
         specs = [TierSpec("hbm", self.cfg.hbm_blocks, self._eviction("hbm"))]
-        if self.policy.use_lower_tiers or not self.policy.write_through:
-            if self.cfg.dram_blocks > 0 and (self.policy.use_lower_tiers or self.policy.name == "minwaste"):
-                specs.append(TierSpec("dram", self.cfg.dram_blocks, self._eviction("dram")))
-            if self.cfg.ssd_blocks > 0 and self.policy.use_lower_tiers:
-                specs.append(TierSpec("ssd", self.cfg.ssd_blocks, self._eviction("ssd")))
+        capacity = {"dram": self.cfg.dram_blocks, "ssd": self.cfg.ssd_blocks}
+        for tier in ("dram", "ssd"):
+            if tier in self.policy.lower_tiers and capacity[tier] > 0:
+                specs.append(TierSpec(tier, capacity[tier], self._eviction(tier)))
         return specs
 
     def _eviction(self, tier: str) -> Any:
