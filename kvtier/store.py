@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
@@ -49,6 +49,8 @@ class TieredStore:
     ``get`` are synchronous (they return once the bytes are stored or
     loaded); ``put_async`` and ``prefetch`` return futures.
     """
+
+    MAX_EVENTS = 65536  # events kept for take_events() when nobody drains them
 
     def __init__(self, config: KVTierConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = cfg = config or load_config()
@@ -81,7 +83,8 @@ class TieredStore:
         self.manager = TierManager(specs, pin_budget_blocks=cfg.pin_budget_blocks, clock=clock)
         self._lock = threading.RLock()
         self._mover = TransferEngine(cfg.mover_threads, device=accelerator_device())
-        self._events: list[Event] = []
+        # recent events for take_events(); the oldest go once MAX_EVENTS are kept
+        self._events: deque[Event] = deque(maxlen=self.MAX_EVENTS)
         self.counters: Counter[str] = Counter()
         if self._ssd is not None:
             self._reindex_ssd()
@@ -127,7 +130,7 @@ class TieredStore:
         def finish(_: object = None) -> None:
             if all(f.done() for f in futures) and not done.done():
                 with self._lock:
-                    n = sum(self.manager.contains(k, self.config.put_tier) for k in keys)
+                    n = len(self.manager.present(keys, self.config.put_tier))
                 done.set_result(n)
 
         for f in futures:
@@ -255,7 +258,8 @@ class TieredStore:
         """Manager events since the last call (stores, removals, loads, pins)."""
         with self._lock:
             self._pump_events()
-            events, self._events = self._events, []
+            events = list(self._events)
+            self._events.clear()
             return events
 
     def check_invariants(self) -> None:
