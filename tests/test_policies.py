@@ -339,3 +339,38 @@ def test_s3fifo_close_to_libcachesim(lcs: ModuleType, mooncake_blocks: list[int]
         f" libCacheSim with its warm-up rule {fresh}"
     )
     assert abs(sum(ours) - sum(theirs)) <= 0.02 * sum(theirs)
+
+
+@pytest.mark.parametrize("name", ["lru", "fifo", "lfu", "arc", "s3fifo"])
+def test_held_keys_are_parked_and_keep_counting(name: str) -> None:
+    """A held key is never offered, stays counted, survives accesses, and comes back."""
+    from kvtier.keys import BlockKey
+    from kvtier.policies import make_policy
+
+    pol = make_policy(name, 8)
+    keys = [BlockKey(k) for k in range(1, 6)]
+    for k in keys:
+        pol.before_insert(k)
+        pol.on_insert(k)
+    pol.on_hold(keys[0])
+    pol.on_hold(keys[1])
+    pol.on_access(keys[0])  # counted for the parked key, no error
+    pol.on_access_many([keys[1], keys[2]])
+    assert len(pol) == 5
+    pol.check_invariants()
+    evicted = []
+    while (victim := pol.pop_victim(lambda k: True)) is not None:
+        evicted.append(victim)
+        pol.check_invariants()
+    assert sorted(evicted) == keys[2:]  # only the idle keys were offered
+    assert len(pol) == 2
+    pol.on_unhold(keys[1], front=True)
+    pol.on_unhold(keys[0])
+    first = pol.pop_victim(lambda k: True)
+    assert first in (keys[0], keys[1])
+    assert len(pol) == 1
+    remaining = keys[1] if first == keys[0] else keys[0]
+    pol.on_hold(remaining)
+    pol.on_remove(remaining)  # removing a parked key is allowed
+    assert len(pol) == 0
+    pol.check_invariants()

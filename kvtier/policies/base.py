@@ -101,6 +101,33 @@ class Parking:
         return self._parked.pop(key, _ABSENT) is not _ABSENT
 
 
+class OrderParking(Parking):
+    """Parking for a policy that keeps its idle keys in one ``OrderedDict``
+    ``_order`` (oldest first): a held key leaves it and comes back at the young
+    end, or the old end with ``front``."""
+
+    _order: "OrderedDict[BlockKey, None]"
+
+    def _detach(self, key: BlockKey) -> None:
+        del self._order[key]
+
+    def _attach(self, key: BlockKey, state: None, front: bool) -> None:
+        self._order[key] = None
+        if front:
+            self._order.move_to_end(key, last=False)
+
+    def _forget(self, key: BlockKey) -> None:
+        """``on_remove`` for parked and idle keys alike."""
+        if not self._forget_parked(key):
+            del self._order[key]
+
+    def __len__(self) -> int:
+        return len(self._order) + len(self._parked)
+
+    def check_invariants(self) -> None:
+        assert not (self._parked.keys() & self._order.keys()), "a key is both parked and idle"
+
+
 def pop_first_evictable(order: "OrderedDict[BlockKey, None]", is_evictable: IsEvictable) -> BlockKey | None:
     """Remove and return the first key of ``order`` that ``is_evictable``; refused
     keys rotate to the end. ``None`` (order unchanged as a set) when all refuse."""

@@ -10,11 +10,11 @@ from collections import OrderedDict
 from typing import Iterable
 
 from ..keys import BlockKey
-from .base import IsEvictable, Parking, pop_first_evictable, register_policy
+from .base import IsEvictable, OrderParking, pop_first_evictable, register_policy
 
 
 @register_policy("fifo")
-class FIFOPolicy(Parking):
+class FIFOPolicy(OrderParking):
     """Evicts the block inserted (or released by its last user) longest ago,
     however often it was hit."""
 
@@ -23,14 +23,6 @@ class FIFOPolicy(Parking):
     def __init__(self, capacity_blocks: int) -> None:
         self._order: OrderedDict[BlockKey, None] = OrderedDict()  # idle keys, oldest first
         self._parked: dict[BlockKey, None] = {}
-
-    def _detach(self, key: BlockKey) -> None:
-        del self._order[key]
-
-    def _attach(self, key: BlockKey, state: None, front: bool) -> None:
-        self._order[key] = None
-        if front:
-            self._order.move_to_end(key, last=False)
 
     def before_insert(self, key: BlockKey) -> None:
         """No history to adapt."""
@@ -47,16 +39,9 @@ class FIFOPolicy(Parking):
 
     def on_remove(self, key: BlockKey) -> None:
         """Forget ``key``."""
-        if not self._forget_parked(key):
-            del self._order[key]
+        self._forget(key)
 
     def pop_victim(self, is_evictable: IsEvictable, incoming: BlockKey | None = None) -> BlockKey | None:
         """Forget and return the oldest evictable key, or ``None``."""
         return pop_first_evictable(self._order, is_evictable)
 
-    def __len__(self) -> int:
-        return len(self._order) + len(self._parked)
-
-    def check_invariants(self) -> None:
-        """No key is both parked and idle."""
-        assert not (self._parked.keys() & self._order.keys()), "a key is both parked and idle"

@@ -10,11 +10,11 @@ from collections import OrderedDict, deque
 from typing import Iterable
 
 from ..keys import BlockKey
-from .base import IsEvictable, Parking, pop_first_evictable, register_policy
+from .base import IsEvictable, OrderParking, pop_first_evictable, register_policy
 
 
 @register_policy("lru")
-class LRUPolicy(Parking):
+class LRUPolicy(OrderParking):
     """Evicts the least recently inserted, hit or released block first."""
 
     name = "lru"
@@ -22,14 +22,6 @@ class LRUPolicy(Parking):
     def __init__(self, capacity_blocks: int) -> None:
         self._order: OrderedDict[BlockKey, None] = OrderedDict()  # idle keys, oldest first
         self._parked: dict[BlockKey, None] = {}
-
-    def _detach(self, key: BlockKey) -> None:
-        del self._order[key]
-
-    def _attach(self, key: BlockKey, state: None, front: bool) -> None:
-        self._order[key] = None
-        if front:
-            self._order.move_to_end(key, last=False)
 
     def before_insert(self, key: BlockKey) -> None:
         pass
@@ -46,14 +38,9 @@ class LRUPolicy(Parking):
         deque(map(order.move_to_end, filter(order.__contains__, keys)), maxlen=0)  # C-speed loop
 
     def on_remove(self, key: BlockKey) -> None:
-        if not self._forget_parked(key):
-            del self._order[key]
+        """Forget ``key``."""
+        self._forget(key)
 
     def pop_victim(self, is_evictable: IsEvictable, incoming: BlockKey | None = None) -> BlockKey | None:
         return pop_first_evictable(self._order, is_evictable)
 
-    def __len__(self) -> int:
-        return len(self._order) + len(self._parked)
-
-    def check_invariants(self) -> None:
-        assert not (self._parked.keys() & self._order.keys()), "a key is both parked and idle"
