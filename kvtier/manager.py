@@ -576,6 +576,17 @@ class TierManager:
                     dropped += 1
         return dropped
 
+    def private_start(self, keys: Sequence[BlockKey]) -> int:
+        """Index in the chain ``keys`` after its last branching block (a block with
+        more than one child in the index): ``keys[i:]`` belong to this chain
+        alone, ``keys[:i]`` are shared with other chains."""
+        blocks = self._blocks
+        for i in range(len(keys) - 2, -1, -1):
+            node = blocks.get(keys[i])
+            if node is not None and node.num_children > 1:
+                return i + 1
+        return 0
+
     def last_present(self, keys: Sequence[BlockKey], tier: str) -> BlockKey | None:
         """The last of ``keys`` readable in ``tier`` (e.g. the tail of a cached prefix)."""
         ready = self._ready[self._tier(tier).index]

@@ -62,6 +62,11 @@ class PlacementContext(Protocol):
 
     def tool_history_s(self) -> Sequence[float]: ...
 
+    def private_start(self, keys: Sequence[BlockKey]) -> int:
+        """Index where ``keys``' private suffix begins: blocks before it are a prefix
+        other chains branch from."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class ToolWait:
@@ -151,31 +156,50 @@ class TTL(PlacementPolicy):
 class MinWaste(PlacementPolicy):
     """InferCept-style preserve / swap / discard by least wasted memory-time.
 
-    With ``C`` the agent's blocks, ``T`` the predicted wait, ``M`` the blocks of
-    running requests: preserve wastes ``C*T``; discard wastes the memory of the
-    whole batch while ``C`` is recomputed, ``(C+M)*t_recompute``; swap wastes
-    ``C*(t_out+t_in)`` (transfers on the host link).
+    Only the agent's private blocks are considered: a prefix other agents
+    branch from is never moved or dropped. With ``C`` those blocks, ``T`` the
+    predicted wait, ``M`` the blocks of running requests: preserve wastes
+    ``C*T``; discard wastes the memory of the whole batch while ``C`` is
+    recomputed, ``(C+M)*t_recompute``; swap wastes ``C*(t_out+t_in)``.
+    Swap volume per pause is bounded by what the host link moves in
+    ``swap_window_s`` (about one engine iteration; InferCept likewise limits
+    swapping to what it can hide under compute): the chain's tail is swapped
+    and the rest is preserved.
     """
 
     name = "minwaste"
     write_through = False
     lower_tiers = ("dram",)  # swap space
 
+    def __init__(self, swap_window_s: float = 0.1) -> None:
+        self.swap_window_s = swap_window_s
+
     def on_wait_start(self, ctx: PlacementContext, wait: ToolWait) -> None:
         if wait.cause != "tool" or not wait.keys:
             return
-        c = len(wait.keys)
+        keys = wait.keys[ctx.private_start(wait.keys):]
+        if not keys:
+            return
         t = wait.predicted_gap_s
-        preserve = c * t
-        discard = (c + ctx.running_blocks()) * ctx.recompute_time_s(c * ctx.block_size)
-        swap = c * (ctx.transfer_time_s(c, "hbm->dram") + ctx.transfer_time_s(c, "dram->hbm"))
-        best = min(preserve, discard, swap)
-        if best == preserve:
-            ctx.pin(wait.keys, t)
-        elif best == swap:
-            ctx.offload(wait.keys, "dram")
-        else:
-            ctx.discard(wait.keys)
+        choice = self._least_waste(ctx, len(keys), t)
+        if choice == "swap":
+            per_block = ctx.transfer_time_s(1, "hbm->dram")
+            n = min(len(keys), max(1, int(self.swap_window_s / per_block))) if per_block > 0 else len(keys)
+            ctx.offload(keys[len(keys) - n :], "dram")
+            keys = keys[: len(keys) - n]
+            choice = "preserve" if keys else ""  # what the link cannot move now stays
+        if choice == "preserve":
+            ctx.pin(keys, t)
+        elif choice == "discard":
+            ctx.discard(keys)
+
+    def _least_waste(self, ctx: PlacementContext, c: int, t: float) -> str:
+        waste = {
+            "preserve": c * t,
+            "discard": (c + ctx.running_blocks()) * ctx.recompute_time_s(c * ctx.block_size),
+            "swap": c * (ctx.transfer_time_s(c, "hbm->dram") + ctx.transfer_time_s(c, "dram->hbm")),
+        }
+        return min(waste, key=waste.__getitem__)
 
     def on_wait_end(self, ctx: PlacementContext, agent_key: tuple[int, str], keys: Sequence[BlockKey]) -> None:
         ctx.unpin(keys)

@@ -647,3 +647,6 @@ class Simulator:
 
     def tool_history_s(self) -> Sequence[float]:
         return self._tool_history
+
+    def private_start(self, keys: Sequence[BlockKey]) -> int:
+        return self.mgr.private_start(keys)
