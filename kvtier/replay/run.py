@@ -73,6 +73,7 @@ def run_point(spec: ReplaySpec, policy_name: str, conc: int, hbm_blocks: int,
     cfg = sim_config(spec, conc, hbm_blocks)
     policy = make_placement(policy_name)
     label = f"{policy_name} conc={conc} hbm={hbm_blocks}"
+    start = time.perf_counter()  # includes belady's recording pass
     oracle = None
     if policy.needs_oracle:  # pass 1 records the order requests are served in
         order: list = []
@@ -85,7 +86,6 @@ def run_point(spec: ReplaySpec, policy_name: str, conc: int, hbm_blocks: int,
         if progress is not None:
             progress(f"[replay] {label}: {done}/{total} requests")
 
-    start = time.perf_counter()
     sim = Simulator(spec.workload, cfg, policy, spec.profile, oracle=oracle, progress=tick)
     result = sim.run()
     wall = time.perf_counter() - start
