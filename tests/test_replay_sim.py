@@ -118,3 +118,25 @@ def test_dev_traces_replay_a_slice_under_pressure() -> None:
     assert lru["num_requests"] == dram["num_requests"] == w.num_requests()
     assert dram["prefill_tokens_computed"] <= lru["prefill_tokens_computed"]
     assert dram["prefill_tokens_hit_dram"] > 0
+
+
+def test_slo_capacity_search_finds_the_largest_passing_conc() -> None:
+    from kvtier.replay.run import slo_capacity
+
+    w = default_workload(seed=5, num_sessions=6, max_requests_per_agent=8)
+    spec = ReplaySpec(workload=w, profile=PROFILE, hbm_fractions=(0.3,))
+    cap = spec.capacities()[0]
+    loose = slo_capacity(spec, "lru", cap, ttft_p99_s=1e9, interactivity=None, max_conc=8)
+    assert loose["max_conc"] == 8  # an SLO nothing violates admits the search ceiling
+    impossible = slo_capacity(spec, "lru", cap, ttft_p99_s=1e-9, interactivity=None, max_conc=8)
+    assert impossible["max_conc"] == 0
+    # a bound between the measured p99 at conc 1 and the worst measured admits conc 1 at least
+    mid = slo_capacity(spec, "lru", cap, ttft_p99_s=loose["points"][0]["ttft_p99_s"] * 1.0001,
+                       interactivity=None, max_conc=8)
+    assert mid["max_conc"] >= 1
+    bound = loose["points"][0]["ttft_p99_s"] * 1.0001
+    by_conc = {pt["conc"]: pt for pt in mid["points"]}
+    assert by_conc[mid["max_conc"]]["ttft_p99_s"] <= bound  # the reported capacity was measured passing
+    above = mid["max_conc"] + 1
+    if above in by_conc:  # and the next conc up, when measured, failed
+        assert by_conc[above]["ttft_p99_s"] > bound
