@@ -9,11 +9,10 @@ dictionary. Must not parse command lines or print tables (``kvtier.cli`` and
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from .. import __version__
-from ..keys import BlockKey
 from .belady import DriftOracle, NextUseOracle
 from .model import Workload
 from .placement import make_placement
@@ -153,6 +152,3 @@ def slo_capacity(spec: ReplaySpec, policy_name: str, hbm_blocks: int, ttft_p99_s
             "slo_interactivity": interactivity, "max_conc": lo,
             "points": [cache[c] for c in sorted(cache)]}
 
-
-def with_policies(spec: ReplaySpec, policies: Sequence[str]) -> ReplaySpec:
-    return replace(spec, policies=tuple(policies))

@@ -183,7 +183,6 @@ class Simulator:
         self.session_latency_s: list[float] = []
         self._sessions = list(workload.sessions[: config.max_sessions] if config.max_sessions else workload.sessions)
         self._next_session = 0
-        self._live_sessions = 0
         self._admission_blocked = False
         self._tool_history: deque[float] = deque(maxlen=512)
         self._admitted = 0
@@ -247,7 +246,6 @@ class Simulator:
         self._start_session(self._next_session - 1)
 
     def _start_session(self, idx: int) -> None:
-        self._live_sessions += 1
         sr = _SessionRun(idx, self._sessions[idx], self.now)
         root = sr.session.root
         if not root.requests:
@@ -259,7 +257,6 @@ class Simulator:
                 self._issue(sr, child, 0)
 
     def _end_session(self, sr: _SessionRun) -> None:
-        self._live_sessions -= 1
         self.session_latency_s.append(self.now - sr.start_s)
         self._start_next_session()
 
