@@ -599,6 +599,21 @@ class TierManager:
         """The ``keys`` readable in ``tier``, in order (one set probe each, at C speed)."""
         return list(filter(self._ready[self._tier(tier).index].__contains__, keys))
 
+    def deprioritize(self, keys: Iterable[BlockKey], tier: str) -> int:
+        """Make the idle ``keys`` resident in ``tier`` the next victims of its policy
+        (last key first, so a chain still goes tail first). Held keys are left
+        alone; a policy without a ``to_front`` hook ignores the request.
+        Returns the number of keys offered. O(len(keys))."""
+        t = self._tier(tier)
+        to_front = getattr(t.policy, "to_front", None)
+        if to_front is None:
+            return 0
+        ready = self._ready[t.index]
+        offered = [k for k in keys if k in ready]
+        for key in offered:  # the tail ends up first in line
+            to_front(key)
+        return len(offered)
+
     def evict(self, tier: str, num_blocks: int) -> tuple[BlockKey, ...]:
         """Evict up to ``num_blocks`` from ``tier`` in policy order (e.g. to free
         engine memory). Returns the evicted keys."""

@@ -34,6 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from .critical import criticality
+from .predictor import DurationHistory
+
 @dataclass(frozen=True, slots=True)
 class Refusal:
     """Why the graph did not apply an operation.
@@ -144,61 +147,6 @@ class Session:
     rounds: dict[str, SharedRound] = field(default_factory=dict)
     num_tool_calls: int = 0
     num_edges: int = 0
-
-
-class DurationHistory:
-    """Observed durations per (agent type, tool): an EWMA and a sample count,
-    plus a pooled entry per tool (agent type ``""``). At most ``max_keys``
-    entries; the oldest-inserted key is forgotten first.
-
-    >>> h = DurationHistory(max_keys=8)
-    >>> for d in (2.0, 2.0, 2.0):
-    ...     h.observe("coder", "bash", d)
-    >>> h.predict_s("coder", "bash", None), h.predict_s("coder", "bash", 5.0)
-    (2.0, 3.5)
-    """
-
-    ALPHA = 0.3
-    MIN_SAMPLES = 3
-
-    def __init__(self, max_keys: int) -> None:
-        self.max_keys = max_keys
-        self._stats: dict[tuple[str, str], list[float]] = {}  # key -> [ewma, count]
-
-    def __len__(self) -> int:
-        return len(self._stats)
-
-    def observe(self, agent_type: str, tool: str, duration_s: float) -> None:
-        """Record one finished call (negative durations are clamped to 0)."""
-        duration_s = max(0.0, duration_s)
-        if agent_type:
-            self._observe((agent_type, tool), duration_s)
-        self._observe(("", tool), duration_s)
-
-    def _observe(self, key: tuple[str, str], duration_s: float) -> None:
-        entry = self._stats.get(key)
-        if entry is None:
-            if len(self._stats) >= self.max_keys:
-                del self._stats[next(iter(self._stats))]
-            self._stats[key] = [duration_s, 1.0]
-        else:
-            entry[0] += self.ALPHA * (duration_s - entry[0])
-            entry[1] += 1.0
-
-    def predict_s(self, agent_type: str, tool: str, client_s: float | None) -> float | None:
-        """Blend ``client_s`` with history: ``w * ewma + (1 - w) * client_s``,
-        ``w = n / (n + 3)``, using the agent type's entry when it has at least
-        3 samples, else the tool's pooled entry. Only one of them known: that
-        one; neither: ``None``."""
-        entry = self._stats.get((agent_type, tool))
-        if entry is None or entry[1] < self.MIN_SAMPLES:
-            entry = self._stats.get(("", tool))
-        if entry is None or entry[1] < self.MIN_SAMPLES:
-            return client_s
-        if client_s is None:
-            return entry[0]
-        w = entry[1] / (entry[1] + 3.0)
-        return w * entry[0] + (1.0 - w) * client_s
 
 
 def _unknown(what: str, field_name: str, ident: str) -> Refusal:
@@ -492,6 +440,8 @@ class AgentGraph:
         s.num_tool_calls -= 1
         self.num_tool_calls -= 1
         self.history.observe(a.agent_type, call.tool_name, now_s - call.started_s)
+        if call.predicted_s is not None:
+            self.history.observe_error(call.predicted_s, now_s - call.started_s)
         return None
 
     # ----------------------------------------------------------- shared rounds
@@ -566,6 +516,21 @@ class AgentGraph:
             path.append(node)
             node = best[node][1]
         return path[::-1]
+
+    def criticalities(self, tenant: str, session_id: str, now_s: float, *,
+                      default_request_s: float = 1.0) -> dict[str, float]:
+        """Criticality in [0, 1] of each unfinished agent of the session (see
+        :func:`kvtier.agents.critical.criticality`): 1.0 on the longest
+        expected remaining path, sub-agents of one join group at the group's
+        highest value. Remaining times as in :meth:`critical_path`. Empty for
+        an unknown session. O(agents + edges)."""
+        s = self.session(tenant, session_id)
+        if s is None:
+            return {}
+        live = {aid: a for aid, a in s.agents.items() if a.ended_s is None}
+        remaining = {aid: self._remaining_s(a, now_s, default_request_s) for aid, a in live.items()}
+        deps = {aid: a.depends_on for aid, a in live.items()}
+        return criticality(remaining, deps, join_group={aid: a.join_group for aid, a in live.items()})
 
     @staticmethod
     def _remaining_s(a: Agent, now_s: float, default_request_s: float) -> float:

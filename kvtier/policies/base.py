@@ -36,6 +36,10 @@ Call order, per tier, as the manager guarantees it:
   ``front`` as the next to evict (its child, the chain's old tail, was just
   evicted).
 
+Optional: ``to_front(key)`` — make an idle resident ``key`` the next victim
+(an agent-aware placement knows it will not be used soon). Policies without
+an order to reorder omit it and the manager ignores the request.
+
 ``len(policy)`` is the number of resident keys it tracks, and
 ``check_invariants()`` asserts its internal consistency.
 """
@@ -114,6 +118,11 @@ class OrderParking(Parking):
     def _attach(self, key: BlockKey, state: None, front: bool) -> None:
         self._order[key] = None
         if front:
+            self._order.move_to_end(key, last=False)
+
+    def to_front(self, key: BlockKey) -> None:
+        """Make an idle ``key`` the next victim (a parked key is left alone)."""
+        if key in self._order:
             self._order.move_to_end(key, last=False)
 
     def _forget(self, key: BlockKey) -> None:

@@ -57,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cap.add_argument("--hbm-blocks", type=_ints, metavar="N[,N...]",
                      help="HBM KV capacity in blocks (default: what the profile's HBM holds after weights)")
     cap.add_argument("--hbm-fraction", type=_floats, metavar="F[,F...]",
-                     help="HBM capacity as a fraction of the trace's distinct blocks (several: capacity sweep)")
+                     help="HBM capacity as a fraction of the working set: conc sessions of mean footprint live at once, "
+                          "capped by the distinct blocks (several: capacity sweep)")
     p.add_argument("--dram-blocks", type=int, help="DRAM tier capacity in blocks (default 2x HBM)")
     p.add_argument("--ssd-blocks", type=int, default=0, help="SSD tier capacity in blocks (default 0: off)")
     p.add_argument("--seed", type=int, default=0, help="seed of the embedded workload (default 0)")

@@ -143,6 +143,10 @@ class Session:
     def has_subagents(self) -> bool:
         return len(self.agents) > 1
 
+    def num_distinct_blocks(self) -> int:
+        """Distinct block ids this session reads (its footprint). O(block ids)."""
+        return len({b for a in self.agents for r in a.requests for b in r.block_ids})
+
 
 @dataclass(frozen=True, slots=True)
 class Workload:

@@ -67,6 +67,34 @@ class PlacementContext(Protocol):
         other chains branch from."""
         ...
 
+    # The agent-aware part (hint plane, prefetch, timers).
+
+    def blocks_in(self, keys: Sequence[BlockKey], tier: str) -> int: ...
+
+    def touch(self, keys: Sequence[BlockKey]) -> None: ...
+
+    def call_at(self, t: float, fn: Callable[..., None], *args: object) -> None: ...
+
+    def prefetch(self, agent_key: tuple[int, str], keys: Sequence[BlockKey]) -> float | None: ...
+
+    def drop(self, keys: Sequence[BlockKey]) -> int: ...
+
+    def deprioritize(self, keys: Sequence[BlockKey], tiers: Sequence[str] = ("hbm",)) -> int: ...
+
+    def retire(self, keys: Sequence[BlockKey]) -> int: ...
+
+    def count(self, name: str, n: int = 1) -> None: ...
+
+    def criticality(self, agent_key: tuple[int, str]) -> float: ...
+
+    def hbm_pressure(self) -> float: ...
+
+    def waiting_demand_blocks(self) -> int: ...
+
+    def is_waiting(self, agent_key: tuple[int, str]) -> bool: ...
+
+    def parent_of(self, agent_key: tuple[int, str]) -> str | None: ...
+
 
 @dataclass(frozen=True, slots=True)
 class ToolWait:
@@ -96,6 +124,16 @@ class PlacementPolicy:
 
     def on_wait_end(self, ctx: PlacementContext, agent_key: tuple[int, str], keys: Sequence[BlockKey]) -> None:
         """The agent's next request is ready (its wait ended)."""
+
+    def on_agent_end(self, ctx: PlacementContext, agent_key: tuple[int, str], keys: Sequence[BlockKey]) -> None:
+        """The agent finished its last request (``keys``: its final context)."""
+
+    def on_session_end(self, ctx: PlacementContext, session: int) -> None:
+        """Every agent of the session finished."""
+
+    def admit_lower(self, ctx: PlacementContext, tier: str, agent_key: tuple[int, str] | None) -> bool:
+        """Write freshly computed blocks of ``agent_key`` through to ``tier``?"""
+        return True
 
     def should_load(self, ctx: PlacementContext, num_blocks_by_tier: dict[str, int], context_tokens: int) -> bool:
         """Load blocks found in lower tiers (True) or recompute them (False)?
@@ -216,6 +254,10 @@ class Belady(PlacementPolicy):
 _REGISTRY: dict[str, Callable[[], PlacementPolicy]] = {
     cls.name: cls for cls in (LRU, LRUDram, ARC, S3FIFO, TTL, MinWaste, Belady)
 }
+
+from .agent_policies import AGENT_POLICIES  # noqa: E402  (they subclass PlacementPolicy above)
+
+_REGISTRY.update({cls.name: cls for cls in AGENT_POLICIES})
 
 
 def register_placement(name: str, factory: Callable[[], PlacementPolicy]) -> None:

@@ -29,8 +29,9 @@ class ReplaySpec:
     """Everything one ``kvtier replay`` invocation runs.
 
     HBM capacity: ``hbm_blocks`` if set, else ``hbm_fraction`` of the
-    workload's distinct blocks, else what the profile's HBM holds after the
-    weights. DRAM defaults to twice the HBM blocks; SSD is off unless set.
+    working set (:meth:`working_set_blocks`), else what the profile's HBM
+    holds after the weights. DRAM defaults to twice the HBM blocks; SSD is
+    off unless set.
     """
 
     workload: Workload
@@ -50,12 +51,25 @@ class ReplaySpec:
     trace_name: str = "embedded"
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def capacities(self) -> list[int]:
+    def working_set_blocks(self, conc: int | None = None) -> int:
+        """Blocks that would make every reuse a hit: the distinct blocks of ``conc``
+        sessions of mean footprint live at once (closed loop; ``conc`` defaults to
+        the largest in :attr:`concs`), capped by the workload's distinct blocks.
+        Open loop: all distinct blocks (any request may share with any other)."""
+        w = self.workload
+        distinct = w.num_distinct_blocks()
+        if w.open_loop or not w.sessions:
+            return distinct
+        conc = conc if conc is not None else max(self.concs)
+        mean_footprint = sum(s.num_distinct_blocks() for s in w.sessions) / len(w.sessions)
+        return min(distinct, max(1, round(conc * mean_footprint)))
+
+    def capacities(self, conc: int | None = None) -> list[int]:
         if self.hbm_blocks:
             return list(self.hbm_blocks)
         if self.hbm_fractions:
-            distinct = self.workload.num_distinct_blocks()
-            return [max(1, int(f * distinct)) for f in self.hbm_fractions]
+            working_set = self.working_set_blocks(conc)
+            return [max(1, int(f * working_set)) for f in self.hbm_fractions]
         return [self.profile.hbm_kv_capacity_blocks(self.workload.block_size)]
 
 

@@ -35,8 +35,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from ..agents import AgentGraph, GraphLimits
 from ..keys import BlockKey
 from ..manager import TierManager, TierSpec
+from ..transfer.linkmodel import LinkModel
 from .belady import BeladyPolicy, DriftOracle, NextUseOracle
 from .model import Agent, Request, Session, Workload
 from .placement import PlacementPolicy, ToolWait
@@ -105,7 +107,7 @@ class _Run:
     __slots__ = (
         "sess", "agent", "req", "keys", "ready_s", "prefill_left", "ctx_tokens", "decode_left",
         "first_token_s", "held", "store_plan", "computed_keys", "loads_pending", "load_ready_s",
-        "hit", "computed_tokens", "uncached", "reserved",
+        "hit", "computed_tokens", "uncached", "reserved", "prefetch",
     )
 
     def __init__(self, sess: "_SessionRun", agent: Agent, req: Request, ready_s: float) -> None:
@@ -124,10 +126,23 @@ class _Run:
         self.computed_tokens = 0
         self.uncached = False
         self.reserved = 0  # HBM blocks reserved for the decode
+        self.prefetch: _Prefetch | None = None  # a prefetch for this request that arrived in time
+
+
+class _Prefetch:
+    """A promotion into HBM started for an agent's next request."""
+
+    __slots__ = ("plans", "done_s", "arrived", "hold", "keys")
+
+    def __init__(self, plans: list[Any], done_s: float, keys: tuple[BlockKey, ...]) -> None:
+        self.plans, self.done_s, self.keys = plans, done_s, keys
+        self.arrived = False
+        self.hold: BlockKey | None = None  # referenced HBM tail from arrival until admission
 
 
 class _SessionRun:
-    __slots__ = ("idx", "session", "start_s", "next_index", "finished", "running", "agents_left", "children_of")
+    __slots__ = ("idx", "session", "start_s", "next_index", "finished", "running", "agents_left", "children_of",
+                 "sid")
 
     def __init__(self, idx: int, session: Session, start_s: float) -> None:
         self.idx, self.session, self.start_s = idx, session, start_s
@@ -136,6 +151,7 @@ class _SessionRun:
         self.running: set[str] = set()
         self.agents_left = sum(1 for a in session.agents if a.requests)
         self.children_of: dict[str, list[Agent]] = {}
+        self.sid = str(idx)  # the session id the hint plane knows it by
         for a in session.agents[1:]:
             self.children_of.setdefault(a.parent_id or "", []).append(a)
 
@@ -189,7 +205,20 @@ class Simulator:
         self._total_requests = sum(s.num_requests() for s in self._sessions)
         self.block_touches = 0
         self.counters: dict[str, int] = {"admission_waits": 0, "oversized_requests": 0, "pins_refused": 0,
-                                         "offloaded_blocks": 0, "discarded_blocks": 0}
+                                         "offloaded_blocks": 0, "discarded_blocks": 0, "dropped_blocks": 0,
+                                         "prefetches": 0, "prefetch_on_time": 0, "prefetch_late": 0,
+                                         "prefetch_wasted": 0, "prefetched_blocks": 0}
+        # The hint plane as the agent framework would feed it (tenant "replay"):
+        # policies read criticality and predicted tool returns from it, as live.
+        big = 1 << 40
+        self.graph = AgentGraph(GraphLimits(max_sessions=big, max_sessions_per_tenant=big,
+                                            max_sessions_per_client=big, max_agents=big, max_agents_per_session=big,
+                                            max_tool_calls=big, max_tool_calls_per_session=big,
+                                            max_edges_per_session=big, max_shared_rounds_per_session=big,
+                                            max_stored_block_key_bytes=big, session_ttl_s=float(big)))
+        self.links = LinkModel(prior=dict(getattr(profile, "_link_to_cost", {})))
+        self._prefetches: dict[tuple[int, str], _Prefetch] = {}
+        self._waiting_agents: dict[tuple[int, str], float] = {}  # agent -> predicted return (s)
 
     # ------------------------------------------------------------------ setup
 
@@ -248,6 +277,8 @@ class Simulator:
     def _start_session(self, idx: int) -> None:
         sr = _SessionRun(idx, self._sessions[idx], self.now)
         root = sr.session.root
+        self.graph.start_session("replay", sr.sid, self.now)
+        self.graph.spawn_agent("replay", sr.sid, root.agent_id, self.now, agent_type=root.agent_type)
         if not root.requests:
             self._end_session(sr)
             return
@@ -258,6 +289,8 @@ class Simulator:
 
     def _end_session(self, sr: _SessionRun) -> None:
         self.session_latency_s.append(self.now - sr.start_s)
+        self.graph.end_session("replay", sr.sid, self.now)
+        self.policy.on_session_end(self, sr.idx)
         self._start_next_session()
 
     def _issue(self, sr: _SessionRun, agent: Agent, index: int) -> None:
@@ -269,6 +302,12 @@ class Simulator:
             return
         if any(not sr.finished[d] for d in req.depends_on):
             return
+        if index == 0 and agent.parent_id is not None:  # the framework announces the sub-agent
+            join = f"{agent.parent_id}@{agent.join_before}" if agent.join_before is not None else ""
+            self.graph.spawn_agent("replay", sr.sid, agent.agent_id, self.now, parent_id=agent.parent_id,
+                                   agent_type=agent.agent_type, join_group=join)
+            if agent.join_before is not None:
+                self.graph.add_dependency("replay", sr.sid, agent.agent_id, agent.parent_id, self.now)
         gap = req.gap_s if index > 0 or agent.parent_id is not None else 0.0
         if self.cfg.gap_cap_s is not None:
             gap = min(gap, self.cfg.gap_cap_s)
@@ -276,10 +315,26 @@ class Simulator:
         self._at(self.now + gap, self._on_ready, sr, agent, req, gap)
 
     def _on_ready(self, sr: _SessionRun, agent: Agent, req: Request, waited_s: float) -> None:
+        agent_key = (sr.idx, agent.agent_id)
         if req.gap_cause == "tool":  # a tool's duration is known once it returned
             self._tool_history.append(waited_s)
+            self.graph.end_tool_call("replay", sr.sid, agent.agent_id, f"{agent.agent_id}#{req.index}", self.now)
+        self._waiting_agents.pop(agent_key, None)
+        self.graph.start_request("replay", sr.sid, agent.agent_id, str(req.index), self.now)
         run = _Run(sr, agent, req, self.now)
-        self.policy.on_wait_end(self, (sr.idx, agent.agent_id), run.keys)
+        self.policy.on_wait_end(self, agent_key, run.keys)
+        pf = self._prefetches.pop(agent_key, None)
+        if pf is not None and not pf.arrived:  # late: the request waits for its blocks in flight
+            self.counters["prefetch_late"] += 1
+            self._at(pf.done_s, self._enqueue_after_prefetch, run, pf)
+            return
+        if pf is not None:
+            self.counters["prefetch_on_time"] += 1
+            run.prefetch = pf
+        self.waiting.append(run)
+
+    def _enqueue_after_prefetch(self, run: _Run, pf: _Prefetch) -> None:
+        run.prefetch = pf
         self.waiting.append(run)
 
     # ---------------------------------------------------------------- admission
@@ -363,6 +418,9 @@ class Simulator:
         self.block_touches += len(keys)
         if self.order_log is not None:
             self.order_log.append((request_id, keys, self.now))
+        if run.prefetch is not None:
+            self._settle_prefetch(run.prefetch, keys[:n_used])
+            run.prefetch = None
         mgr.touch(keys[:n_used], "hbm")
         if store_plan is not None and store_plan.skipped:
             mgr.touch(store_plan.skipped, "hbm")
@@ -421,16 +479,22 @@ class Simulator:
         for a, b in hops:
             link = f"{a}->{b}"
             start = max(t, self.link_free_s.get(link, 0.0))
-            t = start + self.profile.transfer_time_s(nbytes, link)
+            service_s = self.profile.transfer_time_s(nbytes, link)
+            self.links.observe(link, nbytes, service_s)  # what a live mover reports on completion
+            t = start + service_s
             self.link_free_s[link] = t
             self.bytes_moved[link] = self.bytes_moved.get(link, 0) + nbytes
         return t
 
-    def _write_through(self, keys: Sequence[BlockKey], parent: BlockKey | None) -> None:
-        """Copy freshly computed HBM blocks down to every lower tier (modelled, async)."""
+    def _write_through(self, keys: Sequence[BlockKey], parent: BlockKey | None,
+                       agent_key: tuple[int, str] | None = None) -> None:
+        """Copy freshly computed HBM blocks down to the lower tiers the policy admits them to
+        (modelled, async)."""
         if not self.policy.write_through or not keys:
             return
         for tier in self.lower:
+            if not self.policy.admit_lower(self, tier, agent_key):
+                continue
             plan = self.mgr.prepare_store(tier, keys, parent)
             if plan is None or not plan.keys:
                 if plan is not None:
@@ -496,7 +560,8 @@ class Simulator:
             self.mgr.complete_store(run.store_plan, True)
             self._retail(run)
             first = run.keys.index(run.computed_keys[0]) if run.computed_keys else 0
-            self._write_through(run.computed_keys, run.keys[first - 1] if first else None)
+            self._write_through(run.computed_keys, run.keys[first - 1] if first else None,
+                                (run.sess.idx, run.agent.agent_id))
             run.store_plan = None
 
     def _finish(self, run: _Run) -> None:
@@ -511,6 +576,7 @@ class Simulator:
         self._record(run)
         sr.running.discard(agent.agent_id)
         index = req.index
+        self.graph.end_request("replay", sr.sid, agent.agent_id, str(index), self.now)
         sr.next_index[agent.agent_id] = index + 1
         last = index + 1 >= len(agent.requests)
         if last:
@@ -519,9 +585,16 @@ class Simulator:
         for child in sr.children_of.get(agent.agent_id, []):
             if child.spawn_after == index:
                 self._issue(sr, child, 0)
+        if last:
+            self.graph.end_agent("replay", sr.sid, agent.agent_id, self.now)
+            self.policy.on_agent_end(self, (sr.idx, agent.agent_id), tuple(ctx_keys))
         if not last:
             nxt = agent.requests[index + 1]
-            predicted = self._predict_gap(nxt)
+            if nxt.gap_cause == "tool":
+                self.graph.start_tool_call("replay", sr.sid, agent.agent_id, f"{agent.agent_id}#{index + 1}",
+                                           "tool", expected_s=None, now_s=self.now)
+            predicted = self._predict_gap(sr, agent, nxt)
+            self._waiting_agents[(sr.idx, agent.agent_id)] = self.now + predicted
             self.policy.on_wait_start(self, ToolWait((sr.idx, agent.agent_id), tuple(ctx_keys), nxt.gap_cause,
                                                      predicted))
             self._issue(sr, agent, index + 1)
@@ -549,14 +622,18 @@ class Simulator:
             plan = self.mgr.prepare_store("hbm", out_keys, run.keys[-1] if n else None)
             if plan is not None:
                 self.mgr.complete_store(plan, True)
-                self._write_through(plan.keys, run.keys[-1] if n else None)
+                self._write_through(plan.keys, run.keys[-1] if n else None, (run.sess.idx, agent.agent_id))
         return nxt[:upto]
 
-    def _predict_gap(self, nxt: Request) -> float:
-        """The wait a policy is told to expect: the mean of past tool waits (tools),
-        the true gap is never revealed."""
-        if nxt.gap_cause == "tool" and self._tool_history:
-            return sum(self._tool_history) / len(self._tool_history)
+    def _predict_gap(self, sr: _SessionRun, agent: Agent, nxt: Request) -> float:
+        """The wait a policy is told to expect: for a tool, the hint plane's
+        prediction (history blended per agent type); otherwise, or before any
+        history, 10 s. The true gap is never revealed."""
+        if nxt.gap_cause == "tool":
+            s = self.graph.session("replay", sr.sid)
+            call = s.agents[agent.agent_id].tool_calls.get(f"{agent.agent_id}#{nxt.index}") if s else None
+            if call is not None and call.predicted_s is not None:
+                return call.predicted_s
         return 10.0
 
     def _record(self, run: _Run) -> None:
@@ -631,10 +708,12 @@ class Simulator:
         return n
 
     def transfer_time_s(self, num_blocks: int, link: str) -> float:
+        """Expected time to move ``num_blocks`` over ``link`` (``ssd->hbm``: both
+        hops), from the transfer model fitted to completed transfers."""
+        nbytes = num_blocks * self.bytes_per_block
         if link == "ssd->hbm":
-            return (self.profile.transfer_time_s(num_blocks * self.bytes_per_block, "ssd->dram")
-                    + self.profile.transfer_time_s(num_blocks * self.bytes_per_block, "dram->hbm"))
-        return self.profile.transfer_time_s(num_blocks * self.bytes_per_block, link)
+            return self.links.predict_s("ssd->dram", nbytes) + self.links.predict_s("dram->hbm", nbytes)
+        return self.links.predict_s(link, nbytes)
 
     def recompute_time_s(self, num_tokens: int) -> float:
         return self.profile.recompute_time_s(num_tokens, 0)
@@ -647,3 +726,119 @@ class Simulator:
 
     def private_start(self, keys: Sequence[BlockKey]) -> int:
         return self.mgr.private_start(keys)
+
+    # ------------------------------------- PlacementContext: agent-aware part
+
+    def call_at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
+        """Call ``fn(*args)`` at simulated time ``t`` (now if ``t`` is past)."""
+        self._at(max(t, self.now), fn, *args)
+
+    def prefetch(self, agent_key: tuple[int, str], keys: Sequence[BlockKey]) -> float | None:
+        """Promote the lower-tier blocks of ``keys``' cached prefix into HBM for the
+        agent's next request; returns when they will be there (``None`` when
+        nothing needs to move or HBM has no room). The blocks are held from
+        arrival until that request is admitted."""
+        if agent_key in self._prefetches or agent_key not in self._waiting_agents:
+            return None
+        mgr = self.mgr
+        hit = mgr.lookup(keys)
+        names, tiers = hit.tier_names, hit.tier_indices
+        plans, done = [], self.now
+        for src_idx in range(1, len(names)):
+            src_keys = list(compress(keys, map(src_idx.__eq__, tiers)))
+            if not src_keys:
+                continue
+            plan = mgr.prepare_move(src_keys, names[src_idx], "hbm", keep_source=True)
+            if plan is None:
+                break
+            plans.append(plan)
+            done = max(done, self._transfer(names[src_idx], "hbm", len(plan.keys)))
+        if not plans:
+            return None
+        pf = _Prefetch(plans, done, tuple(keys[: hit.num_blocks]))
+        self._prefetches[agent_key] = pf
+        self.counters["prefetches"] += 1
+        self.counters["prefetched_blocks"] += sum(len(p.keys) for p in plans)
+        self._at(done, self._prefetch_arrived, agent_key, pf)
+        return done
+
+    def _prefetch_arrived(self, agent_key: tuple[int, str], pf: _Prefetch) -> None:
+        for plan in pf.plans:
+            self.mgr.complete_move(plan, True)
+        pf.arrived = True
+        pf.hold = self._deepest_ready_hbm(pf.keys, len(pf.keys))
+        if pf.hold is not None:
+            self.mgr.acquire((pf.hold,))
+        self._admission_blocked = False
+
+    def _settle_prefetch(self, pf: _Prefetch, used: Sequence[BlockKey]) -> None:
+        """The request the prefetch was for was admitted: drop its hold; a prefetch
+        none of whose blocks the request used was wasted."""
+        if pf.hold is not None:
+            self.mgr.release((pf.hold,))
+            pf.hold = None
+        moved = {k for p in pf.plans for k in p.keys}
+        if not moved.intersection(used):
+            self.counters["prefetch_wasted"] += 1
+
+    def drop(self, keys: Sequence[BlockKey]) -> int:
+        """Remove ``keys`` from every tier (dead KV: nobody will read it again)."""
+        n = self.mgr.remove(keys)
+        self.counters["dropped_blocks"] += n
+        self._admission_blocked = False
+        return n
+
+    def deprioritize(self, keys: Sequence[BlockKey], tiers: Sequence[str] = ("hbm",)) -> int:
+        """Make ``keys``' idle copies in ``tiers`` the next victims there."""
+        n = sum(self.mgr.deprioritize(keys, t) for t in tiers if t in self.mgr.tier_names)
+        return n
+
+    def retire(self, keys: Sequence[BlockKey]) -> int:
+        """Dead KV (its agent ended): next victims in every tier, but still
+        readable until the room is needed."""
+        n = self.deprioritize(keys, self.mgr.tier_names)
+        self.counters["retired_blocks"] = self.counters.get("retired_blocks", 0) + n
+        return n
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to the replay counter ``name`` (decisions by reason, ...)."""
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def criticality(self, agent_key: tuple[int, str]) -> float:
+        """The agent's criticality from the hint plane's DAG (1.0 on the critical path)."""
+        crit = self.graph.criticalities("replay", str(agent_key[0]), self.now)
+        return crit.get(agent_key[1], 0.0)
+
+    def hbm_pressure(self) -> float:
+        """HBM in use (cached + reserved) over capacity, plus the demand of the
+        requests waiting for admission, as a fraction of capacity."""
+        used = self.mgr.used_blocks("hbm")
+        waiting = sum(math.ceil((r.req.input_tokens + r.req.output_tokens) / self.block_size)
+                      for r in itertools.islice(self.waiting, 16))
+        return (used + waiting) / max(1, self.hbm_capacity_blocks)
+
+    def waiting_demand_blocks(self) -> int:
+        """HBM blocks the (first 16) requests waiting for admission need."""
+        return sum(math.ceil((r.req.input_tokens + r.req.output_tokens) / self.block_size)
+                   for r in itertools.islice(self.waiting, 16))
+
+    def tiers_enabled(self) -> tuple[str, ...]:
+        return self.mgr.tier_names
+
+    def blocks_in(self, keys: Sequence[BlockKey], tier: str) -> int:
+        """How many of ``keys`` are readable in ``tier`` (0 for a tier not enabled)."""
+        return len(self.mgr.present(keys, tier)) if tier in self.mgr.tier_names else 0
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Refresh ``keys``' HBM copies to most recent (they are due next)."""
+        self.mgr.touch(self.mgr.present(keys, "hbm"), "hbm")
+
+    def parent_of(self, agent_key: tuple[int, str]) -> str | None:
+        """The agent's parent id as the hint plane knows it (``None`` for a root)."""
+        s = self.graph.session("replay", str(agent_key[0]))
+        a = s.agents.get(agent_key[1]) if s is not None else None
+        return a.parent_id if a is not None else None
+
+    def is_waiting(self, agent_key: tuple[int, str]) -> bool:
+        """True while the agent waits (tool, user, sub-agents) for its next request."""
+        return agent_key in self._waiting_agents

@@ -1,0 +1,269 @@
+"""Agent-aware placement: critical-path reserve, tool-wait offload, predictive prefetch.
+
+Owns: the placement policies that read the hint plane (the
+:class:`~kvtier.agents.AgentGraph`'s criticality and predicted tool returns)
+and the transfer model through the :class:`PlacementContext`:
+
+* ``tokencake`` — TokenCake (arXiv 2510.18586), following its public code
+  where the paper gives no formula: a *space* scheduler reserving a share
+  ``rho`` of HBM for critical agents (``rho`` starts at 0.05, +0.05 when HBM
+  use is >= 0.75, -0.05 when <= 0.40, within [0.05, 0.30]), and a *time*
+  scheduler that swaps an agent's KV to DRAM when its predicted stall ``D``
+  beats the transfer time ``T`` (``D > T``, margin ``D - T >= max(0.05 s,
+  2T)``, under memory pressure; critical agents only for long margins
+  ``>= max(0.5 s, 8T)``), backs off 8 decisions after a refused offload, and
+  uploads back ``max(0.1 s, 1.25 * T_h2d)`` before the predicted return.
+  CPU tier only, no write-through (vLLM swap space).
+* ``kvflow`` — KVFlow (arXiv 2507.07400): eviction by steps-to-execution
+  over a write-through CPU tier: an agent that starts waiting goes to the
+  front of the eviction order (its next step is furthest away), an agent due
+  next is brought back (prefetched, or refreshed to most recent) one
+  transfer time before its predicted return.
+* ``kvtier`` — the project's default: everything above over all three tiers
+  with write-through, plus dead-KV retirement (when the hint plane says an
+  agent ended, its private blocks become the next victims in every tier —
+  still readable until the room is needed), frequency-gated SSD
+  admission (only contexts already reused once are written to SSD), keep /
+  offload / discard decided from the predicted wait, the fitted transfer
+  model, recompute cost and pressure, and prefetch lead proportional to the
+  transfer estimate. Tuned on the dev traces only.
+* ``kvtier-space-only`` / ``kvtier-time-only`` — ablations of ``kvtier``.
+
+Policies decide; they never touch simulator or store state except through
+the context, so the same objects drive a live store. Must not read the
+future: only predicted returns from the hint plane.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..keys import BlockKey
+from .placement import PlacementContext, PlacementPolicy, ToolWait
+
+AgentKey = tuple[int, str]
+
+
+class AgentAware(PlacementPolicy):
+    """Shared machinery; subclasses set the switches and constants.
+
+    Space: while a critical agent (criticality >= ``critical_at``) waits, its
+    chain is pinned if the reserve (``rho`` of HBM, adapted to pressure
+    within ``rho_bounds``) has room; unused reserve stays in the shared pool
+    (lent). Time: an agent whose predicted wait pays for moving its KV out and
+    back is offloaded (or, with write-through copies below, its HBM copy is
+    given up first in line) and prefetched back ``lead`` before the predicted
+    return; cancelled when it returns early.
+    """
+
+    space = True
+    time = True
+    drop_dead = False
+    gate_ssd = False
+    deprioritize_waiting = False
+    swap_to = "dram"
+    rho_bounds = (0.05, 0.30)
+    rho_step = 0.05
+    critical_at = 0.75
+    backoff_decisions = 8
+
+    def __init__(self) -> None:
+        self.rho = self.rho_bounds[0]
+        self._reserved: dict[AgentKey, int] = {}  # agent -> blocks pinned in the reserve
+        self._timers: dict[AgentKey, int] = {}  # agent -> token of its scheduled prefetch
+        self._token = 0
+        self._backoff = 0
+        self._turns: dict[AgentKey, int] = {}  # agent -> requests finished (SSD admission gate)
+        self._last_ctx: dict[AgentKey, tuple[BlockKey, ...]] = {}  # agent -> its latest context keys
+
+    # ---------------------------------------------------------------- knobs
+
+    def lead_s(self, t_back_s: float) -> float:
+        """How long before the predicted return the prefetch starts."""
+        return max(0.1, 1.25 * t_back_s)
+
+    def worth_offloading(self, ctx: PlacementContext, wait_s: float, t_out_s: float, t_back_s: float,
+                         critical: bool) -> str:
+        """``"offload"`` or the reason to keep (TokenCake's rules)."""
+        t = t_out_s
+        margin = wait_s - t
+        if wait_s <= t or margin < max(0.05, 2 * t):
+            return "short_wait"
+        if ctx.hbm_pressure() < 0.60 and not ctx.waiting_demand_blocks():
+            return "low_pressure"
+        if critical and margin < max(0.5, 8 * t):
+            return "critical"
+        return "offload"
+
+    # ---------------------------------------------------------------- hooks
+
+    def on_wait_start(self, ctx: PlacementContext, wait: ToolWait) -> None:
+        agent = wait.agent_key
+        self._turns[agent] = self._turns.get(agent, 0) + 1
+        if self.drop_dead:
+            self._last_ctx[agent] = wait.keys
+        if not wait.keys:
+            return
+        self._adapt_reserve(ctx)
+        keys = wait.keys
+        n_hbm = ctx.blocks_in(keys, "hbm")
+        if not n_hbm:
+            return
+        critical = self.space and ctx.criticality(agent) >= self.critical_at
+        decision = "keep"
+        if self.time:
+            t_out = 0.0 if self._copied_below(ctx, keys) else ctx.transfer_time_s(n_hbm, f"hbm->{self.swap_to}")
+            t_back = ctx.transfer_time_s(n_hbm, f"{self.swap_to}->hbm")
+            decision = self.worth_offloading(ctx, wait.predicted_gap_s, max(t_out, t_back), t_back, critical)
+            if decision == "offload" and self._backoff > 0:
+                self._backoff -= 1
+                decision = "backoff"
+            if decision == "offload":
+                if self._offload(ctx, keys):
+                    self._schedule_prefetch(ctx, agent, keys, wait.predicted_gap_s, t_back)
+                else:
+                    self._backoff = self.backoff_decisions
+                    decision = "refused"
+        if decision != "offload":
+            if critical and self._reserve(ctx, agent, keys, n_hbm, wait.predicted_gap_s):
+                decision = "reserve"
+            elif self.deprioritize_waiting:
+                ctx.deprioritize(keys)
+                if self.time:
+                    self._schedule_prefetch(ctx, agent, keys, wait.predicted_gap_s,
+                                            ctx.transfer_time_s(n_hbm, f"{self.swap_to}->hbm"))
+        ctx.count(f"decision_{decision}")
+
+    def on_wait_end(self, ctx: PlacementContext, agent_key: AgentKey, keys: Sequence[BlockKey]) -> None:
+        if self._timers.pop(agent_key, None) is not None:
+            ctx.count("prefetch_cancelled")  # returned before the prefetch started: load on demand
+        if self._reserved.pop(agent_key, None) is not None:
+            ctx.unpin(keys)
+
+    def on_agent_end(self, ctx: PlacementContext, agent_key: AgentKey, keys: Sequence[BlockKey]) -> None:
+        self._turns.pop(agent_key, None)
+        if not self.drop_dead:
+            return
+        parent = ctx.parent_of(agent_key)
+        if parent is None:  # the root: its context dies with the session
+            self._last_ctx[agent_key] = tuple(keys)
+            return
+        # A sub-agent's own blocks start where its context left its parent's.
+        inherited = self._last_ctx.get((agent_key[0], parent), ())
+        fork = next((i for i, (a, b) in enumerate(zip(keys, inherited)) if a != b), min(len(keys), len(inherited)))
+        start = max(fork, ctx.private_start(keys))
+        if start < len(keys):
+            ctx.retire(keys[start:])
+        self._last_ctx.pop(agent_key, None)
+
+    def on_session_end(self, ctx: PlacementContext, session: int) -> None:
+        for agent in [a for a in self._last_ctx if a[0] == session]:
+            keys = self._last_ctx.pop(agent)
+            if self.drop_dead and keys:
+                ctx.retire(keys[ctx.private_start(keys):])
+
+    def admit_lower(self, ctx: PlacementContext, tier: str, agent_key: AgentKey | None) -> bool:
+        """Write-through admission: SSD only for contexts reused at least once."""
+        if tier == "ssd" and self.gate_ssd and agent_key is not None:
+            return self._turns.get(agent_key, 0) >= 1
+        return True
+
+    # ---------------------------------------------------------------- parts
+
+    def _copied_below(self, ctx: PlacementContext, keys: Sequence[BlockKey]) -> bool:
+        return self.write_through and ctx.blocks_in(keys, self.swap_to) >= len(keys)
+
+    def _offload(self, ctx: PlacementContext, keys: Sequence[BlockKey]) -> int:
+        private = keys[ctx.private_start(keys):]
+        if not private:
+            return 0
+        if self.write_through:  # copies are below already: first in line for eviction
+            return ctx.deprioritize(private) or ctx.offload(private, self.swap_to)
+        return ctx.offload(private, self.swap_to)
+
+    def _schedule_prefetch(self, ctx: PlacementContext, agent: AgentKey, keys: Sequence[BlockKey],
+                           wait_s: float, t_back_s: float) -> None:
+        self._token += 1
+        self._timers[agent] = self._token
+        ctx.call_at(ctx.now + wait_s - self.lead_s(t_back_s), self._fire_prefetch, ctx, agent, tuple(keys),
+                    self._token)
+
+    def _fire_prefetch(self, ctx: PlacementContext, agent: AgentKey, keys: tuple[BlockKey, ...], token: int) -> None:
+        if self._timers.get(agent) != token or not ctx.is_waiting(agent):
+            return  # cancelled (returned early, or a newer wait)
+        del self._timers[agent]
+        ctx.touch(keys)  # what is still in HBM is due next: most recent
+        ctx.prefetch(agent, keys)
+
+    def _adapt_reserve(self, ctx: PlacementContext) -> None:
+        u = ctx.hbm_pressure()
+        lo, hi = self.rho_bounds
+        if u >= 0.75:
+            self.rho = min(hi, self.rho + self.rho_step)
+        elif u <= 0.40:
+            self.rho = max(lo, self.rho - self.rho_step)
+
+    def _reserve(self, ctx: PlacementContext, agent: AgentKey, keys: Sequence[BlockKey], n: int,
+                 wait_s: float) -> bool:
+        budget = int(self.rho * ctx.hbm_capacity_blocks)
+        if sum(self._reserved.values()) + n > budget:
+            return False
+        if not ctx.pin(keys, wait_s * 1.5 + 1.0):
+            return False
+        self._reserved[agent] = n
+        return True
+
+
+class TokenCake(AgentAware):
+    name = "tokencake"
+    write_through = False
+    lower_tiers = ("dram",)
+
+
+class KVFlow(AgentAware):
+    """Steps-to-execution order and prefetch of the agents due next (no reserve,
+    no swap decision: the CPU tier holds write-through copies)."""
+
+    name = "kvflow"
+    write_through = True
+    lower_tiers = ("dram",)
+    space = False
+    deprioritize_waiting = True
+
+    def worth_offloading(self, ctx: PlacementContext, wait_s: float, t_out_s: float, t_back_s: float,
+                         critical: bool) -> str:
+        return "offload" if wait_s > t_back_s else "short_wait"
+
+
+class KVTier(AgentAware):
+    name = "kvtier"
+    write_through = True
+    lower_tiers = ("dram", "ssd")
+    drop_dead = True
+    gate_ssd = True
+    deprioritize_waiting = True
+    rho_bounds = (0.05, 0.30)
+
+    def lead_s(self, t_back_s: float) -> float:
+        return 0.05 + 1.5 * t_back_s
+
+    def worth_offloading(self, ctx: PlacementContext, wait_s: float, t_out_s: float, t_back_s: float,
+                         critical: bool) -> str:
+        if wait_s <= self.lead_s(t_back_s) + t_out_s:
+            return "short_wait"
+        if critical and wait_s < 4 * self.lead_s(t_back_s):
+            return "critical"
+        return "offload"
+
+
+class KVTierSpaceOnly(KVTier):
+    name = "kvtier-space-only"
+    time = False
+
+
+class KVTierTimeOnly(KVTier):
+    name = "kvtier-time-only"
+    space = False
+
+
+AGENT_POLICIES = (TokenCake, KVFlow, KVTier, KVTierSpaceOnly, KVTierTimeOnly)
