@@ -255,23 +255,31 @@ _REGISTRY: dict[str, Callable[[], PlacementPolicy]] = {
     cls.name: cls for cls in (LRU, LRUDram, ARC, S3FIFO, TTL, MinWaste, Belady)
 }
 
-from .agent_policies import AGENT_POLICIES  # noqa: E402  (they subclass PlacementPolicy above)
 
-_REGISTRY.update({cls.name: cls for cls in AGENT_POLICIES})
+def _load_agent_policies() -> None:
+    """Register the agent-aware policies (a module of their own that subclasses
+    :class:`PlacementPolicy`, so it is imported on first use, not here)."""
+    from .agent_policies import AGENT_POLICIES
+
+    for cls in AGENT_POLICIES:
+        _REGISTRY.setdefault(cls.name, cls)
 
 
 def register_placement(name: str, factory: Callable[[], PlacementPolicy]) -> None:
     """Add a placement policy (e.g. the agent-aware ones) to the replay registry."""
+    _load_agent_policies()
     if name in _REGISTRY:
         raise ValueError(f"placement policy {name!r} registered twice")
     _REGISTRY[name] = factory
 
 
 def placement_names() -> list[str]:
+    _load_agent_policies()
     return list(_REGISTRY)
 
 
 def make_placement(name: str) -> PlacementPolicy:
+    _load_agent_policies()
     try:
         return _REGISTRY[name]()
     except KeyError:
