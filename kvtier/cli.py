@@ -1,4 +1,4 @@
-"""The ``kvtier`` command line: ``kvtier replay``, ``kvtier bench tiers|hints``, ``kvtier inspect DIR``,
+"""The ``kvtier`` command line: ``kvtier replay``, ``kvtier bench tiers|hints|shared``, ``kvtier inspect DIR``,
 ``kvtier serve``.
 
 Owns: argument parsing and printing. Every subcommand has ``--help``; the
@@ -18,6 +18,8 @@ from .errors import KVTierError
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.target == "hints":
         return _bench_hints(args)
+    if args.target == "shared":
+        return _bench_shared(args)
     from .benchmarks.common import print_table, write_json
 
     if args.target == "tiers":
@@ -52,6 +54,20 @@ def _bench_hints(args: argparse.Namespace) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2, sort_keys=True)
             f.write("\n")
+    return 0
+
+
+def _bench_shared(args: argparse.Namespace) -> int:
+    from .benchmarks import shared
+    from .benchmarks.common import write_json
+
+    report = shared.run(num_agents=args.agents, segment_tokens=args.segment_tokens,
+                        fraction=args.recompute_fraction, granularity=args.granularity,
+                        error_bound_abs=args.error_bound, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    shared.print_report(report)
+    report["kvtier_version"] = __version__
+    if args.json:
+        write_json(args.json, report)
     return 0
 
 
@@ -90,14 +106,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="run a benchmark (prints a table; --json writes figures)",
                        description="Benchmarks that compare kvtier against a baseline measured in the same run.")
-    b.add_argument("target", choices=["tiers", "hints"],
+    b.add_argument("target", choices=["tiers", "hints", "shared"],
                    help="tiers: DRAM/SSD put and get throughput vs memcpy and raw file I/O, and prefix lookup time; "
-                        "hints: hint events/s from 1/4/16 client processes vs a raw gRPC echo, and SDK emit() latency")
+                        "hints: hint events/s from 1/4/16 client processes vs a raw gRPC echo, and SDK emit() latency; "
+                        "shared: on real KV of a small seeded transformer in an all-gather round, bytes per agent "
+                        "of master+mirror diffs vs full copies, fused vs dense reconstruct-then-copy restore "
+                        "throughput, bit-exact lossless restores")
     b.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     b.add_argument("--total-mib", type=int, default=128, help="bytes copied per DRAM measurement (MiB, default 128)")
     b.add_argument("--ssd-total-mib", type=int, default=64, help="bytes written per SSD measurement (MiB, default 64)")
     b.add_argument("--events", type=int, default=200_000,
                    help="hints: events sent per client-count run, split over the clients (default 200000)")
+    b.add_argument("--agents", type=int, default=6, help="shared: agents in the round (default 6)")
+    b.add_argument("--segment-tokens", type=int, default=320,
+                   help="shared: tokens of each agent's shared output segment (default 320 = 20 blocks)")
+    b.add_argument("--recompute-fraction", type=float, default=0.15,
+                   help="shared: fraction of shared positions each agent recomputes (default 0.15)")
+    b.add_argument("--granularity", choices=["block", "token"], default="block",
+                   help="shared: recompute whole blocks (default) or single tokens")
+    b.add_argument("--error-bound", type=float, default=1.0 / 64,
+                   help="shared: per-element absolute error bound of the lossy diff figure (default 1/64)")
     b.set_defaults(func=_cmd_bench)
 
     from .hints.serve import add_arguments as add_serve_arguments  # argparse only; grpc loads on use

@@ -74,6 +74,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="write the Pareto / hit-rate chart as a PNG")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_rounds_arguments(p)
+
+
+def add_rounds_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``--workload rounds`` (all-gather rounds; see kvtier.replay.rounds)."""
+    from .rounds import DEFAULT_SLO_ROUND_S, ROUND_LATENCIES, RoundsWorkload
+
+    d = RoundsWorkload()
+    g = p.add_argument_group("all-gather rounds (--workload rounds: capacity of lru, lru-dram, kvtier masters+mirrors)")
+    g.add_argument("--workload", choices=["traces", "rounds"], default="traces",
+                   help="traces: agent traces / the embedded workload (default); rounds: generated all-gather "
+                        "rounds, SLO capacity search over the number of agents")
+    g.add_argument("--round-slo-ms", type=float, default=DEFAULT_SLO_ROUND_S * 1e3,
+                   help=f"round latency SLO in ms (default {DEFAULT_SLO_ROUND_S * 1e3:.0f})")
+    g.add_argument("--round-latency", choices=list(ROUND_LATENCIES), default="full",
+                   help="full: prefill + every output token of the round (default); ttft: until every agent "
+                        "has its first output token")
+    g.add_argument("--rounds", type=int, default=d.num_rounds, help=f"rounds per run (default {d.num_rounds})")
+    g.add_argument("--private-tokens", type=int, default=d.private_tokens,
+                   help=f"private history per agent (default {d.private_tokens})")
+    g.add_argument("--observe-tokens", type=int, default=d.observe_tokens,
+                   help=f"new private input per agent per round (default {d.observe_tokens})")
+    g.add_argument("--output-tokens", type=int, default=d.output_tokens,
+                   help=f"output per agent per round, the shared segment (default {d.output_tokens})")
+    g.add_argument("--recompute-fraction", type=float, default=0.15,
+                   help="kvtier: fraction of shared positions each mirror recomputes (default 0.15)")
+    g.add_argument("--diff-block-fraction", type=float, default=0.15,
+                   help="kvtier: fraction of a mirror's blocks that differ from the master (default 0.15, "
+                        "as measured by `kvtier bench shared`)")
 
 
 def build_spec(args: argparse.Namespace, progress=None) -> Any:
@@ -125,6 +154,8 @@ def command(args: argparse.Namespace) -> int:
             print(msg, file=sys.stderr, flush=True)
 
     start = time.perf_counter()
+    if getattr(args, "workload", "traces") == "rounds":
+        return _command_rounds(args, progress)
     spec = build_spec(args, progress)
     w = spec.workload
     progress(f"[replay] {spec.trace_name}: {len(w.sessions)} sessions, {w.num_requests()} requests, "
@@ -158,3 +189,36 @@ def command(args: argparse.Namespace) -> int:
         progress(f"[replay] wrote {args.plot}")
     progress(f"[replay] finished in {report['wall_s']:.1f}s")
     return 0
+
+
+def _command_rounds(args: argparse.Namespace, progress) -> int:
+    """``--workload rounds``: SLO capacity of lru, lru-dram and kvtier; table, --json, --plot."""
+    from .profiles import DEFAULT_PROFILE, load_profile_overrides, parse_profile
+    from .rounds import ROUND_POLICIES, RoundsConfig, RoundsWorkload, format_rounds_table, plot_rounds, run_rounds
+
+    profile = parse_profile(args.profile or DEFAULT_PROFILE)
+    if args.profile_file:
+        profile = load_profile_overrides(args.profile_file, base=profile)
+    workload = RoundsWorkload(num_rounds=args.rounds, private_tokens=args.private_tokens,
+                              observe_tokens=args.observe_tokens, output_tokens=args.output_tokens,
+                              block_size=args.block_size or 16, seed=args.seed)
+    config = RoundsConfig(slo_round_s=args.round_slo_ms / 1e3, recompute_fraction=args.recompute_fraction,
+                          diff_block_fraction=args.diff_block_fraction, max_batch_tokens=args.max_batch_tokens,
+                          latency=args.round_latency)
+    policies = ROUND_POLICIES if args.policies == _default_policies() else tuple(
+        x for x in args.policies.split(",") if x)
+    report = run_rounds(workload, profile, policies, config, progress)
+    print(format_rounds_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, default=float) + "\n")
+        progress(f"[replay rounds] wrote {args.json}")
+    if args.plot:
+        plot_rounds(report, args.plot)
+        progress(f"[replay rounds] wrote {args.plot}")
+    return 0
+
+
+def _default_policies() -> str:
+    from .run import DEFAULT_POLICIES
+
+    return ",".join(DEFAULT_POLICIES)
