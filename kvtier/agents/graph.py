@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from .critical import criticality
+from .critical import criticality, path_through_s
 from .predictor import DurationHistory
 
 @dataclass(frozen=True, slots=True)
@@ -531,6 +531,18 @@ class AgentGraph:
         remaining = {aid: self._remaining_s(a, now_s, default_request_s) for aid, a in live.items()}
         deps = {aid: a.depends_on for aid, a in live.items()}
         return criticality(remaining, deps, join_group={aid: a.join_group for aid, a in live.items()})
+
+    def remaining_path_s(self, tenant: str, session_id: str, now_s: float, *,
+                         default_request_s: float = 1.0) -> float:
+        """Expected remaining time of the session: the length of its critical
+        path (remaining times as in :meth:`critical_path`); 0.0 for an unknown
+        or finished session. O(agents + edges)."""
+        s = self.session(tenant, session_id)
+        if s is None:
+            return 0.0
+        live = {aid: a for aid, a in s.agents.items() if a.ended_s is None}
+        remaining = {aid: self._remaining_s(a, now_s, default_request_s) for aid, a in live.items()}
+        return max(path_through_s(remaining, {aid: a.depends_on for aid, a in live.items()}).values(), default=0.0)
 
     @staticmethod
     def _remaining_s(a: Agent, now_s: float, default_request_s: float) -> float:

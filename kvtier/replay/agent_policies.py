@@ -135,6 +135,11 @@ class AgentAware(PlacementPolicy):
         ctx.count(f"decision_{decision}")
 
     def on_wait_end(self, ctx: PlacementContext, agent_key: AgentKey, keys: Sequence[BlockKey]) -> None:
+        old = self._last_ctx.get(agent_key) if self.drop_dead else None
+        if old:  # the new prompt left the old context (compaction, rewrite): its private tail is dead
+            p = next((i for i, (a, b) in enumerate(zip(old, keys)) if a != b), min(len(old), len(keys)))
+            if p < len(old):
+                ctx.retire(old[max(p, ctx.private_start(old)):])
         if self._timers.pop(agent_key, None) is not None:
             ctx.count("prefetch_cancelled")  # returned before the prefetch started: load on demand
         if self._reserved.pop(agent_key, None) is not None:
@@ -219,6 +224,10 @@ class TokenCake(AgentAware):
     write_through = False
     lower_tiers = ("dram",)
 
+    def admission_priority(self, ctx: PlacementContext, session: int, agent_id: str, session_start_s: float) -> float:
+        """Critical-path agents first (the dominant term of TokenCake's request score)."""
+        return -ctx.criticality((session, agent_id))
+
 
 class KVFlow(AgentAware):
     """Steps-to-execution order and prefetch of the agents due next (no reserve,
@@ -240,20 +249,23 @@ class KVTier(AgentAware):
     write_through = True
     lower_tiers = ("dram", "ssd")
     drop_dead = True
-    gate_ssd = True
+    gate_ssd = False  # measured on the dev traces: gating first turns out of SSD cost recompute
     deprioritize_waiting = True
     rho_bounds = (0.05, 0.30)
 
     def lead_s(self, t_back_s: float) -> float:
         return 0.05 + 1.5 * t_back_s
 
-    def worth_offloading(self, ctx: PlacementContext, wait_s: float, t_out_s: float, t_back_s: float,
-                         critical: bool) -> str:
-        if wait_s <= self.lead_s(t_back_s) + t_out_s:
-            return "short_wait"
-        if critical and wait_s < 4 * self.lead_s(t_back_s):
-            return "critical"
-        return "offload"
+    seniority_s = 10.0
+
+    def admission_priority(self, ctx: PlacementContext, session: int, agent_id: str, session_start_s: float) -> float:
+        """Oldest application first (it finishes instead of every application
+        crawling; unlike shortest-remaining-first nothing starves), critical
+        agents of an application ``seniority_s`` ahead. Without space
+        awareness: FCFS."""
+        if not self.space:
+            return 0.0
+        return session_start_s - self.seniority_s * ctx.criticality((session, agent_id))
 
 
 class KVTierSpaceOnly(KVTier):

@@ -227,7 +227,7 @@ def app_workload(config: AppGenConfig = DEFAULT_APP_CONFIG) -> Workload:
         for k, ss in enumerate(apps_seq.spawn(config.num_apps))
     )
     name = f"appgen-{config.app}-seed{config.seed}-rate{config.rate_per_s:g}"
-    return Workload(name, config.block_size, sessions, open_loop=True)
+    return Workload(name, config.block_size, sessions, open_loop=True, declared_dag=True)
 
 
 def describe(workload: Workload) -> dict[str, Any]:

@@ -83,9 +83,16 @@ def add_rounds_arguments(p: argparse.ArgumentParser) -> None:
 
     d = RoundsWorkload()
     g = p.add_argument_group("all-gather rounds (--workload rounds: capacity of lru, lru-dram, kvtier masters+mirrors)")
-    g.add_argument("--workload", choices=["traces", "rounds"], default="traces",
-                   help="traces: agent traces / the embedded workload (default); rounds: generated all-gather "
-                        "rounds, SLO capacity search over the number of agents")
+    g.add_argument("--workload", choices=["traces", "apps", "rounds"], default="traces",
+                   help="traces: agent traces / the embedded workload (default); apps: generated TokenCake-style "
+                        "applications (agent DAGs with tool calls, Poisson arrivals; see --app, --rate); rounds: "
+                        "generated all-gather rounds, SLO capacity search over the number of agents")
+    a = p.add_argument_group("applications (--workload apps: kvtier.replay.appgen)")
+    a.add_argument("--app", choices=["code-writer", "deep-research", "mixed"], default="code-writer",
+                   help="application shape (default code-writer)")
+    a.add_argument("--rate", type=float, default=0.5, metavar="APPS_PER_S",
+                   help="Poisson arrival rate of applications (default 0.5)")
+    a.add_argument("--apps", type=int, default=40, metavar="N", help="applications to replay (default 40)")
     g.add_argument("--round-slo-ms", type=float, default=DEFAULT_SLO_ROUND_S * 1e3,
                    help=f"round latency SLO in ms (default {DEFAULT_SLO_ROUND_S * 1e3:.0f})")
     g.add_argument("--round-latency", choices=list(ROUND_LATENCIES), default="full",
@@ -114,7 +121,12 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
     if args.profile_file:
         profile = load_profile_overrides(args.profile_file, base=profile)
     extra: dict[str, Any] = {}
-    if args.trace:
+    if getattr(args, "workload", "traces") == "apps":
+        from .appgen import AppGenConfig, app_workload
+
+        workload = app_workload(AppGenConfig(app=args.app, num_apps=args.apps, rate_per_s=args.rate, seed=args.seed))
+        trace_name = f"apps({args.app}, {args.apps} apps at {args.rate}/s, seed={args.seed})"
+    elif args.trace:
         workload, report = load_trace_with_report(args.trace, skip_bad=args.skip_bad)
         extra["skipped_traces"] = report.num_skipped
         if report.num_skipped and progress:

@@ -154,12 +154,16 @@ class Workload:
 
     ``open_loop``: requests are sent at ``arrival_s`` (Mooncake); otherwise
     closed loop, paced by dependencies and ``gap_s`` (AgentX / Weka).
+    ``declared_dag``: the application declares its agent graph up front
+    (TokenCake's front-end API), so the hint plane knows how many requests
+    each agent will make; recorded traces do not.
     """
 
     name: str
     block_size: int
     sessions: tuple[Session, ...]
     open_loop: bool
+    declared_dag: bool = False
 
     def iter_requests(self) -> Iterator[tuple[Session, Agent, Request]]:
         """Every request with its session and agent, in workload order."""

@@ -95,6 +95,8 @@ class PlacementContext(Protocol):
 
     def parent_of(self, agent_key: tuple[int, str]) -> str | None: ...
 
+    def remaining_path_s(self, session: int) -> float: ...
+
 
 @dataclass(frozen=True, slots=True)
 class ToolWait:
@@ -130,6 +132,9 @@ class PlacementPolicy:
 
     def on_session_end(self, ctx: PlacementContext, session: int) -> None:
         """Every agent of the session finished."""
+
+    # A policy may define ``admission_priority(ctx, session, agent_id, session_start_s) -> float``:
+    # the waiting queue is then served lowest first (FCFS among equals) instead of FCFS.
 
     def admit_lower(self, ctx: PlacementContext, tier: str, agent_key: tuple[int, str] | None) -> bool:
         """Write freshly computed blocks of ``agent_key`` through to ``tier``?"""

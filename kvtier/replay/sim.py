@@ -140,6 +140,35 @@ class _Prefetch:
         self.hold: BlockKey | None = None  # referenced HBM tail from arrival until admission
 
 
+class _WaitQueue:
+    """Requests waiting for admission: FCFS, or by the policy's admission
+    priority (lower first, FCFS among equals) when it defines one."""
+
+    def __init__(self, priority: Callable[[_Run], float] | None) -> None:
+        self._priority = priority
+        self._heap: list[tuple[float, int, _Run]] = []
+        self._fifo: deque[_Run] = deque()
+        self._seq = itertools.count()
+
+    def append(self, run: _Run) -> None:
+        if self._priority is None:
+            self._fifo.append(run)
+        else:
+            heapq.heappush(self._heap, (self._priority(run), next(self._seq), run))
+
+    def head(self) -> _Run:
+        return self._fifo[0] if self._priority is None else self._heap[0][2]
+
+    def pop(self) -> _Run:
+        return self._fifo.popleft() if self._priority is None else heapq.heappop(self._heap)[2]
+
+    def __len__(self) -> int:
+        return len(self._fifo) + len(self._heap)
+
+    def __iter__(self):
+        return iter(self._fifo) if self._priority is None else (e[2] for e in sorted(self._heap))
+
+
 class _SessionRun:
     __slots__ = ("idx", "session", "start_s", "next_index", "finished", "running", "agents_left", "children_of",
                  "sid")
@@ -190,7 +219,9 @@ class Simulator:
         self.now = 0.0
         self._seq = itertools.count()
         self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
-        self.waiting: deque[_Run] = deque()
+        prio = getattr(policy, "admission_priority", None)
+        self.waiting = _WaitQueue((lambda run: prio(self, run.sess.idx, run.agent.agent_id, run.sess.start_s))
+                                  if prio is not None else None)
         self.prefilling: list[_Run] = []
         self.decoding: list[_Run] = []
         self.link_free_s: dict[str, float] = {}
@@ -263,6 +294,10 @@ class Simulator:
                 self.now = max(self.now, self._events[0][0])
             else:
                 break
+        if len(self.records) != self._total_requests:
+            raise RuntimeError(f"replay stalled at {self.now:.1f}s with {self._total_requests - len(self.records)} "
+                               f"requests unserved ({len(self.waiting)} waiting for HBM, policy "
+                               f"{self.policy.name!r}); a policy holds HBM nobody can free")
         return SimResult(self.records, self.session_latency_s, self.now, self.cfg.warmup_s,
                          dict(self.bytes_moved), self.block_touches, dict(self.counters))
 
@@ -278,7 +313,8 @@ class Simulator:
         sr = _SessionRun(idx, self._sessions[idx], self.now)
         root = sr.session.root
         self.graph.start_session("replay", sr.sid, self.now)
-        self.graph.spawn_agent("replay", sr.sid, root.agent_id, self.now, agent_type=root.agent_type)
+        self.graph.spawn_agent("replay", sr.sid, root.agent_id, self.now, agent_type=root.agent_type,
+                               expected_num_requests=self._declared_requests(root))
         if not root.requests:
             self._end_session(sr)
             return
@@ -286,6 +322,11 @@ class Simulator:
         for child in sr.children_of.get(root.agent_id, []):
             if child.spawn_after is None:
                 self._issue(sr, child, 0)
+
+    def _declared_requests(self, agent: Agent) -> int:
+        """What the framework tells the hint plane about the agent's request
+        count: known for a declared application DAG, unknown (0) for traces."""
+        return len(agent.requests) if self.w.declared_dag else 0
 
     def _end_session(self, sr: _SessionRun) -> None:
         self.session_latency_s.append(self.now - sr.start_s)
@@ -305,7 +346,8 @@ class Simulator:
         if index == 0 and agent.parent_id is not None:  # the framework announces the sub-agent
             join = f"{agent.parent_id}@{agent.join_before}" if agent.join_before is not None else ""
             self.graph.spawn_agent("replay", sr.sid, agent.agent_id, self.now, parent_id=agent.parent_id,
-                                   agent_type=agent.agent_type, join_group=join)
+                                   agent_type=agent.agent_type, join_group=join,
+                                   expected_num_requests=self._declared_requests(agent))
             if agent.join_before is not None:
                 self.graph.add_dependency("replay", sr.sid, agent.agent_id, agent.parent_id, self.now)
         gap = req.gap_s if index > 0 or agent.parent_id is not None else 0.0
@@ -343,12 +385,14 @@ class Simulator:
         if self._admission_blocked:
             return
         while self.waiting and len(self.prefilling) + len(self.decoding) < self.cfg.max_running:
-            run = self.waiting[0]
+            run = self.waiting.head()
             if not self._admit(run):
+                if self._release_prefetch_holds(run):
+                    continue  # blocks prefetched for later requests must not keep the head out
                 self._admission_blocked = True
                 self.counters["admission_waits"] += 1
                 return
-            self.waiting.popleft()
+            self.waiting.pop()
             self.prefilling.append(run)
 
     def _admit(self, run: _Run) -> bool:
@@ -771,6 +815,24 @@ class Simulator:
             self.mgr.acquire((pf.hold,))
         self._admission_blocked = False
 
+    def _release_prefetch_holds(self, head: _Run) -> bool:
+        """Let go of the hold of every arrived prefetch but ``head``'s (the blocks
+        stay cached but become evictable). True when one was released."""
+        released = False
+        for pf in self._held_prefetches():
+            if pf is head.prefetch:
+                continue
+            self.mgr.release((pf.hold,))
+            pf.hold = None
+            released = True
+        if released:
+            self.counters["prefetch_holds_released"] = self.counters.get("prefetch_holds_released", 0) + 1
+        return released
+
+    def _held_prefetches(self) -> list[_Prefetch]:
+        waiting = [r.prefetch for r in self.waiting if r.prefetch is not None]
+        return [pf for pf in itertools.chain(self._prefetches.values(), waiting) if pf.hold is not None]
+
     def _settle_prefetch(self, pf: _Prefetch, used: Sequence[BlockKey]) -> None:
         """The request the prefetch was for was admitted: drop its hold; a prefetch
         none of whose blocks the request used was wasted."""
@@ -832,6 +894,10 @@ class Simulator:
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Refresh ``keys``' HBM copies to most recent (they are due next)."""
         self.mgr.touch(self.mgr.present(keys, "hbm"), "hbm")
+
+    def remaining_path_s(self, session: int) -> float:
+        """The session's expected remaining time (its critical path) per the hint plane."""
+        return self.graph.remaining_path_s("replay", str(session), self.now)
 
     def parent_of(self, agent_key: tuple[int, str]) -> str | None:
         """The agent's parent id as the hint plane knows it (``None`` for a root)."""
