@@ -228,6 +228,7 @@ def test_unix_socket_health_and_metrics(tmp_path):
         assert 'kvtier_hint_rejections_total{reason="missing"} 1.0' in text
         assert "kvtier_hint_sessions 1.0" in text and "kvtier_hint_agents 1.0" in text
         assert "kvtier_hint_tool_calls_in_flight 0.0" in text
+        assert "kvtier_tool_predictions_total 0.0" in text and "kvtier_tool_prediction_under_fraction 0.0" in text
         channel.close()
 
 

@@ -13,7 +13,10 @@ Metrics (no tenant label, so cardinality stays fixed):
 ``kvtier_hint_rpcs_total{method,code}``, ``kvtier_hint_sessions``,
 ``kvtier_hint_agents``, ``kvtier_hint_tool_calls_in_flight``,
 ``kvtier_hint_shared_rounds``, ``kvtier_hint_expired_sessions_total``,
-``kvtier_hint_dedupe_window_events``.
+``kvtier_hint_dedupe_window_events``, and the tool-duration predictor's
+error: ``kvtier_tool_predictions_total``,
+``kvtier_tool_prediction_abs_error_seconds``,
+``kvtier_tool_prediction_rel_error``, ``kvtier_tool_prediction_under_fraction``.
 """
 
 from __future__ import annotations
@@ -62,6 +65,18 @@ class HintMetrics:
             ("kvtier_hint_tool_calls_in_flight", "Tool calls in flight", g.num_tool_calls),
             ("kvtier_hint_shared_rounds", "Shared rounds in progress", g.num_shared_rounds),
             ("kvtier_hint_dedupe_window_events", "Event ids held for duplicate detection", self.applier.dedupe_size),
+        ):
+            yield GaugeMetricFamily(name, text, value=value)
+        err = g.history.error()
+        preds = CounterMetricFamily("kvtier_tool_predictions", "Tool calls whose predicted duration was scored")
+        preds.add_metric([], err.num_predictions)
+        yield preds
+        for name, text, value in (
+            ("kvtier_tool_prediction_abs_error_seconds", "Mean |predicted - actual| tool duration",
+             err.mean_abs_error_s),
+            ("kvtier_tool_prediction_rel_error", "Mean |predicted - actual| / actual tool duration", err.mean_rel_error),
+            ("kvtier_tool_prediction_under_fraction", "Share of tool calls that returned later than predicted",
+             err.under_fraction),
         ):
             yield GaugeMetricFamily(name, text, value=value)
 

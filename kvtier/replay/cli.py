@@ -20,9 +20,13 @@ DESCRIPTION = """\
 Replay agent traces closed-loop against a modelled engine and compare KV-cache
 placement policies on TTFT, interactivity, throughput per chip and prefill work.
 With no --trace, replays the embedded workload: deterministic AgentX-shaped
-coding-agent sessions (see kvtier.replay.generator). Policies: lru (vLLM prefix
-caching, HBM only), lru-dram (LMCache-style write-through to DRAM/SSD), arc,
-s3fifo, ttl (Continuum), minwaste (InferCept), belady (offline optimum).
+coding-agent sessions (see kvtier.replay.generator); --workload apps replays
+generated TokenCake-style applications. Policies: lru (vLLM prefix caching, HBM
+only), lru-dram (LMCache-style write-through to DRAM/SSD), arc, s3fifo, ttl
+(Continuum), minwaste (InferCept), tokencake (TokenCake), kvflow (KVFlow), kvtier
+(agent-aware: critical-path admission and reserve, tool-wait offload with
+predictive prefetch, dead-KV retirement; ablations kvtier-space-only,
+kvtier-time-only), belady (offline optimum of HBM eviction).
 """
 
 

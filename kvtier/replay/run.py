@@ -19,7 +19,7 @@ from .placement import make_placement
 from .report import summarize
 from .sim import SimConfig, Simulator
 
-DEFAULT_POLICIES = ("lru", "lru-dram", "arc", "s3fifo", "ttl", "minwaste", "belady")
+DEFAULT_POLICIES = ("lru", "lru-dram", "arc", "s3fifo", "ttl", "minwaste", "tokencake", "kvflow", "kvtier", "belady")
 
 Progress = Callable[[str], None]
 
