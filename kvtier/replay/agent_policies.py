@@ -66,6 +66,7 @@ class AgentAware(PlacementPolicy):
     rho_step = 0.05
     critical_at = 0.75
     backoff_decisions = 8
+    prefetch_causes: tuple[str, ...] = ("tool", "user", "subagent_join")
 
     def __init__(self) -> None:
         self.rho = self.rho_bounds[0]
@@ -120,7 +121,7 @@ class AgentAware(PlacementPolicy):
                 decision = "backoff"
             if decision == "offload":
                 if self._offload(ctx, keys):
-                    self._schedule_prefetch(ctx, agent, keys, wait.predicted_gap_s, t_back)
+                    self._schedule_prefetch(ctx, agent, keys, wait, t_back)
                 else:
                     self._backoff = self.backoff_decisions
                     decision = "refused"
@@ -130,7 +131,7 @@ class AgentAware(PlacementPolicy):
             elif self.deprioritize_waiting:
                 ctx.deprioritize(keys)
                 if self.time:
-                    self._schedule_prefetch(ctx, agent, keys, wait.predicted_gap_s,
+                    self._schedule_prefetch(ctx, agent, keys, wait,
                                             ctx.transfer_time_s(n_hbm, f"{self.swap_to}->hbm"))
         ctx.count(f"decision_{decision}")
 
@@ -187,7 +188,10 @@ class AgentAware(PlacementPolicy):
         return ctx.offload(private, self.swap_to)
 
     def _schedule_prefetch(self, ctx: PlacementContext, agent: AgentKey, keys: Sequence[BlockKey],
-                           wait_s: float, t_back_s: float) -> None:
+                           wait: ToolWait, t_back_s: float) -> None:
+        if wait.cause not in self.prefetch_causes:
+            return  # no prediction worth acting on (a human's think time)
+        wait_s = wait.predicted_gap_s
         self._token += 1
         self._timers[agent] = self._token
         ctx.call_at(ctx.now + wait_s - self.lead_s(t_back_s), self._fire_prefetch, ctx, agent, tuple(keys),
@@ -252,6 +256,8 @@ class KVTier(AgentAware):
     gate_ssd = False  # measured on the dev traces: gating first turns out of SSD cost recompute
     deprioritize_waiting = True
     rho_bounds = (0.05, 0.30)
+
+    prefetch_causes = ("tool",)  # user think time is not predictable: load on demand
 
     def lead_s(self, t_back_s: float) -> float:
         return 0.05 + 1.5 * t_back_s
