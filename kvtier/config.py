@@ -335,9 +335,29 @@ def _check_dir_creatable(setting: str, path: str) -> None:
         raise ConfigError(setting, path, problem)
 
 
+LMDB_FILES: tuple[str, ...] = ("data.mdb", "lock.mdb")
+
+
+def lmdb_dir_problem(target: Path) -> str | None:
+    """Why the SSD directory ``target`` could make kvtier write outside it, or ``None``:
+    ``target`` itself is a symlink, or one of its LMDB files is a symlink or not
+    a regular file (LMDB would follow it and write wherever it points)."""
+    if target.is_symlink():
+        return (f"is a symlink to {os.readlink(target)!r}; configure the real directory, kvtier writes "
+                "only inside tiers.ssd.path")
+    for name in LMDB_FILES:
+        f = target / name
+        if f.is_symlink() or (f.exists() and not f.is_file()):
+            return f"{str(f)!r} is a symlink or not a regular file; LMDB would write outside tiers.ssd.path"
+    return None
+
+
 def _dir_problem(target: Path) -> str | None:
     """Why ``target`` cannot be used as a directory, or ``None``.
     Directories made to prove it are removed again, deepest first."""
+    problem = lmdb_dir_problem(target)
+    if problem is not None:
+        return problem
     existing = target
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent

@@ -9,6 +9,7 @@ Must not write to the directory.
 from __future__ import annotations
 
 import os
+import time
 from collections import defaultdict
 from typing import TextIO
 
@@ -44,6 +45,8 @@ def inspect_dir(path: str, *, verify: bool = True, out: TextIO) -> int:
     finally:
         env.close()
     print(f"{path}: {sum(g[0] for g in groups.values())} blocks, {unreadable} values with a bad header", file=out)
+    print(f"last written {_age(os.path.getmtime(os.path.join(path, 'data.mdb')))} ago "
+          "(values carry no timestamp of their own; this is the directory's)", file=out)
     print(f"{'namespace':>16}  {'layout':>16}  {'codec':>11}  {'blocks':>8}  {'raw_MiB':>9}  {'stored_MiB':>10}"
           f"  {'ratio':>6}  {'bad':>5}", file=out)
     for (ns, lay, codec), (n, raw, stored, bad) in sorted(groups.items()):
@@ -53,3 +56,13 @@ def inspect_dir(path: str, *, verify: bool = True, out: TextIO) -> int:
               f"  {ratio:>6.2f}  {bad_txt:>5}", file=out)
     bad_total = unreadable + sum(g[3] for g in groups.values())
     return 1 if bad_total else 0
+
+
+def _age(mtime: float) -> str:
+    """``3h 05m`` style age of a file modified at ``mtime``."""
+    s = max(0, int(time.time() - mtime))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    return f"{s // 3600}h {s % 3600 // 60:02d}m"

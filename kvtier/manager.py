@@ -279,6 +279,11 @@ class TierManager:
             return ()
         return tuple(t.name for t in self._tiers if node.state[t.index] == _READY)
 
+    def is_pending(self, key: BlockKey, tier: str) -> bool:
+        """True while a store or move of ``key`` into ``tier`` is prepared but not completed."""
+        node = self._blocks.get(key)
+        return node is not None and node.state[self._tier(tier).index] == _PENDING
+
     def slot_of(self, key: BlockKey, tier: str) -> int | None:
         """Slot of a readable ``key`` in ``tier``, or ``None``."""
         node = self._blocks.get(key)

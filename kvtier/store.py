@@ -8,6 +8,21 @@ evicted, re-indexes an SSD directory on a warm restart, and keeps hit and
 miss counters. Must not make policy decisions (the manager's policies do)
 and must never return bytes that did not verify: a failed load is a miss.
 
+Deadlines. ``get(..., timeout_s=)`` never blocks its caller much past the
+deadline: SSD reads then run on the mover into private staging buffers and
+are copied into the caller's buffers only when they finished in time (a late
+read is a counted miss; its blocks stay readable for later calls), and
+promotion into DRAM runs asynchronously. ``prefetch(..., timeout_s=)``
+discards a move that lands after its deadline, and any prefetch still in
+flight when a ``get`` of its keys starts is discarded too (counted
+``prefetch_late_blocks``): a late prefetch never races the request it was
+meant for. A failed or late write to SSD is deleted from the LMDB directory,
+so no restart can index it.
+
+Miss explanations: with ``logging.DEBUG`` on ``kvtier.store``, every ``get``
+that misses logs which block missed and why (:meth:`TieredStore.explain_miss`:
+never stored, evicted from a tier, failed verification, moved, in flight).
+
 >>> from kvtier.config import load_config
 >>> store = TieredStore(load_config(env={}, overrides={
 ...     "layout": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "block_size": 4},
@@ -26,20 +41,42 @@ and must never return bytes that did not verify: a failed load is a miss.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from .config import KVTierConfig, load_config
-from .events import BlockRemoved, Event
+from .events import BlockRemoved, Event, StoreFailed
 from .keys import BlockKey, chain_keys
 from .manager import LoadPlan, MovePlan, PrefixHit, StorePlan, TierManager, TierSpec
 from .tiers.pool import TensorPool, accelerator_device, as_byte_tensor, resolve_device
 from .transfer import TransferEngine, TransferJob
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MissReason:
+    """Why block ``index`` of a request (``key``) was not served.
+
+    ``reason``: ``absent`` (not stored here, or forgotten long ago),
+    ``evicted`` / ``failed_verify`` / ``moved`` / ``removed`` (the last thing
+    that happened to it in ``tier``), ``in_flight`` (a store or move into
+    ``tier`` has not completed), ``deadline`` (readable, but not read before
+    the caller's deadline). ``detail`` is one human-readable line."""
+
+    index: int
+    key: BlockKey
+    reason: str
+    tier: str | None
+    detail: str
 
 
 class TieredStore:
@@ -51,6 +88,7 @@ class TieredStore:
     """
 
     MAX_EVENTS = 65536  # events kept for take_events() when nobody drains them
+    MAX_REMEMBERED_REMOVALS = 65536  # (key -> last removal) kept to explain misses
 
     def __init__(self, config: KVTierConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = cfg = config or load_config()
@@ -86,8 +124,19 @@ class TieredStore:
         # recent events for take_events(); the oldest go once MAX_EVENTS are kept
         self._events: deque[Event] = deque(maxlen=self.MAX_EVENTS)
         self.counters: Counter[str] = Counter()
+        self.removals: Counter[tuple[str, str]] = Counter()  # (tier, reason) -> blocks
+        self.offloads: Counter[tuple[str, str, str]] = Counter()  # (src, dst, reason) -> blocks
+        self._last_removal: OrderedDict[BlockKey, tuple[str, str]] = OrderedDict()
+        self._prefetching: dict[BlockKey, int] = {}  # key -> plan id of its prefetch in flight
+        self._superseded: set[int] = set()  # prefetch plans a get overtook (discarded on completion)
+        self._prefetched: dict[BlockKey, str] = {}  # prefetched, not yet read: key -> tier
         if self._ssd is not None:
             self._reindex_ssd()
+
+    @property
+    def mover(self) -> TransferEngine:
+        """The transfer engine (its ``links`` stats, ``fault_hook`` for fault tests)."""
+        return self._mover
 
     # ------------------------------------------------------------------ keys
 
@@ -146,28 +195,46 @@ class TieredStore:
         with self._lock:
             return self.manager.lookup(keys)
 
-    def get(self, keys: Sequence[BlockKey], outs: Sequence[Any], *, promote: bool = True) -> int:
+    def get(
+        self, keys: Sequence[BlockKey], outs: Sequence[Any], *, promote: bool = True, timeout_s: float | None = None
+    ) -> int:
         """Load the longest readable prefix of ``keys`` into the caller's buffers
         ``outs`` (one per key). Returns the number of leading blocks that loaded
         and verified; buffers past that number hold nothing meaningful. With
-        ``promote``, blocks read from SSD are also copied into DRAM."""
+        ``promote``, blocks read from SSD are also copied into DRAM.
+
+        ``timeout_s``: return within about that long even when SSD I/O is slow
+        (see the module docstring); blocks not read in time are misses
+        (``get_deadline_missed_blocks``) and stay readable for later calls.
+        Prefetches of ``keys`` still in flight are discarded (they are late)."""
         if len(outs) < len(keys):
             raise ValueError(f"get: {len(keys)} keys but {len(outs)} output buffers")
+        if timeout_s is not None and not timeout_s >= 0:
+            raise ValueError(f"get: timeout_s={timeout_s!r} must be >= 0 or None")
+        deadline = None if timeout_s is None else time.perf_counter() + timeout_s
         dsts = [self._check_block(o, i, writable=True) for i, o in enumerate(outs[: len(keys)])]
         with self._lock:
+            self._supersede_prefetches(keys)
             plan = self.manager.prepare_load(keys)
         self.counters["get_blocks_requested"] += len(keys)
         if plan is None:
             self.counters["get_blocks_missed"] += len(keys)
+            self._log_miss(keys, 0)
             return 0
-        oks = self._read(plan, dsts)
-        with self._lock:
-            self.manager.complete_load(plan, oks)
-            self._pump_events()
+        if deadline is None:
+            oks = self._read(plan, dsts)
+            with self._lock:
+                self.manager.complete_load(plan, oks)
+                self._pump_events()
+        else:
+            oks = self._read_by(plan, dsts, deadline)
         n = oks.index(False) if False in oks else len(oks)
         for tier, count in Counter(plan.tiers[:n]).items():
             self.counters[f"hit_blocks_{tier}"] += count
+        self._note_prefetch_use(plan.keys[:n], plan.tiers[:n])
         self.counters["get_blocks_missed"] += len(keys) - n
+        if n < len(keys):
+            self._log_miss(keys, n)
         from_ssd = [i for i in range(n) if plan.tiers[i] == "ssd"]
         if promote and from_ssd and "dram" in self.manager.tier_names:
             first = from_ssd[0]
@@ -178,14 +245,59 @@ class TieredStore:
                 self._pump_events()
             if up is not None and up.keys:
                 idx = {k: i for i, k in enumerate(keys)}
-                self._submit_store(up, [dsts[idx[k]] for k in up.keys], inline=True).result()
+                if deadline is None:
+                    self._submit_store(up, [dsts[idx[k]] for k in up.keys], inline=True).result()
+                else:  # asynchronously, from a private copy (the caller owns dsts once we return)
+                    self._submit_store(up, [dsts[idx[k]].clone() for k in up.keys], inline=False)
         return n
+
+    def explain_miss(self, keys: Sequence[BlockKey], index: int | None = None) -> MissReason | None:
+        """Why block ``index`` of ``keys`` (default: the first not readable now) is
+        not served, or ``None`` when every block is readable. O(len(keys))."""
+        with self._lock:
+            if index is None:
+                index = self.manager.lookup(keys).num_blocks
+                if index >= len(keys):
+                    return None
+            key = keys[index]
+            tiers = self.manager.tiers_of(key)
+            if tiers:
+                return MissReason(index, key, "deadline", tiers[0],
+                                  f"readable in {'/'.join(tiers)}; not read before the caller's deadline")
+            pending = [t for t in self.manager.tier_names if self.manager.is_pending(key, t)]
+            if pending:
+                return MissReason(index, key, "in_flight", pending[0],
+                                  f"a store or move into {pending[0]} has not completed yet")
+            last = self._last_removal.get(key)
+        if last is None:
+            return MissReason(index, key, "absent", None,
+                              "never stored in this store's namespace, or removed long ago")
+        tier, reason = last
+        details = {
+            "evicted": f"evicted from {tier} by its {self._policy_name(tier)} policy",
+            "failed_verify": f"its {tier} copy failed verification (checksum, decode or namespace mismatch)"
+                             + (f"; ssd counters: {self._ssd_failure_counts()}" if tier == "ssd" else ""),
+            "moved": f"moved out of {tier} and no longer readable elsewhere",
+            "removed": f"removed from {tier} by a caller",
+        }
+        return MissReason(index, key, reason, tier, details.get(reason, f"{reason} in {tier}"))
 
     # -------------------------------------------------------------- prefetch
 
-    def prefetch(self, keys: Sequence[BlockKey], tier: str = "dram") -> Future[int]:
+    def prefetch(self, keys: Sequence[BlockKey], tier: str = "dram", *, timeout_s: float | None = None) -> Future[int]:
         """Promote the readable prefix of ``keys`` into ``tier`` (from slower tiers),
-        asynchronously. The future gives the number of blocks now in ``tier``."""
+        asynchronously. The future gives the number of blocks now in ``tier``.
+
+        A move that completes more than ``timeout_s`` after this call, or after
+        a :meth:`get` of its keys started, is discarded: its blocks do not
+        become readable in ``tier`` (they stay readable where they were) and are
+        counted in ``prefetch_late_blocks``; moves in time count in
+        ``prefetch_on_time_blocks``, then in ``prefetch_used_blocks`` when a get
+        reads them from ``tier`` or ``prefetch_wasted_blocks`` when they leave
+        ``tier`` unread."""
+        if timeout_s is not None and not timeout_s >= 0:
+            raise ValueError(f"prefetch: timeout_s={timeout_s!r} must be >= 0 or None")
+        deadline = None if timeout_s is None else time.perf_counter() + timeout_s
         futures: list[Future[Sequence[bool]]] = []
         with self._lock:
             target = self.manager.tier_names.index(tier)
@@ -195,7 +307,9 @@ class TieredStore:
                 plan = self.manager.prepare_move(chunk, src, tier, keep_source=True) if chunk else None
                 self._pump_events()
                 if plan is not None:
-                    futures.append(self._submit_move(plan, inline=False))
+                    for k in plan.keys:
+                        self._prefetching[k] = plan.plan_id
+                    futures.append(self._submit_move(plan, inline=False, deadline=deadline, prefetch=True))
         done: Future[int] = Future()
 
         def finish(_: object = None) -> None:
@@ -209,15 +323,19 @@ class TieredStore:
             finish()
         return done
 
-    def demote(self, keys: Sequence[BlockKey], src: str, dst: str) -> int:
+    def demote(self, keys: Sequence[BlockKey], src: str, dst: str, *, reason: str = "caller") -> int:
         """Move readable ``keys`` from ``src`` down to ``dst`` (dropping the ``src``
-        copy), synchronously. Returns the number moved."""
+        copy), synchronously. Returns the number moved. ``reason`` (the offload
+        decision's cause, e.g. ``tool_call``, ``pressure``) labels the
+        ``offloads`` counter."""
         with self._lock:
             plan = self.manager.prepare_move(keys, src, dst, keep_source=False)
             self._pump_events()
         if plan is None:
             return 0
-        return list(self._submit_move(plan, inline=True).result()).count(True)
+        moved = list(self._submit_move(plan, inline=True).result()).count(True)
+        self.offloads[(src, dst, reason)] += moved
+        return moved
 
     # ------------------------------------------------------------------ pins
 
@@ -249,9 +367,13 @@ class TieredStore:
                 "pinned_blocks": m.num_pinned(),
                 "links": {k: dataclasses.asdict(v) for k, v in self._mover.links.items()},
                 "failed_jobs": self._mover.failed_jobs,
+                "timed_out_jobs": self._mover.timed_out_jobs,
+                "removals": {f"{t}:{r}": n for (t, r), n in sorted(self.removals.items())},
+                "offloads": {f"{s}->{d}:{r}": n for (s, d, r), n in sorted(self.offloads.items())},
             }
             if self._ssd is not None:
                 out["ssd"] = dict(self._ssd.stats)
+                out["ssd_last_error"] = self._ssd.last_error
             return out
 
     def take_events(self) -> list[Event]:
@@ -306,7 +428,9 @@ class TieredStore:
         job = self._job(f"put->{tier}", len(plan.keys), run, lambda oks: self._done_store(plan, oks))
         return self._dispatch(job, inline)
 
-    def _submit_move(self, plan: MovePlan, inline: bool) -> Future[Sequence[bool]]:
+    def _submit_move(
+        self, plan: MovePlan, inline: bool, deadline: float | None = None, prefetch: bool = False
+    ) -> Future[Sequence[bool]]:
         src, dst = plan.src, plan.dst
         if dst == "ssd":
             pool = self._pools[src]
@@ -332,7 +456,8 @@ class TieredStore:
             def run() -> Sequence[bool]:
                 return dpool.write(plan.dst_slots, [spool.view(s) for s in plan.src_slots])
 
-        job = self._job(f"{src}->{dst}", len(plan.keys), run, lambda oks: self._done_move(plan, oks))
+        job = self._job(f"{src}->{dst}", len(plan.keys), run, lambda oks: self._done_move(plan, oks, prefetch, deadline))
+        job.deadline = deadline
         return self._dispatch(job, inline)
 
     def _dispatch(self, job: TransferJob, inline: bool) -> Future[Sequence[bool]]:
@@ -343,6 +468,49 @@ class TieredStore:
         done: Future[Sequence[bool]] = Future()
         done.set_result(self._mover.run_sync(job))
         return done
+
+    def _read_by(self, plan: LoadPlan, dsts: list[torch.Tensor], deadline: float) -> list[bool]:
+        """:meth:`_read` bounded by ``deadline``: memory tiers are read inline; SSD
+        blocks on the mover into staging buffers, copied out only if in time.
+        Completes ``plan`` (from the mover's thread when SSD is involved)."""
+        ssd_idx = [i for i, t in enumerate(plan.tiers) if t == "ssd"]
+        mem_plan = [i for i, t in enumerate(plan.tiers) if t != "ssd"]
+        oks = [False] * len(plan.keys)
+        if mem_plan:
+            sub = LoadPlan(plan.plan_id, tuple(plan.keys[i] for i in mem_plan), tuple(plan.tiers[i] for i in mem_plan),
+                           tuple(plan.slots[i] for i in mem_plan))
+            for i, ok in zip(mem_plan, self._read(sub, [dsts[i] for i in mem_plan])):
+                oks[i] = ok
+        if not ssd_idx:
+            with self._lock:
+                self.manager.complete_load(plan, oks)
+                self._pump_events()
+            return oks
+        staging = [torch.empty(self.layout.bytes_per_block, dtype=torch.uint8) for _ in ssd_idx]
+        mem_oks = list(oks)
+
+        def run() -> Sequence[bool]:
+            return self._ssd.get_many_into([plan.keys[i] for i in ssd_idx], [b.numpy() for b in staging])
+
+        def done(ssd_oks: Sequence[bool]) -> None:
+            all_oks = list(mem_oks)
+            for i, ok in zip(ssd_idx, ssd_oks):
+                all_oks[i] = bool(ok)
+            with self._lock:
+                self.manager.complete_load(plan, all_oks)
+                self._pump_events()
+
+        future = self._mover.submit(self._job("ssd->caller", len(ssd_idx), run, done))
+        try:
+            ssd_oks = future.result(timeout=max(0.0, deadline - time.perf_counter()))
+        except FutureTimeout:
+            self.counters["get_deadline_missed_blocks"] += len(ssd_idx)
+            return oks
+        for i, ok, buf in zip(ssd_idx, ssd_oks, staging):
+            if ok:
+                dsts[i].copy_(buf)
+            oks[i] = bool(ok)
+        return oks
 
     def _read(self, plan: LoadPlan, dsts: list[torch.Tensor]) -> list[bool]:
         oks = [False] * len(plan.keys)
@@ -371,24 +539,92 @@ class TieredStore:
             self.manager.complete_store(plan, list(oks))
             self._pump_events()
 
-    def _done_move(self, plan: MovePlan, oks: Sequence[bool]) -> None:
+    def _done_move(
+        self, plan: MovePlan, oks: Sequence[bool], prefetch: bool = False, deadline: float | None = None
+    ) -> None:
         with self._lock:
-            self.manager.complete_move(plan, list(oks))
+            oks = list(oks)
+            if prefetch:
+                oks = self._settle_prefetch(plan, oks, deadline)
+            self.manager.complete_move(plan, oks)
             self._pump_events()
 
+    def _settle_prefetch(self, plan: MovePlan, oks: list[bool], deadline: float | None) -> list[bool]:
+        """Count a finished prefetch; a late one (past its deadline, which made the
+        mover fail it, or overtaken by a get) is discarded. Under the lock."""
+        late = plan.plan_id in self._superseded or (deadline is not None and time.perf_counter() > deadline)
+        self._superseded.discard(plan.plan_id)
+        for k in plan.keys:
+            if self._prefetching.get(k) == plan.plan_id:
+                del self._prefetching[k]
+        if late:
+            self.counters["prefetch_late_blocks"] += len(plan.keys)
+            return [False] * len(plan.keys)
+        self.counters["prefetch_on_time_blocks"] += oks.count(True)
+        self.counters["prefetch_failed_blocks"] += oks.count(False)
+        for k, ok in zip(plan.keys, oks):
+            if ok:
+                self._prefetched[k] = plan.dst
+        return oks
+
+    def _supersede_prefetches(self, keys: Sequence[BlockKey]) -> None:
+        """A get of ``keys`` started: prefetches of them still in flight are late. Under the lock."""
+        if self._prefetching:
+            for k in keys:
+                pid = self._prefetching.get(k)
+                if pid is not None:
+                    self._superseded.add(pid)
+
+    def _note_prefetch_use(self, keys: Sequence[BlockKey], tiers: Sequence[str]) -> None:
+        if self._prefetched:
+            with self._lock:
+                for k, t in zip(keys, tiers):
+                    if self._prefetched.get(k) == t:
+                        del self._prefetched[k]
+                        self.counters["prefetch_used_blocks"] += 1
+
+    def _log_miss(self, keys: Sequence[BlockKey], index: int) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            why = self.explain_miss(keys, index)
+            if why is not None:
+                log.debug("kvtier get: %d of %d blocks served; block %d (key %#034x) missed: %s (%s)",
+                          index, len(keys), index, why.key, why.reason, why.detail)
+
+    def _policy_name(self, tier: str) -> str:
+        spec = getattr(self.config, tier)
+        return str(spec.policy)
+
+    def _ssd_failure_counts(self) -> str:
+        st = self._ssd.stats if self._ssd is not None else {}
+        return ", ".join(f"{k}={st.get(k, 0)}" for k in ("checksum_failures", "decode_failures", "mismatches"))
+
     def _pump_events(self) -> None:
-        """Drain manager events; delete SSD values the manager dropped (in order)."""
+        """Drain manager events; delete SSD values the manager dropped or whose store
+        failed (in order); count removals and remember the last one per key."""
         events = self.manager.take_events()
         if not events:
             return
+        remembered = self._last_removal
+        for e in events:
+            if isinstance(e, BlockRemoved):
+                self.removals[(e.tier, e.reason)] += 1
+                remembered[e.key] = (e.tier, e.reason)
+                remembered.move_to_end(e.key)
+                if self._prefetched.get(e.key) == e.tier:
+                    del self._prefetched[e.key]
+                    self.counters["prefetch_wasted_blocks"] += 1
+        while len(remembered) > self.MAX_REMEMBERED_REMOVALS:
+            remembered.popitem(last=False)
         if self._ssd is not None:
-            gone = [e.key for e in events if isinstance(e, BlockRemoved) and e.tier == "ssd"]
+            gone = [e.key for e in events if isinstance(e, (BlockRemoved, StoreFailed)) and e.tier == "ssd"]
             if gone:
                 self._ssd.delete_many(gone)
         self._events.extend(events)
 
     def _reindex_ssd(self) -> None:
-        """Warm restart: index every value already in the SSD directory."""
+        """Warm restart: drop unreadable values, then index every value already in the
+        SSD directory (values of other namespaces are left alone, unindexed)."""
+        self.counters["ssd_purged_unreadable_values"] = self._ssd.purge_unreadable()
         count = 0
         for entry in self._ssd.scan():
             key, parent = entry[0], entry[1]

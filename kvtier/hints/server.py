@@ -4,7 +4,9 @@ Owns: the gRPC surface (Publish, PublishStream, GetStats and the standard
 ``grpc.health.v1`` service), authentication (optional bearer tokens, each
 naming a tenant), TLS, binding (127.0.0.1 or a unix socket by default; a
 non-loopback address needs a token or an explicit opt-in), the expiry task
-for abandoned sessions, the Prometheus endpoint and the recorder hook.
+for abandoned sessions, the Prometheus endpoint (hint-plane metrics, plus the
+store's tier metrics from :mod:`kvtier.metrics` when a TieredStore is given)
+and the recorder hook.
 Validation and application live in :mod:`kvtier.hints.apply`; this module
 must not interpret events itself.
 
@@ -274,6 +276,11 @@ class HintServer:
             from .metrics import HintMetrics  # prometheus-client only when asked for
 
             self.metrics = HintMetrics(self.applier, self.rpcs)
+            store = self.applier.store
+            if store is not None and hasattr(store, "stats") and hasattr(store, "layout"):  # a TieredStore
+                from ..metrics import register_store_metrics
+
+                register_store_metrics(store, self.metrics.registry)
             self.metrics_port = self.metrics.serve_http(self._metrics_request, self._metrics_host)
         self._expiry_task = asyncio.get_running_loop().create_task(self._expire_loop())
         self.address = address if address.startswith("unix") else f"{address.rsplit(':', 1)[0]}:{port}"

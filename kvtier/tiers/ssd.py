@@ -80,6 +80,7 @@ STAT_NAMES: tuple[str, ...] = (
     "map_full",  # put_many / delete_many calls that hit the LMDB map size
     "write_errors",  # other LMDB errors while writing (disk full, I/O error)
     "deletes",  # keys removed by delete_many
+    "purged",  # unreadable values removed by purge_unreadable
     "bytes_written",  # stored (encoded) bytes committed
     "raw_bytes_written",  # raw block bytes committed
     "bytes_read",  # stored bytes of hits
@@ -368,6 +369,33 @@ class SSDTier:
             return None
         return StoredBlock(key_from_bytes(key_bytes), header.parent, header.codec, header.raw_len, header.stored_len)
 
+    def purge_unreadable(self) -> int:
+        """Delete values no reader can ever use: a key that is not 16 bytes, or a
+        header that does not parse (truncated, bit-flipped, bad magic). They are
+        invisible to :meth:`scan`, so nothing would ever evict them. Values of
+        other namespaces and values of another format version are kept.
+        Returns the number deleted (counted as ``purged``). O(entries), headers only."""
+        from .codec import FORMAT_VERSION, MAGIC
+
+        def bad(key_bytes: bytes, value: memoryview) -> bytes | None:
+            if len(key_bytes) == KEY_BYTES and read_header(value) is not None:
+                return None
+            if value.nbytes > 4 and value[:4] == MAGIC and value[4] != FORMAT_VERSION:
+                return None  # another kvtier version's value: not ours to judge
+            return key_bytes
+
+        doomed = list(self._walk(bad))
+        if doomed and not self.readonly:
+            try:
+                with self._write_txn() as txn:
+                    for key_bytes in doomed:
+                        txn.delete(key_bytes)
+            except lmdb.Error as exc:
+                self._note_write_error(exc)
+                return 0
+            self._stats["purged"] += len(doomed)
+        return len(doomed) if not self.readonly else 0
+
     def verify_all(self, delete_bad: bool = False) -> tuple[int, int]:
         """Fully decode and verify every stored value; returns ``(ok, bad)``.
 
@@ -452,7 +480,16 @@ class SSDTier:
 
 
 def _open_env(path: str, map_size_bytes: int, sync: bool, readonly: bool) -> lmdb.Environment:
-    """Open (creating unless ``readonly``) the LMDB directory, or raise ``StorageError``."""
+    """Open (creating unless ``readonly``) the LMDB directory, or raise ``StorageError``.
+    Refuses a symlinked directory or LMDB file (see :func:`kvtier.config.lmdb_dir_problem`):
+    the tier writes only inside ``path``."""
+    from pathlib import Path
+
+    from ..config import lmdb_dir_problem
+
+    problem = lmdb_dir_problem(Path(path))
+    if problem is not None:
+        raise StorageError(f"tiers.ssd.path={path!r}: {problem}")
     if not readonly:
         try:
             os.makedirs(path, exist_ok=True)

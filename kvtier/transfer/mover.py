@@ -4,12 +4,18 @@ Owns: running transfer jobs (copies between caller buffers, tensor pools and
 the SSD tier) off the caller's thread, each on its own device stream where an
 accelerator exists, and reporting completion with a per-block ``ok`` list.
 A job that raises completes with every block ``ok=False`` and is counted; its
-blocks never become readable. Must not decide anything: it runs what it is
-given, in submission order per worker.
+blocks never become readable. A job with a ``deadline`` that finishes after
+it also completes with every block ``ok=False`` (counted as timed out): late
+bytes are discarded, never published. Per link it keeps job, block and byte
+counts and a fixed-bucket latency histogram (submission to completion) for
+Prometheus. ``fault_hook`` lets fault tests inject slow or failing I/O into
+every job (it runs on the worker thread before the copy). Must not decide
+anything: it runs what it is given, in submission order per worker.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -24,11 +30,17 @@ log = logging.getLogger(__name__)
 JobFn = Callable[[], Sequence[bool]]
 """The work of a job: copy bytes, return one ``ok`` per block."""
 
+LATENCY_BUCKETS_S: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                                        2.5, 5.0, 10.0)
+"""Upper bounds of the per-link latency histogram (plus an implicit +Inf bucket)."""
+
 
 @dataclass(slots=True)
 class TransferJob:
     """One unit of transfer work. ``link`` names the path (e.g. ``dram->ssd``) for stats;
-    ``on_done(oks)`` is called from the worker thread when the copy finished."""
+    ``on_done(oks)`` is called from the worker thread when the copy finished.
+    ``deadline`` (a ``time.perf_counter()`` value): finishing later makes every
+    block ``ok=False`` (the job timed out)."""
 
     link: str
     num_blocks: int
@@ -36,15 +48,22 @@ class TransferJob:
     run: JobFn
     on_done: Callable[[Sequence[bool]], None]
     submitted_at: float = field(default_factory=time.perf_counter)
+    deadline: float | None = None
 
 
 @dataclass(slots=True)
 class LinkStats:
+    """Counters of one link. ``latency_buckets[i]``: jobs that took at most
+    ``LATENCY_BUCKETS_S[i]`` (not cumulative; the last entry is +Inf)."""
+
     jobs: int = 0
     blocks: int = 0
     bytes: int = 0
     failed_blocks: int = 0
+    timed_out_blocks: int = 0
     busy_s: float = 0.0
+    latency_sum_s: float = 0.0
+    latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
 
 
 class TransferEngine:
@@ -60,6 +79,10 @@ class TransferEngine:
         self._lock = threading.Lock()
         self.links: dict[str, LinkStats] = {}
         self.failed_jobs = 0
+        self.timed_out_jobs = 0
+        self.fault_hook: Callable[[TransferJob], None] | None = None
+        """Called with each job on its worker thread before the copy (fault tests:
+        sleep to slow the I/O down, raise ``OSError`` to fail it)."""
 
     def submit(self, job: TransferJob) -> Future[Sequence[bool]]:
         return self._pool.submit(self._execute, job)
@@ -74,6 +97,9 @@ class TransferEngine:
     def _execute(self, job: TransferJob) -> Sequence[bool]:
         start = time.perf_counter()
         try:
+            hook = self.fault_hook
+            if hook is not None:
+                hook(job)
             with self._stream_context():
                 oks = list(job.run())
         except (OSError, RuntimeError, ValueError) as exc:  # a failed copy is a miss, never a crash
@@ -81,14 +107,25 @@ class TransferEngine:
             with self._lock:
                 self.failed_jobs += 1
             oks = [False] * job.num_blocks
-        busy = time.perf_counter() - start
+        end = time.perf_counter()
+        timed_out = job.deadline is not None and end > job.deadline
+        if timed_out:
+            log.debug("kvtier transfer on %s finished %.3f s past its deadline; discarded", job.link,
+                      end - job.deadline)
+            oks = [False] * job.num_blocks
+        latency = end - job.submitted_at
         with self._lock:
             st = self.links.setdefault(job.link, LinkStats())
             st.jobs += 1
             st.blocks += job.num_blocks
             st.bytes += job.num_bytes
             st.failed_blocks += oks.count(False)
-            st.busy_s += busy
+            st.busy_s += end - start
+            st.latency_sum_s += latency
+            st.latency_buckets[bisect.bisect_left(LATENCY_BUCKETS_S, latency)] += 1
+            if timed_out:
+                self.timed_out_jobs += 1
+                st.timed_out_blocks += job.num_blocks
         job.on_done(oks)
         return oks
 
