@@ -198,3 +198,16 @@ def test_reserve_stays_within_its_share_and_is_returned(name):
 
 def test_agent_policies_are_registered():
     assert {"tokencake", "kvflow", "kvtier", "kvtier-space-only", "kvtier-time-only"} <= set(placement_names())
+
+
+def test_a_prefetch_of_a_context_the_next_prompt_left_never_stalls_admission():
+    # A's next prompt is rewritten (compaction): the 20 prefetched blocks are
+    # useless, and with them held the 37 blocks it needs would not fit in 40.
+    a = Agent("a", None, "coder", (_req(0, range(1, 21)), _req(1, range(201, 237), 30.0, "tool")))
+    b = Agent("b", None, "coder", (_req(0, range(101, 140)),))
+    w = Workload("rewrite", BS, (Session("A", (a,)), Session("B", (b,))), False)
+    _, res = _run(w)
+    assert len(res.records) == 3  # every request served (a stall raises)
+    c = res.counters
+    assert c["prefetches"] == 1 and c["prefetch_wasted"] == 1
+    assert c["prefetch_holds_released"] >= 1

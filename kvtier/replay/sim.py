@@ -297,7 +297,9 @@ class Simulator:
         if len(self.records) != self._total_requests:
             raise RuntimeError(f"replay stalled at {self.now:.1f}s with {self._total_requests - len(self.records)} "
                                f"requests unserved ({len(self.waiting)} waiting for HBM, policy "
-                               f"{self.policy.name!r}); a policy holds HBM nobody can free")
+                               f"{self.policy.name!r}, HBM used {self.mgr.used_blocks('hbm')} of "
+                               f"{self.hbm_capacity_blocks}, {self.mgr.num_pinned()} pinned); "
+                               f"a policy holds HBM nobody can free")
         return SimResult(self.records, self.session_latency_s, self.now, self.cfg.warmup_s,
                          dict(self.bytes_moved), self.block_touches, dict(self.counters))
 
@@ -816,12 +818,12 @@ class Simulator:
         self._admission_blocked = False
 
     def _release_prefetch_holds(self, head: _Run) -> bool:
-        """Let go of the hold of every arrived prefetch but ``head``'s (the blocks
-        stay cached but become evictable). True when one was released."""
+        """``head`` does not fit: let go of the hold of every arrived prefetch, its
+        own included (a prefetch of a context the new prompt left behind must
+        not keep it out). The blocks stay cached but become evictable. True
+        when one was released."""
         released = False
         for pf in self._held_prefetches():
-            if pf is head.prefetch:
-                continue
             self.mgr.release((pf.hold,))
             pf.hold = None
             released = True
