@@ -86,7 +86,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .inspect import inspect_dir
 
-    return inspect_dir(args.dir, verify=not args.no_verify, out=sys.stdout)
+    return inspect_dir(args.dir, verify=not args.no_verify, blocks=args.blocks, out=sys.stdout)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,10 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=_cmd_serve)
 
     i = sub.add_parser("inspect", help="list and verify what an SSD tier directory holds",
-                       description="List namespaces, layouts, codecs, block counts and bytes of an SSD tier "
-                                   "directory, and verify every stored value's checksum.")
+                       description="List namespaces, layouts, codecs, block counts, bytes and ages of an SSD "
+                                   "tier directory, and verify every stored value's checksum.")
     i.add_argument("dir", help="the SSD tier directory (tiers.ssd.path)")
     i.add_argument("--no-verify", action="store_true", help="only list; do not decode and verify values")
+    i.add_argument("--blocks", action="store_true",
+                   help="also print one line per stored value: key, parent, codec, stored bytes, age, status")
     i.set_defaults(func=_cmd_inspect)
     return p
 

@@ -295,7 +295,9 @@ class DRAMTierConfig:
 class SSDTierConfig:
     """LMDB-backed SSD tier. ``map_size_bytes=None`` is resolved by
     :class:`KVTierConfig` to :func:`auto_map_size_bytes`. When enabled, ``path``
-    (``~`` expanded) must be a writable directory or creatable as one."""
+    (``~`` expanded, symlinks resolved: it may be a symlink to, say, an NVMe
+    mount) must be a writable directory or creatable as one, and its LMDB files
+    must not be symlinks (see :func:`lmdb_dir_problem`)."""
 
     enabled: bool = False
     capacity_blocks: int = 16384
@@ -320,15 +322,15 @@ class SSDTierConfig:
             _check_dir_creatable("tiers.ssd.path", self.path)
 
     def resolved_path(self) -> Path:
-        """``path`` with ``~`` expanded."""
-        return Path(self.path).expanduser()
+        """``path`` with ``~`` expanded and symlinks resolved: the directory kvtier opens."""
+        return Path(self.path).expanduser().resolve()
 
 
 def _check_dir_creatable(setting: str, path: str) -> None:
     """Raise unless ``path`` is a writable directory or can be created as one."""
     try:
-        problem = _dir_problem(Path(path).expanduser())
-    # ValueError: an embedded NUL byte; RuntimeError: "~user" of an unknown user.
+        problem = _dir_problem(Path(path).expanduser().resolve())
+    # ValueError: an embedded NUL byte; RuntimeError: "~user" of an unknown user, a symlink loop.
     except (OSError, ValueError, RuntimeError) as err:
         problem = f"cannot create directory: {err}"
     if problem is not None:
@@ -340,11 +342,10 @@ LMDB_FILES: tuple[str, ...] = ("data.mdb", "lock.mdb")
 
 def lmdb_dir_problem(target: Path) -> str | None:
     """Why the SSD directory ``target`` could make kvtier write outside it, or ``None``:
-    ``target`` itself is a symlink, or one of its LMDB files is a symlink or not
-    a regular file (LMDB would follow it and write wherever it points)."""
-    if target.is_symlink():
-        return (f"is a symlink to {os.readlink(target)!r}; configure the real directory, kvtier writes "
-                "only inside tiers.ssd.path")
+    one of its LMDB files is a symlink or not a regular file (LMDB would follow
+    it and write wherever it points). ``target`` itself, or an ancestor, may be
+    a symlink: that is where the user chose to put the data (callers open the
+    resolved directory)."""
     for name in LMDB_FILES:
         f = target / name
         if f.is_symlink() or (f.exists() and not f.is_file()):

@@ -326,20 +326,26 @@ class TierManager:
         slots: list[int] = []
         skipped: list[BlockKey] = []
         evicted: list[BlockKey] = []
+        # hot loop (once per key of every put): attribute lookups hoisted
+        idx, blocks, before_insert = t.index, self._blocks, t.policy.before_insert
         prev = parent if chain else None
         for key in keys:
-            node = self._blocks.get(key)
-            if node is not None and node.state[t.index] is not None:
+            node = blocks.get(key)
+            if node is not None and node.state[idx] is not None:
                 skipped.append(key)
                 prev = key if chain else None
                 continue
-            t.policy.before_insert(key)
+            before_insert(key)
             if t.num_used >= t.capacity and not self._make_room(t, key, prev, now, evicted):
                 break
-            node = self._node(key, prev)
-            self._set_residency(node, t, _PENDING, t.take_slot())
+            if node is None and prev is not None:
+                slot = self._reserve_new_child(key, prev, t)  # the common case, in one call
+            else:
+                node = self._node(key, prev)
+                slot = t.take_slot()
+                self._set_residency(node, t, _PENDING, slot)
             reserved.append(key)
-            slots.append(node.slot[t.index])
+            slots.append(slot)
             prev = key if chain else None
         if not reserved and not skipped:
             return None
@@ -352,6 +358,9 @@ class TierManager:
         self._close_plan(plan)
         t = self._tier_by_name[plan.tier]
         oks = self._per_key(ok, len(plan.keys))
+        if ok is True or all(oks):
+            self._mark_ready_many(plan.keys, t)
+            return
         # tail first, so the policy sees a chain's head as its most recent block
         for key, good in zip(reversed(plan.keys), reversed(oks)):
             node = self._blocks[key]
@@ -370,13 +379,13 @@ class TierManager:
         hit = self.lookup(keys)
         if hit.num_blocks == 0:
             return None
-        found = keys[: hit.num_blocks]
-        slots = []
-        for key, tier in zip(found, hit.tiers):
-            node = self._blocks[key]
-            self._ref(node)
-            slots.append(node.slot[self._tier_by_name[tier].index])
-        plan = LoadPlan(next(self._plan_ids), tuple(found), hit.tiers, tuple(slots))
+        found = tuple(keys[: hit.num_blocks])
+        nodes = list(map(self._blocks.__getitem__, found))
+        for node in nodes:
+            node.ref_count += 1  # _ref, inlined: once per key of every get
+        # tier_indices index self._tiers, whose positions are the tiers' indices
+        slots = tuple(node.slot[i] for node, i in zip(nodes, hit.tier_indices))
+        plan = LoadPlan(next(self._plan_ids), found, hit.tiers, slots)
         self._plans[plan.plan_id] = plan
         return plan
 
@@ -385,6 +394,9 @@ class TierManager:
         load or verify is dropped from the tier it was read from."""
         self._close_plan(plan)
         oks = self._per_key(ok, len(plan.keys))
+        if ok is True or all(oks):
+            self._complete_load_ok(plan)
+            return
         for key, tier, good in zip(reversed(plan.keys), reversed(plan.tiers), reversed(oks)):
             node = self._blocks[key]
             t = self._tier_by_name[tier]
@@ -715,6 +727,23 @@ class TierManager:
             self._link_child(node, parent)
         return node
 
+    def _reserve_new_child(self, key: BlockKey, parent: BlockKey, t: _Tier) -> int:
+        """``_node`` + ``take_slot`` + ``_set_residency(PENDING)`` for a ``key`` not yet
+        in the index whose parent is ``parent`` (once per key of most stores).
+        Returns the slot taken in ``t``."""
+        blocks, idx = self._blocks, t.index
+        node = blocks[key] = _Block(key, parent, len(self._tiers))
+        pnode = blocks.get(parent)
+        if pnode is None:  # a stub keeps the chain link (and children counts) alive
+            pnode = self._node(parent, None)
+        pnode.num_children += 1
+        slot = node.slot[idx] = t.take_slot()
+        node.state[idx] = _PENDING
+        pnode.children_in[idx] += 1
+        if pnode.children_in[idx] == 1 and pnode.state[idx] == _READY:
+            self._sync_park(pnode, t)
+        return slot
+
     def _link_child(self, node: _Block, parent: BlockKey) -> None:
         pnode = self._blocks.get(parent)
         if pnode is None:  # a stub keeps the chain link (and children counts) alive
@@ -746,6 +775,48 @@ class TierManager:
             self._sync_park(node, t)
         if self._record:
             self._events.append(BlockStored(node.key, t.name, node.parent))
+
+    def _mark_ready_many(self, keys: Sequence[BlockKey], t: _Tier) -> None:
+        """:meth:`_mark_ready` for each of ``keys`` (pending in ``t``), tail first: the
+        same policy calls and events in the same order, with the lookups hoisted
+        out of the loop (it runs once per block of every completed store)."""
+        idx, name, blocks = t.index, t.name, self._blocks
+        ready, fastest, held, parked = self._ready[idx], self._fastest, self._held, self._parked[idx]
+        on_insert, on_hold = t.policy.on_insert, t.policy.on_hold
+        events = self._events if self._record else None
+        for key in reversed(keys):
+            node = blocks[key]
+            node.state[idx] = _READY
+            ready.add(key)
+            best = fastest.get(key)
+            if best is None or idx < best:
+                fastest[key] = idx
+            on_insert(key)
+            if (node.children_in[idx] or key in held) and key not in parked:  # _sync_park of a ready block
+                parked.add(key)
+                on_hold(key)
+            if events is not None:
+                events.append(BlockStored(key, name, node.parent))
+        t.num_ready += len(keys)
+
+    def _complete_load_ok(self, plan: LoadPlan) -> None:
+        """``complete_load`` of a plan whose every block verified: the same events and
+        per-tier policy hits (tail first, one ``on_access_many`` per tier) as the
+        per-key path, with the lookups hoisted (it runs once per block of every get)."""
+        blocks, by_name = self._blocks, self._tier_by_name
+        events = self._events if self._record else None
+        hits: dict[str, list[BlockKey]] = {}
+        for key, tier in zip(reversed(plan.keys), reversed(plan.tiers)):
+            node = blocks[key]
+            if events is not None:
+                events.append(BlockLoaded(key, tier, True))
+            node.ref_count -= 1
+            if node.state[by_name[tier].index] == _READY:
+                hits.setdefault(tier, []).append(key)  # still resident: nothing to forget
+            elif not node.ref_count:
+                self._maybe_forget(node)  # dropped from its tier (e.g. moved) while being read
+        for tier, keys in hits.items():
+            by_name[tier].policy.on_access_many(keys)
 
     def _drop_residency(self, node: _Block, t: _Tier, reason: RemoveReason | None, unpark_parent: bool = True) -> None:
         """Clear ``node``'s residency in ``t`` (the policy must already have forgotten it)."""

@@ -23,7 +23,8 @@ Metrics (labels in braces; ``tier`` is hbm / dram / ssd, a link is
   ``kvtier_transfer_failed_blocks_total{src,dst}``, ``kvtier_transfer_timed_out_blocks_total{src,dst}``,
   ``kvtier_transfer_latency_seconds{src,dst}`` (histogram, submission to completion)
 * ``kvtier_ssd_checksum_failures_total``, ``kvtier_ssd_decode_failures_total``,
-  ``kvtier_ssd_namespace_mismatches_total``, ``kvtier_ssd_map_full_total``,
+  ``kvtier_ssd_namespace_mismatches_total``, ``kvtier_ssd_key_mismatches_total``,
+  ``kvtier_ssd_map_full_total``,
   ``kvtier_ssd_write_errors_total``, ``kvtier_ssd_purged_values_total``,
   ``kvtier_ssd_bytes_written_total``, ``kvtier_ssd_bytes_read_total``
 * ``kvtier_prefetch_blocks_total{outcome}`` (on_time, late, failed, used, wasted)
@@ -55,6 +56,7 @@ _SSD_COUNTERS = (
     ("checksum_failures", "kvtier_ssd_checksum_failures", "SSD values whose header or data checksum failed"),
     ("decode_failures", "kvtier_ssd_decode_failures", "SSD values that could not be decoded (truncated, bad codec)"),
     ("mismatches", "kvtier_ssd_namespace_mismatches", "SSD values of another namespace or layout (misses)"),
+    ("key_mismatches", "kvtier_ssd_key_mismatches", "SSD values stored under another key than written for (misses)"),
     ("map_full", "kvtier_ssd_map_full", "SSD writes refused by a full LMDB map (raise tiers.ssd.map_size_bytes)"),
     ("write_errors", "kvtier_ssd_write_errors", "SSD writes that failed with an I/O error"),
     ("purged", "kvtier_ssd_purged_values", "Unreadable SSD values deleted at a warm restart"),

@@ -150,30 +150,17 @@ class TieredStore:
         """Store ``blocks[i]`` (``bytes_per_block`` bytes each: tensor, ndarray or bytes)
         under the chain ``keys``. Returns how many of ``keys`` are now readable
         in the put tier (stored now or already present)."""
-        return self._put(keys, blocks, parent, inline=True).result()
+        # the caller waits anyway: each tier's job runs on this thread (no thread
+        # hand-off, no futures), and completes its plan before the next one starts
+        for plan, srcs in self._prepare_puts(keys, blocks, parent):
+            self._mover.run_sync(self._store_job(plan, srcs))
+        with self._lock:
+            return len(self.manager.present(keys, self.config.put_tier))
 
     def put_async(self, keys: Sequence[BlockKey], blocks: Sequence[Any], parent: BlockKey | None = None) -> Future[int]:
         """Like :meth:`put`, on the mover's threads; the future resolves when every
         tier's write finished. The caller must keep ``blocks`` unchanged until then."""
-        return self._put(keys, blocks, parent, inline=False)
-
-    def _put(self, keys: Sequence[BlockKey], blocks: Sequence[Any], parent: BlockKey | None, inline: bool) -> Future[int]:
-        if len(keys) != len(blocks):
-            raise ValueError(f"put: {len(keys)} keys but {len(blocks)} blocks")
-        srcs = [self._check_block(b, i) for i, b in enumerate(blocks)]
-        targets = [self.config.put_tier]
-        if self.config.write_through:
-            targets += [t for t in self.manager.tier_names if t != self.config.put_tier]
-        by_key = dict(zip(keys, srcs))
-        plans: list[StorePlan] = []
-        with self._lock:
-            for tier in targets:
-                plan = self.manager.prepare_store(tier, keys, parent)
-                self._pump_events()
-                if plan is not None and plan.keys:
-                    plans.append(plan)
-        # copies run outside the lock; completion re-takes it
-        futures = [self._submit_store(p, [by_key[k] for k in p.keys], inline) for p in plans]
+        futures = [self._mover.submit(self._store_job(p, srcs)) for p, srcs in self._prepare_puts(keys, blocks, parent)]
         done: Future[int] = Future()
 
         def finish(_: object = None) -> None:
@@ -187,6 +174,30 @@ class TieredStore:
         if not futures:
             finish()
         return done
+
+    def _prepare_puts(
+        self, keys: Sequence[BlockKey], blocks: Sequence[Any], parent: BlockKey | None
+    ) -> list[tuple[StorePlan, list[torch.Tensor]]]:
+        """Check ``blocks`` and reserve room for ``keys`` in every target tier (under
+        the lock); returns each plan with the source buffer of each of its keys.
+        The copies then run outside the lock; completion re-takes it."""
+        if len(keys) != len(blocks):
+            raise ValueError(f"put: {len(keys)} keys but {len(blocks)} blocks")
+        srcs = self._check_blocks(blocks)
+        targets = [self.config.put_tier]
+        if self.config.write_through:
+            targets += [t for t in self.manager.tier_names if t != self.config.put_tier]
+        plans: list[StorePlan] = []
+        with self._lock:
+            for tier in targets:
+                plan = self.manager.prepare_store(tier, keys, parent)
+                self._pump_events()
+                if plan is not None and plan.keys:
+                    plans.append(plan)
+        if all(len(p.keys) == len(keys) for p in plans):  # no key skipped: plan.keys == keys
+            return [(p, srcs) for p in plans]
+        by_key = dict(zip(keys, srcs))
+        return [(p, [by_key[k] for k in p.keys]) for p in plans]
 
     # ------------------------------------------------------------------ get
 
@@ -212,7 +223,7 @@ class TieredStore:
         if timeout_s is not None and not timeout_s >= 0:
             raise ValueError(f"get: timeout_s={timeout_s!r} must be >= 0 or None")
         deadline = None if timeout_s is None else time.perf_counter() + timeout_s
-        dsts = [self._check_block(o, i, writable=True) for i, o in enumerate(outs[: len(keys)])]
+        dsts = self._check_blocks(outs[: len(keys)])
         with self._lock:
             self._supersede_prefetches(keys)
             plan = self.manager.prepare_load(keys)
@@ -229,15 +240,15 @@ class TieredStore:
         else:
             oks = self._read_by(plan, dsts, deadline)
         n = oks.index(False) if False in oks else len(oks)
-        for tier, count in Counter(plan.tiers[:n]).items():
+        tiers_read = plan.tiers[:n]
+        for tier, count in Counter(tiers_read).items():
             self.counters[f"hit_blocks_{tier}"] += count
-        self._note_prefetch_use(plan.keys[:n], plan.tiers[:n])
+        self._note_prefetch_use(plan.keys[:n], tiers_read)
         self.counters["get_blocks_missed"] += len(keys) - n
         if n < len(keys):
             self._log_miss(keys, n)
-        from_ssd = [i for i in range(n) if plan.tiers[i] == "ssd"]
-        if promote and from_ssd and "dram" in self.manager.tier_names:
-            first = from_ssd[0]
+        if promote and "ssd" in tiers_read and "dram" in self.manager.tier_names:
+            first = tiers_read.index("ssd")
             parent = keys[first - 1] if first else self.manager.parent_of(keys[0])
             sub = list(keys[first:n])
             with self._lock:
@@ -275,7 +286,7 @@ class TieredStore:
         tier, reason = last
         details = {
             "evicted": f"evicted from {tier} by its {self._policy_name(tier)} policy",
-            "failed_verify": f"its {tier} copy failed verification (checksum, decode or namespace mismatch)"
+            "failed_verify": f"its {tier} copy failed verification (checksum, decode, namespace or key mismatch)"
                              + (f"; ssd counters: {self._ssd_failure_counts()}" if tier == "ssd" else ""),
             "moved": f"moved out of {tier} and no longer readable elsewhere",
             "removed": f"removed from {tier} by a caller",
@@ -410,7 +421,21 @@ class TieredStore:
             )
         return t
 
+    def _check_blocks(self, bufs: Sequence[Any]) -> list[torch.Tensor]:
+        """:meth:`_check_block` of every buffer (once per block of every put and get:
+        the size check runs as C-speed loops)."""
+        ts = list(map(as_byte_tensor, bufs))
+        sizes = list(map(torch.Tensor.numel, ts))
+        if sizes.count(self.layout.bytes_per_block) != len(sizes):
+            for i, buf in enumerate(bufs):
+                self._check_block(buf, i)  # raises for the first wrong size
+        return ts
+
     def _submit_store(self, plan: StorePlan, srcs: list[torch.Tensor], inline: bool) -> Future[Sequence[bool]]:
+        return self._dispatch(self._store_job(plan, srcs), inline)
+
+    def _store_job(self, plan: StorePlan, srcs: list[torch.Tensor]) -> TransferJob:
+        """The job writing ``srcs`` (one per key of ``plan``) into its tier; it completes ``plan``."""
         tier = plan.tier
         if tier == "ssd":
             parents = [self.manager.parent_of(k) for k in plan.keys]
@@ -425,8 +450,7 @@ class TieredStore:
             def run() -> Sequence[bool]:
                 return pool.write(plan.slots, srcs)
 
-        job = self._job(f"put->{tier}", len(plan.keys), run, lambda oks: self._done_store(plan, oks))
-        return self._dispatch(job, inline)
+        return self._job(f"put->{tier}", len(plan.keys), run, lambda oks: self._done_store(plan, oks))
 
     def _submit_move(
         self, plan: MovePlan, inline: bool, deadline: float | None = None, prefetch: bool = False
@@ -513,23 +537,34 @@ class TieredStore:
         return oks
 
     def _read(self, plan: LoadPlan, dsts: list[torch.Tensor]) -> list[bool]:
+        """Read every block of ``plan`` into ``dsts[i]``; one ``ok`` per block."""
+        tiers = plan.tiers
+        if tiers.count(tiers[0]) == len(tiers):  # one tier (the common case): no regrouping
+            return self._read_tier(tiers[0], plan.keys, plan.slots, dsts[: len(tiers)])
         oks = [False] * len(plan.keys)
         groups: dict[str, list[int]] = {}
-        for i, tier in enumerate(plan.tiers):
+        for i, tier in enumerate(tiers):
             groups.setdefault(tier, []).append(i)
         for tier, idx in groups.items():
-            if tier == "ssd":
-                hosts = [dsts[i] if dsts[i].device.type == "cpu" else torch.empty_like(dsts[i], device="cpu")
-                         for i in idx]
-                res = self._ssd.get_many_into([plan.keys[i] for i in idx], [h.numpy() for h in hosts])
-                for host, i in zip(hosts, idx):
-                    if host is not dsts[i]:
-                        dsts[i].copy_(host)
-            else:
-                res = self._pools[tier].read([plan.slots[i] for i in idx], [dsts[i] for i in idx])
+            res = self._read_tier(tier, [plan.keys[i] for i in idx], [plan.slots[i] for i in idx],
+                                  [dsts[i] for i in idx])
             for i, ok in zip(idx, res):
-                oks[i] = bool(ok)
+                oks[i] = ok
         return oks
+
+    def _read_tier(
+        self, tier: str, keys: Sequence[BlockKey], slots: Sequence[int], dsts: list[torch.Tensor]
+    ) -> list[bool]:
+        if tier != "ssd":
+            return list(map(bool, self._pools[tier].read(slots, dsts)))
+        if all(d.is_cpu for d in dsts):
+            return list(map(bool, self._ssd.get_many_into(keys, [d.numpy() for d in dsts])))
+        hosts = [d if d.is_cpu else torch.empty_like(d, device="cpu") for d in dsts]
+        res = self._ssd.get_many_into(keys, [h.numpy() for h in hosts])
+        for host, dst in zip(hosts, dsts):
+            if host is not dst:
+                dst.copy_(host)
+        return list(map(bool, res))
 
     def _job(self, link: str, n: int, run: Callable[[], Sequence[bool]], on_done) -> TransferJob:
         return TransferJob(link, n, n * self.layout.bytes_per_block, run, on_done)
@@ -596,7 +631,8 @@ class TieredStore:
 
     def _ssd_failure_counts(self) -> str:
         st = self._ssd.stats if self._ssd is not None else {}
-        return ", ".join(f"{k}={st.get(k, 0)}" for k in ("checksum_failures", "decode_failures", "mismatches"))
+        return ", ".join(f"{k}={st.get(k, 0)}" for k in ("checksum_failures", "decode_failures", "mismatches",
+                                                         "key_mismatches"))
 
     def _pump_events(self) -> None:
         """Drain manager events; delete SSD values the manager dropped or whose store

@@ -416,6 +416,19 @@ def test_ssd_home_relative_path_is_expanded(tmp_path: Path, monkeypatch: pytest.
     assert cfg.ssd.path == "~/kv" and cfg.ssd.resolved_path() == tmp_path / "kv"
 
 
+def test_ssd_symlinked_dir_resolves_to_its_target(tmp_path: Path) -> None:
+    (tmp_path / "nvme").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "nvme")
+    cfg = load_config(env={}, overrides=_ssd(str(tmp_path / "link")))
+    assert cfg.ssd.path == str(tmp_path / "link") and cfg.ssd.resolved_path() == tmp_path / "nvme"
+
+
+def test_ssd_symlinked_lmdb_file_names_the_file(tmp_path: Path) -> None:
+    (tmp_path / "data.mdb").symlink_to(tmp_path / "elsewhere.mdb")
+    with pytest.raises(ConfigError, match=r"tiers.ssd.path=.*data.mdb.* is a symlink or not a regular file"):
+        load_config(env={}, overrides=_ssd(str(tmp_path)))
+
+
 @pytest.mark.parametrize(
     ("make", "problem"),
     [

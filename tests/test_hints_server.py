@@ -333,5 +333,5 @@ def test_serve_help_names_every_flag():
     out = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--help"], capture_output=True, text=True)
     assert out.returncode == 0
     for flag in ("--listen", "--unix", "--token-file", "--tls-cert", "--tls-key", "--metrics-port", "--config",
-                 "--record", "--store"):
+                 "--record", "--store", "--max-events-per-s-per-tenant"):
         assert flag in out.stdout

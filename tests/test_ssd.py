@@ -30,7 +30,8 @@ OTHER_NS = Namespace("tiny", "bfloat16", "fused", 16, tenant="other")
 CTX = ValueContext.of(NS, LAYOUT)
 CODECS = ("raw", "zstd", "bplane-zstd")
 BPB = LAYOUT.bytes_per_block
-FAILURE_COUNTERS = ("checksum_failures", "decode_failures", "mismatches")
+FAILURE_COUNTERS = ("checksum_failures", "decode_failures", "mismatches", "key_mismatches")
+K = BlockKey(42)  # the key of values encoded directly
 
 
 def bf16_block(seed: int, nbytes: int = BPB) -> np.ndarray:
@@ -109,16 +110,16 @@ def test_auto_codec_choice(kind: str, dtype: str, expected_codec: str) -> None:
     assert layout.bytes_per_block == BPB
     ctx = ValueContext.of(NS, layout)
     raw = make_block(kind, 7)
-    value = encode(raw, ctx, "auto")
+    value = encode(raw, ctx, "auto", key=K)
     assert read_header(value).codec == expected_codec
     out = np.empty(BPB, dtype=np.uint8)
-    assert decode_into(value, out, ctx) and np.array_equal(out, raw)
+    assert decode_into(value, out, ctx, key=K) and np.array_equal(out, raw)
 
 
 def test_bplane_compresses_bf16_better_than_zstd() -> None:
     raw = bf16_block(1, 1 << 20)
     ctx = ValueContext.of(NS, KVLayout(32, 2, 128, "bfloat16", 32))
-    sizes = {c: len(encode(raw, ctx, c)) for c in CODECS}
+    sizes = {c: len(encode(raw, ctx, c, key=K)) for c in CODECS}
     assert sizes["bplane-zstd"] < sizes["zstd"] < sizes["raw"]
     assert raw.nbytes / sizes["bplane-zstd"] > 1.35  # measured ~1.5 on bf16 normals
 
@@ -318,7 +319,7 @@ SMALL_RAWS = {
 @given(st.binary(max_size=3 * SMALL.bytes_per_block))
 def test_decode_of_random_bytes_never_raises_or_succeeds(data: bytes) -> None:
     counters: dict[str, int] = {}
-    assert not decode_into(data, bytearray(SMALL.bytes_per_block), SMALL_CTX, counters)
+    assert not decode_into(data, bytearray(SMALL.bytes_per_block), SMALL_CTX, counters, key=K)
     assert sum(counters.values()) == 1
 
 
@@ -334,7 +335,7 @@ def test_decode_of_random_bytes_never_raises_or_succeeds(data: bytes) -> None:
 )
 def test_decode_of_mutated_values_never_returns_wrong_bytes(codec: str, kind: str, edits: list) -> None:
     raw = SMALL_RAWS[kind]
-    original = encode(raw, SMALL_CTX, codec)
+    original = encode(raw, SMALL_CTX, codec, key=K)
     value = bytearray(original)
     for op, pos, byte in edits:
         pos %= len(value) + 1
@@ -348,7 +349,7 @@ def test_decode_of_mutated_values_never_returns_wrong_bytes(codec: str, kind: st
             del value[pos]
     out = bytearray(b"\xaa" * SMALL.bytes_per_block)
     counters: dict[str, int] = {}
-    ok = decode_into(bytes(value), out, SMALL_CTX, counters)
+    ok = decode_into(bytes(value), out, SMALL_CTX, counters, key=K)
     if ok:
         assert bytes(out) == raw, "a mutated value decoded to wrong bytes and was called valid"
         assert not counters

@@ -2,7 +2,8 @@
 blocks, and no configuration or client input makes kvtier write outside its
 configured directories. (Hint-server auth, TLS and per-tenant sessions:
 ``test_hints_security.py``; message size and batch limits:
-``test_hints_server.py``. A rate limit on events per tenant is not implemented yet.)"""
+``test_hints_server.py``; the per-tenant events-per-second limit:
+``test_hints_ratelimit.py``.)"""
 
 from __future__ import annotations
 
@@ -70,30 +71,54 @@ def test_a_tenant_can_neither_read_nor_evict_another_tenants_blocks(tmp_path: Pa
         assert all(np.array_equal(o, block(i)) for i, o in enumerate(outs))
 
 
-def test_symlinked_ssd_directory_is_refused_naming_the_setting(tmp_path: Path) -> None:
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    link = tmp_path / "ssd"
-    link.symlink_to(elsewhere)
-    with pytest.raises(ConfigError, match="tiers.ssd.path") as info:
-        load_config(env={}, overrides={"tiers": {"ssd": {"enabled": True, "path": str(link)}}})
-    assert "symlink" in str(info.value)
+def test_symlinked_ssd_directory_is_followed(tmp_path: Path) -> None:
+    # A data directory symlinked to an NVMe mount: the link is resolved and the
+    # real directory holds the LMDB files; nothing is written next to the link.
+    nvme = tmp_path / "nvme" / "kv"
+    nvme.mkdir(parents=True)
+    link = tmp_path / "data" / "ssd"
+    link.parent.mkdir()
+    link.symlink_to(nvme)
+    cfg = load_config(env={}, overrides={"tiers": {"ssd": {"enabled": True, "path": str(link)}}})
+    assert cfg.ssd.path == str(link) and cfg.ssd.resolved_path() == nvme
+    with tenant_store(link, "alpha") as a:
+        keys = a.keys_for(list(range(8)))
+        assert a.put(keys, [block(i) for i in range(2)]) == 2
+    assert sorted(p.name for p in nvme.iterdir()) == ["data.mdb", "lock.mdb"]
+    assert link.is_symlink() and sorted(p.name for p in link.parent.iterdir()) == ["ssd"]
     ns, layout = Namespace("m", "bfloat16", "fused", 4), KVLayout(1, 1, 32, "bfloat16", 4)
-    with pytest.raises(StorageError, match="tiers.ssd.path"):
-        SSDTier(link, ns, layout)  # constructed directly: checked again at open
-    assert list(elsewhere.iterdir()) == []
+    with SSDTier(link, ns, layout) as tier:  # constructed directly: resolved the same way
+        assert len(tier) == 2
 
 
+def test_dangling_ssd_directory_symlink_creates_its_target(tmp_path: Path) -> None:
+    link = tmp_path / "ssd"
+    link.symlink_to(tmp_path / "mnt" / "kv")  # the mount point's directory does not exist yet
+    load_config(env={}, overrides={"tiers": {"ssd": {"enabled": True, "path": str(link)}}})
+    assert not (tmp_path / "mnt").exists()  # the config check leaves nothing behind
+    with SSDTier(link, Namespace("m", "bfloat16", "fused", 4), KVLayout(1, 1, 32, "bfloat16", 4)):
+        pass
+    assert (tmp_path / "mnt" / "kv" / "data.mdb").is_file()
+
+
+@pytest.mark.parametrize("via_link", [False, True], ids=["real-dir", "symlinked-dir"])
 @pytest.mark.parametrize("name", ["data.mdb", "lock.mdb"])
-def test_symlinked_lmdb_file_is_refused(tmp_path: Path, name: str) -> None:
+def test_symlinked_lmdb_file_is_refused(tmp_path: Path, name: str, via_link: bool) -> None:
+    # Even inside a symlinked (allowed) directory, a symlinked LMDB file would
+    # redirect writes outside it: refused at config load and at open.
     target = tmp_path / "victim"
     target.write_bytes(b"precious")
-    ssd = tmp_path / "ssd"
-    ssd.mkdir()
-    (ssd / name).symlink_to(target)
-    with pytest.raises(ConfigError, match="tiers.ssd.path"):
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / name).symlink_to(target)
+    ssd = real
+    if via_link:
+        ssd = tmp_path / "ssd"
+        ssd.symlink_to(real)
+    with pytest.raises(ConfigError, match="tiers.ssd.path") as info:
         load_config(env={}, overrides={"tiers": {"ssd": {"enabled": True, "path": str(ssd)}}})
-    with pytest.raises(StorageError, match="not a regular file"):
+    assert "symlink" in str(info.value)
+    with pytest.raises(StorageError, match="tiers.ssd.path.*not a regular file"):
         SSDTier(ssd, Namespace("m", "bfloat16", "fused", 4), KVLayout(1, 1, 32, "bfloat16", 4))
     assert target.read_bytes() == b"precious"
 

@@ -2,7 +2,8 @@
 
 Owns: per-event validation (missing or over-long ids, unknown enum values,
 bad block-key lengths, oversize batches, timestamps far in the future, bad
-durations and TTLs), idempotency by ``(tenant, event_id)`` within a bounded
+durations and TTLs), the per-tenant events-per-second limit (a
+:class:`TokenBucket` per tenant), idempotency by ``(tenant, event_id)`` within a bounded
 dedupe window, the per-tenant counters behind ``GetStats`` and Prometheus,
 and applying commands (pin / unpin / prefetch) to a
 :class:`~kvtier.store.TieredStore` when one is given (else counting them).
@@ -35,7 +36,13 @@ class HintLimits:
     With auth on, tenants come from the token file and stay few; without auth
     any caller can name a tenant, so the table can fill up and new tenants are
     refused (RESOURCE_EXHAUSTED) — run unauthenticated only for trusted,
-    local callers."""
+    local callers.
+
+    ``max_events_per_s_per_tenant``: each tenant's sustained event rate
+    (signals plus commands, duplicates included), with bursts of up to one
+    second's worth; ``None`` (the default): no limit. Tenants have separate
+    budgets, so one tenant over its limit never slows another. Events over it
+    are refused with reason ``rate_limited`` (see :meth:`HintApplier.apply`)."""
 
     max_batch_events: int = 4_096
     max_block_keys_per_event: int = 65_536
@@ -45,23 +52,30 @@ class HintLimits:
     max_pin_ttl_s: float = 3_600.0
     dedupe_window_events: int = 1 << 18
     max_tenants: int = 1_024
+    max_events_per_s_per_tenant: float | None = None
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
-            if not getattr(self, name) > 0:
-                raise ValueError(f"HintLimits.{name}={getattr(self, name)!r}: must be > 0")
+            value = getattr(self, name)
+            if name == "max_events_per_s_per_tenant" and value is None:
+                continue
+            if not (isinstance(value, (int, float)) and value > 0 and value < float("inf")):
+                raise ValueError(f"HintLimits.{name}={value!r}: must be a finite number > 0")
 
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
     """One event not applied: ``field`` is its path in the request, ``reason``
     a short code (``missing``, ``too_long``, ``unknown_enum``, ``bad_value``,
-    ``future``, ``oversize_batch``, ``limit`` or a graph refusal reason)."""
+    ``future``, ``oversize_batch``, ``limit``, ``rate_limited`` or a graph
+    refusal reason). ``num_events``: how many events it stands for (1, or the
+    whole refused tail of a batch for ``rate_limited``)."""
 
     event_id: int
     field: str
     reason: str
     message: str
+    num_events: int = 1
 
     def __str__(self) -> str:
         return f"{self.field}: {self.message}"
@@ -69,10 +83,13 @@ class Rejected:
 
 @dataclass(slots=True)
 class BatchResult:
-    """What one batch did. ``rejections``: the first 16 (``num_rejected`` counts
-    all). ``stopped``: the rejection that ended a strict batch, or a batch-level
-    error (``batch_error`` True: oversize batch, too many tenants) that
-    rejected every event whatever ``skip_invalid`` said."""
+    """What one batch did. ``rejections``: the first 16, plus a ``rate_limited``
+    one if any (``num_rejected`` counts all). ``stopped``: the rejection that
+    ended a strict batch; a batch-level error (``batch_error`` True: oversize
+    batch, too many tenants) that rejected every event whatever
+    ``skip_invalid`` said; or the rate limit (reason ``rate_limited``), which
+    refused the batch's last ``stopped.num_events`` events whatever
+    ``skip_invalid`` said (the events before them were applied)."""
 
     num_accepted: int = 0
     num_duplicates: int = 0
@@ -91,6 +108,38 @@ class TenantStats:
     rejections_by_reason: Counter[str] = field(default_factory=Counter)
     commands_by_outcome: Counter[str] = field(default_factory=Counter)
     num_duplicates: int = 0
+
+
+class TokenBucket:
+    """One tenant's event budget: refills at ``rate_per_s`` up to one second's
+    worth (at least 1 event). Clock-free: callers pass a monotonic ``now_s``.
+    O(1) per call.
+
+    >>> bucket = TokenBucket(rate_per_s=10.0, now_s=0.0)
+    >>> bucket.take(15, now_s=0.0), bucket.take(8, now_s=0.5), bucket.take(8, now_s=60.0)
+    (10, 5, 8)
+    """
+
+    __slots__ = ("_last_s", "_tokens", "capacity", "rate_per_s")
+
+    def __init__(self, rate_per_s: float, now_s: float) -> None:
+        self.rate_per_s = rate_per_s
+        self.capacity = max(1.0, rate_per_s)
+        self._tokens = self.capacity
+        self._last_s = now_s
+
+    def take(self, num_events: int, now_s: float) -> int:
+        """Spend up to ``num_events`` whole tokens; returns how many were granted."""
+        if now_s > self._last_s:
+            self._tokens = min(self.capacity, self._tokens + (now_s - self._last_s) * self.rate_per_s)
+            self._last_s = now_s
+        granted = min(num_events, int(self._tokens))
+        self._tokens -= granted
+        return granted
+
+    def wait_s(self, num_events: int) -> float:
+        """Seconds until ``num_events`` (at most ``capacity``) tokens are available."""
+        return max(0.0, min(num_events, self.capacity) - self._tokens) / self.rate_per_s
 
 
 class CommandSink(Protocol):
@@ -145,6 +194,7 @@ class HintApplier:
         self.store = store
         self.listener = listener
         self.tenants: dict[str, TenantStats] = {}
+        self._buckets: dict[str, TokenBucket] = {}  # tenant -> budget, when rate-limited
         self._max_key_bytes = self.limits.max_block_keys_per_event * KEY_BYTES
         self._max_id = self.limits.max_id_bytes
         self._seen: set[int] = set()
@@ -174,6 +224,9 @@ class HintApplier:
         ``skip_invalid`` False: stop at the first rejection (``stopped``);
         events before it stay applied. True: skip bad events, list them all.
         A duplicate ``(tenant, event_id)`` is counted and not applied again.
+        With ``HintLimits.max_events_per_s_per_tenant`` set, only as many
+        events as the tenant's budget allows are looked at; the rest of the
+        batch is refused as one ``rate_limited`` rejection (``stopped``).
         """
         result = BatchResult()
         signals, commands = request.signals, request.commands
@@ -187,6 +240,12 @@ class HintApplier:
                            f"{num_events} events; HintLimits.max_batch_events={self.limits.max_batch_events}")
             stats.rejections_by_reason[rej.reason] += 1
             return self._stop_all(result, rej)
+        num_granted = num_events
+        if self.limits.max_events_per_s_per_tenant is not None:
+            num_granted = self._bucket(tenant, now_s).take(num_events, now_s)
+            if num_granted < num_events:
+                all_signals, all_commands = signals, commands
+                signals, commands = signals[:num_granted], commands[: max(0, num_granted - len(signals))]
         max_us = now_unix_us + int(self.limits.max_future_skew_s * 1e6)
         client_id = request.client_id
         self._run(stats, tenant, signals, "signals", self._signal, client_id, result, skip_invalid,
@@ -194,7 +253,35 @@ class HintApplier:
         if result.stopped is None:
             self._run(stats, tenant, commands, "commands", self._command, stats, result, skip_invalid,
                       now_s, max_us)
+        if num_granted < num_events and result.stopped is None:
+            self._refuse_tail(stats, tenant, all_signals, all_commands, num_granted, result)
         return result
+
+    def _bucket(self, tenant: str, now_s: float) -> TokenBucket:
+        """``tenant``'s budget (made full on first use; one per known tenant, so bounded)."""
+        bucket = self._buckets.get(tenant)
+        if bucket is None:
+            bucket = self._buckets[tenant] = TokenBucket(self.limits.max_events_per_s_per_tenant, now_s)
+        return bucket
+
+    def _refuse_tail(self, stats: TenantStats, tenant: str, signals: Any, commands: Any, num_granted: int,
+                     result: BatchResult) -> None:
+        """Refuse the events from ``num_granted`` on as one ``rate_limited`` rejection."""
+        num_refused = len(signals) + len(commands) - num_granted
+        where, i, events = "signals", num_granted, signals
+        if num_granted >= len(signals):
+            where, i, events = "commands", num_granted - len(signals), commands
+        rate = self.limits.max_events_per_s_per_tenant
+        wait_s = self._buckets[tenant].wait_s(num_refused)
+        rej = Rejected(events[i].event_id, f"{where}[{i}]", "rate_limited",
+                       f"tenant {tenant!r} is over HintLimits.max_events_per_s_per_tenant={rate:g} "
+                       f"(kvtier serve --max-events-per-s-per-tenant): {num_refused} of "
+                       f"{len(signals) + len(commands)} events refused; retry them in {wait_s:.2f} s",
+                       num_refused)
+        stats.rejections_by_reason[rej.reason] += num_refused
+        result.num_rejected += num_refused
+        result.rejections.append(rej)
+        result.stopped = rej
 
     @staticmethod
     def _stop_all(result: BatchResult, rej: Rejected) -> BatchResult:
@@ -458,6 +545,7 @@ class HintApplier:
         self.graph.check_invariants()
         assert len(self._seen) <= len(self._seen_order) <= self.limits.dedupe_window_events
         assert len(self.tenants) <= self.limits.max_tenants
+        assert self._buckets.keys() <= self.tenants.keys()
 
     @property
     def dedupe_size(self) -> int:

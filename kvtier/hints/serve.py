@@ -48,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="expire sessions idle for S seconds (default 600)")
     p.add_argument("--max-sessions", type=int, default=10_000, metavar="N",
                    help="live sessions over all tenants (default 10000)")
+    p.add_argument("--max-events-per-s-per-tenant", type=float, default=None, metavar="R",
+                   help="each tenant may publish R events/s (bursts of one second's worth); more are refused "
+                        "(RESOURCE_EXHAUSTED, or counted as rate_limited in a stream); one tenant over its "
+                        "limit never slows another (HintLimits.max_events_per_s_per_tenant; default: no limit)")
     p.add_argument("--allow-unauthenticated-remote", action="store_true",
                    help="allow a non-loopback --listen without a token (not recommended)")
 
@@ -56,12 +60,17 @@ def build_server(args: argparse.Namespace) -> tuple[Any, str, Any]:
     """``(server, address, store)`` from parsed flags (the store is ``None`` unless ``--store``)."""
     from ..agents.graph import GraphLimits
     from ..config import load_config
+    from .apply import HintLimits
     from .server import HintServer, TLSFiles, load_tokens
 
     if args.listen and args.unix:
         raise SystemExit("kvtier serve: give --listen or --unix, not both")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("kvtier serve: --tls-cert and --tls-key go together")
+    try:
+        hint_limits = HintLimits(max_events_per_s_per_tenant=args.max_events_per_s_per_tenant)
+    except ValueError as err:
+        raise SystemExit(f"kvtier serve: {err} (--max-events-per-s-per-tenant)") from None
     cfg = load_config(args.config)
     tokens: dict[str, str] = {}
     if args.token_file:
@@ -91,8 +100,8 @@ def build_server(args: argparse.Namespace) -> tuple[Any, str, Any]:
                              max_sessions_per_client=min(args.max_sessions, base.max_sessions_per_client))
     except ValueError as err:
         raise SystemExit(f"kvtier serve: {err} (--session-ttl-s / --max-sessions)") from None
-    server = HintServer(graph_limits=limits, store=store, recorder=recorder, tokens=tokens, tls=tls,
-                        metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+    server = HintServer(graph_limits=limits, limits=hint_limits, store=store, recorder=recorder, tokens=tokens,
+                        tls=tls, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                         allow_unauthenticated_remote=args.allow_unauthenticated_remote)
     address = f"unix:{args.unix}" if args.unix else (args.listen or DEFAULT_ADDRESS)
     return server, address, store

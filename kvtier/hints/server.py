@@ -18,7 +18,11 @@ The health service answers without a token (load balancers probe it).
 
 Status codes: a bad event → INVALID_ARGUMENT naming the field (unary,
 ``skip_invalid=false``); a limit → RESOURCE_EXHAUSTED naming the setting;
-inside a stream both are counted rejections and the stream goes on.
+inside a stream both are counted rejections and the stream goes on. The
+per-tenant rate limit (``HintLimits.max_events_per_s_per_tenant``) is a
+limit: a unary batch whose tail it refuses is RESOURCE_EXHAUSTED whatever
+``skip_invalid`` says (the events before the tail were applied); in a stream
+the refused events are counted under ``rate_limited``.
 
 >>> import asyncio
 >>> async def demo():
@@ -54,6 +58,7 @@ TENANT_METADATA = "x-kvtier-tenant"
 DEFAULT_TENANT = "default"
 MAX_MESSAGE_BYTES = 16 << 20
 _UNAUTHENTICATED = "missing or wrong bearer token (send metadata 'authorization: Bearer <token>')"
+_EXHAUSTED_REASONS = frozenset({"limit", "rate_limited"})  # RESOURCE_EXHAUSTED; other reasons: INVALID_ARGUMENT
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,8 +109,9 @@ class _Servicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message())
         result = self.s.apply(tenant, request, skip_invalid=request.skip_invalid)
         stop = result.stopped
-        if stop is not None and (result.batch_error or not request.skip_invalid):
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if stop.reason == "limit" else grpc.StatusCode.INVALID_ARGUMENT
+        if stop is not None and (result.batch_error or not request.skip_invalid or stop.reason == "rate_limited"):
+            exhausted = stop.reason in _EXHAUSTED_REASONS
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if exhausted else grpc.StatusCode.INVALID_ARGUMENT
             self.s.rpcs[("Publish", code.name)] += 1
             applied = f"; {result.num_accepted} earlier events were applied" if result.num_accepted else ""
             await context.abort(code, f"{stop.field}: {stop.message} [{stop.reason}]{applied}")
@@ -134,11 +140,12 @@ class _Servicer:
                 rejected = len(request.signals) + len(request.commands)
             summary.num_rejected += rejected
             for rej in result.rejections:
-                by_reason[rej.reason] += rejected if result.batch_error else 1
+                by_reason[rej.reason] += rejected if result.batch_error else rej.num_events
                 if len(summary.first_rejections) < 16:
                     summary.first_rejections.append(_rejection(rej))
-            if result.num_rejected > len(result.rejections):
-                by_reason["unlisted"] += result.num_rejected - len(result.rejections)
+            num_listed = sum(rej.num_events for rej in result.rejections)
+            if result.num_rejected > num_listed:
+                by_reason["unlisted"] += result.num_rejected - num_listed
         summary.rejected_by_reason.update(by_reason)
         self.s.rpcs[("PublishStream", "OK")] += 1
         return summary

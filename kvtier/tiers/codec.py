@@ -3,15 +3,28 @@
 Owns: turning one block's raw bytes into one self-describing value and back.
 Must not do I/O, must not import torch, and must never report unverified bytes
 as valid: every way a value can be wrong (truncated, bit-flipped, foreign
-namespace or layout, corrupt zstd frame) makes :func:`decode_into` return
-``False`` and bump a counter; it never raises for bad data and never claims
-partially written output.
+namespace or layout, stored under another key, corrupt zstd frame) makes
+:func:`decode_into` return ``False`` and bump a counter; it never raises for bad
+data and never claims partially written output.
 
-Header (76 bytes, little-endian, every byte covered by the header checksum)::
+Header (100 bytes, little-endian, every byte covered by the header checksum)::
 
-    magic "KVTB" | version u8 | codec u8 | flags u16 | namespace digest 16B
-    | layout hash 8B | parent key 16B (zeros: none) | raw_len u32
-    | payload_len u32 | plane0_len u32 | raw checksum u64 | header checksum u64
+    magic "KVTB" | version u8 | codec u8 | flags u16 | block key 16B
+    | namespace digest 16B | layout hash 8B | parent key 16B (zeros: none)
+    | stored_at_s u32 | raw_len u32 | payload_len u32 | plane0_len u32
+    | raw checksum u64 | header checksum u64
+
+The block key (the same 16 big-endian bytes as the LMDB key) binds a value to
+the key it was written for: a valid value found under another key (a copy or
+rename bug, a restore from another store) is a ``key_mismatches`` miss, never
+that key's bytes. ``stored_at_s`` is the unix time of encoding (for
+``kvtier inspect``; never used to accept or reject a value).
+
+Format versions: 2 (this one) added the block key and ``stored_at_s``. A
+value of version 1 cannot prove which key it belongs to, so it is unreadable
+(a ``decode_failures`` miss) and is purged at a warm restart; values of a
+*newer* version are left alone (see
+:meth:`kvtier.tiers.ssd.SSDTier.purge_unreadable`).
 
 Checksums are XXH3-64 (``xxhash``; ~25 GB/s here, against ~2 GB/s for
 ``zlib.crc32``). The raw checksum is over the *decoded* bytes and is checked on
@@ -40,12 +53,14 @@ on a 64 KiB sample (4 spread chunks) so their full compression is skipped.
 >>> layout = KVLayout(2, 1, 64, "bfloat16", 4)
 >>> ctx = ValueContext.of(Namespace("m", "bfloat16", "fused", 4), layout)
 >>> raw = bytes(range(256)) * (layout.bytes_per_block // 256)
->>> value = encode(raw, ctx, codec="zstd")
+>>> value = encode(raw, ctx, codec="zstd", key=BlockKey(7))
 >>> out = bytearray(len(raw))
->>> decode_into(value, out, ctx), bytes(out) == raw
+>>> decode_into(value, out, ctx, key=BlockKey(7)), bytes(out) == raw
 (True, True)
->>> decode_into(value[:-1], out, ctx)
+>>> decode_into(value[:-1], out, ctx, key=BlockKey(7))
 False
+>>> decode_outcome(value, out, ctx, key=BlockKey(8))  # right bytes, wrong key
+<DecodeOutcome.KEY_MISMATCH: 'key_mismatches'>
 """
 
 from __future__ import annotations
@@ -53,6 +68,7 @@ from __future__ import annotations
 import struct
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from enum import Enum
 from hashlib import blake2b
@@ -63,11 +79,11 @@ import xxhash
 import zstandard
 
 from ..errors import ConfigError
-from ..keys import KEY_BYTES, BlockKey, Namespace, key_to_bytes
+from ..keys import KEY_BYTES, BlockKey, Namespace, key_from_bytes, key_to_bytes
 from ..layout import KVLayout
 
 MAGIC = b"KVTB"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 LAYOUT_HASH_BYTES = 8
 
 CODEC_TO_ID: dict[str, int] = {"raw": 0, "zstd": 1, "bplane-zstd": 2}
@@ -78,7 +94,7 @@ WRITE_CODECS: tuple[str, ...] = ("auto", *CODEC_TO_ID)
 FLAG_PLANE0_ZSTD = 1  # bplane: odd-offset plane is a zstd frame
 FLAG_PLANE1_ZSTD = 2  # bplane: even-offset plane is a zstd frame
 
-_FIELDS = struct.Struct("<4sBBH16s8s16sIIIQ")
+_FIELDS = struct.Struct("<4sBBH16s16s8s16sIIIIQ")
 _CHECK = struct.Struct("<Q")
 HEADER_BYTES = _FIELDS.size + _CHECK.size
 _ZERO_KEY = bytes(KEY_BYTES)
@@ -107,6 +123,7 @@ class DecodeOutcome(str, Enum):
 
     OK = "ok"
     MISMATCH = "mismatches"  # valid value of another namespace or layout
+    KEY_MISMATCH = "key_mismatches"  # valid value written for another block key
     DECODE_FAILURE = "decode_failures"  # bad magic/version/codec/lengths, zstd error
     CHECKSUM_FAILURE = "checksum_failures"  # header or raw checksum differs
 
@@ -130,9 +147,11 @@ class ValueHeader:
 
     codec: str
     flags: int
+    key: BlockKey
     namespace_digest: bytes
     layout_hash: bytes
     parent: BlockKey | None
+    stored_at_s: int
     raw_len: int
     payload_len: int
     plane0_len: int
@@ -213,42 +232,52 @@ def encode(
     parent: BlockKey | None = None,
     zstd_level: int = 1,
     min_ratio: float = 1.05,
+    *,
+    key: BlockKey,
 ) -> bytes:
-    """Encode one block's raw bytes (any C-contiguous buffer) into a stored value.
+    """Encode one block's raw bytes (any C-contiguous buffer) into the value stored
+    under ``key`` (it only decodes for that key).
 
     Raises ``ConfigError`` for an unknown codec and ``ValueError`` when
     ``bplane-zstd`` is asked for an odd number of bytes. Cost per 4 MiB bf16
     block on this machine: raw ~0.3 ms, bplane ~4-5 ms, zstd level 1 ~8 ms.
     """
-    return b"".join(_encode_parts(raw, ctx, codec, parent, zstd_level, min_ratio))
+    return b"".join(_encode_parts(raw, ctx, codec, key, parent, zstd_level, min_ratio, _now_s()))
 
 
 def encode_many(
-    items: Sequence[tuple[object, BlockKey | None]],
+    items: Sequence[tuple[BlockKey, object, BlockKey | None]],
     ctx: ValueContext,
     codec: str = "auto",
     zstd_level: int = 1,
     min_ratio: float = 1.05,
 ) -> list[memoryview]:
-    """:func:`encode` for ``(raw, parent)`` items, back to back in a per-thread arena.
+    """:func:`encode` for ``(key, raw, parent)`` items (the shape of
+    :meth:`~kvtier.tiers.ssd.SSDTier.put_many`), back to back in a per-thread arena.
 
     The returned views are valid until the next ``encode_many`` call in the
     same thread (copy them, e.g. into an LMDB transaction, before that). Avoids
     one fresh allocation per value, which costs more than the copy.
     """
     check_codec(codec)
-    bound = sum(HEADER_BYTES + _payload_bound(memoryview(raw).nbytes) for raw, _ in items)
+    bound = sum(HEADER_BYTES + _payload_bound(memoryview(raw).nbytes) for _, raw, _ in items)
     arena = _SCRATCH.arena_view(bound)
     values: list[memoryview] = []
     offset = 0
-    for raw, parent in items:
+    stored_at_s = _now_s()
+    for key, raw, parent in items:
         start = offset
-        for part in _encode_parts(raw, ctx, codec, parent, zstd_level, min_ratio):
+        for part in _encode_parts(raw, ctx, codec, key, parent, zstd_level, min_ratio, stored_at_s):
             nbytes = len(part)
             arena[offset : offset + nbytes] = part
             offset += nbytes
         values.append(arena[start:offset])
     return values
+
+
+def _now_s() -> int:
+    """Unix seconds as stored in ``stored_at_s`` (clamped to u32)."""
+    return min(max(0, int(time.time())), 0xFFFFFFFF)
 
 
 def _payload_bound(raw_len: int) -> int:
@@ -260,9 +289,11 @@ def _encode_parts(
     raw: object,
     ctx: ValueContext,
     codec: str,
+    key: BlockKey,
     parent: BlockKey | None,
     zstd_level: int,
     min_ratio: float,
+    stored_at_s: int,
 ) -> list:
     """Header and payload pieces of one value (pieces may be per-thread scratch)."""
     data = memoryview(raw).cast("B") if not isinstance(raw, bytes) else raw
@@ -277,7 +308,8 @@ def _encode_parts(
         codec_id, flags, plane0_len, payload = 1, 0, 0, [_SCRATCH.level(zstd_level).compress(data)]
     else:
         codec_id, flags, plane0_len, payload = 0, 0, 0, [data]
-    return [_header(data, ctx, codec_id, flags, plane0_len, payload, parent), *payload]
+    header = _header(data, ctx, codec_id, flags, plane0_len, payload, key, parent, stored_at_s)
+    return [header, *payload]
 
 
 def _encode_auto(
@@ -367,7 +399,9 @@ def _header(
     flags: int,
     plane0_len: int,
     payload: list,
+    key: BlockKey,
     parent: BlockKey | None,
+    stored_at_s: int,
 ) -> bytes:
     payload_len = sum(memoryview(p).nbytes for p in payload)
     fields = _FIELDS.pack(
@@ -375,9 +409,11 @@ def _header(
         FORMAT_VERSION,
         codec_id,
         flags,
+        key_to_bytes(key),
         ctx.namespace_digest,
         ctx.layout_hash,
         _ZERO_KEY if parent is None else key_to_bytes(parent),
+        stored_at_s,
         len(data),
         payload_len,
         plane0_len,
@@ -394,7 +430,8 @@ def read_header(value: object) -> ValueHeader | None:
 
     Checks magic, version, header checksum, codec id and flags, and that the
     payload length matches the value's length (so truncation is caught here).
-    Does not check the payload itself.
+    Does not check the payload itself, nor that ``header.key`` is the key the
+    value was found under (callers compare; :func:`decode_into` does).
     """
     outcome, header = _parse_header(memoryview(value))
     return header if outcome is DecodeOutcome.OK else None
@@ -404,9 +441,8 @@ def _parse_header(mv: memoryview) -> tuple[DecodeOutcome, ValueHeader | None]:
     if mv.nbytes < HEADER_BYTES or mv[:4] != MAGIC:
         return DecodeOutcome.DECODE_FAILURE, None
     fields = mv[: _FIELDS.size]
-    magic, version, codec_id, flags, ns, lh, parent, raw_len, payload_len, plane0_len, raw_sum = (
-        _FIELDS.unpack(fields)
-    )
+    (_magic, version, codec_id, flags, key, ns, lh, parent, stored_at_s, raw_len, payload_len, plane0_len,
+     raw_sum) = _FIELDS.unpack(fields)
     if version != FORMAT_VERSION:
         return DecodeOutcome.DECODE_FAILURE, None
     if _CHECK.unpack(mv[_FIELDS.size : HEADER_BYTES])[0] != checksum(fields):
@@ -417,7 +453,9 @@ def _parse_header(mv: memoryview) -> tuple[DecodeOutcome, ValueHeader | None]:
     ):
         return DecodeOutcome.DECODE_FAILURE, None
     parent_key = None if parent == _ZERO_KEY else BlockKey(int.from_bytes(parent, "big"))
-    header = ValueHeader(codec, flags, ns, lh, parent_key, raw_len, payload_len, plane0_len, raw_sum)
+    header = ValueHeader(
+        codec, flags, key_from_bytes(key), ns, lh, parent_key, stored_at_s, raw_len, payload_len, plane0_len, raw_sum
+    )
     return DecodeOutcome.OK, header
 
 
@@ -440,8 +478,11 @@ def decode_into(
     out: object,
     ctx: ValueContext,
     counters: MutableMapping[str, int] | None = None,
+    *,
+    key: BlockKey,
 ) -> bool:
-    """Decode ``value`` into ``out`` and verify it; ``True`` only for verified bytes.
+    """Decode ``value``, found under ``key``, into ``out`` and verify it; ``True``
+    only for verified bytes that were encoded for ``key``.
 
     ``out`` must be a writable, C-contiguous buffer (bytearray, numpy array,
     memoryview) of exactly the block's raw length. On ``False`` its contents
@@ -449,7 +490,7 @@ def decode_into(
     incremented. Raises only for caller bugs (read-only or non-contiguous
     ``out``).
     """
-    outcome = decode_outcome(value, out, ctx)
+    outcome = decode_outcome(value, out, ctx, key=key)
     if outcome is DecodeOutcome.OK:
         return True
     if counters is not None:
@@ -457,7 +498,7 @@ def decode_into(
     return False
 
 
-def decode_outcome(value: object, out: object, ctx: ValueContext) -> DecodeOutcome:
+def decode_outcome(value: object, out: object, ctx: ValueContext, *, key: BlockKey) -> DecodeOutcome:
     """Like :func:`decode_into`, but says why a value was rejected."""
     dst = _writable_bytes(out)
     mv = memoryview(value).cast("B")
@@ -466,6 +507,8 @@ def decode_outcome(value: object, out: object, ctx: ValueContext) -> DecodeOutco
         return outcome
     if header.namespace_digest != ctx.namespace_digest or header.layout_hash != ctx.layout_hash:
         return DecodeOutcome.MISMATCH
+    if header.key != key:
+        return DecodeOutcome.KEY_MISMATCH
     if header.raw_len != dst.nbytes:
         return DecodeOutcome.DECODE_FAILURE
     payload = mv[HEADER_BYTES:]

@@ -8,9 +8,10 @@ any index of its own, or evict: that is the TierManager's bookkeeping. Must not
 import torch.
 
 Failure model. Expected failures are values, counted in :attr:`SSDTier.stats`:
-a missing, corrupt, truncated or foreign (other namespace / layout) value is a
-miss; a full LMDB map makes :meth:`SSDTier.put_many` write fewer blocks (the
-longest prefix that fits) and sets :attr:`SSDTier.last_error`, which names
+a missing, corrupt, truncated or foreign (other namespace / layout) value, or
+a valid value found under another key than it was written for, is a miss; a
+full LMDB map makes :meth:`SSDTier.put_many` write fewer blocks (the longest
+prefix that fits) and sets :attr:`SSDTier.last_error`, which names
 ``tiers.ssd.map_size_bytes``; deletes still work on a full map (see
 :meth:`SSDTier.delete_many`). Exceptions are for misuse and configuration: a
 directory that cannot be created or opened raises ``StorageError`` naming
@@ -61,7 +62,7 @@ import lmdb
 from ..errors import ConfigError, ProtocolError, StorageError
 from ..keys import KEY_BYTES, BlockKey, Namespace, key_from_bytes, key_to_bytes
 from ..layout import KVLayout
-from .codec import ValueContext, check_codec, decode_into, encode_many, read_header
+from .codec import ValueContext, ValueHeader, check_codec, decode_into, encode_many, read_header
 
 DEFAULT_MAP_SIZE_BYTES = 16 << 30
 _DELETE_HEADROOM_BYTES = 1 << 20
@@ -77,6 +78,7 @@ STAT_NAMES: tuple[str, ...] = (
     "checksum_failures",  # header or raw checksum mismatch
     "decode_failures",  # bad magic/version/codec/lengths, zstd error, truncation
     "mismatches",  # valid value of another namespace or layout
+    "key_mismatches",  # valid value written for another key (copied / renamed under this one)
     "map_full",  # put_many / delete_many calls that hit the LMDB map size
     "write_errors",  # other LMDB errors while writing (disk full, I/O error)
     "deletes",  # keys removed by delete_many
@@ -177,9 +179,7 @@ class SSDTier:
         self._writable_env()
         for _, buf, _ in items:
             self._check_block(buf)
-        values = encode_many(
-            [(buf, parent) for _, buf, parent in items], self._ctx, self.codec, self.zstd_level, self.min_ratio
-        )
+        values = encode_many(items, self._ctx, self.codec, self.zstd_level, self.min_ratio)
         encoded = [(key_to_bytes(key), value) for (key, _, _), value in zip(items, values)]
         num_written = self._write_prefix(encoded)
         if num_written:
@@ -319,8 +319,9 @@ class SSDTier:
     def get_into(self, key: BlockKey, out: object) -> bool:
         """Decode ``key``'s bytes into ``out`` (writable, ``bytes_per_block`` long).
 
-        ``True`` only when the bytes verified; on ``False`` (absent, corrupt,
-        foreign) ``out`` holds unspecified bytes. Never raises for bad data.
+        ``True`` only when the bytes verified and were written for ``key``; on
+        ``False`` (absent, corrupt, foreign, misplaced) ``out`` holds
+        unspecified bytes. Never raises for bad data.
         """
         return self.get_many_into([key], [out])[0]
 
@@ -334,7 +335,7 @@ class SSDTier:
         with self._read_txn() as txn:
             for key, out in zip(keys, outs):
                 value = txn.get(key_to_bytes(key))
-                ok = value is not None and decode_into(value, out, self._ctx, self._stats)
+                ok = value is not None and decode_into(value, out, self._ctx, self._stats, key=key)
                 if ok:
                     self._stats["bytes_read"] += len(value)
                 results.append(ok)
@@ -354,34 +355,38 @@ class SSDTier:
         """Every stored block with a valid header, in key order (headers only).
 
         Values of another namespace or layout are skipped unless
-        ``include_foreign``; values with a bad header are always skipped.
+        ``include_foreign``; values with a bad header, or whose header names
+        another key than the one they are stored under, are always skipped.
         Reads in short transactions of 1024 entries, so a slow consumer never
         pins old pages; blocks written during a scan may or may not appear.
         """
         return self._walk(lambda key_bytes, value: self._scan_entry(key_bytes, value, include_foreign))
 
     def _scan_entry(self, key_bytes: bytes, value: memoryview, include_foreign: bool) -> StoredBlock | None:
-        header = read_header(value) if len(key_bytes) == KEY_BYTES else None
+        header = _own_header(key_bytes, value)
         if header is None:
             return None
         foreign = header.namespace_digest != self._ctx.namespace_digest or header.layout_hash != self._ctx.layout_hash
         if foreign and not include_foreign:
             return None
-        return StoredBlock(key_from_bytes(key_bytes), header.parent, header.codec, header.raw_len, header.stored_len)
+        return StoredBlock(header.key, header.parent, header.codec, header.raw_len, header.stored_len)
 
     def purge_unreadable(self) -> int:
-        """Delete values no reader can ever use: a key that is not 16 bytes, or a
-        header that does not parse (truncated, bit-flipped, bad magic). They are
-        invisible to :meth:`scan`, so nothing would ever evict them. Values of
-        other namespaces and values of another format version are kept.
+        """Delete values no reader can ever use: a key that is not 16 bytes, a
+        header that does not parse (truncated, bit-flipped, bad magic), a header
+        naming another key than the one it is stored under, or an *older* format
+        version (version 1 values carry no key, so they cannot prove whose bytes
+        they are; they are stale). All are invisible to :meth:`scan`, so nothing
+        would ever evict them. Values of other namespaces, and values of a
+        *newer* format version (a newer kvtier's: not ours to judge), are kept.
         Returns the number deleted (counted as ``purged``). O(entries), headers only."""
         from .codec import FORMAT_VERSION, MAGIC
 
         def bad(key_bytes: bytes, value: memoryview) -> bytes | None:
-            if len(key_bytes) == KEY_BYTES and read_header(value) is not None:
+            if _own_header(key_bytes, value) is not None:
                 return None
-            if value.nbytes > 4 and value[:4] == MAGIC and value[4] != FORMAT_VERSION:
-                return None  # another kvtier version's value: not ours to judge
+            if value.nbytes > 4 and value[:4] == MAGIC and value[4] > FORMAT_VERSION:
+                return None
             return key_bytes
 
         doomed = list(self._walk(bad))
@@ -400,14 +405,17 @@ class SSDTier:
         """Fully decode and verify every stored value; returns ``(ok, bad)``.
 
         Bad = not decodable into a verified block of this namespace and layout
-        (corrupt, truncated, foreign, or a key that is not 16 bytes). Failures
-        bump the same counters as reads. With ``delete_bad`` they are removed
-        afterwards (one write transaction). O(total stored bytes).
+        under its own key (corrupt, truncated, foreign, misplaced, or a key that
+        is not 16 bytes). Failures bump the same counters as reads. With
+        ``delete_bad`` they are removed afterwards (one write transaction).
+        O(total stored bytes).
         """
         scratch = bytearray(self.layout.bytes_per_block)
 
         def check(key_bytes: bytes, value: memoryview) -> tuple[bytes, bool]:
-            ok = len(key_bytes) == KEY_BYTES and decode_into(value, scratch, self._ctx, self._stats)
+            ok = len(key_bytes) == KEY_BYTES and decode_into(
+                value, scratch, self._ctx, self._stats, key=key_from_bytes(key_bytes)
+            )
             return key_bytes, ok
 
         num_ok = 0
@@ -479,25 +487,37 @@ class SSDTier:
         return self._live_env()
 
 
+def _own_header(key_bytes: bytes, value: memoryview) -> ValueHeader | None:
+    """The valid header of ``value`` if it was written for ``key_bytes``, else ``None``."""
+    if len(key_bytes) != KEY_BYTES:
+        return None
+    header = read_header(value)
+    if header is None or key_to_bytes(header.key) != key_bytes:
+        return None
+    return header
+
+
 def _open_env(path: str, map_size_bytes: int, sync: bool, readonly: bool) -> lmdb.Environment:
     """Open (creating unless ``readonly``) the LMDB directory, or raise ``StorageError``.
-    Refuses a symlinked directory or LMDB file (see :func:`kvtier.config.lmdb_dir_problem`):
-    the tier writes only inside ``path``."""
+    ``path`` may be a symlink to the real directory (it is resolved and the real
+    one opened), but a symlinked LMDB file inside it is refused (see
+    :func:`kvtier.config.lmdb_dir_problem`): the tier writes only inside that directory."""
     from pathlib import Path
 
     from ..config import lmdb_dir_problem
 
-    problem = lmdb_dir_problem(Path(path))
+    real_path = os.path.realpath(path)
+    problem = lmdb_dir_problem(Path(real_path))
     if problem is not None:
         raise StorageError(f"tiers.ssd.path={path!r}: {problem}")
     if not readonly:
         try:
-            os.makedirs(path, exist_ok=True)
+            os.makedirs(real_path, exist_ok=True)
         except OSError as exc:
             raise StorageError(f"tiers.ssd.path={path!r}: cannot create directory: {exc.strerror or exc}") from exc
     try:
         return lmdb.open(
-            path,
+            real_path,
             map_size=map_size_bytes,
             subdir=True,
             readonly=readonly,

@@ -115,7 +115,9 @@ class TransferEngine:
             oks = [False] * job.num_blocks
         latency = end - job.submitted_at
         with self._lock:
-            st = self.links.setdefault(job.link, LinkStats())
+            st = self.links.get(job.link)
+            if st is None:
+                st = self.links[job.link] = LinkStats()
             st.jobs += 1
             st.blocks += job.num_blocks
             st.bytes += job.num_bytes
@@ -136,7 +138,7 @@ class TransferEngine:
             if stream is None:
                 stream = self._local.stream = torch.cuda.Stream(dev)
             return torch.cuda.stream(stream)
-        return _NullContext()
+        return _NULL_CONTEXT
 
 
 class _NullContext:
@@ -145,3 +147,6 @@ class _NullContext:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+_NULL_CONTEXT = _NullContext()

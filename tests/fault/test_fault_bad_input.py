@@ -41,8 +41,10 @@ from kvtier.errors import ConfigError
 from kvtier.keys import key_to_bytes
 from kvtier.tiers.codec import HEADER_BYTES
 
+# data_too_large: junk values are block-sized (8 KiB + a header), near hypothesis's buffer size on purpose.
 FUZZ = settings(max_examples=40, deadline=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                       HealthCheck.data_too_large])
 NUM_CHAINS = 4
 
 
