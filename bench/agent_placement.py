@@ -32,7 +32,10 @@ DEV_POLICIES = "lru,lru-dram,ttl,minwaste,tokencake,kvflow,kvtier,kvtier-space-o
 APP_POLICIES = "lru,lru-dram,ttl,minwaste,tokencake,kvflow,kvtier,kvtier-space-only,kvtier-time-only"
 
 
-def _run(cmd: list[str]) -> tuple[dict, float]:
+def _run(cmd: list[str], reuse: bool = False) -> tuple[dict, float | None]:
+    out = Path(cmd[cmd.index("--json") + 1])
+    if reuse and out.exists():  # the same command's earlier output
+        return json.loads(out.read_text()), json.loads(out.read_text()).get("wall_s")
     print("$ " + shlex.join(cmd), file=sys.stderr, flush=True)
     start = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT)
@@ -51,6 +54,8 @@ def _table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller workloads (smoke run, not the published figures)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="use bench/out/*.json already written by the same commands instead of re-running them")
     ap.add_argument("--out", default=str(ROOT / "bench" / "RESULTS.md"), help="report path (default bench/RESULTS.md)")
     args = ap.parse_args()
     out_dir = ROOT / "bench" / "out"
@@ -65,8 +70,8 @@ def main() -> int:
                            "--rate", "1.0", "--hbm-blocks", "1000", "--ssd-blocks", "8000",
                            "--policies", APP_POLICIES, "--json", str(out_dir / f"apps-{app}.json")]
                 for app in ("mixed", "code-writer", "deep-research")}
-    dev, dev_wall = _run(dev_cmd)
-    apps_runs = {app: _run(cmd) for app, cmd in app_cmds.items()}
+    dev, dev_wall = _run(dev_cmd, args.reuse)
+    apps_runs = {app: _run(cmd, args.reuse) for app, cmd in app_cmds.items()}
 
     lines = ["# Agent-aware placement: measured results", "",
              f"Written by `python bench/agent_placement.py{' --quick' if args.quick else ''}` "

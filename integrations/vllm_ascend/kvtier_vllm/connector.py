@@ -1,0 +1,304 @@
+"""``KVTierConnector``: kvtier as a vLLM / vLLM-Ascend ``KVConnectorBase_V1``.
+
+Owns: translating vLLM's connector calls into the two halves —
+:class:`~.scheduler.KVTierScheduler` in the scheduler process and
+:class:`~.worker.KVTierWorker` in each worker — and reading the engine facts
+(layers, heads, dtype, block size, TP rank) that fix kvtier's layout and
+namespace. Must not hold logic of its own beyond that glue.
+
+What vLLM 0.32 lets a connector do (and what this one does):
+
+* ``get_num_new_matched_tokens`` / ``update_state_after_alloc`` /
+  ``build_connector_meta``: external prefix hits, loaded asynchronously
+  (the request waits in ``WAITING_FOR_REMOTE_KVS``; no forward step waits).
+* ``get_block_ids_with_load_errors``: blocks that did not load or verify are
+  recomputed by the engine.
+* ``request_finished`` returning True keeps a finished request's blocks
+  until ``get_finished`` reports it: only while a store still reads them.
+* ``bind_kv_cache_manager`` / ``bind_gpu_block_pool`` / ``on_new_request``:
+  used to read a request's block ids, observe free HBM blocks and record a
+  request's session and agent. vLLM gives no hook to choose which HBM block
+  its prefix cache evicts, so agent-aware HBM decisions act through what is
+  kept in DRAM/SSD and loaded back, not by reordering vLLM's free queue.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.outputs import KVConnectorOutput
+
+from kvtier.layout import KVLayout
+
+from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
+from .scheduler import KVTierScheduler
+from .settings import ConnectorSettings, EngineFacts
+from .version import ALLOW_KEY, check_vllm_version
+from .worker import KVTierWorker
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+_TIER_SOURCE = {"dram": CacheHitSource.HOST, "ssd": CacheHitSource.DISK}
+
+
+@dataclass
+class KVTierConnectorStats(KVConnectorStats):
+    """Counter increments (tokens, blocks) since the last report; sums on aggregate."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVTierConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def _timed(method):
+    """Count the engine-thread CPU time spent in a connector hook (``hook_cpu_us`` in the
+    scheduler's counters, or in the worker's transfer CPU time): the connector's own cost."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        start = time.thread_time()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            used_us = int((time.thread_time() - start) * 1e6)
+            if self._sched is not None:
+                self._sched.counters["hook_cpu_us"] += used_us
+            elif self._worker is not None:
+                self._worker.add_hook_cpu_us(used_us)
+
+    return wrapper
+
+
+def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tp_rank: int) -> EngineFacts:
+    """Layout facts of one rank's KV cache. Raises ``ValueError`` for KV caches
+    the connector does not handle (several KV cache groups, MLA, K/V of
+    different widths)."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"kvtier: the model has {len(groups)} KV cache groups; the connector supports one "
+                         "(full attention); run with --disable-hybrid-kv-cache-manager or another connector")
+    spec = groups[0].kv_cache_spec
+    head_size_v = getattr(spec, "head_size_v", spec.head_size)
+    if type(spec).__name__ != "FullAttentionSpec" or head_size_v != spec.head_size:
+        raise ValueError(f"kvtier: KV cache spec {type(spec).__name__} is not supported (full attention only)")
+    from vllm.platforms import current_platform
+
+    return EngineFacts(
+        model=str(vllm_config.model_config.model),
+        dtype=str(spec.dtype).removeprefix("torch."),
+        block_size=spec.block_size,
+        num_layers=len(groups[0].layer_names),
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_size,
+        arrangement="split" if current_platform.device_type == "npu" else "fused",
+        hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
+        tp_rank=tp_rank,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+    )
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    """kvtier's DRAM + SSD tiers behind vLLM's prefix cache (the HBM tier).
+
+    ``kv_connector_extra_config`` keys: see :data:`kvtier_vllm.settings.EXTRA_KEYS`.
+    """
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is a later miss
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        check_vllm_version(allow_untested=extra.pop(ALLOW_KEY, False) is True)
+        tp_rank = 0
+        if role == KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp_rank = get_tensor_model_parallel_rank()
+        facts = engine_facts(vllm_config, kv_cache_config, tp_rank)
+        settings = ConnectorSettings.build(extra, facts)
+        namespace = settings.config.namespace.to_namespace(settings.config.layout.to_layout())
+        self._sched: KVTierScheduler | None = None
+        self._worker: KVTierWorker | None = None
+        self._last_counters: dict[str, int] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                # kvtier is a cache: a block that fails to load or verify is a miss, never a failed request.
+                # The scheduler reads this setting after creating its connector.
+                log.info("kvtier: setting kv_load_failure_policy=recompute (failed loads are recomputed)")
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            world = vllm_config.parallel_config.world_size
+            self._sched = KVTierScheduler(settings, namespace, facts.block_size, world)
+            self._sched.write_stats()
+        else:
+            layout: KVLayout = settings.config.layout.to_layout()
+            self._worker = KVTierWorker(settings, namespace, layout, kv_cache_config.num_blocks)
+        log.info("kvtier connector (%s): tiers %s, layout %s", role.name, settings.config.enabled_tiers,
+                 settings.config.layout.to_layout().describe())
+
+    # ------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Worker, once: the engine's per-layer caches (tensor, or (K, V) tuple on Ascend)."""
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    @_timed
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self._worker is not None and isinstance(kv_connector_metadata, KVTierConnectorMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
+
+    @_timed
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Worker, every step: start the step's asynchronous loads (never waits)."""
+        assert self._worker is not None
+        self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are asynchronous and finish before their request runs: nothing to wait for."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        """Stores are queued whole-block in ``wait_for_save``, after the forward."""
+
+    @_timed
+    def wait_for_save(self) -> None:
+        """Worker, every step after the forward: queue the step's stores (does not wait for them)."""
+        assert self._worker is not None
+        self._worker.wait_for_save(self._meta())
+
+    @_timed
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Worker, every step: (requests whose kept blocks can be freed, requests whose load finished)."""
+        assert self._worker is not None
+        sending, recving = self._worker.get_finished(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Worker, every step: engine blocks whose load failed or did not verify (vLLM recomputes them)."""
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
+        return self._worker.take_worker_meta() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._sched is not None:
+            self._sched.write_stats()
+
+    # ------------------------------------------------------------ scheduler side
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._sched is not None:
+            self._sched.bind_kv_cache_manager(kv_cache_manager)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        if self._sched is not None:
+            self._sched.bind_gpu_block_pool(gpu_block_pool)
+
+    def on_new_request(self, request: Request) -> None:
+        if self._sched is not None:
+            self._sched.on_new_request(request)
+
+    @_timed
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Scheduler: tokens kvtier can load past the local hit (in-memory index only)."""
+        assert self._sched is not None
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    @_timed
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._sched is not None
+        self._sched.update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        if num_external_tokens == 0 or self._sched is None:
+            return {}
+        by_tier = self._sched.hit_sources(request)
+        out = {_TIER_SOURCE[t]: n for t, n in by_tier.items() if n}
+        if sum(out.values()) != num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return out
+
+    @_timed
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._sched is not None
+        return self._sched.build_connector_meta(scheduler_output)
+
+    @_timed
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._sched is not None
+        meta = connector_output.kv_connector_worker_meta
+        self._sched.update_connector_output(meta if isinstance(meta, KVTierWorkerMetadata) else None)
+        self._sched.load_finished(connector_output.finished_recving or ())
+
+    @_timed
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Scheduler, once per request: keep its blocks only while a store still reads them."""
+        assert self._sched is not None
+        return self._sched.request_finished(request), None
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.has_pending_work()
+
+    def reset_cache(self) -> bool | None:
+        return self._sched.reset() if self._sched is not None else None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Scheduler: counter increments since the last call (None when nothing changed)."""
+        if self._sched is None:
+            return None
+        now = dict(self._sched.counters)
+        delta = {k: v - self._last_counters.get(k, 0) for k, v in now.items() if v != self._last_counters.get(k, 0)}
+        self._last_counters = now
+        return KVTierConnectorStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVTierConnectorStats(data=dict(data or {}))
+
+    def stats(self) -> dict[str, Any]:
+        """Scheduler: cumulative counters and tier use (also written to ``stats_path``)."""
+        return self._sched.stats() if self._sched is not None else {}
+
+    def _meta(self) -> KVTierConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierConnectorMetadata)
+        return meta

@@ -1,0 +1,96 @@
+"""Messages between the connector's scheduler side and its workers.
+
+Owns: the picklable plans the scheduler sends each step
+(:class:`KVTierConnectorMetadata`) and the per-step results workers send back
+(:class:`KVTierWorkerMetadata`, merged over TP ranks by vLLM with
+``aggregate``). Plain values only: no tensors, no references to engine
+objects. Must not decide anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class LoadJob:
+    """Fill engine blocks ``block_ids`` of request ``req_id`` from kvtier.
+
+    ``keys[i]`` is read from ``tiers[i]`` (``slots[i]`` for DRAM) into
+    ``block_ids[i]``. ``block_ids`` beyond ``len(keys)`` had no readable block
+    when planned and always fail.
+    """
+
+    req_id: str
+    plan_id: int
+    keys: tuple[int, ...]
+    tiers: tuple[str, ...]
+    slots: tuple[int, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TierWrite:
+    """Part of a store for one tier: ``rows`` index the job's keys."""
+
+    plan_id: int
+    tier: str
+    rows: tuple[int, ...]
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreJob:
+    """Copy engine blocks ``block_ids`` (keys ``keys``, chain parents ``parents``)
+    out of the KV cache once this step's forward is done, then write them to
+    each tier in ``writes``. ``job_id`` is reported back when the engine
+    blocks are no longer needed."""
+
+    job_id: int
+    req_id: str
+    block_ids: tuple[int, ...]
+    keys: tuple[int, ...]
+    parents: tuple[int | None, ...]
+    writes: tuple[TierWrite, ...]
+
+
+@dataclass(slots=True)
+class KVTierConnectorMetadata(KVConnectorMetadata):
+    """One step's plans. ``release`` lists finished requests whose blocks the
+    scheduler kept (``request_finished`` returned True); a worker reports each
+    in ``finished_sending`` once it no longer reads their blocks.
+    ``ssd_deletes`` are keys the scheduler evicted from the SSD tier."""
+
+    loads: list[LoadJob] = field(default_factory=list)
+    stores: list[StoreJob] = field(default_factory=list)
+    release: list[str] = field(default_factory=list)
+    ssd_deletes: list[int] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Results finished since the last step. ``plans`` maps a plan id to
+    (ranks reporting, per-block ok) — ok only where every reporting rank
+    succeeded; ``gathered`` maps a store job id to ranks that finished reading
+    its engine blocks; ``busy_us`` is the CPU time of the workers' background threads."""
+
+    plans: dict[int, tuple[int, list[bool]]] = field(default_factory=dict)
+    gathered: dict[int, int] = field(default_factory=dict)
+    busy_us: int = 0  # CPU time of the workers' connector hooks and background threads (summed over ranks)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
+        assert isinstance(other, KVTierWorkerMetadata)
+        plans = dict(self.plans)
+        for plan_id, (n, oks) in other.plans.items():
+            if plan_id in plans:
+                m, mine = plans[plan_id]
+                plans[plan_id] = (m + n, [a and b for a, b in zip(mine, oks)])
+            else:
+                plans[plan_id] = (n, list(oks))
+        gathered = dict(self.gathered)
+        for job_id, n in other.gathered.items():
+            gathered[job_id] = gathered.get(job_id, 0) + n
+        return KVTierWorkerMetadata(plans, gathered, self.busy_us + other.busy_us)

@@ -1,0 +1,363 @@
+"""Scheduler side of the kvtier connector: which blocks kvtier holds, and the
+load and store plans of each step.
+
+Owns: a :class:`~kvtier.manager.TierManager` over the DRAM and SSD tiers
+(metadata only; the bytes live in the workers), the mapping from vLLM block
+hashes to kvtier keys, per-request bookkeeping (keys, blocks already planned
+for storing, store jobs whose engine blocks are still being read), the
+session / agent ids a request carries in ``kv_transfer_params``, and the
+counters behind :meth:`KVTierScheduler.stats`.
+
+Must not touch tensors or do I/O on the scheduler's hot path: lookups read
+the in-memory index only, so a slow SSD never stalls a scheduling step (the
+SSD directory is scanned once, at start, to re-index a warm restart). Must
+not trust a block until every worker reported its store ok.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import tempfile
+import threading
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.events import BlockRemoved
+from kvtier.keys import BlockKey, Namespace, chain_foreign_keys
+from kvtier.manager import LoadPlan, StorePlan, TierManager, TierSpec
+from kvtier.sdk.handles import request_tags
+
+from . import ssdshare
+from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob, StoreJob, TierWrite
+from .settings import ConnectorSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Req:
+    """What the scheduler side remembers about one live request."""
+
+    request: Any  # vllm.v1.request.Request
+    session_id: str | None
+    agent_id: str | None
+    keys: list[BlockKey] = field(default_factory=list)
+    num_planned_blocks: int = 0  # leading blocks already planned for storing (or skipped)
+    pending_jobs: set[int] = field(default_factory=set)  # store jobs still reading engine blocks
+    loading: bool = False  # an asynchronous load is in flight
+
+
+@dataclass(frozen=True, slots=True)
+class _Match:
+    """A lookup answered by get_num_new_matched_tokens, used by update_state_after_alloc."""
+
+    start_block: int
+    num_blocks: int
+
+
+class KVTierScheduler:
+    """The scheduler-side half. One instance per engine (scheduler process).
+
+    ``world_size`` is how many workers report each plan; a block becomes
+    readable only when all of them reported it stored.
+    """
+
+    def __init__(self, settings: ConnectorSettings, namespace: Namespace, block_size: int, world_size: int) -> None:
+        cfg = settings.config
+        self.settings = settings
+        self.namespace = namespace
+        self.block_size = block_size
+        self.world_size = world_size
+        specs = [TierSpec(t, getattr(cfg, t).capacity_blocks, getattr(cfg, t).policy) for t in cfg.enabled_tiers]
+        self.manager = TierManager(specs, pin_budget_blocks=cfg.pin_budget_blocks)
+        self.counters: Counter[str] = Counter()
+        self._reqs: dict[str, _Req] = {}
+        self._matches: dict[str, _Match] = {}
+        self._loads: list[LoadJob] = []
+        self._load_plans: dict[int, tuple[str, LoadPlan]] = {}
+        self._store_plans: dict[int, StorePlan] = {}
+        self._job_to_req: dict[int, str] = {}
+        self._reports: dict[int, tuple[int, list[bool]]] = {}
+        self._gather_reports: Counter[int] = Counter()
+        self._release: list[str] = []
+        self._ssd_deletes: list[int] = []
+        self._job_ids = itertools.count(1)
+        self._kv_cache_manager: Any = None
+        self._gpu_block_pool: Any = None
+        self._stats_lock = threading.Lock()
+        self._stats_dirty = True
+        if "ssd" in self.manager.tier_names:
+            self._reindex_ssd()
+
+    # ------------------------------------------------------------ engine hooks
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """Keep the engine's KV cache manager: the source of a request's block ids."""
+        self._kv_cache_manager = kv_cache_manager
+
+    def bind_gpu_block_pool(self, block_pool: Any) -> None:
+        """Keep the engine's block pool, read only for stats (free HBM blocks)."""
+        self._gpu_block_pool = block_pool
+
+    def on_new_request(self, request: Any) -> None:
+        """Record a new request and the session / agent ids of its ``kv_transfer_params``."""
+        self._state(request)
+        self.counters["requests"] += 1
+
+    # ------------------------------------------------------------ lookups
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens past ``num_computed_tokens`` (block aligned) that kvtier can load,
+        and whether the load is asynchronous (always, when there are any). Reads
+        the in-memory index only. The last prompt token is never offered: the
+        engine must compute at least one token to sample."""
+        st = self._state(request)
+        keys = self._keys(st)
+        max_blocks = min(len(keys), (request.num_tokens - 1) // self.block_size)
+        start = num_computed_tokens // self.block_size
+        self.counters["lookups"] += 1
+        if max_blocks <= start:
+            return 0, False
+        hit = self.manager.lookup(keys[start:max_blocks])
+        if hit.num_blocks == 0:
+            return 0, False
+        self._matches[request.request_id] = _Match(start, hit.num_blocks)
+        return hit.num_blocks * self.block_size, True
+
+    def hit_sources(self, request: Any) -> dict[str, int]:
+        """Tokens of ``request``'s planned load per tier (``dram`` / ``ssd``)."""
+        out: Counter[str] = Counter()
+        for job in self._loads:
+            if job.req_id == request.request_id:
+                for tier in job.tiers:
+                    out[tier] += self.block_size
+        return dict(out)
+
+    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """Plan the load of ``num_external_tokens`` into the request's new blocks."""
+        match = self._matches.pop(request.request_id, None)
+        if num_external_tokens == 0 or match is None:
+            return
+        st = self._state(request)
+        n = num_external_tokens // self.block_size
+        keys = self._keys(st)[match.start_block : match.start_block + n]
+        targets = tuple(block_ids[match.start_block : match.start_block + n])
+        plan = self.manager.prepare_load(keys)
+        if plan is None:  # cannot happen within one step; the worker fails every block
+            job = LoadJob(request.request_id, 0, (), (), (), targets)
+        else:
+            slots = tuple(s if t != "ssd" else 0 for s, t in zip(plan.slots, plan.tiers))
+            job = LoadJob(request.request_id, plan.plan_id, plan.keys, plan.tiers, slots, targets)
+            self._load_plans[plan.plan_id] = (request.request_id, plan)
+        st.loading = True
+        self._loads.append(job)
+        self.counters["load_planned_tokens"] += n * self.block_size
+
+    # ------------------------------------------------------------ per step
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVTierConnectorMetadata:
+        """This step's loads, stores (blocks that become full in this step's
+        forward), releases and SSD deletions. Resets the per-step state."""
+        meta = KVTierConnectorMetadata(loads=self._loads, release=self._release)
+        self._loads, self._release = [], []
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is None or st.loading:
+                continue
+            upto = (st.request.num_computed_tokens + num_new) // self.block_size
+            job = self._plan_store(req_id, st, upto)
+            if job is not None:
+                meta.stores.append(job)
+        meta.ssd_deletes, self._ssd_deletes = self._ssd_deletes, []
+        meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        return meta
+
+    def update_connector_output(self, worker_meta: KVTierWorkerMetadata | None) -> None:
+        """Apply the workers' results: complete store and load plans once every
+        worker reported, and forget store jobs whose blocks every worker read."""
+        if worker_meta is None:
+            return
+        self.counters["worker_cpu_us"] += worker_meta.busy_us
+        for job_id, n in worker_meta.gathered.items():
+            self._gather_reports[job_id] += n
+            if self._gather_reports[job_id] >= self.world_size:
+                del self._gather_reports[job_id]
+                req_id = self._job_to_req.pop(job_id, None)
+                st = self._reqs.get(req_id) if req_id is not None else None
+                if st is not None:
+                    st.pending_jobs.discard(job_id)
+        for plan_id, (n, oks) in worker_meta.plans.items():
+            seen, acc = self._reports.get(plan_id, (0, [True] * len(oks)))
+            acc = [a and b for a, b in zip(acc, oks)]
+            if seen + n < self.world_size:
+                self._reports[plan_id] = (seen + n, acc)
+                continue
+            self._reports.pop(plan_id, None)
+            self._complete(plan_id, acc)
+        self._pump_events()
+        self._stats_dirty = True
+        self.write_stats()
+
+    def request_finished(self, request: Any) -> bool:
+        """Forget ``request``; True (keep its blocks) while a worker still reads
+        them for a store, or writes them for a load."""
+        st = self._reqs.pop(request.request_id, None)
+        self._matches.pop(request.request_id, None)
+        if st is None or not (st.pending_jobs or st.loading):
+            return False
+        self.counters["delayed_frees"] += 1
+        if st.pending_jobs:
+            self._release.append(request.request_id)  # freed when the workers report it sent
+        # a request with a load in flight is freed by the engine when the load reports finished
+        return True
+
+    def has_pending_work(self) -> bool:
+        """Whether plans are still out (so the engine keeps stepping to collect them)."""
+        return bool(self._store_plans or self._load_plans or self._release or self._job_to_req)
+
+    def reset(self) -> bool:
+        """Drop every stored block (vLLM calls this on ``reset_prefix_cache(reset_connector=True)``,
+        e.g. after a weight update, when stored KV is stale); SSD values are deleted by the
+        workers next step. False when a block could not be dropped (a load or store in flight)."""
+        for tier in self.manager.tier_names:
+            self.manager.evict(tier, self.manager.capacity_blocks(tier))
+        self._pump_events()
+        self.counters["resets"] += 1
+        return all(self.manager.ready_blocks(t) == 0 for t in self.manager.tier_names)
+
+    # ------------------------------------------------------------ stats
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (tokens and blocks), tier use and, when bound, free HBM blocks."""
+        m = self.manager
+        out: dict[str, Any] = {"counters": dict(self.counters),
+                               "pending_plans": len(self._store_plans) + len(self._load_plans)}
+        out["tiers"] = {t: {"capacity_blocks": m.capacity_blocks(t), "ready_blocks": m.ready_blocks(t)}
+                        for t in m.tier_names}
+        if self._gpu_block_pool is not None:
+            out["hbm_free_blocks"] = int(self._gpu_block_pool.get_num_free_blocks())
+        sessions = Counter(st.session_id for st in self._reqs.values() if st.session_id)
+        out["live_sessions"] = len(sessions)
+        return out
+
+    def write_stats(self) -> None:
+        """Rewrite ``stats_path`` (atomically) when counters changed."""
+        path = self.settings.stats_path
+        if not path or not self._stats_dirty:
+            return
+        with self._stats_lock:
+            self._stats_dirty = False
+            text = json.dumps(self.stats(), sort_keys=True)
+            directory = os.path.dirname(os.path.abspath(path))
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=".kvtier-stats-")
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+
+    # ------------------------------------------------------------ internals
+
+    def _state(self, request: Any) -> _Req:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            session_id, agent_id = request_tags(getattr(request, "kv_transfer_params", None))
+            st = self._reqs[request.request_id] = _Req(request, session_id, agent_id)
+        return st
+
+    def _keys(self, st: _Req) -> list[BlockKey]:
+        """Keys of the request's full blocks so far (extended as it decodes)."""
+        hashes = st.request.block_hashes
+        if len(hashes) > len(st.keys):
+            parent = st.keys[-1] if st.keys else None
+            st.keys.extend(chain_foreign_keys(self.namespace, hashes[len(st.keys):], parent))
+        return st.keys
+
+    def _plan_store(self, req_id: str, st: _Req, upto: int) -> StoreJob | None:
+        keys = self._keys(st)
+        upto = min(upto, len(keys))
+        start = st.num_planned_blocks
+        if upto <= start or self._kv_cache_manager is None:
+            return None
+        st.num_planned_blocks = upto
+        new = keys[start:upto]
+        parent = keys[start - 1] if start else None
+        plans = []
+        for tier in self.manager.tier_names:
+            plan = self.manager.prepare_store(tier, new, parent)
+            if plan is not None and plan.keys:
+                plans.append(plan)
+                self._store_plans[plan.plan_id] = plan
+        self._pump_events()
+        if not plans:
+            return None
+        index = {k: i for i, k in enumerate(new)}
+        rows = sorted({index[k] for p in plans for k in p.keys})
+        pos = {r: j for j, r in enumerate(rows)}
+        block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
+        writes = tuple(TierWrite(p.plan_id, p.tier, tuple(pos[index[k]] for k in p.keys), p.slots) for p in plans)
+        chain = [parent, *new]
+        job = StoreJob(
+            job_id=next(self._job_ids), req_id=req_id,
+            block_ids=tuple(block_ids[start + r] for r in rows),
+            keys=tuple(new[r] for r in rows),
+            parents=tuple(chain[r] for r in rows),
+            writes=writes,
+        )
+        st.pending_jobs.add(job.job_id)
+        self._job_to_req[job.job_id] = req_id
+        return job
+
+    def _complete(self, plan_id: int, oks: list[bool]) -> None:
+        if plan_id in self._store_plans:
+            plan = self._store_plans.pop(plan_id)
+            self.manager.complete_store(plan, oks)
+            good = sum(oks)
+            self.counters[f"stored_blocks_{plan.tier}"] += good
+            self.counters[f"store_failed_blocks_{plan.tier}"] += len(oks) - good
+        elif plan_id in self._load_plans:
+            req_id, plan = self._load_plans.pop(plan_id)
+            self.manager.complete_load(plan, oks)
+            num_ok = oks.index(False) if False in oks else len(oks)
+            for tier in plan.tiers[:num_ok]:
+                self.counters[f"hit_tokens_{tier}"] += self.block_size
+            self.counters["hit_tokens"] += num_ok * self.block_size
+            self.counters["load_failed_blocks"] += len(oks) - num_ok
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.loading = False
+
+    def load_finished(self, req_ids: Iterable[str]) -> None:
+        """The engine reports these requests' asynchronous loads as done."""
+        for req_id in req_ids:
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.loading = False
+
+    def _pump_events(self) -> None:
+        for event in self.manager.take_events():
+            if isinstance(event, BlockRemoved) and event.tier == "ssd":
+                self._ssd_deletes.append(int(event.key))
+                self.counters["ssd_deleted_blocks"] += 1
+
+    def _reindex_ssd(self) -> None:
+        """Warm restart: index the blocks rank 0 already holds on SSD (headers only)."""
+        cfg = self.settings.config
+        path = self.settings.rank_ssd_path(0, self.namespace.tp_size)
+        assert path is not None
+        count = 0
+        tier = ssdshare.acquire(path, self.namespace, cfg.layout.to_layout(), cfg)
+        try:
+            for entry in tier.scan():
+                plan = self.manager.prepare_store("ssd", [entry.key], entry.parent)
+                if plan is None:
+                    break
+                self.manager.complete_store(plan, True)
+                count += 1
+        finally:
+            ssdshare.release(tier)
+        self.manager.take_events()
+        self.counters["ssd_reindexed_blocks"] = count

@@ -1,0 +1,122 @@
+"""The connector's settings: ``kv_connector_extra_config`` plus what the engine
+says about its KV cache, turned into one validated :class:`KVTierConfig`.
+
+Owns: the extra-config keys (:data:`EXTRA_KEYS`), their mapping onto kvtier
+settings, and the namespace that keeps blocks of different models, dtypes,
+layouts, block sizes, TP ranks and hash algorithms apart. Must not import
+vLLM (the connector passes plain :class:`EngineFacts`) or open any tier.
+
+>>> facts = EngineFacts("m", "bfloat16", 32, 2, 2, 64, "fused", "sha256")
+>>> s = ConnectorSettings.build({"dram_capacity_blocks": 8}, facts, env={})
+>>> s.config.dram.capacity_blocks, s.config.ssd.enabled, s.config.hbm.enabled
+(8, False, False)
+>>> s.config.layout.to_layout().bytes_per_block == 32 * 2 * 2 * 2 * 64 * 2
+True
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.config import KVTierConfig, load_config
+from kvtier.errors import ConfigError
+
+EXTRA_KEYS: dict[str, str] = {
+    "config_file": "path of a kvtier YAML/TOML file (tiers, policies, pins); engine facts override its layout",
+    "kvtier": "nested kvtier settings in the config file's layout, e.g. {'tiers': {'dram': {'policy': 'lfu'}}}",
+    "dram_capacity_blocks": "host-DRAM tier size in blocks (0 disables the tier)",
+    "ssd_path": "directory of the SSD tier (LMDB); setting it enables the tier",
+    "ssd_capacity_blocks": "SSD tier size in blocks",
+    "policy": "eviction policy of the DRAM and SSD tiers (a registered kvtier policy name)",
+    "tenant": "cache salt: tenants never share blocks",
+    "stats_path": "JSON file the scheduler side rewrites with its counters (for operators and tests)",
+    "allow_untested_vllm": "true: start on a vLLM outside the tested range (see kvtier_vllm.version)",
+}
+"""Every key the connector reads from ``kv_connector_extra_config``."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What the engine fixes about one rank's KV cache."""
+
+    model: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    arrangement: str
+    hash_algo: str
+    tp_rank: int = 0
+    tp_size: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """The validated configuration of one connector instance."""
+
+    config: KVTierConfig
+    stats_path: str | None
+    hint_server: str | None
+    ssd_root: Path | None
+
+    @classmethod
+    def build(
+        cls, extra: Mapping[str, Any] | None, facts: EngineFacts, env: Mapping[str, str] | None = None
+    ) -> ConnectorSettings:
+        """Validate ``extra`` (unknown keys raise, naming the valid ones) and merge
+        it over the config file and ``KVTIER_*`` variables of ``env``."""
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(EXTRA_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"kv_connector_extra_config.{unknown[0]}", extra[unknown[0]],
+                f"unknown key; valid keys: {', '.join(sorted(EXTRA_KEYS))}",
+            )
+        overrides: dict[str, Any] = _nested_copy(extra.get("kvtier") or {})
+        tiers = overrides.setdefault("tiers", {})
+        for name in ("hbm", "dram", "ssd"):
+            tiers.setdefault(name, {})
+        tiers["hbm"]["enabled"] = False  # the engine's own block pool is the HBM tier
+        if "dram_capacity_blocks" in extra:
+            cap = extra["dram_capacity_blocks"]
+            tiers["dram"].update(capacity_blocks=cap, enabled=bool(cap))
+        if extra.get("ssd_path"):
+            tiers["ssd"].update(enabled=True, path=str(extra["ssd_path"]))
+        if "ssd_capacity_blocks" in extra:
+            tiers["ssd"]["capacity_blocks"] = extra["ssd_capacity_blocks"]
+        if "policy" in extra:
+            tiers["dram"]["policy"] = tiers["ssd"]["policy"] = extra["policy"]
+        overrides["layout"] = {
+            "num_layers": facts.num_layers, "num_kv_heads": facts.num_kv_heads, "head_dim": facts.head_dim,
+            "dtype": facts.dtype, "block_size": facts.block_size, "arrangement": facts.arrangement,
+        }
+        namespace = overrides.setdefault("namespace", {})
+        namespace["model"] = f"{facts.model}|vllm-hash={facts.hash_algo}"
+        if "tenant" in extra:
+            namespace["tenant"] = str(extra["tenant"])
+        namespace.update(tp_rank=facts.tp_rank, tp_size=facts.tp_size)
+        env = os.environ if env is None else env
+        # first pass with the HBM tier on, only to learn which host tiers the file enables
+        tiers["hbm"]["enabled"] = True
+        first = load_config(extra.get("config_file"), env=env, overrides=overrides)
+        tiers["hbm"]["enabled"] = False
+        host_tiers = [t for t in first.enabled_tiers if t != "hbm"]
+        if not host_tiers:
+            raise ConfigError("kv_connector_extra_config", extra, "enable the DRAM tier or set ssd_path")
+        overrides.update(put_tier=host_tiers[0], write_through=True)
+        cfg = load_config(extra.get("config_file"), env=env, overrides=overrides)
+        ssd_root = cfg.ssd.resolved_path() if cfg.ssd.enabled else None
+        return cls(cfg, extra.get("stats_path"), extra.get("hint_server"), ssd_root)
+
+    def rank_ssd_path(self, tp_rank: int, tp_size: int) -> Path | None:
+        """The LMDB directory of one TP rank (each rank stores its own shard)."""
+        return None if self.ssd_root is None else self.ssd_root / f"tp{tp_rank}-of-{tp_size}"
+
+
+def _nested_copy(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _nested_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}

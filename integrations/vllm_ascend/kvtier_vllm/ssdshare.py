@@ -1,0 +1,53 @@
+"""One :class:`~kvtier.tiers.ssd.SSDTier` per LMDB directory and process.
+
+Owns: a process-wide, reference-counted table of open SSD tiers. LMDB allows
+one environment per directory and process, and vLLM may run the scheduler
+and a worker in the same process (in-process engine core, ``uni``
+executor), where both halves of the connector need rank 0's directory: they
+share the tier (reads are thread-safe, LMDB serializes writers). Must not
+decide anything about the blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from kvtier.config import KVTierConfig
+from kvtier.keys import Namespace
+from kvtier.layout import KVLayout
+
+_lock = threading.Lock()
+_open: dict[Path, list[Any]] = {}  # resolved path -> [tier, reference count]
+
+
+def acquire(path: Path, namespace: Namespace, layout: KVLayout, cfg: KVTierConfig) -> Any:
+    """The SSD tier of ``path`` (opened on first use); pair with :func:`release`.
+    Raises ``ValueError`` when the tier is already open for another namespace."""
+    from kvtier.tiers.ssd import SSDTier
+
+    key = path.resolve()
+    with _lock:
+        entry = _open.get(key)
+        if entry is None:
+            path.mkdir(parents=True, exist_ok=True)
+            tier = SSDTier(path, namespace, layout, map_size_bytes=cfg.ssd.map_size_bytes, codec=cfg.ssd.codec,
+                           zstd_level=cfg.ssd.zstd_level, sync=cfg.ssd.sync)
+            entry = _open[key] = [tier, 0]
+        elif entry[0].namespace != namespace:
+            raise ValueError(f"kvtier: SSD directory {str(path)!r} is already open for another namespace")
+        entry[1] += 1
+        return entry[0]
+
+
+def release(tier: Any) -> None:
+    """Drop one reference; the last one closes the tier."""
+    with _lock:
+        for key, entry in list(_open.items()):
+            if entry[0] is tier:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _open[key]
+                    tier.close()
+                return

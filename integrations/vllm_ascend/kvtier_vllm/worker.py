@@ -1,0 +1,286 @@
+"""Worker side of the kvtier connector: the bytes.
+
+Owns: the registered engine KV caches (through :class:`~.blockio.BlockIO`),
+this rank's DRAM slab pool and SSD (LMDB) tier, and two background threads
+that move host bytes for the scheduler's plans: ``copy`` (DRAM slots) and
+``ssd`` (LMDB reads, writes, deletes). Reports per-block results, store jobs
+whose engine blocks it finished reading, finished loads and the engine block
+ids whose load failed.
+
+Every torch operation on engine blocks runs on the engine's own thread
+(gather in ``wait_for_save``, scatter in ``get_finished``); the background
+threads touch only host buffers, through numpy and LMDB. So the connector
+never starts an OpenMP team beside the forward on vLLM's CPU backend (whose
+worker is pinned to its cores), and on an accelerator the copies are ordered
+on the engine's stream (device to host into a staging buffer, then an event
+the background thread waits for).
+
+Must not decide what to store, load or evict (the scheduler side plans it),
+and must never leave unverified bytes in an engine block it reports as
+loaded: a block that fails (absent, corrupt, foreign, I/O error) and every
+block after it in that request's load is reported as failed, so vLLM
+recomputes it. Engine blocks are read only after the step's forward and
+never after their request was released.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.keys import BlockKey, Namespace
+from kvtier.layout import KVLayout
+from kvtier.tiers.pool import TensorPool
+
+from . import ssdshare
+from .blockio import BlockIO, KVCache
+from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob, StoreJob
+from .settings import ConnectorSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Read:
+    """A load whose bytes are in host rows, waiting to be scattered by the engine thread."""
+
+    job: LoadJob
+    rows: torch.Tensor
+    oks: list[bool]
+
+
+@dataclass(slots=True)
+class _Results:
+    """Completions posted by the background threads, drained once per step."""
+
+    plans: dict[int, list[bool]] = field(default_factory=dict)
+    gathered: list[tuple[int, str]] = field(default_factory=list)
+    reads: list[_Read] = field(default_factory=list)
+    busy_us: int = 0  # CPU time of the background threads
+
+
+class KVTierWorker:
+    """The worker-side half; one per rank."""
+
+    def __init__(self, settings: ConnectorSettings, namespace: Namespace, layout: KVLayout, num_blocks: int) -> None:
+        self.settings = settings
+        self.namespace = namespace
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.io: BlockIO | None = None
+        self._pool: TensorPool | None = None
+        self._pool_np: np.ndarray | None = None
+        self._ssd: Any = None
+        self._copy = ThreadPoolExecutor(1, thread_name_prefix="kvtier-copy")
+        self._ssd_thread = ThreadPoolExecutor(1, thread_name_prefix="kvtier-ssd")
+        self._lock = threading.Lock()
+        self._results = _Results()
+        self._gathers: dict[str, dict[int, Future[None]]] = {}  # req id -> store job id -> future
+        self._loads: set[str] = set()  # req ids with a load in flight
+        self._release: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._meta: KVTierWorkerMetadata | None = None
+
+    # ------------------------------------------------------------ setup
+
+    def register_kv_caches(self, kv_caches: Mapping[str, KVCache]) -> None:
+        """Wrap the engine's caches and open the host tiers. Raises ``ValueError``
+        when the caches' block size in bytes differs from the layout's."""
+        io = BlockIO(kv_caches, self.num_blocks)
+        if io.bytes_per_block != self.layout.bytes_per_block or io.arrangement != self.layout.arrangement:
+            raise ValueError(
+                f"kvtier: registered KV caches hold {io.bytes_per_block} bytes per block ({io.arrangement}), "
+                f"but the engine's KV spec gives layout {self.layout.describe()} = {self.layout.bytes_per_block} "
+                "bytes; this model's KV cache is not supported by the kvtier connector"
+            )
+        self.io = io
+        cfg = self.settings.config
+        if cfg.dram.enabled:
+            pin = cfg.dram.pin_memory if isinstance(cfg.dram.pin_memory, bool) else True
+            self._pool = TensorPool(cfg.dram.capacity_blocks, io.bytes_per_block, torch.device("cpu"), pin_memory=pin)
+            self._pool_np = self._pool.data.numpy()
+        if cfg.ssd.enabled:
+            path = self.settings.rank_ssd_path(self.namespace.tp_rank, self.namespace.tp_size)
+            assert path is not None
+            self._ssd = ssdshare.acquire(path, self.namespace, self.layout, cfg)
+
+    def shutdown(self) -> None:
+        """Finish queued jobs, then close the SSD tier."""
+        self._copy.shutdown(wait=True)
+        self._ssd_thread.shutdown(wait=True)
+        if self._ssd is not None:
+            ssdshare.release(self._ssd)
+            self._ssd = None
+
+    # ------------------------------------------------------------ per step
+
+    def start_load_kv(self, meta: KVTierConnectorMetadata) -> None:
+        """Take releases and SSD deletions, then start this step's loads (async)."""
+        self._release.update(meta.release)
+        if meta.ssd_deletes and self._ssd is not None:
+            keys = [BlockKey(k) for k in meta.ssd_deletes]
+            self._ssd_thread.submit(self._ssd.delete_many, keys)
+        for job in meta.loads:
+            self._loads.add(job.req_id)
+            rows = torch.empty((len(job.keys), self.layout.bytes_per_block), dtype=torch.uint8)
+            runner = self._ssd_thread if "ssd" in job.tiers else self._copy
+            runner.submit(self._guarded, lambda job=job, rows=rows: self._read(job, rows),
+                          lambda job=job, rows=rows: self._post_read(job, rows, [False] * len(job.keys)))
+
+    def handle_preemptions(self, meta: KVTierConnectorMetadata) -> None:
+        """Before preempted requests' blocks are reused: finish reading them."""
+        for req_id in meta.preempted:
+            for fut in list(self._gathers.get(req_id, {}).values()):
+                fut.result()
+
+    def wait_for_save(self, meta: KVTierConnectorMetadata) -> None:
+        """Copy this step's stores out of the engine blocks (on the engine's
+        stream) and queue their writes to DRAM and SSD (not waited for)."""
+        if not meta.stores or self.io is None:
+            return
+        for job in meta.stores:
+            rows = self.io.gather(job.block_ids)
+            if rows.device.type != "cpu":
+                rows = rows.to("cpu", non_blocking=True)
+            ready = _device_event(self.io.device)
+            fut = self._copy.submit(self._guarded, lambda job=job, rows=rows, ready=ready: self._write(job, rows, ready),
+                                    lambda job=job: self._fail_store(job))
+            self._gathers.setdefault(job.req_id, {})[job.job_id] = fut
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(released requests whose blocks are no longer read, requests whose load finished).
+        Scatters finished loads into the engine blocks first (engine thread)."""
+        with self._lock:
+            res, self._results = self._results, _Results()
+        meta = KVTierWorkerMetadata()
+        meta.plans = {pid: (1, oks) for pid, oks in res.plans.items()}
+        for job_id, req_id in res.gathered:
+            meta.gathered[job_id] = 1
+            jobs = self._gathers.get(req_id)
+            if jobs is not None:
+                jobs.pop(job_id, None)
+                if not jobs:
+                    del self._gathers[req_id]
+        recving: set[str] = set()
+        for read in res.reads:
+            job = read.job
+            num_ok = read.oks.index(False) if False in read.oks else len(read.oks)
+            if num_ok and self.io is not None:
+                try:
+                    self.io.scatter(job.block_ids[:num_ok], read.rows[:num_ok])
+                except (RuntimeError, ValueError) as exc:  # a failed copy is a miss, never a crash
+                    log.warning("kvtier: load into engine blocks failed: %s", exc)
+                    num_ok, read.oks = 0, [False] * len(read.oks)
+            if job.plan_id:  # per block: did the tier return verified bytes
+                meta.plans[job.plan_id] = (1, read.oks)
+            self._load_errors.update(job.block_ids[num_ok:])
+            self._loads.discard(job.req_id)
+            recving.add(job.req_id)
+        sending = {r for r in self._release if r not in self._gathers and r not in self._loads}
+        self._release -= sending
+        meta.busy_us = res.busy_us
+        self._meta = meta if (meta.plans or meta.gathered or meta.busy_us) else None
+        return sending, recving
+
+    def add_hook_cpu_us(self, used_us: int) -> None:
+        """Engine-thread CPU time spent in the connector's worker hooks (reported with the transfers)."""
+        with self._lock:
+            self._results.busy_us += used_us
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_worker_meta(self) -> KVTierWorkerMetadata | None:
+        meta, self._meta = self._meta, None
+        return meta
+
+    # ------------------------------------------------------------ background jobs (host bytes only)
+
+    def _guarded(self, run: Callable[[], None], fail: Callable[[], None]) -> None:
+        """Run a job; on an I/O or copy error, report its blocks as failed."""
+        start = time.thread_time()
+        try:
+            run()
+        except (OSError, RuntimeError, ValueError) as exc:  # a failed transfer is a miss, never a crash
+            log.warning("kvtier transfer failed: %s", exc)
+            fail()
+        finally:
+            with self._lock:
+                self._results.busy_us += int((time.thread_time() - start) * 1e6)
+
+    def _write(self, job: StoreJob, rows: torch.Tensor, ready: Any) -> None:
+        if ready is not None:
+            ready.synchronize()
+        self._post_gathered(job)  # the engine blocks are no longer read
+        host = rows.numpy()
+        for w in job.writes:
+            if w.tier == "dram":
+                assert self._pool_np is not None
+                self._pool_np[list(w.slots)] = host[list(w.rows)]
+                self._post_plan(w.plan_id, [True] * len(w.rows))
+            else:
+                items = [(BlockKey(job.keys[r]), host[r], _key(job.parents[r])) for r in w.rows]
+                self._ssd_thread.submit(self._guarded, lambda w=w, items=items: self._write_ssd(w.plan_id, items),
+                                        lambda w=w: self._post_plan(w.plan_id, [False] * len(w.rows)))
+
+    def _write_ssd(self, plan_id: int, items: Sequence[tuple[BlockKey, Any, BlockKey | None]]) -> None:
+        n = self._ssd.put_many(items)
+        self._post_plan(plan_id, [i < n for i in range(len(items))])
+
+    def _fail_store(self, job: StoreJob) -> None:
+        self._post_gathered(job)
+        for w in job.writes:
+            self._post_plan(w.plan_id, [False] * len(w.rows))
+
+    def _read(self, job: LoadJob, rows: torch.Tensor) -> None:
+        host = rows.numpy()
+        oks = [False] * len(job.keys)
+        dram = [i for i, t in enumerate(job.tiers) if t == "dram"]
+        ssd = [i for i, t in enumerate(job.tiers) if t == "ssd"]
+        if dram and self._pool_np is not None:
+            host[dram] = self._pool_np[[job.slots[i] for i in dram]]
+            for i in dram:
+                oks[i] = True
+        if ssd and self._ssd is not None:
+            got = self._ssd.get_many_into([BlockKey(job.keys[i]) for i in ssd], [host[i] for i in ssd])
+            for i, ok in zip(ssd, got):
+                oks[i] = ok
+        self._post_read(job, rows, oks)
+
+    def _post_read(self, job: LoadJob, rows: torch.Tensor, oks: list[bool]) -> None:
+        with self._lock:
+            self._results.reads.append(_Read(job, rows, oks))
+
+    def _post_plan(self, plan_id: int, oks: Sequence[bool]) -> None:
+        with self._lock:
+            self._results.plans[plan_id] = list(oks)
+
+    def _post_gathered(self, job: StoreJob) -> None:
+        with self._lock:
+            self._results.gathered.append((job.job_id, job.req_id))
+
+
+def _key(raw: int | None) -> BlockKey | None:
+    return None if raw is None else BlockKey(raw)
+
+
+def _device_event(device: torch.device) -> Any:
+    """An event recorded on the device's current stream (None on CPU)."""
+    if device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record()
+        return event
+    if device.type == "npu":  # pragma: no cover - needs Ascend hardware
+        event = torch.npu.Event()  # type: ignore[attr-defined]
+        event.record()
+        return event
+    return None

@@ -1,0 +1,118 @@
+"""Run one real vLLM engine scenario in its own process and write the results as JSON.
+
+Usage: ``python engine_child.py SPEC.json OUT.json``, or ``--serve SPEC.json``
+to keep the engine up and run one phase per JSON line read from stdin (the
+phase's ``out`` names its result file; ``KVTIER-DONE`` is printed after each). The spec names the model
+directory, engine options, an optional kvtier ``kv_connector_extra_config``,
+and phases (prompts as token ids; ``reset_prefix_cache`` before a phase). The
+output has, per phase, each prompt's generated token ids and per-token
+logprobs, the kvtier stats file after the phase, and vLLM's external prefix
+cache hit counter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _wait_idle(stats_path: str | None, timeout_s: float = 30.0) -> dict:
+    """Stats once the connector has no plan out (stores reported by the workers)."""
+    if not stats_path:
+        return {}
+    deadline = time.monotonic() + timeout_s
+    stats: dict = {}
+    while time.monotonic() < deadline:
+        try:
+            with open(stats_path) as f:
+                stats = json.load(f)
+        except (OSError, ValueError):
+            stats = {}
+        if stats and stats.get("pending_plans") == 0:
+            return stats
+        time.sleep(0.05)
+    return stats
+
+
+def _tree_cpu_s() -> float:
+    """CPU seconds used so far by this process and its children (the engine core and
+    workers): unlike wall time, not inflated by other work on a shared machine."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def _metric(llm, name: str) -> float:
+    return sum(getattr(m, "value", 0) or 0 for m in llm.get_metrics() if m.name == name)
+
+
+def main(spec_path: str, out_path: str | None) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs = dict(spec.get("engine", {}))
+    if spec.get("kvtier") is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=spec.get("connector_name", "kvtier"),
+            kv_connector_module_path=spec.get("connector_module_path"),
+            kv_role="kv_both",
+            kv_connector_extra_config=spec["kvtier"],
+        )
+    stats_path = (spec.get("kvtier") or {}).get("stats_path")
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model"], load_format=spec.get("load_format", "safetensors"), skip_tokenizer_init=True, seed=0,
+              disable_log_stats=False, **kwargs)
+    result: dict = {"start_s": time.perf_counter() - t0, "phases": []}
+    sp = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8), logprobs=spec.get("logprobs", 3),
+                        detokenize=False, ignore_eos=True)
+
+    def run_phase(llm: LLM, phase: dict) -> dict:
+        if phase.get("reset_prefix_cache"):
+            _wait_idle(stats_path)
+            result.setdefault("resets", []).append(bool(llm.reset_prefix_cache()))
+        t1, cpu1 = time.perf_counter(), _tree_cpu_s()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]], sp, use_tqdm=False)
+        gen_s, cpu_s = time.perf_counter() - t1, _tree_cpu_s() - cpu1
+        rows = []
+        for o in outs:
+            c = o.outputs[0]
+            rows.append({
+                "token_ids": list(c.token_ids),
+                "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in (c.logprobs or [])],
+            })
+        return {"outputs": rows, "gen_s": gen_s, "cpu_s": cpu_s, "stats": _wait_idle(stats_path),
+                "external_hits": _metric(llm, "vllm:external_prefix_cache_hits")}
+
+    if out_path is None:  # serve phases from stdin until it closes
+        print("KVTIER-READY", flush=True)
+        for line in sys.stdin:
+            phase = json.loads(line)
+            with open(phase["out"], "w") as f:
+                json.dump(run_phase(llm, phase), f)
+            print("KVTIER-DONE", flush=True)
+    else:
+        result["phases"] = [run_phase(llm, phase) for phase in spec["phases"]]
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    del llm  # shuts the engine's processes down (they hold our stdout)
+    os._exit(0)  # skip vLLM's slow teardown; results are written
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--serve":
+        main(sys.argv[2], None)
+    else:
+        main(sys.argv[1], sys.argv[2])

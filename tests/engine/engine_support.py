@@ -1,0 +1,113 @@
+"""Helpers of the real-engine tests: a tiny random Llama and a child-process runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+CHILD = Path(__file__).with_name("engine_child.py")
+BLOCK_SIZE = 32
+
+TINY_LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+    "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+    "tie_word_embeddings": False,
+}
+"""2 layers, 2 KV heads of 32 (head_dim = 128 / 4): 16 KiB of KV per 32-token block."""
+
+ENGINE: dict[str, Any] = {
+    "block_size": BLOCK_SIZE, "gpu_memory_utilization": 0.2, "max_model_len": 1024,
+    "enforce_eager": True, "distributed_executor_backend": "uni", "max_num_seqs": 16,
+}
+
+
+def make_model(directory: Path, weights: bool = True) -> Path:
+    """Write the tiny model's ``config.json`` and, with ``weights``, seeded random
+    weights (``model.safetensors``) large enough that the output depends on
+    the context: vLLM's ``load_format="dummy"`` weights (uniform +-1e-3) give
+    near-uniform logits, so a wrong KV block would hardly change a token."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(TINY_LLAMA))
+    if weights:
+        import torch
+        from safetensors.torch import save_file
+
+        gen = torch.Generator().manual_seed(0)
+        cfg = TINY_LLAMA
+        h, inter, kv = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_key_value_heads"]
+        head_dim = h // cfg["num_attention_heads"]
+        shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "lm_head.weight": (cfg["vocab_size"], h)}
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            shapes |= {p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv * head_dim, h),
+                       p + "self_attn.v_proj.weight": (kv * head_dim, h), p + "self_attn.o_proj.weight": (h, h),
+                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter)}
+        tensors = {name: (torch.randn(shape, generator=gen) * 0.15).to(torch.bfloat16) for name, shape in shapes.items()}
+        norms = [f"model.layers.{i}.{n}.weight" for i in range(cfg["num_hidden_layers"])
+                 for n in ("input_layernorm", "post_attention_layernorm")] + ["model.norm.weight"]
+        tensors |= {name: torch.ones(h, dtype=torch.bfloat16) for name in norms}
+        save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
+def run_child(tmp: Path, name: str, spec: dict[str, Any], env: dict[str, str] | None = None,
+              timeout_s: float = 300) -> dict[str, Any]:
+    """Run ``engine_child.py`` on ``spec`` in a new process; its JSON results."""
+    spec_path, out_path = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    child_env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", **(env or {})}
+    proc = subprocess.run([sys.executable, str(CHILD), str(spec_path), str(out_path)], env=child_env,
+                          capture_output=True, text=True, timeout=timeout_s, check=False)
+    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not out_path.exists():
+        raise AssertionError(f"engine child {name} failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return json.loads(out_path.read_text())
+
+
+class ServedEngine:
+    """An engine child kept up between phases (``engine_child.py --serve``), so
+    that two configurations can alternate round by round."""
+
+    def __init__(self, tmp: Path, name: str, spec: dict[str, Any]) -> None:
+        self.tmp, self.name, self.count = tmp, name, 0
+        spec_path = tmp / f"{name}.spec.json"
+        spec_path.write_text(json.dumps({**spec, "phases": []}))
+        self.log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 - open while the engine runs; close() closes it
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+        self.proc = subprocess.Popen([sys.executable, str(CHILD), "--serve", str(spec_path)], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+        self._wait("KVTIER-READY")
+
+    def _wait(self, marker: str) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.strip() == marker:
+                return
+            self.log.write(line)
+        raise AssertionError(f"engine {self.name} exited (rc={self.proc.wait()}); see {self.log.name}")
+
+    def run(self, phase: dict[str, Any]) -> dict[str, Any]:
+        """Run one phase; its results (outputs, gen_s, stats)."""
+        self.count += 1
+        out = self.tmp / f"{self.name}.{self.count}.json"
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({**phase, "out": str(out)}) + "\n")
+        self.proc.stdin.flush()
+        self._wait("KVTIER-DONE")
+        return json.loads(out.read_text())
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()

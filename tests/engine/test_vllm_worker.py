@@ -1,0 +1,118 @@
+"""The connector's worker half on vLLM-Ascend's cache arrangement (a tuple of
+separate K and V tensors per layer), without an engine: stores to DRAM and
+SSD, loads back into other blocks, and a corrupt SSD value reported as a load
+error. Needs vLLM only for the metadata base classes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from kvtier_vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob, StoreJob, TierWrite
+from kvtier_vllm.settings import ConnectorSettings, EngineFacts
+from kvtier_vllm.worker import KVTierWorker
+
+from kvtier.keys import key_to_bytes
+from kvtier.tiers.codec import HEADER_BYTES
+
+NUM_BLOCKS, BS, HEADS, DIM = 8, 32, 2, 32
+
+
+@pytest.fixture
+def worker(tmp_path):
+    facts = EngineFacts("tiny", "bfloat16", BS, 2, HEADS, DIM, "split", "sha256")
+    settings = ConnectorSettings.build({"dram_capacity_blocks": 4, "ssd_path": str(tmp_path)}, facts, env={})
+    layout = settings.config.layout.to_layout()
+    w = KVTierWorker(settings, settings.config.namespace.to_namespace(layout), layout, NUM_BLOCKS)
+    gen = torch.Generator().manual_seed(0)
+    caches = {f"layers.{i}.attn": tuple(torch.randn(NUM_BLOCKS, BS, HEADS, DIM, generator=gen).to(torch.bfloat16)
+                                        for _ in range(2)) for i in range(2)}
+    w.register_kv_caches(caches)
+    yield w, caches, tmp_path / "tp0-of-1"
+    w.shutdown()
+
+
+def _drain(w: KVTierWorker, want_plans: set[int], want_recv: set[str] = frozenset()) -> tuple:
+    """Step the worker until the plans and loads are reported (as vLLM does each step)."""
+    plans: dict[int, list[bool]] = {}
+    sending: set[str] = set()
+    recving: set[str] = set()
+    errors: set[int] = set()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        s, r = w.get_finished(set())
+        sending |= s
+        recving |= r
+        errors |= w.take_load_errors()
+        meta = w.take_worker_meta()
+        if meta is not None:
+            plans.update({pid: oks for pid, (_, oks) in meta.plans.items()})
+        if want_plans <= set(plans) and want_recv <= recving:
+            return plans, sending, recving, errors
+        time.sleep(0.01)
+    raise AssertionError(f"worker did not report {want_plans - set(plans)} / {want_recv - recving}")
+
+
+def _blocks_equal(caches: dict, a: int, b: int) -> bool:
+    return all(torch.equal(t[a], t[b]) for kv in caches.values() for t in kv)
+
+
+def _store(w: KVTierWorker) -> None:
+    job = StoreJob(job_id=1, req_id="r1", block_ids=(1, 2), keys=(10, 11), parents=(None, 10),
+                   writes=(TierWrite(1, "dram", (0, 1), (0, 1)), TierWrite(2, "ssd", (0, 1), ())))
+    w.wait_for_save(KVTierConnectorMetadata(stores=[job]))
+    plans, *_ = _drain(w, {1, 2})
+    assert plans == {1: [True, True], 2: [True, True]}
+
+
+def test_store_then_load_from_dram_and_ssd_into_other_blocks(worker) -> None:
+    w, caches, _ = worker
+    _store(w)
+    # from DRAM slots into blocks 4, 5; from SSD into blocks 6, 7
+    loads = [LoadJob("r2", 3, (10, 11), ("dram", "dram"), (0, 1), (4, 5)),
+             LoadJob("r3", 4, (10, 11), ("ssd", "ssd"), (0, 0), (6, 7))]
+    w.start_load_kv(KVTierConnectorMetadata(loads=loads))
+    plans, _, _, errors = _drain(w, {3, 4}, {"r2", "r3"})
+    assert plans == {3: [True, True], 4: [True, True]} and not errors
+    assert _blocks_equal(caches, 1, 4) and _blocks_equal(caches, 2, 5)
+    assert _blocks_equal(caches, 1, 6) and _blocks_equal(caches, 2, 7)
+
+
+def test_corrupt_ssd_value_fails_that_block_and_the_rest(worker) -> None:
+    w, caches, _ = worker
+    _store(w)
+    env = w._ssd._env  # LMDB allows one environment per directory and process: reuse the tier's
+    with env.begin(write=True) as txn:
+        value = bytearray(txn.get(key_to_bytes(10)))
+        value[HEADER_BYTES + 7] ^= 0x01
+        txn.put(key_to_bytes(10), bytes(value))
+    before = [t[6].clone() for kv in caches.values() for t in kv]
+    w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r3", 4, (10, 11), ("ssd", "ssd"), (0, 0), (6, 7))]))
+    plans, _, _, errors = _drain(w, {4}, {"r3"})
+    assert plans[4] == [False, True]  # block 11 verified, but follows a failed block
+    assert errors == {6, 7}  # vLLM recomputes both
+    after = [t[6] for kv in caches.values() for t in kv]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # nothing unverified was written
+
+
+def test_a_released_request_is_reported_only_after_its_blocks_were_read(worker) -> None:
+    w, _, _ = worker
+    gate = __import__("threading").Event()
+    w._copy.submit(gate.wait)  # hold the copy thread: the store cannot read its blocks yet
+    job = StoreJob(job_id=7, req_id="r1", block_ids=(1,), keys=(10,), parents=(None,),
+                   writes=(TierWrite(1, "dram", (0,), (0,)),))
+    w.wait_for_save(KVTierConnectorMetadata(stores=[job]))
+    w.start_load_kv(KVTierConnectorMetadata(release=["r1"]))
+    assert w.get_finished({"r1"}) == (set(), set())  # still reading
+    gate.set()
+    _, sending, _, _ = _drain(w, {1})
+    assert sending == {"r1"}
+
+
+def test_worker_metadata_aggregates_over_ranks() -> None:
+    a = KVTierWorkerMetadata({1: (1, [True, True])}, {5: 1})
+    b = KVTierWorkerMetadata({1: (1, [True, False]), 2: (1, [True])}, {5: 1})
+    merged = a.aggregate(b)
+    assert merged.plans == {1: (2, [True, False]), 2: (1, [True])}
+    assert merged.gathered == {5: 2}
