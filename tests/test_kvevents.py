@@ -35,7 +35,7 @@ def k(i: int) -> BlockKey:
     return BlockKey(i)
 
 
-def drain(sub: KVEventSubscriber, want: int, timeout_s: float = 10.0) -> list:
+def drain(sub: KVEventSubscriber, want: int, timeout_s: float = 30.0) -> list:
     got: list = []
     deadline = time.monotonic() + timeout_s
     while len(got) < want and time.monotonic() < deadline:
@@ -133,7 +133,7 @@ def test_publish_subscribe_round_trip(tmp_path):
             assert pub.publish_events(events)
             sent.append(KVEventBatch(0.0, tuple(to_wire(events, block_size=4)), 0))
         assert pub.flush()
-        got = drain(sub, 3)
+        got = drain(sub, 3, timeout_s=60.0)  # a slow joiner is filled from the replay socket
     store.close()
     assert [seq for seq, _ in got] == [0, 1, 2]
     assert [b.events for _, b in got] == [b.events for b in sent]
