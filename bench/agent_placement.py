@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """Reproduce the agent-aware placement tables (issue 5) and write bench/RESULTS.md.
 
-Runs two ``kvtier replay`` commands exactly as printed in the report, reads
-their ``--json`` output and writes both tables, the ratios against ``lru``
+Runs ``kvtier replay`` commands exactly as printed in the report (one on the
+dev traces, one per application shape), reads their ``--json`` output and
+writes the tables, the ratios against ``lru``
 measured in the same run, the must-show checks and the commands to
 ``bench/RESULTS.md`` (and the raw JSON next to it under ``bench/out/``).
 
 1. The dev Claude Code traces with HBM at 25% of the working set, DRAM and
    SSD enabled: prefill computed and later-turn TTFT p99 of every policy.
-2. TokenCake-style code-writer applications at a memory-constrained
-   high-load point: mean end-to-end application latency.
+2. TokenCake-style applications (mixed, code-writer, deep-research) at a
+   memory-constrained high-load point: mean end-to-end application latency.
 
 Usage: ``python bench/agent_placement.py [--quick]`` (``--quick``: 30 dev
 sessions and 40 applications, for a smoke run; the published tables use the
