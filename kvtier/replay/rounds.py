@@ -53,6 +53,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..keys import Namespace, chain_foreign_keys
 from .profiles import Profile
+from .run import largest_passing
 
 ROUND_POLICIES: tuple[str, ...] = ("lru", "lru-dram", "kvtier")
 ROUND_LATENCIES: tuple[str, ...] = ("full", "ttft")
@@ -263,14 +264,8 @@ def capacity(workload: RoundsWorkload, profile: Profile, policy: str, config: Ro
                          "meets_slo": slo_latency_s(worst, config) <= config.slo_round_s}
         return points[n]["meets_slo"]
 
-    lo, hi = 1, 2
-    while hi <= max_agents and ok(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, max_agents + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    best = lo if lo >= 2 and ok(lo) else 0
+    lo = largest_passing(ok, max_agents, first=2)  # a round needs two agents
+    best = lo if lo >= 2 else 0
     if best and best < max_agents:
         ok(best + 1)
     return {"policy": policy, "max_agents": best, "points": [points[k] for k in sorted(points)]}

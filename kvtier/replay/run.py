@@ -135,6 +135,20 @@ def report_header(spec: ReplaySpec) -> dict[str, Any]:
     }
 
 
+def largest_passing(passes: Callable[[int], bool], limit: int, first: int = 1) -> int:
+    """Largest ``n`` in ``[first, limit]`` with ``passes(n)`` for a monotone
+    predicate (true up to some ``n``, false after), ``first - 1`` when none:
+    doubles from ``first`` until it fails, then bisects. O(log limit) calls."""
+    lo, hi = first - 1, first
+    while hi <= limit and passes(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if passes(mid) else (lo, mid)
+    return lo
+
+
 def slo_capacity(spec: ReplaySpec, policy_name: str, hbm_blocks: int, ttft_p99_s: float | None,
                  interactivity: float | None, max_conc: int = 256, progress: Progress | None = None,
                  ) -> dict[str, Any]:
@@ -152,16 +166,7 @@ def slo_capacity(spec: ReplaySpec, policy_name: str, hbm_blocks: int, ttft_p99_s
         ok_int = interactivity is None or row["interactivity_p50"] >= interactivity
         return ok_ttft and ok_int
 
-    lo, hi = 0, 1
-    while hi <= max_conc and meets(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, max_conc + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if meets(mid):
-            lo = mid
-        else:
-            hi = mid
+    lo = largest_passing(meets, max_conc)
     return {"policy": policy_name, "hbm_blocks": hbm_blocks, "slo_ttft_p99_s": ttft_p99_s,
             "slo_interactivity": interactivity, "max_conc": lo,
             "points": [cache[c] for c in sorted(cache)]}
