@@ -29,21 +29,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEV_TRACE = ROOT.parent / "shared" / "traces" / "weka_claude_code" / "weka_dev_120.tar.xz"
-# belady is left out: under this pressure its replay of the dev traces ran over 45 minutes without
-# finishing (BeladyPolicy.pop_victim); its gap is reported on the embedded workload instead.
-DEV_POLICIES = "lru,lru-dram,ttl,minwaste,tokencake,kvflow,kvtier,kvtier-space-only,kvtier-time-only"
+DEV_POLICIES = "lru,lru-dram,ttl,minwaste,tokencake,kvflow,kvtier,kvtier-space-only,kvtier-time-only,belady"
 APP_POLICIES = "lru,lru-dram,ttl,minwaste,tokencake,kvflow,kvtier,kvtier-space-only,kvtier-time-only"
 
 
-def _run(cmd: list[str], reuse: bool = False) -> tuple[dict, float | None]:
-    out = Path(cmd[cmd.index("--json") + 1])
-    if reuse and out.exists():  # the same command's earlier output
-        return json.loads(out.read_text()), json.loads(out.read_text()).get("wall_s")
-    print("$ " + shlex.join(cmd), file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    wall = time.perf_counter() - start
-    return json.loads(Path(cmd[cmd.index("--json") + 1]).read_text()), wall
+class _Run:
+    """One replay command, started at once in its own process (``reuse``: read the
+    same command's earlier output instead); :meth:`result` waits for it."""
+
+    def __init__(self, cmd: list[str], reuse: bool = False) -> None:
+        self.out = Path(cmd[cmd.index("--json") + 1])
+        self.proc = None
+        self.start = time.perf_counter()
+        if not (reuse and self.out.exists()):
+            print("$ " + shlex.join(cmd), file=sys.stderr, flush=True)
+            self.proc = subprocess.Popen(cmd, cwd=ROOT)
+
+    def result(self) -> tuple[dict, float | None]:
+        if self.proc is not None and self.proc.wait() != 0:
+            raise SystemExit(f"replay failed with exit status {self.proc.returncode}: {self.proc.args}")
+        wall = time.perf_counter() - self.start if self.proc is not None else None
+        return json.loads(self.out.read_text()), wall
 
 
 def _table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
@@ -73,8 +79,11 @@ def main() -> int:
                            "--rate", "1.0", "--hbm-blocks", "1000", "--ssd-blocks", "8000",
                            "--policies", APP_POLICIES, "--json", str(out_dir / f"apps-{app}.json")]
                 for app in ("mixed", "code-writer", "deep-research")}
-    dev, dev_wall = _run(dev_cmd, args.reuse)
-    apps_runs = {app: _run(cmd, args.reuse) for app, cmd in app_cmds.items()}
+    # the dev run (one policy after another, ~15 min) on one core; the three
+    # application runs one after another on the other
+    dev_run = _Run(dev_cmd, args.reuse)
+    apps_runs = {app: _Run(cmd, args.reuse).result() for app, cmd in app_cmds.items()}
+    dev, dev_wall = dev_run.result()
 
     lines = ["# Agent-aware placement: measured results", "",
              f"Written by `python bench/agent_placement.py{' --quick' if args.quick else ''}` "

@@ -3,6 +3,12 @@
 Owns: the event value types. Metrics, engine KV-event publishing, trace
 recording and replay reports consume these; nothing else is authoritative.
 Must not hold references to bytes or tensors.
+
+Events are values: nobody mutates one after it is made. They are plain
+slotted dataclasses (hashable, compared by value) rather than ``frozen``
+ones because a frozen dataclass builds each instance through
+``object.__setattr__`` — about 3x slower, and the manager makes one event
+per block of every store and load.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from .keys import BlockKey
 RemoveReason = Literal["evicted", "removed", "moved", "failed_verify"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class BlockStored:
     """``key`` became readable in ``tier`` (a store or a move completed and verified)."""
 
@@ -24,7 +30,7 @@ class BlockStored:
     parent: BlockKey | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class BlockRemoved:
     """``key`` stopped being readable in ``tier`` (or its pending store was dropped)."""
 
@@ -33,7 +39,7 @@ class BlockRemoved:
     reason: RemoveReason
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class StoreFailed:
     """A prepared store (or the destination side of a move) of ``key`` into ``tier`` failed."""
 
@@ -41,7 +47,7 @@ class StoreFailed:
     tier: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class BlockLoaded:
     """A load of ``key`` from ``tier`` finished; ``ok`` is False when it did not verify."""
 
@@ -50,19 +56,19 @@ class BlockLoaded:
     ok: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class BlockPinned:
     key: BlockKey
     expires_at: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class BlockUnpinned:
     key: BlockKey
     reason: Literal["unpinned", "expired"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class PinRefused:
     """A pin of ``num_blocks`` blocks was refused: it would exceed the pin budget."""
 

@@ -328,6 +328,7 @@ class TierManager:
         evicted: list[BlockKey] = []
         # hot loop (once per key of every put): attribute lookups hoisted
         idx, blocks, before_insert = t.index, self._blocks, t.policy.before_insert
+        ntiers, free_slots, capacity = len(self._tiers), t.free_slots, t.capacity
         prev = parent if chain else None
         for key in keys:
             node = blocks.get(key)
@@ -336,10 +337,25 @@ class TierManager:
                 prev = key if chain else None
                 continue
             before_insert(key)
-            if t.num_used >= t.capacity and not self._make_room(t, key, prev, now, evicted):
+            if t.num_used >= capacity and not self._make_room(t, key, prev, now, evicted):
                 break
-            if node is None and prev is not None:
-                slot = self._reserve_new_child(key, prev, t)  # the common case, in one call
+            pnode = blocks.get(prev) if node is None and prev is not None else None
+            if pnode is not None and pnode.state[idx] != _READY:
+                # the common case (a new key after a parent not readable in this tier,
+                # e.g. the previous key of this very plan): _reserve_new_child inlined
+                node = blocks[key] = _Block(key, prev, ntiers)
+                pnode.num_children += 1
+                pnode.children_in[idx] += 1
+                t.num_used += 1  # take_slot, inlined
+                if free_slots:
+                    slot = free_slots.pop()
+                else:
+                    slot = t.next_slot
+                    t.next_slot = slot + 1
+                node.slot[idx] = slot
+                node.state[idx] = _PENDING
+            elif node is None and prev is not None:
+                slot = self._reserve_new_child(key, prev, t)
             else:
                 node = self._node(key, prev)
                 slot = t.take_slot()
@@ -783,6 +799,7 @@ class TierManager:
         idx, name, blocks = t.index, t.name, self._blocks
         ready, fastest, held, parked = self._ready[idx], self._fastest, self._held, self._parked[idx]
         on_insert, on_hold = t.policy.on_insert, t.policy.on_hold
+        insert_held = getattr(t.policy, "on_insert_held", None)
         events = self._events if self._record else None
         for key in reversed(keys):
             node = blocks[key]
@@ -791,10 +808,15 @@ class TierManager:
             best = fastest.get(key)
             if best is None or idx < best:
                 fastest[key] = idx
-            on_insert(key)
             if (node.children_in[idx] or key in held) and key not in parked:  # _sync_park of a ready block
                 parked.add(key)
-                on_hold(key)
+                if insert_held is not None:
+                    insert_held(key)
+                else:
+                    on_insert(key)
+                    on_hold(key)
+            else:
+                on_insert(key)
             if events is not None:
                 events.append(BlockStored(key, name, node.parent))
         t.num_ready += len(keys)

@@ -105,6 +105,26 @@ def test_every_policy_keeps_manager_invariants_under_pressure(policy: str) -> No
         assert r.first_token_s >= r.ready_s and r.finish_s >= r.first_token_s
 
 
+def test_belady_victim_search_ends_when_every_drift_estimate_is_overdue() -> None:
+    """A session running behind its recorded self keeps next-use estimates in the
+    past however often they are refreshed; pop_victim must still pick one (it
+    once refreshed the heap's top forever: the dev-trace replay never ended)."""
+    from kvtier.keys import BlockKey
+    from kvtier.replay.belady import BeladyPolicy, DriftOracle
+
+    k1, k2 = BlockKey(1), BlockKey(2)
+    oracle = DriftOracle([(("s", 0), [k1], 10.0), (("s", 1), [k1, k2], 20.0), (("t", 0), [], 30.0)])
+    oracle.advance(("s", 0), 0.0)  # session s runs 10 s ahead of its recording: offset -10
+    oracle.advance(("t", 0), 100.0)  # the clock moves on; s does not
+    assert oracle.next_use(k1) == 10.0 and oracle.next_use(k1) < oracle.clock  # overdue, and stays so
+    pol = BeladyPolicy(oracle)
+    pol.on_insert(k1)
+    pol.on_insert(k2)
+    victims = {pol.pop_victim(lambda k: True), pol.pop_victim(lambda k: True)}
+    assert victims == {k1, k2}
+    assert pol.pop_victim(lambda k: True) is None
+
+
 @pytest.mark.skipif(not (TRACES / "weka_claude_code" / "weka_dev_120.tar.xz").exists(), reason="no shared traces")
 def test_dev_traces_replay_a_slice_under_pressure() -> None:
     from kvtier.replay import load_trace

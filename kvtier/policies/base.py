@@ -36,6 +36,12 @@ Call order, per tier, as the manager guarantees it:
   ``front`` as the next to evict (its child, the chain's old tail, was just
   evicted).
 
+Optional: ``on_insert_held(key)`` — exactly ``on_insert(key)`` then
+``on_hold(key)`` in one call (a block stored with its children already
+present, as every block but a new chain's tail is): policies whose
+``on_insert`` only enters the eviction order provide it to skip the
+enter-then-leave round trip; the manager falls back to the two calls.
+
 Optional: ``to_front(key)`` — make an idle resident ``key`` the next victim
 (an agent-aware placement knows it will not be used soon). Policies without
 an order to reorder omit it and the manager ignores the request.

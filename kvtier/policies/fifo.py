@@ -31,6 +31,10 @@ class FIFOPolicy(OrderParking):
         """Append ``key`` at the young end."""
         self._order[key] = None
 
+    def on_insert_held(self, key: BlockKey) -> None:
+        """``on_insert`` then ``on_hold``: straight to the parked set."""
+        self._parked[key] = None
+
     def on_access(self, key: BlockKey) -> None:
         """A hit does not change the order."""
 

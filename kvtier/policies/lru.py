@@ -29,6 +29,10 @@ class LRUPolicy(OrderParking):
     def on_insert(self, key: BlockKey) -> None:
         self._order[key] = None
 
+    def on_insert_held(self, key: BlockKey) -> None:
+        """``on_insert`` then ``on_hold``: straight to the parked set."""
+        self._parked[key] = None
+
     def on_access(self, key: BlockKey) -> None:
         if key in self._order:  # a parked key re-enters as most recent anyway
             self._order.move_to_end(key)

@@ -165,13 +165,19 @@ class BeladyPolicy:
     def pop_victim(self, is_evictable: IsEvictable, incoming: BlockKey | None = None) -> BlockKey | None:
         heap, nxt, clock = self._heap, self._next, self._oracle.clock
         skipped: list[tuple[float, int, BlockKey]] = []
+        refreshed: set[BlockKey] = set()
         victim = None
         while heap:
             entry = heapq.heappop(heap)
             neg_nu, _, key = entry
             if nxt.get(key) != -neg_nu:
                 continue  # stale entry (re-pushed since, or removed)
-            if -neg_nu <= clock:  # its recorded next use has passed: refresh and retry
+            if -neg_nu <= clock and key not in refreshed:  # its next use has passed: refresh once, retry
+                # Once only: a DriftOracle estimate can stay in the past (its session
+                # runs behind its recorded self), and refreshing the heap's top again
+                # and again would never end. An overdue use is imminent; the entry
+                # competes with the value it has.
+                refreshed.add(key)
                 self._push(key)
                 continue
             if is_evictable(key):
