@@ -6,7 +6,7 @@ import datetime
 
 import grpc
 import pytest
-from hints_support import ServerThread, batch, signal, stub
+from hints_support import ServerThread, batch, command, keys, signal, stub
 
 from kvtier.hints._gen import hints_pb2 as pb
 from kvtier.hints._gen import hints_pb2_grpc as pb_grpc
@@ -71,6 +71,47 @@ def test_tenants_only_see_and_touch_their_own_sessions(authed):
     ev = signal("session_start", session_id="same-id")
     assert st.Publish(batch(ev), metadata=alpha).num_accepted == 1
     assert st.Publish(batch(ev), metadata=beta).num_accepted == 1
+
+
+def test_a_tenant_can_neither_unpin_nor_evict_another_tenants_pinned_blocks():
+    """Two tenants over one real store (``kvtier serve --store``): beta, knowing
+    alpha's keys (e.g. from published KV events), cannot release alpha's pins,
+    so filling the store evicts around them; beta's own pin is capped by its
+    per-tenant budget; once alpha unpins, the blocks are evictable again."""
+    torch = pytest.importorskip("torch")
+    from kvtier.config import load_config
+    from kvtier.hints.apply import HintLimits
+    from kvtier.store import TieredStore
+
+    cfg = load_config(env={}, overrides={"layout": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "block_size": 4},
+                                         "tiers": {"hbm": {"enabled": False}, "dram": {"capacity_blocks": 4}},
+                                         "put_tier": "dram", "pin_budget_blocks": 4})
+    alpha, beta = _md("tok-alpha"), _md("tok-beta")
+    with TieredStore(cfg) as store:
+        zero = torch.zeros(store.layout.bytes_per_block, dtype=torch.uint8)
+        ks = store.keys_for(list(range(8)))  # alpha's two blocks
+        store.put(ks, [zero, zero])
+        with ServerThread(tokens=TOKENS, store=store, limits=HintLimits(max_pinned_blocks_per_tenant=1)) as s:
+            channel, st = stub(s.address)
+            st.Publish(batch(signal("session_start", session_id="a")), metadata=alpha)
+            st.Publish(batch(signal("session_start", session_id="b")), metadata=beta)
+            st.Publish(batch(command("pin", session_id="a", block_keys=keys(ks[0]), ttl_s=60.0)), metadata=alpha)
+            assert store.stats()["pinned_blocks"] == 1
+            st.Publish(batch(command("unpin", session_id="b", block_keys=keys(ks[0])),
+                             command("pin", session_id="b", block_keys=keys(*ks), ttl_s=60.0)), metadata=beta)
+            assert store.stats()["pinned_blocks"] == 1  # alpha's pin stands; beta's 2-block pin is over its budget
+            beta_outcomes = dict(st.GetStats(pb.GetStatsRequest(), metadata=beta).commands_by_outcome)
+            assert beta_outcomes == {"unpin_not_owned": 1, "unpin_applied": 1, "pin_refused_tenant_budget": 1}
+            for i in range(1, 6):  # beta's traffic fills the 4-block store over and over
+                other = store.keys_for(list(range(100 * i, 100 * i + 8)))
+                store.put(other, [zero, zero])
+            assert store.contains_prefix(ks[:1]).num_blocks == 1  # pinned: survived
+            st.Publish(batch(command("unpin", session_id="a", block_keys=keys(ks[0]))), metadata=alpha)
+            assert store.stats()["pinned_blocks"] == 0
+            for i in range(6, 9):
+                store.put(store.keys_for(list(range(100 * i, 100 * i + 8))), [zero, zero])
+            assert store.contains_prefix(ks[:1]).num_blocks == 0  # unpinned by its owner: evictable again
+            channel.close()
 
 
 def test_without_auth_the_tenant_comes_from_metadata():

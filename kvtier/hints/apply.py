@@ -18,6 +18,7 @@ Field names in rejections are paths into the ``PublishRequest``:
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
@@ -42,7 +43,11 @@ class HintLimits:
     (signals plus commands, duplicates included), with bursts of up to one
     second's worth; ``None`` (the default): no limit. Tenants have separate
     budgets, so one tenant over its limit never slows another. Events over it
-    are refused with reason ``rate_limited`` (see :meth:`HintApplier.apply`)."""
+    are refused with reason ``rate_limited`` (see :meth:`HintApplier.apply`).
+
+    ``max_pinned_blocks_per_tenant``: blocks one tenant may hold pinned in the
+    store at once (over it a pin is refused, ``pin_refused_tenant_budget``),
+    so one tenant cannot take the store's whole pin budget."""
 
     max_batch_events: int = 4_096
     max_block_keys_per_event: int = 65_536
@@ -53,6 +58,7 @@ class HintLimits:
     dedupe_window_events: int = 1 << 18
     max_tenants: int = 1_024
     max_events_per_s_per_tenant: float | None = None
+    max_pinned_blocks_per_tenant: int = 65_536
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
@@ -199,6 +205,13 @@ class HintApplier:
         self._max_id = self.limits.max_id_bytes
         self._seen: set[int] = set()
         self._seen_order: deque[int] = deque()
+        # Pins are owned: key -> {tenant: expiry (now_s clock)}, with a heap to lapse
+        # them. An unpin releases only the caller's own pins, and the store's pin
+        # only once no other tenant holds one (pins of a shared store must not let
+        # one tenant expose another's blocks to eviction).
+        self._pin_owners: dict[int, dict[str, float]] = {}
+        self._pin_counts: dict[str, int] = {}
+        self._pin_expiry: list[tuple[float, int, str]] = []
         self._signal: dict[str, Callable[[str, Any, float, str], Refusal | None]] = {
             kind: getattr(self, f"_s_{kind}") for kind in SIGNAL_KINDS
         }
@@ -492,10 +505,46 @@ class HintApplier:
                            f"{self.limits.max_pin_ttl_s}]")
         if self.store is None:
             stats.commands_by_outcome["pin_counted"] += 1
-        else:
-            ok = self.store.pin(keys_of(m.block_keys), ttl) is not None
-            stats.commands_by_outcome["pin_applied" if ok else "pin_refused_budget"] += 1
+            return None
+        self._lapse_pins(now_s)
+        keys = list(dict.fromkeys(keys_of(m.block_keys)))
+        new = sum(1 for k in keys if tenant not in self._pin_owners.get(k, ()))
+        if self._pin_counts.get(tenant, 0) + new > self.limits.max_pinned_blocks_per_tenant:
+            stats.commands_by_outcome["pin_refused_tenant_budget"] += 1
+            return None
+        ok = self.store.pin(keys, ttl) is not None
+        stats.commands_by_outcome["pin_applied" if ok else "pin_refused_budget"] += 1
+        if ok:
+            until = now_s + ttl
+            for k in keys:
+                owners = self._pin_owners.setdefault(k, {})
+                if tenant not in owners:
+                    self._pin_counts[tenant] = self._pin_counts.get(tenant, 0) + 1
+                owners[tenant] = max(owners.get(tenant, 0.0), until)
+                heapq.heappush(self._pin_expiry, (owners[tenant], k, tenant))
+            if len(self._pin_expiry) > 4 * sum(self._pin_counts.values()) + 1024:  # re-pins left stale entries
+                self._pin_expiry = [(u, k, t) for k, owners in self._pin_owners.items() for t, u in owners.items()]
+                heapq.heapify(self._pin_expiry)
         return None
+
+    def _lapse_pins(self, now_s: float) -> None:
+        """Forget ownership of pins whose TTL has passed (the store lapses the pins)."""
+        heap = self._pin_expiry
+        while heap and heap[0][0] <= now_s:
+            until, k, tenant = heapq.heappop(heap)
+            owners = self._pin_owners.get(k)
+            if owners is not None and owners.get(tenant) == until:  # not extended since
+                self._drop_owner(k, owners, tenant)
+
+    def _drop_owner(self, key: int, owners: dict[str, float], tenant: str) -> None:
+        del owners[tenant]
+        if not owners:
+            del self._pin_owners[key]
+        left = self._pin_counts[tenant] - 1
+        if left:
+            self._pin_counts[tenant] = left
+        else:
+            del self._pin_counts[tenant]
 
     def _c_unpin(self, tenant: str, m: Any, now_s: float, stats: TenantStats) -> Refusal | None:
         bad = self._command_session(tenant, m, now_s)
@@ -503,9 +552,20 @@ class HintApplier:
             return bad
         if self.store is None:
             stats.commands_by_outcome["unpin_counted"] += 1
-        else:
-            self.store.unpin(keys_of(m.block_keys))
-            stats.commands_by_outcome["unpin_applied"] += 1
+            return None
+        self._lapse_pins(now_s)
+        release = []
+        for k in dict.fromkeys(keys_of(m.block_keys)):
+            owners = self._pin_owners.get(k)
+            if owners is None or tenant not in owners:
+                stats.commands_by_outcome["unpin_not_owned"] += 1  # another tenant's pin, or none
+                continue
+            self._drop_owner(k, owners, tenant)
+            if k not in self._pin_owners:  # no other tenant still holds it
+                release.append(k)
+        if release:
+            self.store.unpin(release)
+        stats.commands_by_outcome["unpin_applied"] += 1
         return None
 
     def _c_prefetch(self, tenant: str, m: Any, now_s: float, stats: TenantStats) -> Refusal | None:

@@ -52,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="each tenant may publish R events/s (bursts of one second's worth); more are refused "
                         "(RESOURCE_EXHAUSTED, or counted as rate_limited in a stream); one tenant over its "
                         "limit never slows another (HintLimits.max_events_per_s_per_tenant; default: no limit)")
+    p.add_argument("--max-pinned-blocks-per-tenant", type=int, default=65_536, metavar="N",
+                   help="blocks one tenant may hold pinned through hint commands at once; a pin over it is "
+                        "refused (pin_refused_tenant_budget). A tenant's unpin releases only its own pins "
+                        "(HintLimits.max_pinned_blocks_per_tenant; default 65536)")
     p.add_argument("--allow-unauthenticated-remote", action="store_true",
                    help="allow a non-loopback --listen without a token (not recommended)")
 
@@ -68,9 +72,11 @@ def build_server(args: argparse.Namespace) -> tuple[Any, str, Any]:
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("kvtier serve: --tls-cert and --tls-key go together")
     try:
-        hint_limits = HintLimits(max_events_per_s_per_tenant=args.max_events_per_s_per_tenant)
+        hint_limits = HintLimits(max_events_per_s_per_tenant=args.max_events_per_s_per_tenant,
+                                 max_pinned_blocks_per_tenant=args.max_pinned_blocks_per_tenant)
     except ValueError as err:
-        raise SystemExit(f"kvtier serve: {err} (--max-events-per-s-per-tenant)") from None
+        flag = "--max-pinned-blocks-per-tenant" if "pinned" in str(err) else "--max-events-per-s-per-tenant"
+        raise SystemExit(f"kvtier serve: {err} ({flag})") from None
     cfg = load_config(args.config)
     tokens: dict[str, str] = {}
     if args.token_file:
