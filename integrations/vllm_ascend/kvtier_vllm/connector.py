@@ -294,6 +294,14 @@ class KVTierConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVTierConnectorStats(data=dict(data or {}))
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        """kvtier's counters on the engine's ``/metrics`` (see :mod:`.prom`)."""
+        from .prom import KVTierPromMetrics
+
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def stats(self) -> dict[str, Any]:
         """Scheduler: cumulative counters and tier use (also written to ``stats_path``)."""
         return self._sched.stats() if self._sched is not None else {}
