@@ -5,7 +5,8 @@ The parsers themselves are fuzzed elsewhere — config files and settings in
 trace readers in ``tests/test_replay_readers.py`` (only ``TraceError``,
 naming the file and request), the SSD value header in ``tests/test_ssd.py``
 (never raises, never verifies a mutated value), protobuf at the server in
-``tests/test_hints_fuzz.py``. Here the same kinds of junk meet a store that
+``tests/test_hints_fuzz.py``; all four also under coverage-guided atheris
+(libFuzzer) in ``tests/test_atheris.py``. Here the same kinds of junk meet a store that
 holds real blocks:
 
 * arbitrary bytes under arbitrary keys in the LMDB directory of a store:
