@@ -24,7 +24,7 @@ def test_parser_survives_coverage_guided_fuzzing(target: str, tmp_path: Path) ->
     proc = subprocess.run(
         [sys.executable, str(HARNESS), target, f"-runs={RUNS[target]}", "-max_total_time=60", "-seed=1",
          f"-artifact_prefix={tmp_path}/"],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=300, check=False)
     tail = (proc.stdout + proc.stderr)[-3000:]
     assert proc.returncode == 0, f"{target}: a finding (input saved under {tmp_path}):\n{tail}"
     assert "DONE" in tail, tail
