@@ -48,8 +48,10 @@ class _Run:
     def result(self) -> tuple[dict, float | None]:
         if self.proc is not None and self.proc.wait() != 0:
             raise SystemExit(f"replay failed with exit status {self.proc.returncode}: {self.proc.args}")
-        wall = time.perf_counter() - self.start if self.proc is not None else None
-        return json.loads(self.out.read_text()), wall
+        report = json.loads(self.out.read_text())
+        if self.proc is None:  # reused: the time its points took when they ran
+            return report, sum(r.get("wall_s") or 0.0 for r in report["results"])
+        return report, time.perf_counter() - self.start
 
 
 def _table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
@@ -116,9 +118,11 @@ def main() -> int:
     ]
     if "belady" in by:
         gap = k["prefill_tokens_computed"] / by["belady"]["prefill_tokens_computed"]
-        lines += [f"Gap to `belady` (HBM-only offline optimum, an estimate at conc > 1): kvtier computes "
-                  f"{gap:.3f}x belady's prefill and hits HBM {k['hit_rate_hbm']:.3f} vs "
-                  f"{by['belady']['hit_rate_hbm']:.3f}.", ""]
+        lines += [f"Gap to `belady` (offline optimum of HBM eviction, HBM only, its future estimated from an "
+                  f"`lru` pass at conc > 1): HBM hit rate {k['hit_rate_hbm']:.3f} for kvtier vs "
+                  f"{by['belady']['hit_rate_hbm']:.3f} for belady, a gap of "
+                  f"{by['belady']['hit_rate_hbm'] - k['hit_rate_hbm']:.3f}. Belady has no DRAM or SSD, so it "
+                  f"computes {1 / gap:.2f}x kvtier's prefill; there is no bound for the whole hierarchy.", ""]
 
     lines += ["## 2. TokenCake-style applications, memory-constrained high load", "",
               "80 applications arriving as a Poisson process at 1/s on one H100 with HBM cut to 1,000 blocks "
@@ -139,9 +143,13 @@ def main() -> int:
                   "```", shlex.join(app_cmds[app][2:]).replace(sys.executable, "python"), "```", "",
                   _table(rows, cols), ""]
         ka = next(r for r in rows if r["policy"] == "kvtier")
-        checks.append((f"apps ({app}): kvtier mean latency <= 0.5x lru ({ka['e2e_vs_lru']:.3f}x)",
+        what = ("the must-show point: both shapes" if app == "mixed"
+                else "one shape alone, reported beyond the must-show")
+        checks.append((f"apps ({app}, {what}): kvtier mean latency <= 0.5x lru ({ka['e2e_vs_lru']:.4f}x)",
                        ka["e2e_vs_lru"] <= 0.5))
-    lines += ["## Must-show checks", ""] + [f"- [{'x' if ok else ' '}] {name}" for name, ok in checks] + [""]
+    lines += ["## Must-show checks", "",
+              "kvtier is tuned on the dev traces only; the application workloads are not used to tune it.", ""]
+    lines += [f"- [{'x' if ok else ' '}] {name}" for name, ok in checks] + [""]
     Path(args.out).write_text("\n".join(lines))
     print("\n".join(lines))
     return 0
