@@ -241,8 +241,11 @@ class TieredStore:
             oks = self._read_by(plan, dsts, deadline)
         n = oks.index(False) if False in oks else len(oks)
         tiers_read = plan.tiers[:n]
-        for tier, count in Counter(tiers_read).items():
-            self.counters[f"hit_blocks_{tier}"] += count
+        if n and tiers_read.count(tiers_read[0]) == n:  # one tier (the common case): no Counter
+            self.counters[f"hit_blocks_{tiers_read[0]}"] += n
+        else:
+            for tier, count in Counter(tiers_read).items():
+                self.counters[f"hit_blocks_{tier}"] += count
         self._note_prefetch_use(plan.keys[:n], tiers_read)
         self.counters["get_blocks_missed"] += len(keys) - n
         if n < len(keys):

@@ -211,3 +211,28 @@ def test_a_prefetch_of_a_context_the_next_prompt_left_never_stalls_admission():
     c = res.counters
     assert c["prefetches"] == 1 and c["prefetch_wasted"] == 1
     assert c["prefetch_holds_released"] >= 1
+
+
+def test_a_long_predicted_wait_demotes_to_the_ssd_copy():
+    """kvtier: a wait predicted at demote_after_s or longer gives up the HBM and the
+    DRAM copies first (the write-through SSD copy stays); shorter waits only the
+    HBM copy. TokenCake (no SSD, no write-through) never demotes."""
+
+    class Ctx:
+        def __init__(self):
+            self.calls = []
+
+        def private_start(self, keys):
+            return 1  # keys[0] is a shared prefix: never demoted
+
+        def deprioritize(self, keys, tiers=("hbm",)):
+            self.calls.append((tuple(keys), tuple(tiers)))
+            return len(keys)
+
+    pol = KVTier()
+    assert pol._demotes(pol.demote_after_s) and not pol._demotes(pol.demote_after_s - 0.1)
+    ctx = Ctx()
+    assert pol._offload(ctx, (1, 2, 3), demote=True) == 2
+    assert pol._offload(ctx, (1, 2, 3)) == 2
+    assert ctx.calls == [((2, 3), ("hbm", "dram")), ((2, 3), ("hbm",))]
+    assert not make_placement("tokencake")._demotes(1e9)

@@ -27,11 +27,13 @@ and the transfer model through the :class:`PlacementContext`:
   on the fitted transfer model (with write-through copies below, "offload"
   costs no transfer: the HBM copy just goes first in line), and a prefetch
   lead proportional to the transfer estimate (``0.05 s + 1.5 T``), for tool
-  waits only. Tuned on the dev traces only; what was tried and measured
-  worse there stays off: frequency-gated SSD admission (``gate_ssd``: only
+  waits only; a wait predicted at 30 s or longer *demotes* instead (the
+  write-through SSD copy stays, the HBM and DRAM copies go first in line:
+  DRAM is better spent on contexts due back soon). Tuned on the dev traces
+  only; what was tried and measured worse there stays off: frequency-gated SSD admission (``gate_ssd``: only
   contexts reused once go to SSD) and retiring the old tail when a prompt
-  leaves an agent's context. No explicit demote-to-SSD or discard decision:
-  with write-through the lower tiers already hold the copies.
+  leaves an agent's context. No discard decision: with write-through the
+  lower tiers already hold the copies, and reloading beats recomputing.
 * ``kvtier-space-only`` / ``kvtier-time-only`` — ablations of ``kvtier``.
 
 Policies decide; they never touch simulator or store state except through
@@ -72,6 +74,7 @@ class AgentAware(PlacementPolicy):
     critical_at = 0.75
     backoff_decisions = 8
     prefetch_causes: tuple[str, ...] = ("tool", "user", "subagent_join")
+    demote_after_s: float | None = None  # a wait predicted at least this long demotes (write-through to SSD only)
 
     def __init__(self) -> None:
         self.rho = self.rho_bounds[0]
@@ -124,13 +127,15 @@ class AgentAware(PlacementPolicy):
             if decision == "offload" and self._backoff > 0:
                 self._backoff -= 1
                 decision = "backoff"
-            if decision == "offload":
-                if self._offload(ctx, keys):
+            if decision == "offload" and self._demotes(wait.predicted_gap_s):
+                decision = "demote"
+            if decision in ("offload", "demote"):
+                if self._offload(ctx, keys, demote=decision == "demote"):
                     self._schedule_prefetch(ctx, agent, keys, wait, t_back)
                 else:
                     self._backoff = self.backoff_decisions
                     decision = "refused"
-        if decision != "offload":
+        if decision not in ("offload", "demote"):
             if critical and self._reserve(ctx, agent, keys, n_hbm, wait.predicted_gap_s):
                 decision = "reserve"
             elif self.deprioritize_waiting:
@@ -182,10 +187,17 @@ class AgentAware(PlacementPolicy):
     def _copied_below(self, ctx: PlacementContext, keys: Sequence[BlockKey]) -> bool:
         return self.write_through and ctx.blocks_in(keys, self.swap_to) >= len(keys)
 
-    def _offload(self, ctx: PlacementContext, keys: Sequence[BlockKey]) -> int:
+    def _demotes(self, wait_s: float) -> bool:
+        """Demote (rather than offload) when the wait is long and the SSD holds copies."""
+        return (self.demote_after_s is not None and wait_s >= self.demote_after_s and self.write_through
+                and "ssd" in self.lower_tiers)
+
+    def _offload(self, ctx: PlacementContext, keys: Sequence[BlockKey], demote: bool = False) -> int:
         private = keys[ctx.private_start(keys):]
         if not private:
             return 0
+        if demote:  # write-through copies are on SSD: first in line in HBM and in DRAM
+            return ctx.deprioritize(private, ("hbm", "dram")) or 1
         if self.write_through:  # copies are below already: first in line for eviction
             return ctx.deprioritize(private) or ctx.offload(private, self.swap_to)
         return ctx.offload(private, self.swap_to)
@@ -261,6 +273,9 @@ class KVTier(AgentAware):
     rho_bounds = (0.05, 0.30)
 
     prefetch_causes = ("tool",)  # user think time is not predictable: load on demand
+    # Measured on the dev traces (prefill computed, M tokens): demote after 5 s 37.17, 15 s 36.88,
+    # 30 s 36.87, 60 s 36.92, never 36.90 — DRAM is better spent on contexts due back soon.
+    demote_after_s = 30.0
 
     def lead_s(self, t_back_s: float) -> float:
         return 0.05 + 1.5 * t_back_s
