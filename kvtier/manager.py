@@ -73,7 +73,7 @@ class TierSpec:
     policy: str | EvictionPolicy = "lru"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # a value; not frozen: made on every put and get (see events)
 class PrefixHit:
     """Longest readable prefix of a lookup: block ``i`` is fastest in ``tiers[i]``.
 
@@ -93,7 +93,7 @@ class PrefixHit:
         return self.tier_indices.count(self.tier_names.index(tier)) if tier in self.tier_names else 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # a value; not frozen: made on every put and get (see events)
 class StorePlan:
     """Slots reserved for ``keys`` in ``tier``; write the bytes, then ``complete_store``.
 
@@ -109,7 +109,7 @@ class StorePlan:
     evicted: tuple[BlockKey, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # a value; not frozen: made on every put and get (see events)
 class LoadPlan:
     """Read ``keys`` from ``tiers[i]`` / ``slots[i]``, then ``complete_load``.
     The blocks are referenced (unevictable) until then."""
@@ -120,7 +120,7 @@ class LoadPlan:
     slots: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # a value; not frozen: made on every put and get (see events)
 class MovePlan:
     """Copy ``keys`` from ``src`` slots to ``dst`` slots, then ``complete_move``.
     With ``keep_source`` False the source copy is dropped on success (a demotion)."""
