@@ -141,9 +141,11 @@ class ValueContext:
         return cls(namespace.digest, layout_hash(layout), layout.dtype_bytes)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class ValueHeader:
-    """A parsed header whose magic, version, checksum, codec and lengths are valid."""
+    """A parsed header whose magic, version, checksum, codec and lengths are valid.
+    A value (never mutated); not ``frozen`` because one is made per block of every
+    SSD read and a frozen dataclass sets its 11 fields through ``object.__setattr__``."""
 
     codec: str
     flags: int
@@ -438,14 +440,14 @@ def read_header(value: object) -> ValueHeader | None:
 
 
 def _parse_header(mv: memoryview) -> tuple[DecodeOutcome, ValueHeader | None]:
-    if mv.nbytes < HEADER_BYTES or mv[:4] != MAGIC:
+    # once per block of every SSD read: unpack in place (no slices but the one hashed)
+    if mv.nbytes < HEADER_BYTES:
         return DecodeOutcome.DECODE_FAILURE, None
-    fields = mv[: _FIELDS.size]
-    (_magic, version, codec_id, flags, key, ns, lh, parent, stored_at_s, raw_len, payload_len, plane0_len,
-     raw_sum) = _FIELDS.unpack(fields)
-    if version != FORMAT_VERSION:
+    (magic, version, codec_id, flags, key, ns, lh, parent, stored_at_s, raw_len, payload_len, plane0_len,
+     raw_sum) = _FIELDS.unpack_from(mv)
+    if magic != MAGIC or version != FORMAT_VERSION:
         return DecodeOutcome.DECODE_FAILURE, None
-    if _CHECK.unpack(mv[_FIELDS.size : HEADER_BYTES])[0] != checksum(fields):
+    if _CHECK.unpack_from(mv, _FIELDS.size)[0] != checksum(mv[: _FIELDS.size]):
         return DecodeOutcome.CHECKSUM_FAILURE, None
     codec = ID_TO_CODEC.get(codec_id)
     if codec is None or payload_len != mv.nbytes - HEADER_BYTES or not _lengths_ok(
