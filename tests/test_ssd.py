@@ -286,6 +286,21 @@ def test_map_full_keeps_earlier_data_and_names_the_setting(tier_path: Path) -> N
         assert tier.put_many([(keys[-1], blocks[keys[-1]], None)]) == 1
 
 
+def test_a_put_right_after_evicting_deletes_reuses_their_room(tier_path: Path) -> None:
+    """LMDB reuses pages freed by transaction N only from N+2: the put that follows
+    an eviction's delete must still fit when the map holds the data once plus
+    headroom (a full tier replaced batch by batch, as a store under churn does)."""
+    k = 24
+    map_size = (k * (BPB + 4096)) * 3 // 2 + (256 << 10)  # the data once, plus half again
+    with SSDTier(tier_path, NS, LAYOUT, map_size_bytes=map_size, codec="raw") as tier:
+        for round_ in range(5):
+            keys = [BlockKey(1000 * round_ + i) for i in range(k)]
+            if round_:
+                assert tier.delete_many([BlockKey(1000 * (round_ - 1) + i) for i in range(k)]) == k
+            assert tier.put_many([(key, random_block(i), None) for i, key in enumerate(keys)]) == k, tier.last_error
+        assert tier.stats["map_full"] == 0
+
+
 def test_unwritable_directory_raises_storage_error(tmp_path: Path) -> None:
     regular_file = tmp_path / "not-a-dir"
     regular_file.write_bytes(b"x")

@@ -281,8 +281,8 @@ class SSDTier:
                 return 0
             if failed_at is None:
                 break
-            if failed_at == 0 and not nudged:
-                nudged = True  # pages freed by recent deletes may become reusable
+            if not nudged:  # LMDB reuses pages freed by txn N only from txn N+2: an eviction's
+                nudged = True  # delete just before this put frees nothing it can use yet
                 if self._nudge_with_headroom():
                     continue
             n = failed_at if failed_at < n else n // 2  # failed at commit: halve
