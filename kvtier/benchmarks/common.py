@@ -21,6 +21,20 @@ def best_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
     return best
 
 
+def interleaved_best_seconds(fns: Sequence[Callable[[], object]], repeats: int = 5) -> list[float]:
+    """Smallest wall time of each of ``fns`` over ``repeats`` rounds that run them in
+    turn (A B C, A B C, ...): a baseline and what is compared with it see the same
+    moments of a shared, noisy machine, so a ratio of two is not skewed by a
+    burst of someone else's load landing on one of them."""
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
 def gbps(num_bytes: int, seconds: float) -> float:
     return num_bytes / seconds / 1e9 if seconds > 0 else float("inf")
 
