@@ -16,7 +16,7 @@ import pytest
 from hints_support import ServerThread, free_port, stub
 
 from kvtier.hints._gen import hints_pb2 as pb
-from kvtier.sdk import AsyncHintClient, HintClient, request_tags, tag_request
+from kvtier.sdk import AsyncHintClient, HintClient, request_tags, request_tool_wait_s, tag_request
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,6 +86,16 @@ def test_tag_request_adds_ids_without_touching_the_body():
                                             "kvtier_agent_id": "a"}
     assert request_tags(tagged["kv_transfer_params"]) == ("s", "a")
     assert request_tags(None) == (None, None)
+
+
+def test_tag_request_carries_an_expected_tool_wait():
+    params = tag_request({}, "s", "a", tool_wait_s=12)["kv_transfer_params"]
+    assert params["kvtier_tool_wait_s"] == 12.0 and request_tool_wait_s(params) == 12.0
+    assert request_tool_wait_s(tag_request({}, "s", "a")["kv_transfer_params"]) is None
+    for junk in ("3", -1, float("inf"), True, None):
+        assert request_tool_wait_s({"kvtier_tool_wait_s": junk}) is None
+    with pytest.raises(ValueError, match="tool_wait_s"):
+        tag_request({}, "s", "a", tool_wait_s=0)
 
 
 def test_full_queue_and_bad_fields_are_dropped_and_counted(srv):

@@ -22,11 +22,13 @@ from .handles import (
     AGENT_ID_PARAM,
     KV_TRANSFER_PARAMS,
     SESSION_ID_PARAM,
+    TOOL_WAIT_PARAM,
     AgentHandle,
     RequestHandle,
     SessionHandle,
     ToolCallHandle,
     request_tags,
+    request_tool_wait_s,
     tag_request,
 )
 
@@ -34,6 +36,7 @@ __all__ = [
     "AGENT_ID_PARAM",
     "KV_TRANSFER_PARAMS",
     "SESSION_ID_PARAM",
+    "TOOL_WAIT_PARAM",
     "AgentHandle",
     "AsyncHintClient",
     "ClientStats",
@@ -43,5 +46,6 @@ __all__ = [
     "ToolCallHandle",
     "pack_keys",
     "request_tags",
+    "request_tool_wait_s",
     "tag_request",
 ]

@@ -22,14 +22,26 @@ SESSION_ID_PARAM = "kvtier_session_id"
 AGENT_ID_PARAM = "kvtier_agent_id"
 
 
-def tag_request(body: Mapping[str, Any], session_id: str, agent_id: str) -> dict[str, Any]:
+TOOL_WAIT_PARAM = "kvtier_tool_wait_s"
+
+
+def tag_request(body: Mapping[str, Any], session_id: str, agent_id: str,
+                tool_wait_s: float | None = None) -> dict[str, Any]:
     """A copy of an OpenAI-compatible request ``body`` whose ``kv_transfer_params``
     also carry ``kvtier_session_id`` and ``kvtier_agent_id`` (existing params are
     kept; ``body`` is not modified). With the ``openai`` client, pass
-    ``extra_body={"kv_transfer_params": tagged["kv_transfer_params"]}``."""
+    ``extra_body={"kv_transfer_params": tagged["kv_transfer_params"]}``.
+
+    ``tool_wait_s``: when the agent will call a tool with this response and
+    expects to come back after about that long, the engine connector keeps the
+    request's KV pinned in kvtier's tiers meanwhile (``kvtier_tool_wait_s``)."""
     params = dict(body.get(KV_TRANSFER_PARAMS) or {})
     params[SESSION_ID_PARAM] = session_id
     params[AGENT_ID_PARAM] = agent_id
+    if tool_wait_s is not None:
+        if not (isinstance(tool_wait_s, (int, float)) and 0 < tool_wait_s < float("inf")):
+            raise ValueError(f"tag_request: tool_wait_s={tool_wait_s!r} must be a finite number of seconds > 0")
+        params[TOOL_WAIT_PARAM] = float(tool_wait_s)
     tagged = dict(body)
     tagged[KV_TRANSFER_PARAMS] = params
     return tagged
@@ -41,6 +53,15 @@ def request_tags(kv_transfer_params: Mapping[str, Any] | None) -> tuple[str | No
     params = kv_transfer_params or {}
     sid, aid = params.get(SESSION_ID_PARAM), params.get(AGENT_ID_PARAM)
     return (sid if isinstance(sid, str) else None, aid if isinstance(aid, str) else None)
+
+
+def request_tool_wait_s(kv_transfer_params: Mapping[str, Any] | None) -> float | None:
+    """The expected tool wait :func:`tag_request` put into ``kv_transfer_params``
+    (``None`` when absent or not a finite positive number)."""
+    wait = (kv_transfer_params or {}).get(TOOL_WAIT_PARAM)
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait < float("inf"):
+        return None
+    return float(wait)
 
 
 @dataclass(frozen=True, slots=True)

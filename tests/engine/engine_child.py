@@ -4,10 +4,12 @@ Usage: ``python engine_child.py SPEC.json OUT.json``, or ``--serve SPEC.json``
 to keep the engine up and run one phase per JSON line read from stdin (the
 phase's ``out`` names its result file; ``KVTIER-DONE`` is printed after each). The spec names the model
 directory, engine options, an optional kvtier ``kv_connector_extra_config``,
-and phases (prompts as token ids; ``reset_prefix_cache`` before a phase). The
+and phases (prompts as token ids, optionally one ``kv_transfer_params`` dict per
+prompt; ``reset_prefix_cache`` before a phase). The
 output has, per phase, each prompt's generated token ids and per-token
 logprobs, the kvtier stats file after the phase, and vLLM's external prefix
-cache hit counter.
+cache hit counters (``external_hits`` from kvtier, ``local_hits`` from its own
+prefix cache; cumulative).
 """
 
 from __future__ import annotations
@@ -76,15 +78,21 @@ def main(spec_path: str, out_path: str | None) -> None:
     llm = LLM(model=spec["model"], load_format=spec.get("load_format", "safetensors"), skip_tokenizer_init=True, seed=0,
               disable_log_stats=False, **kwargs)
     result: dict = {"start_s": time.perf_counter() - t0, "phases": []}
-    sp = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8), logprobs=spec.get("logprobs", 3),
-                        detokenize=False, ignore_eos=True)
+    def sampling(kv_transfer_params: dict | None = None) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8), logprobs=spec.get("logprobs", 3),
+                              detokenize=False, ignore_eos=True,
+                              extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None)
+
+    sp = sampling()
 
     def run_phase(llm: LLM, phase: dict) -> dict:
         if phase.get("reset_prefix_cache"):
             _wait_idle(stats_path)
             result.setdefault("resets", []).append(bool(llm.reset_prefix_cache()))
         t1, cpu1 = time.perf_counter(), _tree_cpu_s()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]], sp, use_tqdm=False)
+        params = phase.get("kv_transfer_params")  # one dict (or None) per prompt: the SDK's hints
+        sps = [sampling(p) for p in params] if params else sp
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]], sps, use_tqdm=False)
         gen_s, cpu_s = time.perf_counter() - t1, _tree_cpu_s() - cpu1
         rows = []
         for o in outs:
@@ -94,7 +102,8 @@ def main(spec_path: str, out_path: str | None) -> None:
                 "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in (c.logprobs or [])],
             })
         return {"outputs": rows, "gen_s": gen_s, "cpu_s": cpu_s, "stats": _wait_idle(stats_path),
-                "external_hits": _metric(llm, "vllm:external_prefix_cache_hits")}
+                "external_hits": _metric(llm, "vllm:external_prefix_cache_hits"),
+                "local_hits": _metric(llm, "vllm:prefix_cache_hits")}
 
     if out_path is None:  # serve phases from stdin until it closes
         print("KVTIER-READY", flush=True)

@@ -19,7 +19,10 @@ What vLLM 0.32 lets a connector do (and what this one does):
   used to read a request's block ids, observe free HBM blocks and record a
   request's session and agent. vLLM gives no hook to choose which HBM block
   its prefix cache evicts, so agent-aware HBM decisions act through what is
-  kept in DRAM/SSD and loaded back, not by reordering vLLM's free queue.
+  kept in DRAM/SSD and loaded back, not by reordering vLLM's free queue:
+  a request whose ``kv_transfer_params`` say its agent now waits on a tool
+  (``kvtier.sdk.tag_request(..., tool_wait_s=...)``) keeps its context
+  pinned in kvtier's tiers for that wait (``tests/engine/test_vllm_agents.py``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Owns: a :class:`~kvtier.manager.TierManager` over the DRAM and SSD tiers
 (metadata only; the bytes live in the workers), the mapping from vLLM block
 hashes to kvtier keys, per-request bookkeeping (keys, blocks already planned
 for storing, store jobs whose engine blocks are still being read), the
-session / agent ids a request carries in ``kv_transfer_params``, and the
+session / agent ids a request carries in ``kv_transfer_params`` (and the
+pins that keep a context while its agent waits on a tool), and the
 counters behind :meth:`KVTierScheduler.stats`.
 
 Must not touch tensors or do I/O on the scheduler's hot path: lookups read
@@ -30,7 +31,7 @@ from typing import Any
 from kvtier.events import BlockRemoved
 from kvtier.keys import BlockKey, Namespace, chain_foreign_keys
 from kvtier.manager import LoadPlan, StorePlan, TierManager, TierSpec
-from kvtier.sdk.handles import request_tags
+from kvtier.sdk.handles import request_tags, request_tool_wait_s
 
 from . import ssdshare
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob, StoreJob, TierWrite
@@ -87,6 +88,8 @@ class KVTierScheduler:
         self._release: list[str] = []
         self._ssd_deletes: list[int] = []
         self._job_ids = itertools.count(1)
+        # (session, agent) -> keys pinned while that agent waits on a tool
+        self._waiting: dict[tuple[str, str], list[BlockKey]] = {}
         self._kv_cache_manager: Any = None
         self._gpu_block_pool: Any = None
         self._stats_lock = threading.Lock()
@@ -208,6 +211,8 @@ class KVTierScheduler:
         them for a store, or writes them for a load."""
         st = self._reqs.pop(request.request_id, None)
         self._matches.pop(request.request_id, None)
+        if st is not None:
+            self._hold_for_tool_wait(st, request_tool_wait_s(getattr(request, "kv_transfer_params", None)))
         if st is None or not (st.pending_jobs or st.loading):
             return False
         self.counters["delayed_frees"] += 1
@@ -215,6 +220,32 @@ class KVTierScheduler:
             self._release.append(request.request_id)  # freed when the workers report it sent
         # a request with a load in flight is freed by the engine when the load reports finished
         return True
+
+    def _hold_for_tool_wait(self, st: _Req, wait_s: float | None) -> None:
+        """Agent-aware retention from the SDK's hints: a request whose agent now waits
+        on a tool (``kvtier_tool_wait_s`` in its ``kv_transfer_params``) keeps its
+        context pinned in kvtier's tiers for 1.5x the expected wait + 1 s (within
+        ``pin_budget_blocks``), so other traffic cannot evict what is due back soon
+        (the engine's own HBM prefix cache evicts as it always does: vLLM gives a
+        connector no say there). The agent's previous pin is released when its
+        next request finishes; pins also lapse at their TTL."""
+        if st.session_id is None or st.agent_id is None:
+            return
+        agent = (st.session_id, st.agent_id)
+        old = self._waiting.pop(agent, None)
+        if old:
+            self.manager.unpin(old)
+        if wait_s is None:
+            return
+        keys = self._keys(st)[: st.num_planned_blocks]  # the blocks planned for storing
+        if not keys:
+            return
+        if self.manager.pin(keys, 1.5 * wait_s + 1.0) is None:
+            self.counters["tool_wait_pins_refused"] += 1
+            return
+        self._waiting[agent] = keys
+        self.counters["tool_wait_pinned_blocks"] += len(keys)
+        self._pump_events()
 
     def has_pending_work(self) -> bool:
         """Whether plans are still out (so the engine keeps stepping to collect them)."""
@@ -224,6 +255,9 @@ class KVTierScheduler:
         """Drop every stored block (vLLM calls this on ``reset_prefix_cache(reset_connector=True)``,
         e.g. after a weight update, when stored KV is stale); SSD values are deleted by the
         workers next step. False when a block could not be dropped (a load or store in flight)."""
+        for keys in self._waiting.values():  # stale KV must go, waiting agents or not
+            self.manager.unpin(keys)
+        self._waiting.clear()
         for tier in self.manager.tier_names:
             self.manager.evict(tier, self.manager.capacity_blocks(tier))
         self._pump_events()
