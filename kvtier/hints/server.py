@@ -42,7 +42,7 @@ import ipaddress
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -392,6 +392,65 @@ class HintServer:
             info.shared_rounds.add(round_id=r.round_id, agent_ids=r.agent_ids, num_block_keys=len(r.block_keys) // 16)
         info.critical_path.extend(self.graph.critical_path(tenant, session_id, now))
         return info
+
+
+class BackgroundHintServer:
+    """A :class:`HintServer` on its own thread and event loop, for hosting it inside
+    a process that has other work on its main thread (an engine's scheduler).
+
+    ``start(address)`` binds and returns the bound address; :meth:`call` runs a
+    function on the server's loop and returns its result (the only safe way to
+    read the :class:`AgentGraph` from another thread); :meth:`stop` ends it.
+    Keyword arguments go to :class:`HintServer`.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.server = HintServer(**kwargs)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: Any = None
+        self._stop: asyncio.Event | None = None
+
+    def start(self, address: str = DEFAULT_ADDRESS, timeout_s: float = 30.0) -> str:
+        import threading
+
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            try:
+                await self.server.start(address)
+            except BaseException as err:  # surfaced to start()
+                failure.append(err)
+                started.set()
+                return
+            started.set()
+            await self._stop.wait()
+            await self.server.stop(0.2)
+
+        self._thread = threading.Thread(target=asyncio.run, args=(main(),), name="kvtier-hints", daemon=True)
+        self._thread.start()
+        if not started.wait(timeout_s):
+            raise RuntimeError(f"hint server on {address!r} did not start within {timeout_s} s")
+        if failure:
+            raise failure[0]
+        return str(self.server.address)
+
+    def call(self, fn: Callable[[], Any], timeout_s: float = 5.0) -> Any:
+        """``fn()`` run on the server's event loop (between RPCs); its result."""
+        if self._loop is None:
+            raise RuntimeError("BackgroundHintServer is not started")
+
+        async def run() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout_s)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(timeout_s)
 
 
 def tune_gc_for_serving() -> None:

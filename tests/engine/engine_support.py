@@ -27,19 +27,25 @@ ENGINE: dict[str, Any] = {
 }
 
 
-def make_model(directory: Path, weights: bool = True) -> Path:
-    """Write the tiny model's ``config.json`` and, with ``weights``, seeded random
-    weights (``model.safetensors``) large enough that the output depends on
-    the context: vLLM's ``load_format="dummy"`` weights (uniform +-1e-3) give
-    near-uniform logits, so a wrong KV block would hardly change a token."""
+SMALL_LLAMA: dict[str, Any] = {**TINY_LLAMA, "hidden_size": 512, "intermediate_size": 1408,
+                                "num_attention_heads": 8, "num_key_value_heads": 4, "num_hidden_layers": 8}
+"""8 layers, 4 KV heads of 64: ~100x the tiny model's compute per token, for benchmarks
+where the engine's fixed per-step cost should not dominate (256 KiB of KV per block)."""
+
+
+def make_model(directory: Path, weights: bool = True, config: dict[str, Any] | None = None) -> Path:
+    """Write a Llama ``config.json`` (default: the tiny model) and, with ``weights``,
+    seeded random weights (``model.safetensors``) large enough that the output
+    depends on the context: vLLM's ``load_format="dummy"`` weights (uniform
+    +-1e-3) give near-uniform logits, so a wrong KV block would hardly change a token."""
+    cfg = TINY_LLAMA if config is None else config
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(TINY_LLAMA))
+    (directory / "config.json").write_text(json.dumps(cfg))
     if weights:
         import torch
         from safetensors.torch import save_file
 
         gen = torch.Generator().manual_seed(0)
-        cfg = TINY_LLAMA
         h, inter, kv = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_key_value_heads"]
         head_dim = h // cfg["num_attention_heads"]
         shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "lm_head.weight": (cfg["vocab_size"], h)}

@@ -32,9 +32,9 @@ class FakeKVCacheManager:
         return (self.blocks[req_id],)
 
 
-def _sched(world_size: int = 1) -> tuple[KVTierScheduler, FakeKVCacheManager]:
+def _sched(world_size: int = 1, **extra) -> tuple[KVTierScheduler, FakeKVCacheManager]:
     facts = EngineFacts("tiny", "bfloat16", BS, 2, 2, 32, "fused", "sha256")
-    settings = ConnectorSettings.build({"dram_capacity_blocks": 8}, facts, env={})
+    settings = ConnectorSettings.build({"dram_capacity_blocks": 8, **extra}, facts, env={})
     ns = settings.config.namespace.to_namespace(settings.config.layout.to_layout())
     sched = KVTierScheduler(settings, ns, BS, world_size)
     kvm = FakeKVCacheManager()
@@ -46,8 +46,8 @@ def _step(sched: KVTierScheduler, scheduled: dict[str, int]):
     return sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens=scheduled, preempted_req_ids=set()))
 
 
-def _store_r1(sched, kvm, world_size_reports: int = 1):
-    r1 = FakeRequest("r1", 4)
+def _store_r1(sched, kvm, world_size_reports: int = 1, params: dict | None = None):
+    r1 = FakeRequest("r1", 4, params=params)
     kvm.blocks["r1"] = [10, 11, 12, 13, 14]
     sched.on_new_request(r1)
     assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)
@@ -123,3 +123,51 @@ def test_the_last_prompt_token_is_never_offered(num_blocks: int) -> None:
     sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True] * num_blocks)}, {job.job_id: 1}))
     r2 = FakeRequest("r2", num_blocks, extra_tokens=0)
     assert sched.get_num_new_matched_tokens(r2, 0) == ((num_blocks - 1) * BS, num_blocks > 1)
+
+
+def test_a_tagged_request_with_a_tool_wait_stays_pinned_until_its_agent_is_back() -> None:
+    from kvtier.sdk import tag_request
+
+    sched, kvm = _sched()
+    params = tag_request({}, "s", "a", tool_wait_s=30.0)["kv_transfer_params"]
+    r1, job, write = _store_r1(sched, kvm, params=params)
+    sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True] * 4)}, {job.job_id: 1}))
+    sched.request_finished(r1)
+    keys = sched._keys(sched._state(FakeRequest("probe", 4)))
+    assert all(sched.manager.is_pinned(k) for k in keys) and sched.counters["tool_wait_pinned_blocks"] == 4
+    back = FakeRequest("r2", 5, params=tag_request({}, "s", "a")["kv_transfer_params"])  # no new wait
+    sched.on_new_request(back)
+    sched.request_finished(back)
+    assert not any(sched.manager.is_pinned(k) for k in keys)  # the agent came back: released
+
+
+def test_hosted_hint_server_pins_an_agent_announced_waiting_on_a_tool() -> None:
+    """``hint_server`` in the extra config: the scheduler process serves the hint
+    plane; a tool call the agent framework announces there pins that agent's
+    latest context (its requests carry only the session and agent ids)."""
+    import time
+
+    from kvtier.sdk import HintClient
+
+    sched, kvm = _sched(hint_server="127.0.0.1:0")
+    try:
+        assert sched.hint_address and sched.hint_address.startswith("127.0.0.1:")
+        client = HintClient(sched.hint_address)
+        with client.session("s"), client.agent("coder") as agent:
+            params = agent.tag({})["kv_transfer_params"]  # the SDK's session and agent ids
+            r1, job, write = _store_r1(sched, kvm, params=params)
+            sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True] * 4)}, {job.job_id: 1}))
+            sched.request_finished(r1)
+            keys = sched._keys(sched._state(FakeRequest("probe", 4)))
+            _step(sched, {})
+            assert not any(sched.manager.is_pinned(k) for k in keys)  # no tool call yet
+            with client.tool_call("bash", expected_s=20.0):
+                deadline = time.monotonic() + 10
+                while sched.counters["tool_wait_pinned_blocks"] == 0 and time.monotonic() < deadline:
+                    _step(sched, {})  # each scheduler step polls the hosted server (at most every 50 ms)
+                    time.sleep(0.02)
+                assert all(sched.manager.is_pinned(k) for k in keys)
+        client.close()
+    finally:
+        sched.shutdown()
+    assert sched._hints is None

@@ -224,6 +224,7 @@ class KVTierConnector(KVConnectorBase_V1):
             self._worker.shutdown()
         if self._sched is not None:
             self._sched.write_stats()
+            self._sched.shutdown()
 
     # ------------------------------------------------------------ scheduler side
 

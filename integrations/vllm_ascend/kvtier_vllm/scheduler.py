@@ -23,7 +23,8 @@ import logging
 import os
 import tempfile
 import threading
-from collections import Counter
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +91,17 @@ class KVTierScheduler:
         self._job_ids = itertools.count(1)
         # (session, agent) -> keys pinned while that agent waits on a tool
         self._waiting: dict[tuple[str, str], list[BlockKey]] = {}
+        # (session, agent) -> its latest finished context, for tool calls the hint server announces
+        self._last_ctx: OrderedDict[tuple[str, str], list[BlockKey]] = OrderedDict()
+        self._hints: Any = None
+        self.hint_address: str | None = None
+        self._next_poll_s = 0.0
+        if settings.hint_server:
+            from kvtier.hints.server import BackgroundHintServer
+
+            self._hints = BackgroundHintServer()
+            self.hint_address = self._hints.start(settings.hint_server)
+            log.info("kvtier: hint server hosted in the scheduler process at %s", self.hint_address)
         self._kv_cache_manager: Any = None
         self._gpu_block_pool: Any = None
         self._stats_lock = threading.Lock()
@@ -166,6 +178,7 @@ class KVTierScheduler:
     def build_connector_meta(self, scheduler_output: Any) -> KVTierConnectorMetadata:
         """This step's loads, stores (blocks that become full in this step's
         forward), releases and SSD deletions. Resets the per-step state."""
+        self.poll_hints()
         meta = KVTierConnectorMetadata(loads=self._loads, release=self._release)
         self._loads, self._release = [], []
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
@@ -235,17 +248,54 @@ class KVTierScheduler:
         old = self._waiting.pop(agent, None)
         if old:
             self.manager.unpin(old)
-        if wait_s is None:
-            return
         keys = self._keys(st)[: st.num_planned_blocks]  # the blocks planned for storing
-        if not keys:
-            return
+        if self._hints is not None and keys:
+            self._last_ctx[agent] = keys
+            self._last_ctx.move_to_end(agent)
+            while len(self._last_ctx) > self.MAX_TRACKED_AGENTS:
+                self._last_ctx.popitem(last=False)
+        if wait_s is not None and keys:
+            self._pin_waiting(agent, keys, wait_s)
+
+    MAX_TRACKED_AGENTS = 4096
+
+    def _pin_waiting(self, agent: tuple[str, str], keys: list[BlockKey], wait_s: float) -> None:
         if self.manager.pin(keys, 1.5 * wait_s + 1.0) is None:
             self.counters["tool_wait_pins_refused"] += 1
             return
         self._waiting[agent] = keys
         self.counters["tool_wait_pinned_blocks"] += len(keys)
         self._pump_events()
+
+    def poll_hints(self) -> None:
+        """With a hosted hint server: pin the latest context of every agent the server
+        has a tool call in flight for (until 1.5x its predicted return + 1 s; a call
+        with no prediction is taken as 10 s). At most every 50 ms; called each step."""
+        now = time.monotonic()
+        if self._hints is None or now < self._next_poll_s:
+            return
+        self._next_poll_s = now + 0.05
+        graph = self._hints.server.graph
+
+        def in_flight() -> list[tuple[str, str, float | None]]:
+            return [(s.session_id, c.agent_id, c.predicted_return_s) for s, c in graph.tool_calls_in_flight()]
+
+        try:
+            calls = self._hints.call(in_flight, timeout_s=1.0)
+        except Exception as exc:  # a stuck hint loop must not stop the scheduler
+            log.warning("kvtier: reading the hosted hint server failed: %s", exc)
+            return
+        for sid, aid, returns_s in calls:
+            agent = (sid, aid)
+            keys = self._last_ctx.get(agent)
+            if keys and agent not in self._waiting:
+                self._pin_waiting(agent, keys, max(0.0, returns_s - now) if returns_s is not None else 10.0)
+
+    def shutdown(self) -> None:
+        """Stop the hosted hint server, if any."""
+        if self._hints is not None:
+            self._hints.stop()
+            self._hints = None
 
     def has_pending_work(self) -> bool:
         """Whether plans are still out (so the engine keeps stepping to collect them)."""

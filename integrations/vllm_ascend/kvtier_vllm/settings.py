@@ -34,6 +34,8 @@ EXTRA_KEYS: dict[str, str] = {
     "policy": "eviction policy of the DRAM and SSD tiers (a registered kvtier policy name)",
     "tenant": "cache salt: tenants never share blocks",
     "stats_path": "JSON file the scheduler side rewrites with its counters (for operators and tests)",
+    "hint_server": "host:port or unix:PATH: host kvtier's hint server (gRPC) in the scheduler process; "
+                   "agents' tool calls announced there keep their context pinned while they wait",
     "allow_untested_vllm": "true: start on a vLLM outside the tested range (see kvtier_vllm.version)",
 }
 """Every key the connector reads from ``kv_connector_extra_config``."""
