@@ -74,7 +74,25 @@ def test_tighter_slo_never_admits_more_agents() -> None:
     assert tight <= loose
 
 
+def test_a_smaller_hbm_costs_lru_agents_first() -> None:
+    """HBM capacity binds: lru recomputes what does not fit, kvtier's masters and
+    mirrors hold less KV, so the capacity ratio grows as HBM shrinks (it never
+    shrinks lru's capacity below what a larger HBM allows, nor raises it)."""
+    w = RoundsWorkload(num_agents=1, num_rounds=4, output_tokens=32)
+    caps = {}
+    for hbm in (None, 4000, 1000):
+        cfg = RoundsConfig(hbm_blocks=hbm)
+        caps[hbm] = {p: capacity(w, PROFILE, p, cfg)["max_agents"] for p in ("lru", "kvtier")}
+    assert caps[None]["lru"] >= caps[4000]["lru"] >= caps[1000]["lru"]
+    ratios = [caps[h]["kvtier"] / caps[h]["lru"] for h in (None, 4000, 1000)]
+    assert ratios[0] < ratios[1] < ratios[2]
+    report = run_rounds(w, PROFILE, ("lru",), RoundsConfig(hbm_blocks=1000))
+    assert report["hbm_kv_tokens"] == 1000 * w.block_size
+
+
 def test_bad_settings_name_the_setting() -> None:
+    with pytest.raises(ConfigError, match="rounds.hbm_blocks"):
+        RoundsConfig(hbm_blocks=0)
     with pytest.raises(ConfigError, match="rounds.slo_round_s"):
         RoundsConfig(slo_round_s=0)
     with pytest.raises(ConfigError, match="rounds.output_tokens"):
@@ -95,3 +113,10 @@ def test_cli_replay_rounds_writes_json(tmp_path, capsys) -> None:
     assert report["profile"] == "h100-80gb:llama-3.1-8b:1" and report["config"]["slo_round_s"] == 1.5
     assert {r["policy"] for r in report["capacity"]} == set(ROUND_POLICIES)
     assert "kvtier_vs_lru" in capsys.readouterr().out
+
+
+def test_cli_replay_rounds_takes_one_hbm_capacity() -> None:
+    from kvtier.cli import main
+
+    with pytest.raises(SystemExit, match="one --hbm-blocks"):
+        main(["replay", "--workload", "rounds", "--hbm-fraction", "0.5", "--quiet"])

@@ -218,9 +218,12 @@ def _command_rounds(args: argparse.Namespace, progress) -> int:
     workload = RoundsWorkload(num_rounds=args.rounds, private_tokens=args.private_tokens,
                               observe_tokens=args.observe_tokens, output_tokens=args.output_tokens,
                               block_size=args.block_size or 16, seed=args.seed)
+    if args.hbm_fraction or (args.hbm_blocks and len(args.hbm_blocks) > 1):
+        raise SystemExit("kvtier replay --workload rounds: give one --hbm-blocks N (no --hbm-fraction): "
+                         "the rounds replay searches the number of agents at one HBM capacity")
     config = RoundsConfig(slo_round_s=args.round_slo_ms / 1e3, recompute_fraction=args.recompute_fraction,
                           diff_block_fraction=args.diff_block_fraction, max_batch_tokens=args.max_batch_tokens,
-                          latency=args.round_latency)
+                          latency=args.round_latency, hbm_blocks=args.hbm_blocks[0] if args.hbm_blocks else None)
     policies = ROUND_POLICIES if args.policies == _default_policies() else tuple(
         x for x in args.policies.split(",") if x)
     report = run_rounds(workload, profile, policies, config, progress)

@@ -113,7 +113,9 @@ class RoundsWorkload:
 class RoundsConfig:
     """Replay settings: the SLO, kvtier's mirror figures (defaults: the block-granular
     recompute of ``kvtier bench shared``, 15% of positions in 15% of blocks), HBM
-    utilisation, DRAM capacity for the DRAM strategies, and the step token budget."""
+    utilisation, DRAM capacity for the DRAM strategies, and the step token budget.
+    ``hbm_blocks``: HBM KV capacity in blocks of the workload's block size
+    (default: what the profile's HBM holds after weights at ``gpu_memory_utilization``)."""
 
     slo_round_s: float = DEFAULT_SLO_ROUND_S
     recompute_fraction: float = 0.15
@@ -122,8 +124,11 @@ class RoundsConfig:
     dram_bytes: int = 1 << 40
     max_batch_tokens: int = 8192
     latency: str = "full"
+    hbm_blocks: int | None = None
 
     def __post_init__(self) -> None:
+        if self.hbm_blocks is not None and not self.hbm_blocks > 0:
+            raise ConfigError("rounds.hbm_blocks", self.hbm_blocks, "must be > 0 (blocks)")
         if self.latency not in ROUND_LATENCIES:
             raise ConfigError("rounds.latency", self.latency, f"valid: {list(ROUND_LATENCIES)}")
         if not self.slo_round_s > 0:
@@ -169,13 +174,19 @@ def prefix_hits(workload: RoundsWorkload, round_index: int) -> int:
     return hits
 
 
+def _hbm_kv_tokens(w: RoundsWorkload, profile: Profile, config: RoundsConfig) -> int:
+    if config.hbm_blocks is not None:
+        return config.hbm_blocks * w.block_size
+    return profile.hbm_kv_capacity_blocks(w.block_size, config.gpu_memory_utilization) * w.block_size
+
+
 def round_costs(workload: RoundsWorkload, profile: Profile, policy: str, config: RoundsConfig) -> list[RoundCost]:
     """Cost of every round of ``workload`` under ``policy`` (one of :data:`ROUND_POLICIES`)."""
     if policy not in ROUND_POLICIES:
         raise ConfigError("rounds.policy", policy, f"valid: {list(ROUND_POLICIES)}")
     w, n = workload, workload.num_agents
     kv_per_token = profile.model.kv_bytes_per_token * profile.kv_copies
-    hbm_tokens = profile.hbm_kv_capacity_blocks(w.block_size, config.gpu_memory_utilization) * w.block_size
+    hbm_tokens = _hbm_kv_tokens(w, profile, config)
     shared_in = (n - 1) * w.output_tokens
     out: list[RoundCost] = []
     for r in range(w.num_rounds):
@@ -289,8 +300,7 @@ def run_rounds(workload: RoundsWorkload, profile: Profile, policies: Sequence[st
         "workload": {f: getattr(workload, f) for f in workload.__dataclass_fields__},
         "config": {f: getattr(config, f) for f in config.__dataclass_fields__},
         "profile": profile.spec,
-        "hbm_kv_tokens": profile.hbm_kv_capacity_blocks(workload.block_size, config.gpu_memory_utilization)
-        * workload.block_size,
+        "hbm_kv_tokens": _hbm_kv_tokens(workload, profile, config),
         "prefix_hits_round1": prefix_hits(replace(workload, num_agents=min(workload.num_agents, 8),
                                                   num_rounds=2), 1),
         "capacity": rows,
