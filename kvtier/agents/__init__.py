@@ -6,5 +6,7 @@ torch or an engine, so the live server and the replay simulator share it.
 """
 
 from .graph import AgentGraph, Agent, DurationHistory, GraphLimits, Refusal, Session, SharedRound, ToolCall
+from .predictor import wait_pin_ttl_s
 
-__all__ = ["Agent", "AgentGraph", "DurationHistory", "GraphLimits", "Refusal", "Session", "SharedRound", "ToolCall"]
+__all__ = ["Agent", "AgentGraph", "DurationHistory", "GraphLimits", "Refusal", "Session", "SharedRound", "ToolCall",
+           "wait_pin_ttl_s"]

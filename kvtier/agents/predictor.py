@@ -122,3 +122,11 @@ class DurationHistory:
         if not n:
             return PredictionError(0, 0.0, 0.0, 0.0)
         return PredictionError(n, self._err_abs / n, self._err_rel / n, self._err_under / n)
+
+
+def wait_pin_ttl_s(predicted_wait_s: float) -> float:
+    """How long to pin a waiting agent's context: 1.5x the predicted wait plus 1 s,
+    so a tool that runs somewhat long still returns to its KV, while a pin whose
+    agent never comes back lapses on its own. One rule for the replay's reserve
+    and the engine connector's tool-wait pins."""
+    return 1.5 * predicted_wait_s + 1.0

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..agents.predictor import wait_pin_ttl_s
 from ..keys import BlockKey
 from .placement import PlacementContext, PlacementPolicy, ToolWait
 
@@ -232,7 +233,7 @@ class AgentAware(PlacementPolicy):
         budget = int(self.rho * ctx.hbm_capacity_blocks)
         if sum(self._reserved.values()) + n > budget:
             return False
-        if not ctx.pin(keys, wait_s * 1.5 + 1.0):
+        if not ctx.pin(keys, wait_pin_ttl_s(wait_s)):
             return False
         self._reserved[agent] = n
         return True

@@ -49,26 +49,26 @@ def ssd_header(data: bytes) -> None:
     decode_outcome(data, bytearray(LAYOUT.bytes_per_block), CTX, key=BlockKey(7))
 
 
-def config(data: bytes) -> None:
+def _fuzzed_file(data: bytes, stem: str, suffixes: tuple[str, str]) -> str:
+    """Write the fuzzer's bytes to ``WORKDIR/stem`` + one of ``suffixes`` (its first
+    byte picks which, so format detection is fuzzed too); returns the path."""
     fdp = atheris.FuzzedDataProvider(data)
-    suffix = ".toml" if fdp.ConsumeBool() else ".yaml"
-    path = os.path.join(WORKDIR, "kvtier" + suffix)
+    path = os.path.join(WORKDIR, stem + suffixes[fdp.ConsumeBool()])
     with open(path, "wb") as f:
         f.write(fdp.ConsumeBytes(fdp.remaining_bytes()))
+    return path
+
+
+def config(data: bytes) -> None:
     try:
-        load_config(path, env={})
+        load_config(_fuzzed_file(data, "kvtier", (".yaml", ".toml")), env={})
     except ConfigError as err:
         assert str(err), "a ConfigError must say what is wrong"
 
 
 def trace(data: bytes) -> None:
-    fdp = atheris.FuzzedDataProvider(data)
-    suffix = ".jsonl" if fdp.ConsumeBool() else ".json"
-    path = os.path.join(WORKDIR, "trace" + suffix)
-    with open(path, "wb") as f:
-        f.write(fdp.ConsumeBytes(fdp.remaining_bytes()))
     try:
-        load_trace(path)
+        load_trace(_fuzzed_file(data, "trace", (".json", ".jsonl")))
     except TraceError as err:
         assert str(err), "a TraceError must say what is wrong"
 

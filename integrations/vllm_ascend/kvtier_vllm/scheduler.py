@@ -32,6 +32,7 @@ from typing import Any
 from kvtier.events import BlockRemoved
 from kvtier.keys import BlockKey, Namespace, chain_foreign_keys
 from kvtier.manager import LoadPlan, StorePlan, TierManager, TierSpec
+from kvtier.agents.predictor import wait_pin_ttl_s
 from kvtier.sdk.handles import request_tags, request_tool_wait_s
 
 from . import ssdshare
@@ -237,7 +238,7 @@ class KVTierScheduler:
     def _hold_for_tool_wait(self, st: _Req, wait_s: float | None) -> None:
         """Agent-aware retention from the SDK's hints: a request whose agent now waits
         on a tool (``kvtier_tool_wait_s`` in its ``kv_transfer_params``) keeps its
-        context pinned in kvtier's tiers for 1.5x the expected wait + 1 s (within
+        context pinned in kvtier's tiers for ``wait_pin_ttl_s`` of the expected wait (within
         ``pin_budget_blocks``), so other traffic cannot evict what is due back soon
         (the engine's own HBM prefix cache evicts as it always does: vLLM gives a
         connector no say there). The agent's previous pin is released when its
@@ -260,7 +261,7 @@ class KVTierScheduler:
     MAX_TRACKED_AGENTS = 4096
 
     def _pin_waiting(self, agent: tuple[str, str], keys: list[BlockKey], wait_s: float) -> None:
-        if self.manager.pin(keys, 1.5 * wait_s + 1.0) is None:
+        if self.manager.pin(keys, wait_pin_ttl_s(wait_s)) is None:
             self.counters["tool_wait_pins_refused"] += 1
             return
         self._waiting[agent] = keys
@@ -269,10 +270,12 @@ class KVTierScheduler:
 
     def poll_hints(self) -> None:
         """With a hosted hint server: pin the latest context of every agent the server
-        has a tool call in flight for (until 1.5x its predicted return + 1 s; a call
+        has a tool call in flight for (``wait_pin_ttl_s`` of its predicted return; a call
         with no prediction is taken as 10 s). At most every 50 ms; called each step."""
+        if self._hints is None:  # the common case: no clock read on the scheduler step
+            return
         now = time.monotonic()
-        if self._hints is None or now < self._next_poll_s:
+        if now < self._next_poll_s:
             return
         self._next_poll_s = now + 0.05
         graph = self._hints.server.graph
