@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
@@ -60,6 +61,7 @@ TIER_ORDER: tuple[str, ...] = ("hbm", "dram", "ssd")
 
 _PENDING = 0
 _READY = 1
+_PARENT = operator.attrgetter("parent")
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,27 +321,36 @@ class TierManager:
         out the plan covers the keys that fit before that point. Returns
         ``None`` when nothing could be reserved and nothing was present.
         """
-        t = self._tier(tier)
+        t = self._tier_by_name.get(tier) or self._tier(tier)
         now = self._clock()
-        self._expire_pins(now)
+        heap = self._pin_heap
+        if heap and heap[0][0] <= now:
+            self._expire_pins(now)
         reserved: list[BlockKey] = []
         slots: list[int] = []
         skipped: list[BlockKey] = []
         evicted: list[BlockKey] = []
         # hot loop (once per key of every put): attribute lookups hoisted
-        idx, blocks, before_insert = t.index, self._blocks, t.policy.before_insert
-        ntiers, free_slots, capacity = len(self._tiers), t.free_slots, t.capacity
+        idx, blocks, ntiers, free_slots, capacity = t.index, self._blocks, len(self._tiers), t.free_slots, t.capacity
+        before_insert = t.policy.before_insert if getattr(t.policy, "adapts_before_insert", True) else None
         prev = parent if chain else None
+        own = None  # the node of prev when this plan reserved it: pending, so never evicted meanwhile
         for key in keys:
             node = blocks.get(key)
             if node is not None and node.state[idx] is not None:
                 skipped.append(key)
-                prev = key if chain else None
+                if chain:
+                    prev = key
+                own = None
                 continue
-            before_insert(key)
+            if before_insert is not None:
+                before_insert(key)
             if t.num_used >= capacity and not self._make_room(t, key, prev, now, evicted):
                 break
-            pnode = blocks.get(prev) if node is None and prev is not None else None
+            if node is None and prev is not None:
+                pnode = own if own is not None else blocks.get(prev)
+            else:
+                pnode = None
             if pnode is not None and pnode.state[idx] != _READY:
                 # the common case (a new key after a parent not readable in this tier,
                 # e.g. the previous key of this very plan): _reserve_new_child inlined
@@ -356,13 +367,15 @@ class TierManager:
                 node.state[idx] = _PENDING
             elif node is None and prev is not None:
                 slot = self._reserve_new_child(key, prev, t)
+                node = blocks[key]
             else:
                 node = self._node(key, prev)
                 slot = t.take_slot()
                 self._set_residency(node, t, _PENDING, slot)
             reserved.append(key)
             slots.append(slot)
-            prev = key if chain else None
+            if chain:
+                prev, own = key, node
         if not reserved and not skipped:
             return None
         plan = StorePlan(next(self._plan_ids), t.name, tuple(reserved), tuple(slots), tuple(skipped), tuple(evicted))
@@ -371,10 +384,14 @@ class TierManager:
 
     def complete_store(self, plan: StorePlan, ok: bool | Sequence[bool]) -> None:
         """Finish ``plan``: keys with ok become readable, the others are dropped."""
-        self._close_plan(plan)
+        if self._plans.pop(plan.plan_id, None) is None:
+            self._close_plan(plan)  # raises: not open
         t = self._tier_by_name[plan.tier]
+        if ok is True or (type(ok) is list and len(ok) == len(plan.keys) and all(ok)):
+            self._mark_ready_many(plan.keys, t)  # every key stored: the common case
+            return
         oks = self._per_key(ok, len(plan.keys))
-        if ok is True or all(oks):
+        if all(oks):
             self._mark_ready_many(plan.keys, t)
             return
         # tail first, so the policy sees a chain's head as its most recent block
@@ -800,25 +817,31 @@ class TierManager:
         ready, fastest, held, parked = self._ready[idx], self._fastest, self._held, self._parked[idx]
         on_insert, on_hold = t.policy.on_insert, t.policy.on_hold
         insert_held = getattr(t.policy, "on_insert_held", None)
-        events = self._events if self._record else None
-        for key in reversed(keys):
-            node = blocks[key]
+        insert_held_many = getattr(t.policy, "on_insert_held_many", None)
+        to_park: list[BlockKey] | None = [] if insert_held_many is not None else None
+        rkeys = list(reversed(keys))
+        nodes = list(map(blocks.__getitem__, rkeys))
+        ready.update(rkeys)
+        for key, node in zip(rkeys, nodes):
             node.state[idx] = _READY
-            ready.add(key)
             best = fastest.get(key)
             if best is None or idx < best:
                 fastest[key] = idx
             if (node.children_in[idx] or key in held) and key not in parked:  # _sync_park of a ready block
                 parked.add(key)
-                if insert_held is not None:
+                if to_park is not None:
+                    to_park.append(key)
+                elif insert_held is not None:
                     insert_held(key)
                 else:
                     on_insert(key)
                     on_hold(key)
             else:
                 on_insert(key)
-            if events is not None:
-                events.append(BlockStored(key, name, node.parent))
+        if to_park:
+            insert_held_many(to_park)
+        if self._record:  # built at C speed: one BlockStored per key, tail first
+            self._events.extend(map(BlockStored, rkeys, itertools.repeat(name), map(_PARENT, nodes)))
         t.num_ready += len(keys)
 
     def _complete_load_ok(self, plan: LoadPlan) -> None:

@@ -41,6 +41,7 @@ never stored, evicted from a tier, failed verification, moved, in flight).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -56,7 +57,7 @@ from .config import KVTierConfig, load_config
 from .events import BlockRemoved, Event, StoreFailed
 from .keys import BlockKey, chain_keys
 from .manager import LoadPlan, MovePlan, PrefixHit, StorePlan, TierManager, TierSpec
-from .tiers.pool import TensorPool, accelerator_device, as_byte_tensor, resolve_device
+from .tiers.pool import TensorPool, accelerator_device, as_byte_tensor, as_byte_tensors, resolve_device
 from .transfer import TransferEngine, TransferJob
 
 log = logging.getLogger(__name__)
@@ -152,8 +153,13 @@ class TieredStore:
         in the put tier (stored now or already present)."""
         # the caller waits anyway: each tier's job runs on this thread (no thread
         # hand-off, no futures), and completes its plan before the next one starts
+        stored_all = False  # every key stored into the put tier now: no need to look them up again
         for plan, srcs in self._prepare_puts(keys, blocks, parent):
-            self._mover.run_sync(self._store_job(plan, srcs))
+            oks = self._mover.run_sync(self._store_job(plan, srcs))
+            if plan.tier == self.config.put_tier:
+                stored_all = len(plan.keys) == len(keys) and all(oks)
+        if stored_all:
+            return len(keys)
         with self._lock:
             return len(self.manager.present(keys, self.config.put_tier))
 
@@ -427,7 +433,7 @@ class TieredStore:
     def _check_blocks(self, bufs: Sequence[Any]) -> list[torch.Tensor]:
         """:meth:`_check_block` of every buffer (once per block of every put and get:
         the size check runs as C-speed loops)."""
-        ts = list(map(as_byte_tensor, bufs))
+        ts = as_byte_tensors(bufs)
         sizes = list(map(torch.Tensor.numel, ts))
         if sizes.count(self.layout.bytes_per_block) != len(sizes):
             for i, buf in enumerate(bufs):
@@ -447,13 +453,10 @@ class TieredStore:
                 items = [(k, _host_buffer(s), p) for k, s, p in zip(plan.keys, srcs, parents)]
                 n = self._ssd.put_many(items)
                 return [i < n for i in range(len(items))]
-        else:
-            pool = self._pools[tier]
-
-            def run() -> Sequence[bool]:
-                return pool.write(plan.slots, srcs)
-
-        return self._job(f"put->{tier}", len(plan.keys), run, lambda oks: self._done_store(plan, oks))
+        else:  # C-level partials, not closures: this runs once per put
+            run = functools.partial(self._pools[tier].write, plan.slots, srcs)
+        return self._job(_PUT_LINKS.get(tier) or f"put->{tier}", len(plan.keys), run,
+                         functools.partial(self._done_store, plan))
 
     def _submit_move(
         self, plan: MovePlan, inline: bool, deadline: float | None = None, prefetch: bool = False
@@ -643,18 +646,20 @@ class TieredStore:
         events = self.manager.take_events()
         if not events:
             return
-        remembered = self._last_removal
-        for e in events:
-            if isinstance(e, BlockRemoved):
-                self.removals[(e.tier, e.reason)] += 1
-                remembered[e.key] = (e.tier, e.reason)
-                remembered.move_to_end(e.key)
-                if self._prefetched.get(e.key) == e.tier:
-                    del self._prefetched[e.key]
-                    self.counters["prefetch_wasted_blocks"] += 1
-        while len(remembered) > self.MAX_REMEMBERED_REMOVALS:
-            remembered.popitem(last=False)
-        if self._ssd is not None:
+        kinds = set(map(type, events))  # most batches are all BlockStored / BlockLoaded: no loop below
+        if BlockRemoved in kinds:
+            remembered = self._last_removal
+            for e in events:
+                if isinstance(e, BlockRemoved):
+                    self.removals[(e.tier, e.reason)] += 1
+                    remembered[e.key] = (e.tier, e.reason)
+                    remembered.move_to_end(e.key)
+                    if self._prefetched.get(e.key) == e.tier:
+                        del self._prefetched[e.key]
+                        self.counters["prefetch_wasted_blocks"] += 1
+            while len(remembered) > self.MAX_REMEMBERED_REMOVALS:
+                remembered.popitem(last=False)
+        if self._ssd is not None and (BlockRemoved in kinds or StoreFailed in kinds):
             gone = [e.key for e in events if isinstance(e, (BlockRemoved, StoreFailed)) and e.tier == "ssd"]
             if gone:
                 self._ssd.delete_many(gone)
@@ -674,6 +679,9 @@ class TieredStore:
             count += 1
         self._pump_events()
         self.counters["ssd_reindexed_blocks"] = count
+
+
+_PUT_LINKS = {t: f"put->{t}" for t in ("hbm", "dram", "ssd")}  # mover link names, made once
 
 
 def _host_buffer(t: torch.Tensor) -> Any:

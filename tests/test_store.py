@@ -135,6 +135,31 @@ def test_failed_copy_leaves_no_readable_block(monkeypatch) -> None:
         s.check_invariants()
 
 
+def test_every_buffer_kind_round_trips_in_one_batch() -> None:
+    """Flat uint8 tensors take the C-speed check; a batch mixing them with bf16
+    tensors, numpy arrays and bytearrays takes the per-buffer path; both store
+    and load the same bytes."""
+    import numpy as np
+
+    with make_store() as s:
+        keys = s.keys_for(list(range(16)))
+        data = kv_blocks(4, seed=3)
+        flat = [d.view(torch.uint8) for d in data]
+        assert s.put(keys[:2], flat[:2]) == 2  # all flat uint8: the fast check
+        assert s.put(keys, [flat[0], data[1], data[2].view(torch.uint8).numpy(),
+                            bytearray(data[3].view(torch.uint8).numpy().tobytes())]) == 4
+        outs_u8 = [torch.empty(BPB, dtype=torch.uint8) for _ in range(2)]
+        outs_mixed = [torch.zeros(BPB // 2, dtype=torch.bfloat16), np.zeros(BPB, dtype=np.uint8)]
+        assert s.get(keys[:2], outs_u8) == 2
+        assert s.get(keys[2:], outs_mixed, promote=False) == 2
+        assert torch.equal(outs_u8[0], flat[0]) and torch.equal(outs_u8[1], flat[1])
+        assert torch.equal(outs_mixed[0], data[2])
+        assert bytes(outs_mixed[1]) == bytes(flat[3].numpy())
+        with pytest.raises(ValueError, match="block 1 has 1023 bytes"):
+            s.put(s.keys_for(list(range(100, 108))), [flat[0], torch.zeros(1023, dtype=torch.uint8)])
+        s.check_invariants()
+
+
 def test_wrong_block_size_names_the_layout() -> None:
     with make_store() as s:
         with pytest.raises(ValueError, match="needs 1024"):

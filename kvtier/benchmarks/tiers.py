@@ -40,6 +40,8 @@ from .common import best_seconds, bf16_blocks, gbps, interleaved_best_seconds
 BLOCK_SIZES_BYTES = (256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 BATCH_BLOCKS = 16
 REPEATS = 5  # interleaved rounds; each figure is the best of them
+EVICT_REPEATS = 3  # rounds of puts into a full DRAM store
+AUTO_CODEC_REPEATS = 3  # rounds of the zstd codec's put / get (no target: fewer)
 TARGETS = {
     "dram_put_vs_memcpy": 0.8,
     "dram_get_vs_memcpy": 0.8,
@@ -76,15 +78,28 @@ def _batches(items: list[Any]) -> list[list[Any]]:
 
 class _RoundPutter:
     """Calling it puts ``blocks`` under a fresh set of keys (one round); ``keys``
-    are the last round's."""
+    are the last round's.
 
-    def __init__(self, store: TieredStore, blocks: list[torch.Tensor]) -> None:
+    Keys are real chained digests (what :func:`~kvtier.keys.chain_foreign_keys`
+    gives a user), made before anything is timed: synthetic integers such as
+    ``(round << 64) | i`` are a trap, since Python hashes an int modulo
+    ``2**61 - 1`` and ``2**64`` is 8 there, so key ``i`` of one round collides
+    with key ``i - 8`` of the next and every dict probe of the index walks a
+    chain as long as the number of rounds stored."""
+
+    def __init__(self, store: TieredStore, blocks: list[torch.Tensor], rounds: int) -> None:
         self.store, self.blocks, self.round = store, blocks, 0
         self.keys: list[BlockKey] = []
+        ns = Namespace(model="bench-tiers", dtype="bfloat16", layout="fused", block_size=16)
+        n = len(blocks)
+        ids = chain_foreign_keys(ns, range(rounds * n))
+        self._rounds = [ids[r * n : (r + 1) * n] for r in range(rounds)]
 
     def __call__(self) -> None:
+        if self.round >= len(self._rounds):
+            raise RuntimeError(f"_RoundPutter made keys for {len(self._rounds)} rounds; round {self.round + 1} asked")
+        self.keys = self._rounds[self.round]
         self.round += 1
-        self.keys = [BlockKey((self.round << 64) | i) for i in range(len(self.blocks))]
         for kb, bb in zip(_batches(self.keys), _batches(self.blocks)):
             self.store.put(kb, bb)
 
@@ -101,7 +116,7 @@ def bench_memcpy_and_dram(block_bytes: int, total_bytes: int) -> dict[str, float
 
     # every round of fresh keys fits: this measures the put path itself (no eviction)
     store = _store(block_bytes, (REPEATS + 1) * n, "dram")
-    put = _RoundPutter(store, blocks)
+    put = _RoundPutter(store, blocks, REPEATS)
 
     def get() -> None:  # the blocks of the latest put round
         for kb, ob in zip(_batches(put.keys), _batches(outs)):
@@ -113,9 +128,9 @@ def bench_memcpy_and_dram(block_bytes: int, total_bytes: int) -> dict[str, float
     store.close()
     # steady state of a full cache: every put also evicts one block
     full = _store(block_bytes, n, "dram")
-    put_evicting = _RoundPutter(full, blocks)
+    put_evicting = _RoundPutter(full, blocks, 1 + EVICT_REPEATS)
     put_evicting()  # fill
-    put_evict_s = best_seconds(put_evicting)
+    put_evict_s = best_seconds(put_evicting, EVICT_REPEATS)
     full.close()
     return {"memcpy_gbps": gbps(nbytes, memcpy_s), "dram_put_gbps": gbps(nbytes, put_s),
             "dram_get_gbps": gbps(nbytes, get_s), "dram_put_evicting_gbps": gbps(nbytes, put_evict_s)}
@@ -147,7 +162,7 @@ def bench_ssd(block_bytes: int, total_bytes: int, workdir: str) -> dict[str, flo
     for codec, suffix in (("raw", ""), ("auto", "_auto")):
         ssd_dir = tempfile.mkdtemp(prefix=f"ssd_{codec}_{block_bytes}_", dir=workdir)
         store = _store(block_bytes, n, "ssd", ssd_dir, codec)
-        put = _RoundPutter(store, blocks)  # each round replaces the last: puts include their evictions
+        put = _RoundPutter(store, blocks, REPEATS)  # each round replaces the last: puts include their evictions
 
         def get() -> None:  # warm: the latest round's values, just written
             for kb, ob in zip(_batches(put.keys), _batches(outs)):
@@ -159,7 +174,7 @@ def bench_ssd(block_bytes: int, total_bytes: int, workdir: str) -> dict[str, flo
             out["raw_file_write_gbps"] = gbps(nbytes, raw_write_s)
             out["raw_file_read_gbps"] = gbps(nbytes, raw_read_s)
         else:
-            put_s, get_s = interleaved_best_seconds([put, get], 3)
+            put_s, get_s = interleaved_best_seconds([put, get], AUTO_CODEC_REPEATS)
             st = store.stats()["ssd"]
             out["zstd_ratio_bf16"] = st["raw_bytes_written"] / st["bytes_written"]
         assert all(torch.equal(a, b) for a, b in zip(blocks, outs)), f"ssd get ({codec}) returned wrong bytes"

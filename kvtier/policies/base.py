@@ -41,6 +41,13 @@ Optional: ``on_insert_held(key)`` — exactly ``on_insert(key)`` then
 present, as every block but a new chain's tail is): policies whose
 ``on_insert`` only enters the eviction order provide it to skip the
 enter-then-leave round trip; the manager falls back to the two calls.
+``on_insert_held_many(keys)`` does the same for many keys at once; a policy
+provides it only where parked keys keep no order among themselves or with
+idle ones (the manager then calls it after the batch's ``on_insert`` calls).
+
+Optional: ``adapts_before_insert = False`` (class attribute) — the policy's
+``before_insert`` does nothing, so the manager may skip calling it (once per
+stored block).
 
 Optional: ``to_front(key)`` — make an idle resident ``key`` the next victim
 (an agent-aware placement knows it will not be used soon). Policies without

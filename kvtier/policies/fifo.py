@@ -24,6 +24,8 @@ class FIFOPolicy(OrderParking):
         self._order: OrderedDict[BlockKey, None] = OrderedDict()  # idle keys, oldest first
         self._parked: dict[BlockKey, None] = {}
 
+    adapts_before_insert = False  # before_insert is a no-op: the manager skips the call
+
     def before_insert(self, key: BlockKey) -> None:
         """No history to adapt."""
 
@@ -34,6 +36,10 @@ class FIFOPolicy(OrderParking):
     def on_insert_held(self, key: BlockKey) -> None:
         """``on_insert`` then ``on_hold``: straight to the parked set."""
         self._parked[key] = None
+
+    def on_insert_held_many(self, keys: Iterable[BlockKey]) -> None:
+        """``on_insert_held`` of each of ``keys`` (one C-speed update)."""
+        self._parked.update(dict.fromkeys(keys))
 
     def on_access(self, key: BlockKey) -> None:
         """A hit does not change the order."""

@@ -42,6 +42,8 @@ class LFUPolicy(Parking):
         if front:
             self._hits_to_bucket[hits].move_to_end(key, last=False)
 
+    adapts_before_insert = False  # before_insert is a no-op: the manager skips the call
+
     def before_insert(self, key: BlockKey) -> None:
         """No history to adapt."""
 

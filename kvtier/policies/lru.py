@@ -23,6 +23,8 @@ class LRUPolicy(OrderParking):
         self._order: OrderedDict[BlockKey, None] = OrderedDict()  # idle keys, oldest first
         self._parked: dict[BlockKey, None] = {}
 
+    adapts_before_insert = False  # before_insert is a no-op: the manager skips the call
+
     def before_insert(self, key: BlockKey) -> None:
         pass
 
@@ -32,6 +34,10 @@ class LRUPolicy(OrderParking):
     def on_insert_held(self, key: BlockKey) -> None:
         """``on_insert`` then ``on_hold``: straight to the parked set."""
         self._parked[key] = None
+
+    def on_insert_held_many(self, keys: Iterable[BlockKey]) -> None:
+        """``on_insert_held`` of each of ``keys`` (one C-speed update)."""
+        self._parked.update(dict.fromkeys(keys))
 
     def on_access(self, key: BlockKey) -> None:
         if key in self._order:  # a parked key re-enters as most recent anyway

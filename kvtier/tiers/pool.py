@@ -10,7 +10,7 @@ which slot holds what: the TierManager hands out slots.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -60,9 +60,26 @@ def as_byte_tensor(buf: Any) -> torch.Tensor:
     raise TypeError(f"unsupported KV buffer type {type(buf).__name__}; use a tensor, ndarray or bytes")
 
 
+def as_byte_tensors(bufs: Sequence[Any]) -> list[torch.Tensor]:
+    """:func:`as_byte_tensor` of each of ``bufs``. When every buffer already is a
+    flat ``uint8`` tensor (engines and pools hand over such views) that is
+    checked by C-speed maps, with no Python call per buffer: this runs once per
+    block of every put and get."""
+    n = len(bufs)
+    if (
+        all(map(_IS_TENSOR, bufs))
+        and list(map(_DTYPE, bufs)).count(_U8) == n
+        and list(map(torch.Tensor.dim, bufs)).count(1) == n
+    ):
+        return list(bufs)
+    return list(map(as_byte_tensor, bufs))
+
+
 _HAS_FOREACH_COPY = hasattr(torch, "_foreach_copy_")
 _IS_CPU = operator.attrgetter("is_cpu")
 _DTYPE = operator.attrgetter("dtype")
+_IS_TENSOR = torch.Tensor.__instancecheck__
+_U8 = torch.uint8
 
 
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool) -> None:
@@ -97,6 +114,9 @@ class TensorPool:
         # zeros, not empty: every page is faulted in now, not on the first put
         self.data = torch.zeros((num_slots, bytes_per_block), dtype=torch.uint8, device=device, pin_memory=pin)
         self._views = list(self.data.unbind(0))  # one zero-copy view per slot, made once
+        self._non_blocking = pin or device.type != "cpu"
+        # a host pool: copies with host buffers are synchronous, no stream to sync
+        self._host = device.type == "cpu" and _HAS_FOREACH_COPY
 
     @property
     def nbytes(self) -> int:
@@ -108,19 +128,30 @@ class TensorPool:
 
     def write(self, slots: list[int] | tuple[int, ...], srcs: list[torch.Tensor]) -> list[bool]:
         """Copy each ``srcs[i]`` (``bytes_per_block`` bytes) into ``slots[i]``."""
-        non_blocking = self.pinned or self.device.type != "cpu"
         views = self._views
-        _copy_all([views[s] for s in slots], srcs, non_blocking)
-        self.synchronize()
+        if self._host and self._host_bytes(srcs):
+            torch._foreach_copy_([views[s] for s in slots], srcs)
+        else:
+            _copy_all([views[s] for s in slots], srcs, self._non_blocking)
+            self.synchronize()
         return [True] * len(slots)
 
     def read(self, slots: list[int] | tuple[int, ...], dsts: list[torch.Tensor]) -> list[bool]:
         """Copy ``slots[i]`` into the caller's ``dsts[i]``."""
-        non_blocking = self.pinned or self.device.type != "cpu"
         views = self._views
-        _copy_all(list(dsts), [views[s] for s in slots], non_blocking)
-        self.synchronize()
+        if self._host and self._host_bytes(dsts):
+            torch._foreach_copy_(list(dsts), [views[s] for s in slots])
+        else:
+            _copy_all(list(dsts), [views[s] for s in slots], self._non_blocking)
+            self.synchronize()
         return [True] * len(slots)
+
+    @staticmethod
+    def _host_bytes(ts: Sequence[torch.Tensor]) -> bool:
+        """True when every one of ``ts`` is a host ``uint8`` tensor, the dtype and
+        device of a host pool's own views: then one ``_foreach_copy_`` of the
+        pairs is valid and no per-pair check is needed (C-speed maps)."""
+        return all(map(_IS_CPU, ts)) and list(map(_DTYPE, ts)).count(_U8) == len(ts)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

@@ -75,6 +75,7 @@ class TransferEngine:
             raise ValueError(f"mover_threads={num_threads!r}: must be >= 1")
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="kvtier-mover")
         self._device = device
+        self._streams = device is not None and device.type == "cuda"
         self._local = threading.local()
         self._lock = threading.Lock()
         self.links: dict[str, LinkStats] = {}
@@ -100,7 +101,10 @@ class TransferEngine:
             hook = self.fault_hook
             if hook is not None:
                 hook(job)
-            with self._stream_context():
+            if self._streams:
+                with self._stream_context():
+                    oks = list(job.run())
+            else:  # host copies: no stream to enter (once per job of every put and get)
                 oks = list(job.run())
         except (OSError, RuntimeError, ValueError) as exc:  # a failed copy is a miss, never a crash
             log.warning("kvtier transfer on %s failed: %s", job.link, exc)
