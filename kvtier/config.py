@@ -382,6 +382,10 @@ class KVTierConfig:
 
     ``put_tier`` is where ``TieredStore.put`` writes first; with
     ``write_through`` it also stores to every lower enabled tier.
+    ``kv_events`` makes the store record a ``BlockStored`` / ``BlockLoaded``
+    event per block for ``TieredStore.take_events()`` (a KV-event feed to a
+    router or indexer); off by default, as vLLM's KV-cache events are, since
+    every stored and loaded block then costs an event object.
     """
 
     layout: LayoutConfig = field(default_factory=LayoutConfig)
@@ -394,6 +398,7 @@ class KVTierConfig:
     mover_threads: int = 2
     put_tier: str = "hbm"
     write_through: bool = False
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         for name, cls in _SECTIONS.items():

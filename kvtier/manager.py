@@ -192,6 +192,10 @@ class TierManager:
 
     ``clock`` gives the time used for pins (wall clock live, simulated in
     replay). ``pin_budget_blocks`` caps how many blocks may be pinned at once.
+    ``record_events=False`` records no events; ``record_block_events=False``
+    leaves out only ``BlockStored`` and ``BlockLoaded`` (one per block of every
+    completed store and load), for an owner that needs removals and failures
+    (to free bytes) but publishes no per-block stream.
     """
 
     def __init__(
@@ -201,6 +205,7 @@ class TierManager:
         pin_budget_blocks: int = 0,
         clock: Callable[[], float] = time.monotonic,
         record_events: bool = True,
+        record_block_events: bool = True,
     ) -> None:
         if not tiers:
             raise ConfigError("tiers", [], "enable at least one tier")
@@ -229,6 +234,9 @@ class TierManager:
         self._plan_ids = itertools.count(1)
         self._events: list[Event] = []
         self._record = record_events
+        # the per-block BlockStored / BlockLoaded, one per block of every completed
+        # store and load: an owner that only frees bytes (removals) can go without
+        self._record_blocks = record_events and record_block_events
         self._clock = clock
         self._pin_budget = pin_budget_blocks
         self._pinned: dict[BlockKey, float] = {}
@@ -433,7 +441,7 @@ class TierManager:
         for key, tier, good in zip(reversed(plan.keys), reversed(plan.tiers), reversed(oks)):
             node = self._blocks[key]
             t = self._tier_by_name[tier]
-            if self._record:
+            if self._record_blocks:
                 self._events.append(BlockLoaded(key, tier, good))
             if node.state[t.index] == _READY:
                 if good:
@@ -806,7 +814,7 @@ class TierManager:
         t.policy.on_insert(node.key)
         if node.children_in[t.index] or node.key in self._held:
             self._sync_park(node, t)
-        if self._record:
+        if self._record_blocks:
             self._events.append(BlockStored(node.key, t.name, node.parent))
 
     def _mark_ready_many(self, keys: Sequence[BlockKey], t: _Tier) -> None:
@@ -840,7 +848,7 @@ class TierManager:
                 on_insert(key)
         if to_park:
             insert_held_many(to_park)
-        if self._record:  # built at C speed: one BlockStored per key, tail first
+        if self._record_blocks:  # built at C speed: one BlockStored per key, tail first
             self._events.extend(map(BlockStored, rkeys, itertools.repeat(name), map(_PARENT, nodes)))
         t.num_ready += len(keys)
 
@@ -849,7 +857,7 @@ class TierManager:
         per-tier policy hits (tail first, one ``on_access_many`` per tier) as the
         per-key path, with the lookups hoisted (it runs once per block of every get)."""
         blocks, by_name = self._blocks, self._tier_by_name
-        events = self._events if self._record else None
+        events = self._events if self._record_blocks else None
         hits: dict[str, list[BlockKey]] = {}
         for key, tier in zip(reversed(plan.keys), reversed(plan.tiers)):
             node = blocks[key]

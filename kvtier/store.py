@@ -119,7 +119,10 @@ class TieredStore:
                 zstd_level=cfg.ssd.zstd_level,
                 sync=cfg.ssd.sync,
             )
-        self.manager = TierManager(specs, pin_budget_blocks=cfg.pin_budget_blocks, clock=clock)
+        # removals and failures are always recorded (SSD deletes, removal counts,
+        # explain_miss); the per-block stored/loaded events only for a KV-event feed
+        self.manager = TierManager(specs, pin_budget_blocks=cfg.pin_budget_blocks, clock=clock,
+                                   record_block_events=cfg.kv_events)
         self._lock = threading.RLock()
         self._mover = TransferEngine(cfg.mover_threads, device=accelerator_device())
         # recent events for take_events(); the oldest go once MAX_EVENTS are kept
@@ -397,7 +400,9 @@ class TieredStore:
             return out
 
     def take_events(self) -> list[Event]:
-        """Manager events since the last call (stores, removals, loads, pins)."""
+        """Manager events since the last call: removals, failed stores, moves and
+        pins always; ``BlockStored`` / ``BlockLoaded`` (one per block) only with
+        the ``kv_events`` setting on, as a KV-event publisher needs."""
         with self._lock:
             self._pump_events()
             events = list(self._events)

@@ -122,7 +122,7 @@ def test_publish_subscribe_round_trip(tmp_path):
         "layout": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "block_size": 4},
         "tiers": {"hbm": {"enabled": False}, "dram": {"capacity_blocks": 2},
                   "ssd": {"enabled": True, "capacity_blocks": 8, "path": str(tmp_path / "ssd")}},
-        "put_tier": "dram", "write_through": True}))
+        "put_tier": "dram", "write_through": True, "kv_events": True}))
     with KVEventPublisher(LOOPBACK, LOOPBACK, block_size=4, topic="kv") as pub, \
             KVEventSubscriber(pub.endpoint, pub.replay_endpoint, topic="kv", start_seq=0) as sub:
         sent: list[KVEventBatch] = []

@@ -160,6 +160,25 @@ def test_every_buffer_kind_round_trips_in_one_batch() -> None:
         s.check_invariants()
 
 
+def test_per_block_events_only_with_kv_events() -> None:
+    """Stored/loaded events are a KV-event feed, recorded only when asked for;
+    removals are recorded either way (the store frees bytes and counts them)."""
+    from kvtier.events import BlockLoaded, BlockRemoved, BlockStored
+
+    for kv_events in (False, True):
+        with make_store(dram=2, kv_events=kv_events) as s:
+            first, second = s.keys_for(list(range(8))), s.keys_for(list(range(100, 108)))
+            assert s.put(first, kv_blocks(2)) == 2
+            assert s.get(first, empty(2)) == 2
+            assert s.put(second, kv_blocks(2)) == 2  # evicts the first chain
+            kinds = [type(e) for e in s.take_events()]
+            assert kinds.count(BlockRemoved) == 2
+            assert kinds.count(BlockStored) == (4 if kv_events else 0)
+            assert kinds.count(BlockLoaded) == (2 if kv_events else 0)
+            assert s.explain_miss(first, 0).reason == "evicted"
+            s.check_invariants()
+
+
 def test_wrong_block_size_names_the_layout() -> None:
     with make_store() as s:
         with pytest.raises(ValueError, match="needs 1024"):
