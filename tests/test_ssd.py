@@ -407,3 +407,28 @@ def test_map_resize_for_deletes_is_safe_with_concurrent_readers(tier_path: Path)
                 t.join()
         assert errors == []
         assert tier._env.info()["map_size"] == 1 << 20  # set back afterwards
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kind=st.sampled_from(sorted(SMALL_RAWS)),
+    edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 255)), max_size=3),
+    other_key=st.booleans(),
+)
+def test_raw_fast_path_accepts_only_what_the_general_path_accepts(kind: str, edits: list, other_key: bool) -> None:
+    """The raw codec's one-unpack read path (``_decode_raw_fast``) never accepts a
+    value that the general path rejects, and accepts every intact raw value."""
+    from kvtier.tiers.codec import DecodeOutcome, _decode_raw_fast, decode_outcome
+
+    raw = SMALL_RAWS[kind]
+    value = bytearray(encode(raw, SMALL_CTX, "raw", key=K))
+    for pos, byte in edits:
+        value[pos % len(value)] ^= byte
+    key = BlockKey(K + 1) if other_key else K
+    out = bytearray(SMALL.bytes_per_block)
+    fast = _decode_raw_fast(bytes(value), out, SMALL_CTX, key)
+    general = decode_outcome(bytes(value), bytearray(SMALL.bytes_per_block), SMALL_CTX, key=key)
+    if fast:
+        assert general is DecodeOutcome.OK and bytes(out) == raw
+    if not edits and not other_key:
+        assert fast  # the common case takes the fast path

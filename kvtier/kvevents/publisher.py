@@ -13,7 +13,7 @@ Protocol (same as vLLM's ``ZmqEventPublisher``):
   ``seq >= start_seq``, then ``(b"", b"", END_SEQ, b"")``.
 
 >>> pub = KVEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", block_size=16)  # doctest: +SKIP
->>> pub.publish_events(store.take_events())  # doctest: +SKIP
+>>> pub.publish_events(store.take_events())  # a store built with kv_events: true  # doctest: +SKIP
 """
 
 from __future__ import annotations
