@@ -77,7 +77,8 @@ class KVTierScheduler:
         self.block_size = block_size
         self.world_size = world_size
         specs = [TierSpec(t, getattr(cfg, t).capacity_blocks, getattr(cfg, t).policy) for t in cfg.enabled_tiers]
-        self.manager = TierManager(specs, pin_budget_blocks=cfg.pin_budget_blocks)
+        # only removals are read (_pump_events: SSD deletes); no per-block stored/loaded events
+        self.manager = TierManager(specs, pin_budget_blocks=cfg.pin_budget_blocks, record_block_events=False)
         self.counters: Counter[str] = Counter()
         self._reqs: dict[str, _Req] = {}
         self._matches: dict[str, _Match] = {}
