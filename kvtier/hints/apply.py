@@ -162,6 +162,20 @@ class SignalListener(Protocol):
     def on_event(self, tenant: str, kind: str, event: Any, now_s: float) -> None: ...
 
 
+def _dedupe_tenant_key(index: int) -> int:
+    """The high bits of a tenant's dedupe keys (``key | event_id``, event ids
+    below ``2**64``). Not ``index << 64``: Python hashes an int modulo
+    ``2**61 - 1``, where ``2**64`` is 8, so tenant ``i``'s event ``e`` would
+    collide with tenant ``i + 1``'s event ``e - 8`` and, with sequential event
+    ids, every probe of the dedupe set would walk one entry per tenant. A
+    splitmix64 of the index spreads tenants over the hash space."""
+    x = (index * 0x9E3779B97F4A7C15) & _U64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
+    return (x ^ (x >> 31)) << 64  # a bijection of the index: tenants never share keys
+
+
+_U64 = (1 << 64) - 1
 _IMPORTANCE = frozenset(pb.Importance.values())
 _PRIORITY = frozenset(pb.Priority.values()) - {pb.PRIORITY_UNSPECIFIED}
 _TOOL_STATUS = frozenset(pb.ToolStatus.values())
@@ -307,7 +321,7 @@ class HintApplier:
              extra: Any, result: BatchResult, skip_invalid: bool, now_s: float, max_us: int) -> None:
         seen, order, window = self._seen, self._seen_order, self.limits.dedupe_window_events
         seen_add, order_append = seen.add, order.append
-        tkey = stats.index << 64
+        tkey = _dedupe_tenant_key(stats.index)
         by_type = stats.events_by_type
         listener = self.listener
         accepted = duplicates = 0
