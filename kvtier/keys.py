@@ -73,6 +73,19 @@ class Namespace:
         object.__setattr__(self, "digest", h.digest())
 
 
+_U64 = (1 << 64) - 1
+
+
+def mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit ints that spreads nearby
+    inputs over the whole range (for ints used as dict keys, whose Python hash
+    is the value modulo ``2**61 - 1``)."""
+    x = (x + 0x9E3779B97F4A7C15) & _U64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
+    return x ^ (x >> 31)
+
+
 def key_to_bytes(key: BlockKey) -> bytes:
     """16 big-endian bytes of ``key`` (the storage form)."""
     return key.to_bytes(KEY_BYTES, "big")

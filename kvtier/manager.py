@@ -329,11 +329,9 @@ class TierManager:
         out the plan covers the keys that fit before that point. Returns
         ``None`` when nothing could be reserved and nothing was present.
         """
-        t = self._tier_by_name.get(tier) or self._tier(tier)
+        t = self._tier(tier)
         now = self._clock()
-        heap = self._pin_heap
-        if heap and heap[0][0] <= now:
-            self._expire_pins(now)
+        self._expire_pins(now)
         reserved: list[BlockKey] = []
         slots: list[int] = []
         skipped: list[BlockKey] = []
@@ -392,14 +390,10 @@ class TierManager:
 
     def complete_store(self, plan: StorePlan, ok: bool | Sequence[bool]) -> None:
         """Finish ``plan``: keys with ok become readable, the others are dropped."""
-        if self._plans.pop(plan.plan_id, None) is None:
-            self._close_plan(plan)  # raises: not open
+        self._close_plan(plan)
         t = self._tier_by_name[plan.tier]
-        if ok is True or (type(ok) is list and len(ok) == len(plan.keys) and all(ok)):
-            self._mark_ready_many(plan.keys, t)  # every key stored: the common case
-            return
         oks = self._per_key(ok, len(plan.keys))
-        if all(oks):
+        if ok is True or all(oks):
             self._mark_ready_many(plan.keys, t)
             return
         # tail first, so the policy sees a chain's head as its most recent block

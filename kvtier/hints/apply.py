@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from ..agents.graph import AgentGraph, Refusal
+from ..keys import mix64
 from ._gen import hints_pb2 as pb
 
 KEY_BYTES = 16
@@ -167,15 +168,11 @@ def _dedupe_tenant_key(index: int) -> int:
     below ``2**64``). Not ``index << 64``: Python hashes an int modulo
     ``2**61 - 1``, where ``2**64`` is 8, so tenant ``i``'s event ``e`` would
     collide with tenant ``i + 1``'s event ``e - 8`` and, with sequential event
-    ids, every probe of the dedupe set would walk one entry per tenant. A
-    splitmix64 of the index spreads tenants over the hash space."""
-    x = (index * 0x9E3779B97F4A7C15) & _U64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
-    return (x ^ (x >> 31)) << 64  # a bijection of the index: tenants never share keys
+    ids, every probe of the dedupe set would walk one entry per tenant.
+    :func:`~kvtier.keys.mix64` is a bijection: tenants never share keys."""
+    return mix64(index) << 64
 
 
-_U64 = (1 << 64) - 1
 _IMPORTANCE = frozenset(pb.Importance.values())
 _PRIORITY = frozenset(pb.Priority.values()) - {pb.PRIORITY_UNSPECIFIED}
 _TOOL_STATUS = frozenset(pb.ToolStatus.values())

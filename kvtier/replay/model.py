@@ -303,27 +303,19 @@ def _new_suffixes(agent: Agent) -> Iterator[tuple[int, tuple[int, ...]]]:
         prev = r.block_ids
 
 
-_U64 = (1 << 64) - 1
 _SPLIT_TAG = 0x6B76_7469_6572_5350  # "kvtierSP"
 _MERGE_TAG = 0x6B76_7469_6572_4D47  # "kvtierMG"
 
 
 def _mix64_np(x: Any) -> Any:
-    """splitmix64 finaliser on a numpy uint64 array (wrapping arithmetic)."""
+    """splitmix64 finaliser (:func:`kvtier.keys.mix64`) on a numpy uint64 array
+    (wrapping arithmetic)."""
     import numpy as np
 
     x = x + np.uint64(0x9E3779B97F4A7C15)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return x ^ (x >> np.uint64(31))
-
-
-def _mix64(x: int) -> int:
-    """The same finaliser on one Python int (for tests and tiny inputs)."""
-    x = (x + 0x9E3779B97F4A7C15) & _U64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
-    return x ^ (x >> 31)
 
 
 def _in_range(i: int) -> bool:

@@ -115,8 +115,6 @@ class TensorPool:
         self.data = torch.zeros((num_slots, bytes_per_block), dtype=torch.uint8, device=device, pin_memory=pin)
         self._views = list(self.data.unbind(0))  # one zero-copy view per slot, made once
         self._non_blocking = pin or device.type != "cpu"
-        # a host pool: copies with host buffers are synchronous, no stream to sync
-        self._host = device.type == "cpu" and _HAS_FOREACH_COPY
 
     @property
     def nbytes(self) -> int:
@@ -129,29 +127,16 @@ class TensorPool:
     def write(self, slots: list[int] | tuple[int, ...], srcs: list[torch.Tensor]) -> list[bool]:
         """Copy each ``srcs[i]`` (``bytes_per_block`` bytes) into ``slots[i]``."""
         views = self._views
-        if self._host and self._host_bytes(srcs):
-            torch._foreach_copy_([views[s] for s in slots], srcs)
-        else:
-            _copy_all([views[s] for s in slots], srcs, self._non_blocking)
-            self.synchronize()
+        _copy_all([views[s] for s in slots], srcs, self._non_blocking)
+        self.synchronize()
         return [True] * len(slots)
 
     def read(self, slots: list[int] | tuple[int, ...], dsts: list[torch.Tensor]) -> list[bool]:
         """Copy ``slots[i]`` into the caller's ``dsts[i]``."""
         views = self._views
-        if self._host and self._host_bytes(dsts):
-            torch._foreach_copy_(list(dsts), [views[s] for s in slots])
-        else:
-            _copy_all(list(dsts), [views[s] for s in slots], self._non_blocking)
-            self.synchronize()
+        _copy_all(list(dsts), [views[s] for s in slots], self._non_blocking)
+        self.synchronize()
         return [True] * len(slots)
-
-    @staticmethod
-    def _host_bytes(ts: Sequence[torch.Tensor]) -> bool:
-        """True when every one of ``ts`` is a host ``uint8`` tensor, the dtype and
-        device of a host pool's own views: then one ``_foreach_copy_`` of the
-        pairs is valid and no per-pair check is needed (C-speed maps)."""
-        return all(map(_IS_CPU, ts)) and list(map(_DTYPE, ts)).count(_U8) == len(ts)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
