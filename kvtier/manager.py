@@ -59,9 +59,6 @@ from .policies import EvictionPolicy, make_policy
 TIER_ORDER: tuple[str, ...] = ("hbm", "dram", "ssd")
 """Tiers from fastest to slowest; a lookup reports the fastest ready copy."""
 
-_PENDING = 0
-_READY = 1
-_PARENT = operator.attrgetter("parent")
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,32 +134,11 @@ class MovePlan:
     evicted: tuple[BlockKey, ...]
 
 
-class _Block:
-    """Index node of one key: residency per tier, chain links, refs, pin."""
-
-    __slots__ = ("key", "parent", "state", "slot", "children_in", "num_children", "ref_count", "hold_count",
-                 "pin_until")
-
-    def __init__(self, key: BlockKey, parent: BlockKey | None, num_tiers: int) -> None:
-        self.key = key
-        self.parent = parent
-        self.state: list[int | None] = [None] * num_tiers  # None: absent
-        self.slot: list[int] = [0] * num_tiers
-        self.children_in = [0] * num_tiers  # children with any residency in that tier
-        self.num_children = 0  # child nodes in the index
-        self.ref_count = 0  # every reference: acquire() holds plus in-flight loads and moves
-        self.hold_count = 0  # acquire() references only (parked while > 0)
-        self.pin_until = 0.0
-
-    def present_anywhere(self) -> bool:
-        return self.state.count(None) != len(self.state)
-
-
 class _Tier:
-    """Slot pool and policy of one tier."""
+    """Slot pool, policy and residency of one tier."""
 
     __slots__ = ("name", "index", "capacity", "policy", "free_slots", "next_slot", "num_used", "num_ready",
-                 "num_reserved")
+                 "num_reserved", "slots", "children")
 
     def __init__(self, name: str, index: int, capacity: int, policy: EvictionPolicy) -> None:
         self.name = name
@@ -174,6 +150,8 @@ class _Tier:
         self.num_used = 0  # pending + ready residencies + reserved space
         self.num_ready = 0
         self.num_reserved = 0  # anonymous space (e.g. a running request's decode blocks)
+        self.slots: dict[BlockKey, int] = {}  # resident key (pending or ready) -> its slot
+        self.children: dict[BlockKey, int] = {}  # key -> children resident here (pending or ready); > 0 only
 
     def take_slot(self) -> int:
         self.num_used += 1
@@ -181,6 +159,19 @@ class _Tier:
             return self.free_slots.pop()
         self.next_slot += 1
         return self.next_slot - 1
+
+    def take_slots(self, n: int) -> list[int]:
+        """``take_slot()`` ``n`` times, in one go (the same slots in the same order)."""
+        self.num_used += n
+        free = self.free_slots
+        k = min(n, len(free))
+        taken = free[len(free) - k :]
+        del free[len(free) - k :]
+        taken.reverse()  # pop() order
+        if k < n:
+            taken.extend(range(self.next_slot, self.next_slot + n - k))
+            self.next_slot += n - k
+        return taken
 
     def give_slot(self, slot: int) -> None:
         self.num_used -= 1
@@ -196,6 +187,11 @@ class TierManager:
     leaves out only ``BlockStored`` and ``BlockLoaded`` (one per block of every
     completed store and load), for an owner that needs removals and failures
     (to free bytes) but publishes no per-block stream.
+
+    The index is a set of dicts keyed by block key (one field each: parent,
+    child count, references, holds; per tier: slot, children resident there),
+    not one object per block: storing a fresh chain then updates each dict
+    once, at C speed, instead of building an object per block.
     """
 
     def __init__(
@@ -229,7 +225,13 @@ class TierManager:
             for i, s in enumerate(ordered)
         ]
         self._tier_by_name = {t.name: t for t in self._tiers}
-        self._blocks: dict[BlockKey, _Block] = {}
+        # the index: every known key -> its parent (None for a root or a stub whose
+        # parent is unknown). A key stays while it is resident somewhere, has a
+        # child in the index, is referenced or is pinned.
+        self._parent: dict[BlockKey, BlockKey | None] = {}
+        self._num_children: dict[BlockKey, int] = {}  # child keys in the index; > 0 only
+        self._refs: dict[BlockKey, int] = {}  # acquire() holds + in-flight loads and moves; > 0 only
+        self._holds: dict[BlockKey, int] = {}  # acquire() references only (parked while > 0); > 0 only
         self._plans: dict[int, StorePlan | LoadPlan | MovePlan] = {}
         self._plan_ids = itertools.count(1)
         self._events: list[Event] = []
@@ -239,7 +241,7 @@ class TierManager:
         self._record_blocks = record_events and record_block_events
         self._clock = clock
         self._pin_budget = pin_budget_blocks
-        self._pinned: dict[BlockKey, float] = {}
+        self._pinned: dict[BlockKey, float] = {}  # pinned key -> pinned until
         self._names = tuple(t.name for t in self._tiers)
         self._ready: list[set[BlockKey]] = [set() for _ in self._tiers]  # readable keys per tier
         self._fastest: dict[BlockKey, int] = {}  # readable key -> index of its fastest tier
@@ -265,6 +267,10 @@ class TierManager:
     def ready_blocks(self, tier: str) -> int:
         return self._tier(tier).num_ready
 
+    def num_indexed(self) -> int:
+        """Keys in the index (resident, or kept for a chain link, a reference or a pin)."""
+        return len(self._parent)
+
     def lookup(self, keys: Sequence[BlockKey]) -> PrefixHit:
         """Longest prefix of ``keys`` readable in some tier, with the fastest tier of
         each block. Side-effect free (no policy touch). O(len(keys)) at C speed:
@@ -284,27 +290,20 @@ class TierManager:
 
     def tiers_of(self, key: BlockKey) -> tuple[str, ...]:
         """Every tier where ``key`` is readable, fastest first."""
-        node = self._blocks.get(key)
-        if node is None:
-            return ()
-        return tuple(t.name for t in self._tiers if node.state[t.index] == _READY)
+        return tuple(t.name for t in self._tiers if key in self._ready[t.index])
 
     def is_pending(self, key: BlockKey, tier: str) -> bool:
         """True while a store or move of ``key`` into ``tier`` is prepared but not completed."""
-        node = self._blocks.get(key)
-        return node is not None and node.state[self._tier(tier).index] == _PENDING
+        t = self._tier(tier)
+        return key in t.slots and key not in self._ready[t.index]
 
     def slot_of(self, key: BlockKey, tier: str) -> int | None:
         """Slot of a readable ``key`` in ``tier``, or ``None``."""
-        node = self._blocks.get(key)
         t = self._tier(tier)
-        if node is None or node.state[t.index] != _READY:
-            return None
-        return node.slot[t.index]
+        return t.slots[key] if key in self._ready[t.index] else None
 
     def parent_of(self, key: BlockKey) -> BlockKey | None:
-        node = self._blocks.get(key)
-        return None if node is None else node.parent
+        return self._parent.get(key)
 
     def touch(self, keys: Sequence[BlockKey], tier: str) -> int:
         """Record a hit on every ``keys[i]`` readable in ``tier``, tail first (so a
@@ -332,56 +331,39 @@ class TierManager:
         t = self._tier(tier)
         now = self._clock()
         self._expire_pins(now)
+        before_insert = t.policy.before_insert if getattr(t.policy, "adapts_before_insert", True) else None
+        if chain and self._is_fresh_chain(t, keys, parent):
+            if before_insert is not None:
+                for key in keys:
+                    before_insert(key)
+            keys = tuple(keys)
+            plan = StorePlan(next(self._plan_ids), t.name, keys, tuple(self._reserve_fresh_chain(t, keys, parent)),
+                             (), ())
+            self._plans[plan.plan_id] = plan
+            return plan
         reserved: list[BlockKey] = []
         slots: list[int] = []
         skipped: list[BlockKey] = []
         evicted: list[BlockKey] = []
-        # hot loop (once per key of every put): attribute lookups hoisted
-        idx, blocks, ntiers, free_slots, capacity = t.index, self._blocks, len(self._tiers), t.free_slots, t.capacity
-        before_insert = t.policy.before_insert if getattr(t.policy, "adapts_before_insert", True) else None
+        index, resident = self._parent, t.slots
         prev = parent if chain else None
-        own = None  # the node of prev when this plan reserved it: pending, so never evicted meanwhile
         for key in keys:
-            node = blocks.get(key)
-            if node is not None and node.state[idx] is not None:
+            if key in resident:  # pending or ready here already
                 skipped.append(key)
                 if chain:
                     prev = key
-                own = None
                 continue
             if before_insert is not None:
                 before_insert(key)
-            if t.num_used >= capacity and not self._make_room(t, key, prev, now, evicted):
+            if t.num_used >= t.capacity and not self._make_room(t, key, prev, now, evicted):
                 break
-            if node is None and prev is not None:
-                pnode = own if own is not None else blocks.get(prev)
-            else:
-                pnode = None
-            if pnode is not None and pnode.state[idx] != _READY:
-                # the common case (a new key after a parent not readable in this tier,
-                # e.g. the previous key of this very plan): _reserve_new_child inlined
-                node = blocks[key] = _Block(key, prev, ntiers)
-                pnode.num_children += 1
-                pnode.children_in[idx] += 1
-                t.num_used += 1  # take_slot, inlined
-                if free_slots:
-                    slot = free_slots.pop()
-                else:
-                    slot = t.next_slot
-                    t.next_slot = slot + 1
-                node.slot[idx] = slot
-                node.state[idx] = _PENDING
-            elif node is None and prev is not None:
-                slot = self._reserve_new_child(key, prev, t)
-                node = blocks[key]
-            else:
-                node = self._node(key, prev)
-                slot = t.take_slot()
-                self._set_residency(node, t, _PENDING, slot)
+            self._index(key, prev)
+            slot = t.take_slot()
+            self._set_pending(key, t, slot)
             reserved.append(key)
             slots.append(slot)
             if chain:
-                prev, own = key, node
+                prev = key
         if not reserved and not skipped:
             return None
         plan = StorePlan(next(self._plan_ids), t.name, tuple(reserved), tuple(slots), tuple(skipped), tuple(evicted))
@@ -398,13 +380,12 @@ class TierManager:
             return
         # tail first, so the policy sees a chain's head as its most recent block
         for key, good in zip(reversed(plan.keys), reversed(oks)):
-            node = self._blocks[key]
             if good:
-                self._mark_ready(node, t)
+                self._mark_ready(key, t)
             else:
                 if self._record:
                     self._events.append(StoreFailed(key, t.name))
-                self._drop_residency(node, t, None)
+                self._drop_residency(key, t, None)
 
     # --------------------------------------------------------------- load
 
@@ -415,11 +396,18 @@ class TierManager:
         if hit.num_blocks == 0:
             return None
         found = tuple(keys[: hit.num_blocks])
-        nodes = list(map(self._blocks.__getitem__, found))
-        for node in nodes:
-            node.ref_count += 1  # _ref, inlined: once per key of every get
+        refs = self._refs
+        if refs.keys().isdisjoint(found) and len(set(found)) == len(found):  # none referenced yet: at C speed
+            refs.update(dict.fromkeys(found, 1))
+        else:
+            for key in found:
+                refs[key] = refs.get(key, 0) + 1
         # tier_indices index self._tiers, whose positions are the tiers' indices
-        slots = tuple(node.slot[i] for node, i in zip(nodes, hit.tier_indices))
+        first = hit.tier_indices[0]
+        if hit.tier_indices.count(first) == len(found):  # one tier (the common case)
+            slots = tuple(map(self._tiers[first].slots.__getitem__, found))
+        else:
+            slots = tuple(self._tiers[i].slots[key] for key, i in zip(found, hit.tier_indices))
         plan = LoadPlan(next(self._plan_ids), found, hit.tiers, slots)
         self._plans[plan.plan_id] = plan
         return plan
@@ -433,17 +421,16 @@ class TierManager:
             self._complete_load_ok(plan)
             return
         for key, tier, good in zip(reversed(plan.keys), reversed(plan.tiers), reversed(oks)):
-            node = self._blocks[key]
             t = self._tier_by_name[tier]
             if self._record_blocks:
                 self._events.append(BlockLoaded(key, tier, good))
-            if node.state[t.index] == _READY:
+            if key in self._ready[t.index]:
                 if good:
                     t.policy.on_access(key)
                 else:
                     t.policy.on_remove(key)
-                    self._drop_residency(node, t, "failed_verify")
-            self._unref(node)
+                    self._drop_residency(key, t, "failed_verify")
+            self._unref(key)
 
     # --------------------------------------------------------------- move
 
@@ -465,19 +452,20 @@ class TierManager:
         src_slots: list[int] = []
         dst_slots: list[int] = []
         evicted: list[BlockKey] = []
+        src_ready = self._ready[s.index]
         for key in keys:
-            node = self._blocks.get(key)
-            if node is None or node.state[s.index] != _READY or node.state[d.index] is not None:
+            if key not in src_ready or key in d.slots:
                 continue
             d.policy.before_insert(key)
-            self._ref(node)  # protects the source copy from eviction while we make room
-            if d.num_used >= d.capacity and not self._make_room(d, key, node.parent, now, evicted):
-                self._unref(node)
+            self._ref(key)  # protects the source copy from eviction while we make room
+            if d.num_used >= d.capacity and not self._make_room(d, key, self._parent[key], now, evicted):
+                self._unref(key)
                 break
-            self._set_residency(node, d, _PENDING, d.take_slot())
+            slot = d.take_slot()
+            self._set_pending(key, d, slot)
             moving.append(key)
-            src_slots.append(node.slot[s.index])
-            dst_slots.append(node.slot[d.index])
+            src_slots.append(s.slots[key])
+            dst_slots.append(slot)
         if not moving:
             return None
         plan = MovePlan(
@@ -493,45 +481,52 @@ class TierManager:
         self._close_plan(plan)
         s, d = self._tier_by_name[plan.src], self._tier_by_name[plan.dst]
         oks = self._per_key(ok, len(plan.keys))
+        src_ready = self._ready[s.index]
         for key, good in zip(reversed(plan.keys), reversed(oks)):
-            node = self._blocks[key]
             if not good:
                 if self._record:
                     self._events.append(StoreFailed(key, d.name))
-                self._drop_residency(node, d, None)
+                self._drop_residency(key, d, None)
             else:
-                self._mark_ready(node, d)
-                if node.state[s.index] == _READY:
+                self._mark_ready(key, d)
+                if key in src_ready:
                     if plan.keep_source:
                         s.policy.on_access(key)  # the source copy was read: a hit there
                     else:
                         s.policy.on_remove(key)
-                        self._drop_residency(node, s, "moved")
-            self._unref(node)
+                        self._drop_residency(key, s, "moved")
+            self._unref(key)
 
     # ---------------------------------------------------------- refs and pins
 
     def acquire(self, keys: Iterable[BlockKey]) -> None:
         """Reference known ``keys`` (e.g. held by a running request): unevictable
         until :meth:`release`. Unknown keys raise ``KeyError``."""
+        refs, holds = self._refs, self._holds
         for key in keys:
-            node = self._blocks[key]
-            node.ref_count += 1
-            node.hold_count += 1
-            if node.hold_count == 1:
-                self._hold(node)
+            if key not in self._parent:
+                raise KeyError(key)
+            refs[key] = refs.get(key, 0) + 1
+            holds[key] = holds.get(key, 0) + 1
+            if holds[key] == 1:
+                self._hold(key)
 
     def release(self, keys: Iterable[BlockKey]) -> None:
         """Drop one reference taken by :meth:`acquire` (tail first, so a chain's head
         becomes the most recent block)."""
+        holds = self._holds
         for key in reversed(keys) if isinstance(keys, Sequence) else keys:
-            node = self._blocks[key]
-            if node.hold_count <= 0:
+            if key not in self._parent:
+                raise KeyError(key)
+            count = holds.get(key, 0)
+            if count <= 0:
                 raise ProtocolError(f"release of block {key:#x} with no reference")
-            node.hold_count -= 1
-            if not node.hold_count:
-                self._maybe_unhold(node)
-            self._unref(node)
+            if count > 1:
+                holds[key] = count - 1
+            else:
+                del holds[key]
+                self._maybe_unhold(key)
+            self._unref(key)
 
     def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> int | None:
         """Pin the known ``keys`` for ``ttl_s`` seconds (extending earlier pins).
@@ -541,7 +536,7 @@ class TierManager:
             raise ValueError(f"pin ttl_s={ttl_s!r}: must be > 0")
         now = self._clock()
         self._expire_pins(now)
-        known = [k for k in dict.fromkeys(keys) if k in self._blocks]
+        known = [k for k in dict.fromkeys(keys) if k in self._parent]
         new = sum(1 for k in known if k not in self._pinned)
         if len(self._pinned) + new > self._pin_budget:
             if self._record:
@@ -549,25 +544,21 @@ class TierManager:
             return None
         until = now + ttl_s
         for key in known:
-            node = self._blocks[key]
-            node.pin_until = max(node.pin_until, until)
-            self._pinned[key] = node.pin_until
-            heapq.heappush(self._pin_heap, (node.pin_until, key))
-            self._hold(node)
+            pinned_until = self._pinned[key] = max(self._pinned.get(key, 0.0), until)
+            heapq.heappush(self._pin_heap, (pinned_until, key))
+            self._hold(key)
             if self._record:
-                self._events.append(BlockPinned(key, node.pin_until))
+                self._events.append(BlockPinned(key, pinned_until))
         return len(known)
 
     def unpin(self, keys: Iterable[BlockKey]) -> None:
         """Remove pins of ``keys`` (pins also lapse at their TTL)."""
         for key in keys:
             if self._pinned.pop(key, None) is not None:
-                node = self._blocks[key]
-                node.pin_until = 0.0
                 if self._record:
                     self._events.append(BlockUnpinned(key, "unpinned"))
-                self._maybe_unhold(node)
-                self._maybe_forget(node)
+                self._maybe_unhold(key)
+                self._maybe_forget(key)
 
     def is_pinned(self, key: BlockKey) -> bool:
         """True while ``key`` holds an unexpired pin."""
@@ -613,18 +604,18 @@ class TierManager:
         keys = list(keys)
         doomed = set(keys)
         dropped = 0
+        index, refs = self._parent, self._refs
         for key in reversed(keys):
-            node = self._blocks.get(key)
-            if node is None or node.ref_count:
+            if key not in index or key in refs:
                 continue
             # a parent removed by this same call need not re-enter its order first
-            parent = self._blocks.get(node.parent) if node.parent in doomed else None
-            keep_parked = parent is not None and not parent.ref_count
+            parent = index[key]
+            keep_parked = parent in doomed and parent in index and parent not in refs
             for t in tiers:
-                if node.state[t.index] == _READY:
+                ready = self._ready[t.index]
+                if key in ready:
                     t.policy.on_remove(key)
-                    self._drop_residency(node, t, "removed",
-                                         unpark_parent=not (keep_parked and parent.state[t.index] == _READY))
+                    self._drop_residency(key, t, "removed", unpark_parent=not (keep_parked and parent in ready))
                     dropped += 1
         return dropped
 
@@ -632,10 +623,9 @@ class TierManager:
         """Index in the chain ``keys`` after its last branching block (a block with
         more than one child in the index): ``keys[i:]`` belong to this chain
         alone, ``keys[:i]`` are shared with other chains."""
-        blocks = self._blocks
+        num_children = self._num_children
         for i in range(len(keys) - 2, -1, -1):
-            node = blocks.get(keys[i])
-            if node is not None and node.num_children > 1:
+            if num_children.get(keys[i], 0) > 1:
                 return i + 1
         return 0
 
@@ -689,51 +679,53 @@ class TierManager:
 
     def check_invariants(self) -> None:
         """Assert every structural invariant (O(blocks)); for tests."""
+        index = self._parent
         for t in self._tiers:
-            used = [n for n in self._blocks.values() if n.state[t.index] is not None]
-            ready = [n for n in used if n.state[t.index] == _READY]
-            slots = [n.slot[t.index] for n in used]
-            assert len(used) + t.num_reserved == t.num_used <= t.capacity, (t.name, len(used), t.num_used)
+            ready = self._ready[t.index]
+            slots = list(t.slots.values())
+            assert t.slots.keys() <= index.keys(), f"{t.name}: a resident key is missing from the index"
+            assert ready <= t.slots.keys(), f"{t.name}: a ready key holds no slot"
+            assert len(t.slots) + t.num_reserved == t.num_used <= t.capacity, (t.name, len(t.slots), t.num_used)
             assert len(ready) == t.num_ready == len(t.policy), (t.name, len(ready), t.num_ready, len(t.policy))
-            assert self._ready[t.index] == {n.key for n in ready}, f"{t.name}: ready set out of date"
             assert len(set(slots)) == len(slots), f"{t.name}: a slot is used twice"
             assert len(set(t.free_slots)) == len(t.free_slots) and not set(slots) & set(t.free_slots)
             assert len(slots) + len(t.free_slots) == t.next_slot, (t.name, "slot leak")
             t.policy.check_invariants()
-        children_in: dict[BlockKey, list[int]] = {}
         num_children: dict[BlockKey, int] = {}
-        for node in self._blocks.values():
-            assert node.ref_count >= 0, f"negative ref count on {node.key:#x}"
-            assert node.present_anywhere() or node.num_children or node.ref_count or node.key in self._pinned, (
-                f"dangling index node {node.key:#x}"
-            )
-            if node.parent is not None:
-                assert node.parent in self._blocks, f"parent of {node.key:#x} missing from index"
-                num_children[node.parent] = num_children.get(node.parent, 0) + 1
-                counts = children_in.setdefault(node.parent, [0] * len(self._tiers))
+        children = [dict[BlockKey, int]() for _ in self._tiers]
+        for key, parent in index.items():
+            if parent is not None:
+                assert parent in index, f"parent of {key:#x} missing from index"
+                num_children[parent] = num_children.get(parent, 0) + 1
                 for t in self._tiers:
-                    counts[t.index] += node.state[t.index] is not None
-        for node in self._blocks.values():
-            assert node.num_children == num_children.get(node.key, 0), f"num_children of {node.key:#x}"
-            assert node.children_in == children_in.get(node.key, [0] * len(self._tiers)), (
-                f"children_in of {node.key:#x}"
-            )
-        for node in self._blocks.values():
-            best = self._fastest_ready(node)
-            assert self._fastest.get(node.key) == (None if best is None else best.index), "fastest index"
-        assert set(self._fastest) <= set(self._blocks), "fastest index holds forgotten keys"
+                    if key in t.slots:
+                        children[t.index][parent] = children[t.index].get(parent, 0) + 1
+        assert self._num_children == num_children, "child counts out of date"
+        for t in self._tiers:
+            assert t.children == children[t.index], f"{t.name}: counts of children resident there out of date"
+        for counts, what in ((self._refs, "reference"), (self._holds, "hold")):
+            assert all(c > 0 for c in counts.values()), f"a {what} count <= 0 is kept"
+            assert counts.keys() <= index.keys(), f"a {what} count of a key missing from the index"
+        assert all(c <= self._refs.get(k, 0) for k, c in self._holds.items()), "holds exceed references"
+        assert self._pinned.keys() <= index.keys(), "a pinned key is missing from the index"
+        for key in index:
+            assert (self._present_anywhere(key) or key in self._num_children or key in self._refs
+                    or key in self._pinned), f"dangling index key {key:#x}"
+            best = self._fastest_ready(key)
+            assert self._fastest.get(key) == (None if best is None else best.index), "fastest index"
+        assert self._fastest.keys() <= index.keys(), "fastest index holds forgotten keys"
         assert len(self._pinned) <= self._pin_budget, "pin budget exceeded"
-        held = {n.key for n in self._blocks.values() if n.hold_count or n.key in self._pinned}
-        assert all(n.hold_count <= n.ref_count for n in self._blocks.values()), "holds exceed references"
+        held = {k for k in index if k in self._holds or k in self._pinned}
         assert self._held == held, "held set out of date"
         for t in self._tiers:
-            want = {n.key for n in self._blocks.values()
-                    if n.state[t.index] == _READY and (n.key in held or n.children_in[t.index])}
+            want = {k for k in self._ready[t.index] if k in held or k in t.children}
             assert self._parked[t.index] == want, f"{t.name}: parked set out of date"
         for plan in self._plans.values():
             if isinstance(plan, StorePlan):
-                idx = self._tier_by_name[plan.tier].index
-                assert all(self._blocks[k].state[idx] == _PENDING for k in plan.keys), "store plan not pending"
+                t = self._tier_by_name[plan.tier]
+                assert all(k in t.slots and k not in self._ready[t.index] for k in plan.keys), (
+                    "store plan not pending"
+                )
 
     # ------------------------------------------------------------ internals
 
@@ -743,186 +735,224 @@ class TierManager:
         except KeyError:
             raise ValueError(f"tier {name!r} is not enabled; enabled: {', '.join(self._tier_by_name)}") from None
 
-    def _fastest_ready(self, node: _Block) -> _Tier | None:
+    def _fastest_ready(self, key: BlockKey) -> _Tier | None:
         for t in self._tiers:
-            if node.state[t.index] == _READY:
+            if key in self._ready[t.index]:
                 return t
         return None
 
-    def _node(self, key: BlockKey, parent: BlockKey | None) -> _Block:
-        node = self._blocks.get(key)
-        if node is not None:
-            if node.parent is None and parent is not None and parent != key:
-                node.parent = parent  # a stub learns its place in the chain
-                self._link_child(node, parent)
-            return node
-        node = _Block(key, parent, len(self._tiers))
-        self._blocks[key] = node
-        if parent is not None:
-            self._link_child(node, parent)
-        return node
-
-    def _reserve_new_child(self, key: BlockKey, parent: BlockKey, t: _Tier) -> int:
-        """``_node`` + ``take_slot`` + ``_set_residency(PENDING)`` for a ``key`` not yet
-        in the index whose parent is ``parent`` (once per key of most stores).
-        Returns the slot taken in ``t``."""
-        blocks, idx = self._blocks, t.index
-        node = blocks[key] = _Block(key, parent, len(self._tiers))
-        pnode = blocks.get(parent)
-        if pnode is None:  # a stub keeps the chain link (and children counts) alive
-            pnode = self._node(parent, None)
-        pnode.num_children += 1
-        slot = node.slot[idx] = t.take_slot()
-        node.state[idx] = _PENDING
-        pnode.children_in[idx] += 1
-        if pnode.children_in[idx] == 1 and pnode.state[idx] == _READY:
-            self._sync_park(pnode, t)
-        return slot
-
-    def _link_child(self, node: _Block, parent: BlockKey) -> None:
-        pnode = self._blocks.get(parent)
-        if pnode is None:  # a stub keeps the chain link (and children counts) alive
-            pnode = self._node(parent, None)
-        pnode.num_children += 1
+    def _present_anywhere(self, key: BlockKey) -> bool:
         for t in self._tiers:
-            if node.state[t.index] is not None:
-                pnode.children_in[t.index] += 1
-                self._sync_park(pnode, t)
+            if key in t.slots:
+                return True
+        return False
 
-    def _set_residency(self, node: _Block, t: _Tier, state: int, slot: int) -> None:
-        node.state[t.index] = state
-        node.slot[t.index] = slot
-        if node.parent is not None:
-            pnode = self._blocks[node.parent]
-            pnode.children_in[t.index] += 1
-            if pnode.children_in[t.index] == 1 and pnode.state[t.index] == _READY:
-                self._sync_park(pnode, t)
+    def _is_fresh_chain(self, t: _Tier, keys: Sequence[BlockKey], parent: BlockKey | None) -> bool:
+        """True when the chain ``keys`` (after ``parent``) fits ``t`` without eviction
+        and none of them is in the index: the case :meth:`_reserve_fresh_chain`
+        handles (most stores of new tokens). C-speed checks only."""
+        n = len(keys)
+        if not n or t.num_used + n > t.capacity or not self._parent.keys().isdisjoint(keys):
+            return False
+        distinct = set(keys)
+        return len(distinct) == n and parent not in distinct
 
-    def _mark_ready(self, node: _Block, t: _Tier) -> None:
-        node.state[t.index] = _READY
+    def _reserve_fresh_chain(self, t: _Tier, keys: tuple[BlockKey, ...], parent: BlockKey | None) -> list[int]:
+        """The per-key reservation loop of :meth:`prepare_store` for a fresh chain
+        (see :meth:`_is_fresh_chain`), with one C-speed update per structure:
+        the same index entries, slots (in the same order) and counts. Returns
+        the slots taken."""
+        index = self._parent
+        if parent is not None and parent not in index:
+            index[parent] = None  # a stub keeps the chain link (and children counts) alive
+        index.update(zip(keys, itertools.chain((parent,), keys)))  # keys[i] follows keys[i - 1]
+        interior = dict.fromkeys(keys[:-1], 1)  # each key but the tail has one child, resident here
+        self._num_children.update(interior)
+        t.children.update(interior)
+        slots = t.take_slots(len(keys))
+        t.slots.update(zip(keys, slots))
+        if parent is not None:
+            self._num_children[parent] = self._num_children.get(parent, 0) + 1
+            self._count_child_in(parent, t)
+        return slots
+
+    def _index(self, key: BlockKey, parent: BlockKey | None) -> None:
+        """Put ``key`` in the index after ``parent`` (a stub already there learns its parent)."""
+        index = self._parent
+        if key in index:
+            if index[key] is None and parent is not None and parent != key:
+                index[key] = parent  # a stub learns its place in the chain
+                self._link_child(key, parent)
+            return
+        index[key] = parent
+        if parent is not None:
+            self._link_child(key, parent)
+
+    def _link_child(self, key: BlockKey, parent: BlockKey) -> None:
+        if parent not in self._parent:
+            self._index(parent, None)  # a stub keeps the chain link (and children counts) alive
+        self._num_children[parent] = self._num_children.get(parent, 0) + 1
+        for t in self._tiers:
+            if key in t.slots:
+                self._count_child_in(parent, t)
+
+    def _count_child_in(self, parent: BlockKey, t: _Tier) -> None:
+        """One more child of ``parent`` is resident in ``t``: the first one parks it there."""
+        count = t.children[parent] = t.children.get(parent, 0) + 1
+        if count == 1:
+            self._sync_park(parent, t)
+
+    def _set_pending(self, key: BlockKey, t: _Tier, slot: int) -> None:
+        """``key`` (in the index) now holds ``slot`` in ``t``, not yet readable."""
+        t.slots[key] = slot
+        parent = self._parent[key]
+        if parent is not None:
+            self._count_child_in(parent, t)
+
+    def _mark_ready(self, key: BlockKey, t: _Tier) -> None:
+        idx = t.index
         t.num_ready += 1
-        self._ready[t.index].add(node.key)
-        best = self._fastest.get(node.key)
-        if best is None or t.index < best:
-            self._fastest[node.key] = t.index
-        t.policy.on_insert(node.key)
-        if node.children_in[t.index] or node.key in self._held:
-            self._sync_park(node, t)
+        self._ready[idx].add(key)
+        best = self._fastest.get(key)
+        if best is None or idx < best:
+            self._fastest[key] = idx
+        t.policy.on_insert(key)
+        if key in t.children or key in self._held:
+            self._sync_park(key, t)
         if self._record_blocks:
-            self._events.append(BlockStored(node.key, t.name, node.parent))
+            self._events.append(BlockStored(key, t.name, self._parent[key]))
 
     def _mark_ready_many(self, keys: Sequence[BlockKey], t: _Tier) -> None:
         """:meth:`_mark_ready` for each of ``keys`` (pending in ``t``), tail first: the
-        same policy calls and events in the same order, with the lookups hoisted
-        out of the loop (it runs once per block of every completed store)."""
-        idx, name, blocks = t.index, t.name, self._blocks
-        ready, fastest, held, parked = self._ready[idx], self._fastest, self._held, self._parked[idx]
-        on_insert, on_hold = t.policy.on_insert, t.policy.on_hold
-        insert_held = getattr(t.policy, "on_insert_held", None)
-        insert_held_many = getattr(t.policy, "on_insert_held_many", None)
-        to_park: list[BlockKey] | None = [] if insert_held_many is not None else None
+        same policy calls and events in the same order, with C-speed updates of
+        the index (it runs once per block of every completed store)."""
+        idx, fastest, held, children = t.index, self._fastest, self._held, t.children
+        policy = t.policy
         rkeys = list(reversed(keys))
-        nodes = list(map(blocks.__getitem__, rkeys))
-        ready.update(rkeys)
-        for key, node in zip(rkeys, nodes):
-            node.state[idx] = _READY
-            best = fastest.get(key)
-            if best is None or idx < best:
-                fastest[key] = idx
-            if (node.children_in[idx] or key in held) and key not in parked:  # _sync_park of a ready block
+        self._ready[idx].update(rkeys)
+        if fastest.keys().isdisjoint(rkeys):  # readable nowhere else yet (most stores)
+            fastest.update(dict.fromkeys(rkeys, idx))
+        else:
+            for key in rkeys:
+                best = fastest.get(key)
+                if best is None or idx < best:
+                    fastest[key] = idx
+        # a pending key is never parked: park each that has a child here or is held
+        if held:
+            to_park = [key in children or key in held for key in rkeys]
+        else:
+            to_park = list(map(children.__contains__, rkeys))
+        insert_held_many = getattr(policy, "on_insert_held_many", None)
+        if insert_held_many is not None:
+            parked_keys = list(itertools.compress(rkeys, to_park))
+            for key in itertools.compress(rkeys, map(operator.not_, to_park)):
+                policy.on_insert(key)
+            if parked_keys:
+                self._parked[idx].update(parked_keys)
+                insert_held_many(parked_keys)
+        else:
+            parked, insert_held = self._parked[idx], getattr(policy, "on_insert_held", None)
+            for key, park in zip(rkeys, to_park):
+                if not park:
+                    policy.on_insert(key)
+                    continue
                 parked.add(key)
-                if to_park is not None:
-                    to_park.append(key)
-                elif insert_held is not None:
+                if insert_held is not None:
                     insert_held(key)
                 else:
-                    on_insert(key)
-                    on_hold(key)
-            else:
-                on_insert(key)
-        if to_park:
-            insert_held_many(to_park)
+                    policy.on_insert(key)
+                    policy.on_hold(key)
         if self._record_blocks:  # built at C speed: one BlockStored per key, tail first
-            self._events.extend(map(BlockStored, rkeys, itertools.repeat(name), map(_PARENT, nodes)))
+            self._events.extend(map(BlockStored, rkeys, itertools.repeat(t.name),
+                                    map(self._parent.__getitem__, rkeys)))
         t.num_ready += len(keys)
 
     def _complete_load_ok(self, plan: LoadPlan) -> None:
         """``complete_load`` of a plan whose every block verified: the same events and
         per-tier policy hits (tail first, one ``on_access_many`` per tier) as the
         per-key path, with the lookups hoisted (it runs once per block of every get)."""
-        blocks, by_name = self._blocks, self._tier_by_name
+        by_name, refs = self._tier_by_name, self._refs
         events = self._events if self._record_blocks else None
         hits: dict[str, list[BlockKey]] = {}
         for key, tier in zip(reversed(plan.keys), reversed(plan.tiers)):
-            node = blocks[key]
             if events is not None:
                 events.append(BlockLoaded(key, tier, True))
-            node.ref_count -= 1
-            if node.state[by_name[tier].index] == _READY:
+            count = refs[key] - 1
+            if count:
+                refs[key] = count
+            else:
+                del refs[key]
+            if key in self._ready[by_name[tier].index]:
                 hits.setdefault(tier, []).append(key)  # still resident: nothing to forget
-            elif not node.ref_count:
-                self._maybe_forget(node)  # dropped from its tier (e.g. moved) while being read
+            elif not count:
+                self._maybe_forget(key)  # dropped from its tier (e.g. moved) while being read
         for tier, keys in hits.items():
             by_name[tier].policy.on_access_many(keys)
 
-    def _drop_residency(self, node: _Block, t: _Tier, reason: RemoveReason | None, unpark_parent: bool = True) -> None:
-        """Clear ``node``'s residency in ``t`` (the policy must already have forgotten it)."""
-        if node.state[t.index] == _READY:
+    def _drop_residency(self, key: BlockKey, t: _Tier, reason: RemoveReason | None, unpark_parent: bool = True) -> None:
+        """Clear ``key``'s residency in ``t`` (the policy must already have forgotten it)."""
+        idx = t.index
+        ready = self._ready[idx]
+        if key in ready:
             t.num_ready -= 1
-            self._ready[t.index].discard(node.key)
-            self._parked[t.index].discard(node.key)
+            ready.discard(key)
+            self._parked[idx].discard(key)
             if self._record:
-                self._events.append(BlockRemoved(node.key, t.name, reason or "removed"))
-        node.state[t.index] = None
-        if self._fastest.get(node.key) == t.index:
-            nxt = self._fastest_ready(node)
+                self._events.append(BlockRemoved(key, t.name, reason or "removed"))
+        t.give_slot(t.slots.pop(key))
+        if self._fastest.get(key) == idx:
+            nxt = self._fastest_ready(key)
             if nxt is None:
-                del self._fastest[node.key]
+                del self._fastest[key]
             else:
-                self._fastest[node.key] = nxt.index
-        t.give_slot(node.slot[t.index])
-        if node.parent is not None:
-            pnode = self._blocks[node.parent]
-            pnode.children_in[t.index] -= 1
-            if not pnode.children_in[t.index] and unpark_parent:  # the parent is the chain's tail now
-                self._sync_park(pnode, t, front=True)
-        self._maybe_forget(node)
+                self._fastest[key] = nxt.index
+        parent = self._parent[key]
+        if parent is not None:
+            count = t.children[parent] - 1
+            if count:
+                t.children[parent] = count
+            else:
+                del t.children[parent]
+                if unpark_parent:  # the parent is the chain's tail now
+                    self._sync_park(parent, t, front=True)
+        self._maybe_forget(key)
 
-    def _ref(self, node: _Block) -> None:
+    def _ref(self, key: BlockKey) -> None:
         """A transient reference (a load or move in flight): unevictable, not parked."""
-        node.ref_count += 1
+        self._refs[key] = self._refs.get(key, 0) + 1
 
-    def _unref(self, node: _Block) -> None:
-        node.ref_count -= 1
-        if not node.ref_count:
-            self._maybe_forget(node)
+    def _unref(self, key: BlockKey) -> None:
+        count = self._refs[key] - 1
+        if count:
+            self._refs[key] = count
+        else:
+            del self._refs[key]
+            self._maybe_forget(key)
 
-    def _hold(self, node: _Block) -> None:
-        """Park ``node`` in every tier's policy while it is in use."""
-        if node.key in self._held:
+    def _hold(self, key: BlockKey) -> None:
+        """Park ``key`` in every tier's policy while it is in use."""
+        if key in self._held:
             return
-        self._held.add(node.key)
+        self._held.add(key)
         for t in self._tiers:
-            self._sync_park(node, t)
+            self._sync_park(key, t)
 
-    def _maybe_unhold(self, node: _Block) -> None:
+    def _maybe_unhold(self, key: BlockKey) -> None:
         """Back into the eviction orders (as most recent) once no reference and no pin hold it."""
-        key = node.key
-        if node.hold_count or key in self._pinned or key not in self._held:
+        if key in self._holds or key in self._pinned or key not in self._held:
             return
         self._held.discard(key)
         for t in self._tiers:
-            self._sync_park(node, t)
+            self._sync_park(key, t)
 
-    def _sync_park(self, node: _Block, t: _Tier, front: bool = False) -> None:
+    def _sync_park(self, key: BlockKey, t: _Tier, front: bool = False) -> None:
         """Park a ready block in ``t``'s policy while it is held or has a child in
         ``t``; unpark it otherwise (at the eviction end with ``front``)."""
         idx = t.index
-        if node.state[idx] != _READY:
+        if key not in self._ready[idx]:
             return
-        key = node.key
         parked = self._parked[idx]
-        if key in self._held or node.children_in[idx]:
+        if key in self._held or key in t.children:
             if key not in parked:
                 parked.add(key)
                 t.policy.on_hold(key)
@@ -930,19 +960,24 @@ class TierManager:
             parked.discard(key)
             t.policy.on_unhold(key, front)
 
-    def _maybe_forget(self, node: _Block) -> None:
-        """Delete index nodes that hold nothing, walking up the chain."""
+    def _maybe_forget(self, key: BlockKey) -> None:
+        """Delete index keys that hold nothing, walking up the chain."""
+        index, num_children = self._parent, self._num_children
         while (
-            not node.num_children
-            and not node.ref_count
-            and node.key not in self._pinned
-            and not node.present_anywhere()
+            key not in num_children
+            and key not in self._refs
+            and key not in self._pinned
+            and not self._present_anywhere(key)
         ):
-            del self._blocks[node.key]
-            if node.parent is None:
+            parent = index.pop(key)
+            if parent is None:
                 return
-            node = self._blocks[node.parent]
-            node.num_children -= 1
+            key = parent
+            count = num_children[key] - 1
+            if count:
+                num_children[key] = count
+            else:
+                del num_children[key]
 
     def _make_room(
         self, t: _Tier, incoming: BlockKey, parent: BlockKey | None, now: float, evicted: list[BlockKey]
@@ -955,18 +990,16 @@ class TierManager:
     def _evict_one(
         self, t: _Tier, incoming: BlockKey | None, protect: BlockKey | None, now: float, evicted: list[BlockKey]
     ) -> bool:
-        idx = t.index
-        blocks = self._blocks
+        refs, children = self._refs, t.children
 
         def is_evictable(key: BlockKey) -> bool:  # held and interior blocks are parked: never offered
-            node = blocks[key]
-            return key != protect and not node.ref_count and not node.children_in[idx]
+            return key != protect and key not in refs and key not in children
 
         victim = t.policy.pop_victim(is_evictable, incoming)
         if victim is None:
             return False
         evicted.append(victim)
-        self._drop_residency(blocks[victim], t, "evicted")
+        self._drop_residency(victim, t, "evicted")
         return True
 
     def _expire_pins(self, now: float) -> None:
@@ -975,12 +1008,10 @@ class TierManager:
             until, key = heapq.heappop(heap)
             if self._pinned.get(key) == until:
                 del self._pinned[key]
-                node = self._blocks[key]
-                node.pin_until = 0.0
                 if self._record:
                     self._events.append(BlockUnpinned(key, "expired"))
-                self._maybe_unhold(node)
-                self._maybe_forget(node)
+                self._maybe_unhold(key)
+                self._maybe_forget(key)
 
     def _close_plan(self, plan: StorePlan | LoadPlan | MovePlan) -> None:
         if self._plans.pop(plan.plan_id, None) is None:
@@ -993,4 +1024,3 @@ class TierManager:
         if len(ok) != n:
             raise ProtocolError(f"ok has {len(ok)} entries for a plan of {n} keys")
         return ok
-

@@ -266,3 +266,61 @@ def test_stress_invariants_after_every_step(policy: str, seed: int) -> None:
         for key, tier in zip(chain, hit.tiers):
             assert m.contains(key, tier)
     m.take_events()
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo", "lfu", "arc", "s3fifo"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fresh_chain_reservation_matches_the_per_key_path(policy: str, seed: int, monkeypatch) -> None:
+    """prepare_store reserves a fresh chain with one C-speed update per structure;
+    a second manager forced onto the per-key loop gets the same inputs. Every
+    plan, event, lookup and the final eviction order of each tier must agree."""
+    rng = random.Random(seed)
+    managers = []
+    for fast in (True, False):
+        m = TierManager([TierSpec("dram", 150, policy), TierSpec("ssd", 400, policy)], pin_budget_blocks=4,
+                        clock=FakeClock())
+        if not fast:
+            monkeypatch.setattr(m, "_is_fresh_chain", lambda *a: False)
+        managers.append(m)
+    fresh_plans = 0
+    roots = [BlockKey(r) for r in range(1, 6)]
+    chains: list[list[BlockKey]] = []
+    next_key = 100
+    for _ in range(600):
+        op = rng.random()
+        if op < 0.45 or not chains:  # a new chain, after a known or unknown parent, or a root
+            n = rng.randint(1, 9)
+            chain = [BlockKey(next_key + i) for i in range(n)]
+            next_key += n
+            parent = rng.choice([None, rng.choice(roots), *(c[-1] for c in chains[-3:])])
+            if rng.random() < 0.1:
+                chain.append(chain[0])  # a repeated key: the per-key path's business
+            chains.append(chain)
+        else:  # an existing chain again (skips), or extended
+            chain = rng.choice(chains)
+            parent = None
+            if rng.random() < 0.5:
+                chain = chain + [BlockKey(next_key)]
+                next_key += 1
+        tier = rng.choice(["dram", "ssd"])
+        ok = [rng.random() < 0.9 for _ in range(len(chain))]
+        all_ok, load = rng.random() < 0.5, rng.random() < 0.2
+        results = []
+        for m in managers:
+            fresh = m._is_fresh_chain(m._tier(tier), chain, parent)
+            plan = m.prepare_store(tier, chain, parent)
+            outcome = None
+            if plan is not None:
+                m.complete_store(plan, True if all_ok else ok[: len(plan.keys)])
+                outcome = (plan.keys, plan.slots, plan.skipped, plan.evicted)
+            if load:
+                hit = m.prepare_load(chain)
+                if hit is not None:
+                    m.complete_load(hit, True)
+            results.append((outcome, m.take_events(), m.lookup(chain), m.parent_of(chain[0])))
+            m.check_invariants()
+            fresh_plans += fresh
+        assert results[0] == results[1]
+    for tier in ("dram", "ssd"):
+        assert managers[0].evict(tier, 500) == managers[1].evict(tier, 500)
+    assert fresh_plans > 50, fresh_plans  # the fast path ran (counted on the fast manager only)
