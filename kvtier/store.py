@@ -437,10 +437,9 @@ class TieredStore:
 
     def _check_blocks(self, bufs: Sequence[Any]) -> list[torch.Tensor]:
         """:meth:`_check_block` of every buffer (once per block of every put and get:
-        the size check runs as C-speed loops)."""
-        ts = as_byte_tensors(bufs)
-        sizes = list(map(torch.Tensor.numel, ts))
-        if sizes.count(self.layout.bytes_per_block) != len(sizes):
+        the checks run as C-speed loops)."""
+        ts = as_byte_tensors(bufs, self.layout.bytes_per_block)
+        if ts is None:
             for i, buf in enumerate(bufs):
                 self._check_block(buf, i)  # raises for the first wrong size
         return ts

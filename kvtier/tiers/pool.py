@@ -60,24 +60,27 @@ def as_byte_tensor(buf: Any) -> torch.Tensor:
     raise TypeError(f"unsupported KV buffer type {type(buf).__name__}; use a tensor, ndarray or bytes")
 
 
-def as_byte_tensors(bufs: Sequence[Any]) -> list[torch.Tensor]:
-    """:func:`as_byte_tensor` of each of ``bufs``. When every buffer already is a
-    flat ``uint8`` tensor (engines and pools hand over such views) that is
-    checked by C-speed maps, with no Python call per buffer: this runs once per
-    block of every put and get."""
+def as_byte_tensors(bufs: Sequence[Any], nbytes: int) -> list[torch.Tensor] | None:
+    """:func:`as_byte_tensor` of each of ``bufs``, or ``None`` when one of them does
+    not hold exactly ``nbytes`` bytes. When every buffer already is a flat
+    ``uint8`` tensor of that size (engines and pools hand over such views) that
+    is checked by C-speed maps over two tensor attributes, with no Python call
+    per buffer: this runs once per block of every put and get."""
     n = len(bufs)
     if (
         all(map(_IS_TENSOR, bufs))
         and list(map(_DTYPE, bufs)).count(_U8) == n
-        and list(map(torch.Tensor.dim, bufs)).count(1) == n
+        and list(map(_SHAPE, bufs)).count((nbytes,)) == n
     ):
         return list(bufs)
-    return list(map(as_byte_tensor, bufs))
+    ts = list(map(as_byte_tensor, bufs))
+    return ts if list(map(torch.Tensor.numel, ts)).count(nbytes) == n else None
 
 
 _HAS_FOREACH_COPY = hasattr(torch, "_foreach_copy_")
 _IS_CPU = operator.attrgetter("is_cpu")
 _DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
 _IS_TENSOR = torch.Tensor.__instancecheck__
 _U8 = torch.uint8
 
@@ -93,12 +96,13 @@ def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: 
 
 
 def _same_dtype_and_device(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> bool:
-    """True when every pair shares dtype and device. Host-only pairs are tested with
-    ``is_cpu`` (it builds no ``torch.device`` object: ~4x cheaper per block), and
-    through attribute getters mapped at C speed (once per block of every copy)."""
-    is_cpu, dtype = _IS_CPU, _DTYPE
+    """True when one ``_foreach_copy_`` may copy every pair: all on the host (it
+    converts dtypes there itself; tested with ``is_cpu``, which builds no
+    ``torch.device``, mapped at C speed: once per block of every copy), or
+    every pair sharing dtype and device."""
+    is_cpu = _IS_CPU
     if all(map(is_cpu, dsts)) and all(map(is_cpu, srcs)):
-        return list(map(dtype, dsts)) == list(map(dtype, srcs))
+        return True
     return all(d.dtype == s.dtype and d.device == s.device for d, s in zip(dsts, srcs))
 
 
@@ -115,6 +119,7 @@ class TensorPool:
         self.data = torch.zeros((num_slots, bytes_per_block), dtype=torch.uint8, device=device, pin_memory=pin)
         self._views = list(self.data.unbind(0))  # one zero-copy view per slot, made once
         self._non_blocking = pin or device.type != "cpu"
+        self._asynchronous = device.type != "cpu"  # copies into or out of it need a synchronize()
 
     @property
     def nbytes(self) -> int:
@@ -128,14 +133,16 @@ class TensorPool:
         """Copy each ``srcs[i]`` (``bytes_per_block`` bytes) into ``slots[i]``."""
         views = self._views
         _copy_all([views[s] for s in slots], srcs, self._non_blocking)
-        self.synchronize()
+        if self._asynchronous:
+            self.synchronize()
         return [True] * len(slots)
 
     def read(self, slots: list[int] | tuple[int, ...], dsts: list[torch.Tensor]) -> list[bool]:
         """Copy ``slots[i]`` into the caller's ``dsts[i]``."""
         views = self._views
         _copy_all(list(dsts), [views[s] for s in slots], self._non_blocking)
-        self.synchronize()
+        if self._asynchronous:
+            self.synchronize()
         return [True] * len(slots)
 
     def synchronize(self) -> None:
