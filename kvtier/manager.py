@@ -138,7 +138,7 @@ class _Tier:
     """Slot pool, policy and residency of one tier."""
 
     __slots__ = ("name", "index", "capacity", "policy", "free_slots", "next_slot", "num_used", "num_ready",
-                 "num_reserved", "slots", "children")
+                 "num_reserved", "slots", "children", "before_insert", "insert_held", "insert_held_many")
 
     def __init__(self, name: str, index: int, capacity: int, policy: EvictionPolicy) -> None:
         self.name = name
@@ -152,6 +152,11 @@ class _Tier:
         self.num_reserved = 0  # anonymous space (e.g. a running request's decode blocks)
         self.slots: dict[BlockKey, int] = {}  # resident key (pending or ready) -> its slot
         self.children: dict[BlockKey, int] = {}  # key -> children resident here (pending or ready); > 0 only
+        # the policy's hooks the manager calls per stored block, looked up once (see kvtier.policies.base):
+        # None where the policy's before_insert is a no-op or it lacks the optional batch hooks
+        self.before_insert = policy.before_insert if getattr(policy, "adapts_before_insert", True) else None
+        self.insert_held = getattr(policy, "on_insert_held", None)
+        self.insert_held_many = getattr(policy, "on_insert_held_many", None)
 
     def take_slot(self) -> int:
         self.num_used += 1
@@ -164,6 +169,9 @@ class _Tier:
         """``take_slot()`` ``n`` times, in one go (the same slots in the same order)."""
         self.num_used += n
         free = self.free_slots
+        if not free:  # a pool still filling up
+            self.next_slot += n
+            return list(range(self.next_slot - n, self.next_slot))
         k = min(n, len(free))
         taken = free[len(free) - k :]
         del free[len(free) - k :]
@@ -329,9 +337,9 @@ class TierManager:
         ``None`` when nothing could be reserved and nothing was present.
         """
         t = self._tier(tier)
-        now = self._clock()
-        self._expire_pins(now)
-        before_insert = t.policy.before_insert if getattr(t.policy, "adapts_before_insert", True) else None
+        if self._pin_heap:
+            self._expire_pins(self._clock())
+        before_insert = t.before_insert
         if chain and self._is_fresh_chain(t, keys, parent):
             if before_insert is not None:
                 for key in keys:
@@ -355,7 +363,7 @@ class TierManager:
                 continue
             if before_insert is not None:
                 before_insert(key)
-            if t.num_used >= t.capacity and not self._make_room(t, key, prev, now, evicted):
+            if t.num_used >= t.capacity and not self._make_room(t, key, prev, evicted):
                 break
             self._index(key, prev)
             slot = t.take_slot()
@@ -374,8 +382,11 @@ class TierManager:
         """Finish ``plan``: keys with ok become readable, the others are dropped."""
         self._close_plan(plan)
         t = self._tier_by_name[plan.tier]
+        if ok is True:
+            self._mark_ready_many(plan.keys, t)
+            return
         oks = self._per_key(ok, len(plan.keys))
-        if ok is True or all(oks):
+        if all(oks):
             self._mark_ready_many(plan.keys, t)
             return
         # tail first, so the policy sees a chain's head as its most recent block
@@ -446,8 +457,7 @@ class TierManager:
             raise ProtocolError(f"prepare_move: src and dst are both {src!r}")
         if keep_source is None:
             keep_source = d.index < s.index
-        now = self._clock()
-        self._expire_pins(now)
+        self._expire_pins(self._clock())
         moving: list[BlockKey] = []
         src_slots: list[int] = []
         dst_slots: list[int] = []
@@ -458,7 +468,7 @@ class TierManager:
                 continue
             d.policy.before_insert(key)
             self._ref(key)  # protects the source copy from eviction while we make room
-            if d.num_used >= d.capacity and not self._make_room(d, key, self._parent[key], now, evicted):
+            if d.num_used >= d.capacity and not self._make_room(d, key, self._parent[key], evicted):
                 self._unref(key)
                 break
             slot = d.take_slot()
@@ -577,11 +587,10 @@ class TierManager:
         chooses. All or nothing: ``False`` when that much cannot be freed (blocks
         evicted while trying stay evicted)."""
         t = self._tier(tier)
-        now = self._clock()
-        self._expire_pins(now)
+        self._expire_pins(self._clock())
         evicted: list[BlockKey] = []
         while t.num_used + num_blocks > t.capacity:
-            if not self._evict_one(t, None, None, now, evicted):
+            if not self._evict_one(t, None, None, evicted):
                 return False
         t.num_used += num_blocks
         t.num_reserved += num_blocks
@@ -660,11 +669,10 @@ class TierManager:
         """Evict up to ``num_blocks`` from ``tier`` in policy order (e.g. to free
         engine memory). Returns the evicted keys."""
         t = self._tier(tier)
-        now = self._clock()
-        self._expire_pins(now)
+        self._expire_pins(self._clock())
         evicted: list[BlockKey] = []
         for _ in range(num_blocks):
-            if not self._evict_one(t, None, None, now, evicted):
+            if not self._evict_one(t, None, None, evicted):
                 break
         return tuple(evicted)
 
@@ -842,7 +850,7 @@ class TierManager:
             to_park = [key in children or key in held for key in rkeys]
         else:
             to_park = list(map(children.__contains__, rkeys))
-        insert_held_many = getattr(policy, "on_insert_held_many", None)
+        insert_held_many = t.insert_held_many
         if insert_held_many is not None:
             parked_keys = list(itertools.compress(rkeys, to_park))
             for key in itertools.compress(rkeys, map(operator.not_, to_park)):
@@ -851,7 +859,7 @@ class TierManager:
                 self._parked[idx].update(parked_keys)
                 insert_held_many(parked_keys)
         else:
-            parked, insert_held = self._parked[idx], getattr(policy, "on_insert_held", None)
+            parked, insert_held = self._parked[idx], t.insert_held
             for key, park in zip(rkeys, to_park):
                 if not park:
                     policy.on_insert(key)
@@ -979,16 +987,14 @@ class TierManager:
             else:
                 del num_children[key]
 
-    def _make_room(
-        self, t: _Tier, incoming: BlockKey, parent: BlockKey | None, now: float, evicted: list[BlockKey]
-    ) -> bool:
+    def _make_room(self, t: _Tier, incoming: BlockKey, parent: BlockKey | None, evicted: list[BlockKey]) -> bool:
         while t.num_used >= t.capacity:
-            if not self._evict_one(t, incoming, parent, now, evicted):
+            if not self._evict_one(t, incoming, parent, evicted):
                 return False
         return True
 
     def _evict_one(
-        self, t: _Tier, incoming: BlockKey | None, protect: BlockKey | None, now: float, evicted: list[BlockKey]
+        self, t: _Tier, incoming: BlockKey | None, protect: BlockKey | None, evicted: list[BlockKey]
     ) -> bool:
         refs, children = self._refs, t.children
 

@@ -158,7 +158,10 @@ class TieredStore:
         # hand-off, no futures), and completes its plan before the next one starts
         stored_all = False  # every key stored into the put tier now: no need to look them up again
         for plan, srcs in self._prepare_puts(keys, blocks, parent):
-            oks = self._mover.run_sync(self._store_job(plan, srcs))
+            n = len(plan.keys)
+            oks = self._mover.run_inline(self._put_link(plan.tier), n, n * self.layout.bytes_per_block,
+                                         self._store_fn(plan, srcs))
+            self._done_store(plan, oks)
             if plan.tier == self.config.put_tier:
                 stored_all = len(plan.keys) == len(keys) and all(oks)
         if stored_all:
@@ -449,18 +452,25 @@ class TieredStore:
 
     def _store_job(self, plan: StorePlan, srcs: list[torch.Tensor]) -> TransferJob:
         """The job writing ``srcs`` (one per key of ``plan``) into its tier; it completes ``plan``."""
-        tier = plan.tier
-        if tier == "ssd":
-            parents = [self.manager.parent_of(k) for k in plan.keys]
-
-            def run() -> Sequence[bool]:
-                items = [(k, _host_buffer(s), p) for k, s, p in zip(plan.keys, srcs, parents)]
-                n = self._ssd.put_many(items)
-                return [i < n for i in range(len(items))]
-        else:  # C-level partials, not closures: this runs once per put
-            run = functools.partial(self._pools[tier].write, plan.slots, srcs)
-        return self._job(_PUT_LINKS.get(tier) or f"put->{tier}", len(plan.keys), run,
+        return self._job(self._put_link(plan.tier), len(plan.keys), self._store_fn(plan, srcs),
                          functools.partial(self._done_store, plan))
+
+    def _store_fn(self, plan: StorePlan, srcs: list[torch.Tensor]) -> Callable[[], Sequence[bool]]:
+        """The write of ``srcs`` (one per key of ``plan``) into its tier; one ``ok`` per key."""
+        if plan.tier != "ssd":  # a C-level partial, not a closure: this runs once per put
+            return functools.partial(self._pools[plan.tier].write, plan.slots, srcs)
+        parents = [self.manager.parent_of(k) for k in plan.keys]
+
+        def run() -> Sequence[bool]:
+            items = [(k, _host_buffer(s), p) for k, s, p in zip(plan.keys, srcs, parents)]
+            n = self._ssd.put_many(items)
+            return [i < n for i in range(len(items))]
+
+        return run
+
+    @staticmethod
+    def _put_link(tier: str) -> str:
+        return _PUT_LINKS.get(tier) or f"put->{tier}"
 
     def _submit_move(
         self, plan: MovePlan, inline: bool, deadline: float | None = None, prefetch: bool = False
@@ -581,7 +591,7 @@ class TieredStore:
 
     def _done_store(self, plan: StorePlan, oks: Sequence[bool]) -> None:
         with self._lock:
-            self.manager.complete_store(plan, list(oks))
+            self.manager.complete_store(plan, True if all(oks) else list(oks))
             self._pump_events()
 
     def _done_move(

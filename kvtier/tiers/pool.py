@@ -131,16 +131,14 @@ class TensorPool:
 
     def write(self, slots: list[int] | tuple[int, ...], srcs: list[torch.Tensor]) -> list[bool]:
         """Copy each ``srcs[i]`` (``bytes_per_block`` bytes) into ``slots[i]``."""
-        views = self._views
-        _copy_all([views[s] for s in slots], srcs, self._non_blocking)
+        _copy_all(list(map(self._views.__getitem__, slots)), srcs, self._non_blocking)
         if self._asynchronous:
             self.synchronize()
         return [True] * len(slots)
 
     def read(self, slots: list[int] | tuple[int, ...], dsts: list[torch.Tensor]) -> list[bool]:
         """Copy ``slots[i]`` into the caller's ``dsts[i]``."""
-        views = self._views
-        _copy_all(list(dsts), [views[s] for s in slots], self._non_blocking)
+        _copy_all(list(dsts), list(map(self._views.__getitem__, slots)), self._non_blocking)
         if self._asynchronous:
             self.synchronize()
         return [True] * len(slots)

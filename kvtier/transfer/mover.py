@@ -92,47 +92,68 @@ class TransferEngine:
         """Execute ``job`` on the caller's thread (small transfers, tests)."""
         return self._execute(job)
 
+    def run_inline(self, link: str, num_blocks: int, num_bytes: int, run: JobFn) -> list[bool]:
+        """Run ``run`` on the caller's thread as a job on ``link`` and return its
+        ``ok`` list: the same failure handling and link stats as :meth:`run_sync`,
+        without building a :class:`TransferJob` (a synchronous put does this once
+        per call); the caller completes its plan itself. With a ``fault_hook``
+        set, a job is built to hand to it."""
+        if self.fault_hook is not None:
+            return list(self._execute(TransferJob(link, num_blocks, num_bytes, run, _ignore_oks)))
+        start = time.perf_counter()
+        return self._account(link, num_blocks, num_bytes, self._run(link, num_blocks, run, None), start, start, None)
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def _execute(self, job: TransferJob) -> Sequence[bool]:
+    def _execute(self, job: TransferJob) -> list[bool]:
         start = time.perf_counter()
+        oks = self._run(job.link, job.num_blocks, job.run, job)
+        oks = self._account(job.link, job.num_blocks, job.num_bytes, oks, start, job.submitted_at, job.deadline)
+        job.on_done(oks)
+        return oks
+
+    def _run(self, link: str, num_blocks: int, run: JobFn, job: TransferJob | None) -> list[bool]:
+        """Call the fault hook (with ``job``) and ``run``; a failure fails every block."""
         try:
             hook = self.fault_hook
             if hook is not None:
                 hook(job)
             if self._streams:
                 with self._stream_context():
-                    oks = list(job.run())
-            else:  # host copies: no stream to enter (once per job of every put and get)
-                oks = list(job.run())
+                    return list(run())
+            return list(run())  # host copies: no stream to enter (once per job of every put and get)
         except (OSError, RuntimeError, ValueError) as exc:  # a failed copy is a miss, never a crash
-            log.warning("kvtier transfer on %s failed: %s", job.link, exc)
+            log.warning("kvtier transfer on %s failed: %s", link, exc)
             with self._lock:
                 self.failed_jobs += 1
-            oks = [False] * job.num_blocks
+            return [False] * num_blocks
+
+    def _account(
+        self, link: str, num_blocks: int, num_bytes: int, oks: list[bool], start: float, submitted_at: float,
+        deadline: float | None,
+    ) -> list[bool]:
+        """Count a finished job in its link's stats; past ``deadline`` every block fails."""
         end = time.perf_counter()
-        timed_out = job.deadline is not None and end > job.deadline
+        timed_out = deadline is not None and end > deadline
         if timed_out:
-            log.debug("kvtier transfer on %s finished %.3f s past its deadline; discarded", job.link,
-                      end - job.deadline)
-            oks = [False] * job.num_blocks
-        latency = end - job.submitted_at
+            log.debug("kvtier transfer on %s finished %.3f s past its deadline; discarded", link, end - deadline)
+            oks = [False] * num_blocks
+        latency = end - submitted_at
         with self._lock:
-            st = self.links.get(job.link)
+            st = self.links.get(link)
             if st is None:
-                st = self.links[job.link] = LinkStats()
+                st = self.links[link] = LinkStats()
             st.jobs += 1
-            st.blocks += job.num_blocks
-            st.bytes += job.num_bytes
+            st.blocks += num_blocks
+            st.bytes += num_bytes
             st.failed_blocks += oks.count(False)
             st.busy_s += end - start
             st.latency_sum_s += latency
             st.latency_buckets[bisect.bisect_left(LATENCY_BUCKETS_S, latency)] += 1
             if timed_out:
                 self.timed_out_jobs += 1
-                st.timed_out_blocks += job.num_blocks
-        job.on_done(oks)
+                st.timed_out_blocks += num_blocks
         return oks
 
     def _stream_context(self):
@@ -143,6 +164,10 @@ class TransferEngine:
                 stream = self._local.stream = torch.cuda.Stream(dev)
             return torch.cuda.stream(stream)
         return _NULL_CONTEXT
+
+
+def _ignore_oks(oks: Sequence[bool]) -> None:
+    """``on_done`` of a job whose caller completes its plan itself."""
 
 
 class _NullContext:
