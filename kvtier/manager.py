@@ -336,7 +336,7 @@ class TierManager:
         out the plan covers the keys that fit before that point. Returns
         ``None`` when nothing could be reserved and nothing was present.
         """
-        t = self._tier(tier)
+        t = self._tier_by_name.get(tier) or self._tier(tier)  # (the latter raises the error)
         if self._pin_heap:
             self._expire_pins(self._clock())
         before_insert = t.before_insert

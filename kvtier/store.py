@@ -56,7 +56,7 @@ import torch
 from .config import KVTierConfig, load_config
 from .events import BlockRemoved, Event, StoreFailed
 from .keys import BlockKey, chain_keys
-from .manager import LoadPlan, MovePlan, PrefixHit, StorePlan, TierManager, TierSpec
+from .manager import TIER_ORDER, LoadPlan, MovePlan, PrefixHit, StorePlan, TierManager, TierSpec
 from .tiers.pool import TensorPool, accelerator_device, as_byte_tensor, as_byte_tensors, resolve_device
 from .transfer import TransferEngine, TransferJob
 
@@ -159,7 +159,7 @@ class TieredStore:
         stored_all = False  # every key stored into the put tier now: no need to look them up again
         for plan, srcs in self._prepare_puts(keys, blocks, parent):
             n = len(plan.keys)
-            oks = self._mover.run_inline(self._put_link(plan.tier), n, n * self.layout.bytes_per_block,
+            oks = self._mover.run_inline(_PUT_LINKS[plan.tier], n, n * self.layout.bytes_per_block,
                                          self._store_fn(plan, srcs))
             self._done_store(plan, oks)
             if plan.tier == self.config.put_tier:
@@ -206,6 +206,8 @@ class TieredStore:
                 self._pump_events()
                 if plan is not None and plan.keys:
                     plans.append(plan)
+        if len(plans) == 1 and len(plans[0].keys) == len(keys):  # one tier, no key skipped (most puts)
+            return [(plans[0], srcs)]
         if all(len(p.keys) == len(keys) for p in plans):  # no key skipped: plan.keys == keys
             return [(p, srcs) for p in plans]
         by_key = dict(zip(keys, srcs))
@@ -452,7 +454,7 @@ class TieredStore:
 
     def _store_job(self, plan: StorePlan, srcs: list[torch.Tensor]) -> TransferJob:
         """The job writing ``srcs`` (one per key of ``plan``) into its tier; it completes ``plan``."""
-        return self._job(self._put_link(plan.tier), len(plan.keys), self._store_fn(plan, srcs),
+        return self._job(_PUT_LINKS[plan.tier], len(plan.keys), self._store_fn(plan, srcs),
                          functools.partial(self._done_store, plan))
 
     def _store_fn(self, plan: StorePlan, srcs: list[torch.Tensor]) -> Callable[[], Sequence[bool]]:
@@ -467,10 +469,6 @@ class TieredStore:
             return [i < n for i in range(len(items))]
 
         return run
-
-    @staticmethod
-    def _put_link(tier: str) -> str:
-        return _PUT_LINKS.get(tier) or f"put->{tier}"
 
     def _submit_move(
         self, plan: MovePlan, inline: bool, deadline: float | None = None, prefetch: bool = False
@@ -695,7 +693,7 @@ class TieredStore:
         self.counters["ssd_reindexed_blocks"] = count
 
 
-_PUT_LINKS = {t: f"put->{t}" for t in ("hbm", "dram", "ssd")}  # mover link names, made once
+_PUT_LINKS = {t: f"put->{t}" for t in TIER_ORDER}  # mover link names, made once
 
 
 def _host_buffer(t: torch.Tensor) -> Any:

@@ -87,23 +87,18 @@ _U8 = torch.uint8
 
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool) -> None:
     """``dsts[i].copy_(srcs[i])`` for all i in one call (one C++ loop, no per-block
-    Python dispatch) when every pair shares dtype and device; per pair otherwise."""
-    if _HAS_FOREACH_COPY and _same_dtype_and_device(dsts, srcs):
+    Python dispatch) when one ``_foreach_copy_`` may copy every pair: all on the
+    host (it converts dtypes there itself; tested with ``is_cpu``, which builds
+    no ``torch.device``, mapped at C speed: once per block of every copy), or
+    every pair sharing dtype and device. Per pair otherwise."""
+    if _HAS_FOREACH_COPY and (
+        (all(map(_IS_CPU, dsts)) and all(map(_IS_CPU, srcs)))
+        or all(d.dtype == s.dtype and d.device == s.device for d, s in zip(dsts, srcs))
+    ):
         torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
         return
     for d, s in zip(dsts, srcs):
         d.copy_(s, non_blocking=non_blocking)
-
-
-def _same_dtype_and_device(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> bool:
-    """True when one ``_foreach_copy_`` may copy every pair: all on the host (it
-    converts dtypes there itself; tested with ``is_cpu``, which builds no
-    ``torch.device``, mapped at C speed: once per block of every copy), or
-    every pair sharing dtype and device."""
-    is_cpu = _IS_CPU
-    if all(map(is_cpu, dsts)) and all(map(is_cpu, srcs)):
-        return True
-    return all(d.dtype == s.dtype and d.device == s.device for d, s in zip(dsts, srcs))
 
 
 class TensorPool:
