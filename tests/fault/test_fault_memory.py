@@ -10,7 +10,7 @@ from fault_support import FIGURES, NOTES
 from kvtier.benchmarks.soak import hint_stream, manager_churn
 
 MANAGER_OPS = 1_000_000
-MANAGER_RSS_BOUND_BYTES = 16 << 20  # index nodes are ~200 B: a leak of 1 in 10 ops would show 20 MiB
+MANAGER_RSS_BOUND_BYTES = 16 << 20  # an indexed key costs ~200 B of dict entries: a leak of 1 in 10 ops would show 20 MiB
 HINT_STREAM_S = 30.0
 HINT_RSS_BOUND_BYTES = 16 << 20  # ~25k events/s here: a 64-byte leak per event would show ~30 MiB
 
@@ -21,7 +21,7 @@ def test_a_million_manager_operations_leave_rss_flat() -> None:
     print(r.describe())
     assert r.num_ops >= MANAGER_OPS
     assert r.sizes["open_plans"] == 0
-    # every index node is resident somewhere or a chain stub: bounded by the tiers' capacities
+    # every indexed key is resident somewhere or a chain stub: bounded by the tiers' capacities
     assert r.sizes["index_nodes"] <= 2 * (512 + 4096 + 16384), r.sizes
     assert r.growth_bytes < MANAGER_RSS_BOUND_BYTES, r.describe()
     FIGURES["memory_ops"] += r.num_ops
