@@ -354,7 +354,7 @@ class TierManager:
         slots: list[int] = []
         skipped: list[BlockKey] = []
         evicted: list[BlockKey] = []
-        index, resident = self._parent, t.slots
+        resident = t.slots
         prev = parent if chain else None
         for key in keys:
             if key in resident:  # pending or ready here already

@@ -444,9 +444,10 @@ class TieredStore:
         """:meth:`_check_block` of every buffer (once per block of every put and get:
         the checks run as C-speed loops)."""
         ts = as_byte_tensors(bufs, self.layout.bytes_per_block)
-        if ts is None:
+        if ts is None:  # a buffer of the wrong size: name the first
             for i, buf in enumerate(bufs):
-                self._check_block(buf, i)  # raises for the first wrong size
+                self._check_block(buf, i)
+            raise AssertionError("as_byte_tensors refused a size that _check_block accepts")
         return ts
 
     def _submit_store(self, plan: StorePlan, srcs: list[torch.Tensor], inline: bool) -> Future[Sequence[bool]]:
