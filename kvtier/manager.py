@@ -242,7 +242,10 @@ class TierManager:
         self._refs: dict[BlockKey, int] = {}  # acquire() holds + in-flight loads and moves; > 0 only
         self._holds: dict[BlockKey, int] = {}  # acquire() references only (parked while > 0); > 0 only
         self._plans: dict[int, StorePlan | LoadPlan | MovePlan] = {}
-        self._plan_ids = itertools.count(1)
+        self._last_plan_id = 0  # plan ids count up from 1
+        # the newest plan, when prepare_store reserved it as a fresh chain: completed
+        # before any later plan, its keys are as prepared (see _mark_ready_many)
+        self._fresh_plan_id = 0
         self._events: list[Event] = []
         self._record = record_events
         # the per-block BlockStored / BlockLoaded, one per block of every completed
@@ -346,8 +349,8 @@ class TierManager:
                 for key in keys:
                     before_insert(key)
             keys = tuple(keys)
-            plan = StorePlan(next(self._plan_ids), t.name, keys, tuple(self._reserve_fresh_chain(t, keys, parent)),
-                             (), ())
+            self._last_plan_id = self._fresh_plan_id = plan_id = self._last_plan_id + 1
+            plan = StorePlan(plan_id, t.name, keys, tuple(self._reserve_fresh_chain(t, keys, parent)), (), ())
             self._plans[plan.plan_id] = plan
             return plan
         reserved: list[BlockKey] = []
@@ -375,7 +378,7 @@ class TierManager:
                 prev = key
         if not reserved and not skipped:
             return None
-        plan = StorePlan(next(self._plan_ids), t.name, tuple(reserved), tuple(slots), tuple(skipped), tuple(evicted))
+        plan = StorePlan(self._new_plan_id(), t.name, tuple(reserved), tuple(slots), tuple(skipped), tuple(evicted))
         self._plans[plan.plan_id] = plan
         return plan
 
@@ -384,7 +387,7 @@ class TierManager:
         self._close_plan(plan)
         t = self._tier_by_name[plan.tier]
         if ok is True:
-            self._mark_ready_many(plan.keys, t)
+            self._mark_ready_many(plan.keys, t, plan.plan_id == self._fresh_plan_id == self._last_plan_id)
             return
         oks = self._per_key(ok, len(plan.keys))
         if all(oks):
@@ -420,7 +423,7 @@ class TierManager:
             slots = tuple(map(self._tiers[first].slots.__getitem__, found))
         else:
             slots = tuple(self._tiers[i].slots[key] for key, i in zip(found, hit.tier_indices))
-        plan = LoadPlan(next(self._plan_ids), found, hit.tiers, slots)
+        plan = LoadPlan(self._new_plan_id(), found, hit.tiers, slots)
         self._plans[plan.plan_id] = plan
         return plan
 
@@ -480,7 +483,7 @@ class TierManager:
         if not moving:
             return None
         plan = MovePlan(
-            next(self._plan_ids), s.name, d.name, tuple(moving), tuple(src_slots), tuple(dst_slots),
+            self._new_plan_id(), s.name, d.name, tuple(moving), tuple(src_slots), tuple(dst_slots),
             keep_source, tuple(evicted),
         )
         self._plans[plan.plan_id] = plan
@@ -831,15 +834,21 @@ class TierManager:
         if self._record_blocks:
             self._events.append(BlockStored(key, t.name, self._parent[key]))
 
-    def _mark_ready_many(self, keys: Sequence[BlockKey], t: _Tier) -> None:
+    def _mark_ready_many(self, keys: Sequence[BlockKey], t: _Tier, fresh: bool = False) -> None:
         """:meth:`_mark_ready` for each of ``keys`` (pending in ``t``), tail first: the
         same policy calls and events in the same order, with C-speed updates of
-        the index (it runs once per block of every completed store)."""
+        the index (it runs once per block of every completed store).
+
+        ``fresh``: ``keys`` are a chain :meth:`_reserve_fresh_chain` reserved, and no
+        plan was prepared since. Then none of them is readable in another tier
+        and each has the children it was given (its successor, none for the
+        tail): nothing to look up for them. Those lookups cost a cache miss per
+        key once a large copy ran between prepare and complete."""
         idx, fastest, held, children = t.index, self._fastest, self._held, t.children
         policy = t.policy
         rkeys = list(reversed(keys))
         self._ready[idx].update(rkeys)
-        if fastest.keys().isdisjoint(rkeys):  # readable nowhere else yet (most stores)
+        if fresh or fastest.keys().isdisjoint(rkeys):  # readable nowhere else yet (most stores)
             fastest.update(dict.fromkeys(rkeys, idx))
         else:
             for key in rkeys:
@@ -847,7 +856,10 @@ class TierManager:
                 if best is None or idx < best:
                     fastest[key] = idx
         # a pending key is never parked: park each that has a child here or is held
-        if held:
+        if fresh:  # every key but the tail (rkeys[0]) has its child here
+            to_park = [rkeys[0] in held]
+            to_park += itertools.repeat(True, len(rkeys) - 1)
+        elif held:
             to_park = [key in children or key in held for key in rkeys]
         else:
             to_park = list(map(children.__contains__, rkeys))
@@ -1028,6 +1040,10 @@ class TierManager:
                     self._events.append(BlockUnpinned(key, "expired"))
                 self._maybe_unhold(key)
                 self._maybe_forget(key)
+
+    def _new_plan_id(self) -> int:
+        self._last_plan_id += 1
+        return self._last_plan_id
 
     def _close_plan(self, plan: StorePlan | LoadPlan | MovePlan) -> None:
         if self._plans.pop(plan.plan_id, None) is None:

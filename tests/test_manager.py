@@ -271,9 +271,12 @@ def test_stress_invariants_after_every_step(policy: str, seed: int) -> None:
 @pytest.mark.parametrize("policy", ["lru", "fifo", "lfu", "arc", "s3fifo"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_fresh_chain_reservation_matches_the_per_key_path(policy: str, seed: int, monkeypatch) -> None:
-    """prepare_store reserves a fresh chain with one C-speed update per structure;
-    a second manager forced onto the per-key loop gets the same inputs. Every
-    plan, event, lookup and the final eviction order of each tier must agree."""
+    """prepare_store reserves a fresh chain with one C-speed update per structure
+    (and completes it without looking its keys up while no later plan was
+    prepared); a second manager forced onto the per-key loop gets the same
+    inputs. Some plans stay open while later ones (e.g. a chain continuing
+    theirs) are prepared and completed, some keys are referenced while pending.
+    Every plan, event, lookup and the final eviction order of each tier must agree."""
     rng = random.Random(seed)
     managers = []
     for fast in (True, False):
@@ -282,7 +285,15 @@ def test_fresh_chain_reservation_matches_the_per_key_path(policy: str, seed: int
         if not fast:
             monkeypatch.setattr(m, "_is_fresh_chain", lambda *a: False)
         managers.append(m)
-    fresh_plans = 0
+    fresh_plans = fresh_completions = 0
+    open_plans: list[tuple[list, list[bool] | bool]] = []  # (plan per manager, ok)
+    refs: list[BlockKey] = []  # keys referenced while their store was in flight, not released yet
+
+    def complete(entry) -> None:
+        plans, ok = entry
+        for m, plan in zip(managers, plans):
+            m.complete_store(plan, ok)
+
     roots = [BlockKey(r) for r in range(1, 6)]
     chains: list[list[BlockKey]] = []
     next_key = 100
@@ -296,8 +307,8 @@ def test_fresh_chain_reservation_matches_the_per_key_path(policy: str, seed: int
             if rng.random() < 0.1:
                 chain.append(chain[0])  # a repeated key: the per-key path's business
             chains.append(chain)
-        else:  # an existing chain again (skips), or extended
-            chain = rng.choice(chains)
+        else:  # an existing chain again (skips), or extended (often a recent one, maybe still in flight)
+            chain = rng.choice(chains[-3:] if rng.random() < 0.5 else chains)
             parent = None
             if rng.random() < 0.5:
                 chain = chain + [BlockKey(next_key)]
@@ -305,22 +316,44 @@ def test_fresh_chain_reservation_matches_the_per_key_path(policy: str, seed: int
         tier = rng.choice(["dram", "ssd"])
         ok = [rng.random() < 0.9 for _ in range(len(chain))]
         all_ok, load = rng.random() < 0.5, rng.random() < 0.2
+        defer, reference = rng.random() < 0.3, rng.random() < 0.2
         results = []
-        for m in managers:
-            fresh = m._is_fresh_chain(m._tier(tier), chain, parent)
-            plan = m.prepare_store(tier, chain, parent)
-            outcome = None
-            if plan is not None:
-                m.complete_store(plan, True if all_ok else ok[: len(plan.keys)])
-                outcome = (plan.keys, plan.slots, plan.skipped, plan.evicted)
+        plans = [m.prepare_store(tier, chain, parent) for m in managers]
+        fresh = managers[0]._fresh_plan_id == managers[0]._last_plan_id and plans[0] is not None
+        fresh_plans += fresh
+        if plans[0] is not None:
+            entry = (plans, True if all_ok else ok[: len(plans[0].keys)])
+            if reference and plans[0].keys:  # a key (the tail) referenced while its store is in flight
+                refs.append(plans[0].keys[-1])
+                for m in managers:
+                    m.acquire(refs[-1:])
+            if defer:
+                open_plans.append(entry)
+            else:
+                fresh_completions += fresh
+                complete(entry)
+        if open_plans and rng.random() < 0.4:  # an older plan completes after later ones
+            complete(open_plans.pop(rng.randrange(len(open_plans))))
+        if refs and rng.random() < 0.2:
+            ref = refs.pop(rng.randrange(len(refs)))
+            for m in managers:
+                m.release([ref])
+        for m, plan in zip(managers, plans):
+            outcome = None if plan is None else (plan.keys, plan.slots, plan.skipped, plan.evicted)
             if load:
                 hit = m.prepare_load(chain)
                 if hit is not None:
                     m.complete_load(hit, True)
             results.append((outcome, m.take_events(), m.lookup(chain), m.parent_of(chain[0])))
             m.check_invariants()
-            fresh_plans += fresh
         assert results[0] == results[1]
+    while open_plans:
+        complete(open_plans.pop())
+    for m in managers:
+        m.release(refs)
+    for m in managers:
+        m.check_invariants()
     for tier in ("dram", "ssd"):
         assert managers[0].evict(tier, 500) == managers[1].evict(tier, 500)
-    assert fresh_plans > 50, fresh_plans  # the fast path ran (counted on the fast manager only)
+    # the fast paths ran (on the fast manager only)
+    assert fresh_plans > 50 and fresh_completions > 30, (fresh_plans, fresh_completions)
