@@ -257,9 +257,11 @@ class TierManager:
         self._names = tuple(t.name for t in self._tiers)
         self._ready: list[set[BlockKey]] = [set() for _ in self._tiers]  # readable keys per tier
         self._fastest: dict[BlockKey, int] = {}  # readable key -> index of its fastest tier
-        self._held: set[BlockKey] = set()  # referenced or pinned blocks
-        # keys parked in each tier's policy: held, or with a child present in that tier
-        self._parked: list[set[BlockKey]] = [set() for _ in self._tiers]
+        # referenced or pinned blocks. A block ready in a tier is parked in that
+        # tier's policy while it is held or has a child resident there; the
+        # manager keeps no set of parked keys (one more cache miss per stored
+        # block): each change of those two facts parks or unparks it
+        self._held: set[BlockKey] = set()
         self._pin_heap: list[tuple[float, BlockKey]] = []
 
     # ------------------------------------------------------------------ queries
@@ -730,8 +732,10 @@ class TierManager:
         held = {k for k in index if k in self._holds or k in self._pinned}
         assert self._held == held, "held set out of date"
         for t in self._tiers:
-            want = {k for k in self._ready[t.index] if k in held or k in t.children}
-            assert self._parked[t.index] == want, f"{t.name}: parked set out of date"
+            parked_keys = getattr(t.policy, "parked_keys", None)
+            if parked_keys is not None:
+                want = {k for k in self._ready[t.index] if k in held or k in t.children}
+                assert set(parked_keys()) == want, f"{t.name}: the policy's parked keys are out of date"
         for plan in self._plans.values():
             if isinstance(plan, StorePlan):
                 t = self._tier_by_name[plan.tier]
@@ -809,10 +813,11 @@ class TierManager:
                 self._count_child_in(parent, t)
 
     def _count_child_in(self, parent: BlockKey, t: _Tier) -> None:
-        """One more child of ``parent`` is resident in ``t``: the first one parks it there."""
+        """One more child of ``parent`` is resident in ``t``: the first one parks it there
+        (unless a hold parked it already)."""
         count = t.children[parent] = t.children.get(parent, 0) + 1
-        if count == 1:
-            self._sync_park(parent, t)
+        if count == 1 and parent not in self._held and parent in self._ready[t.index]:
+            t.policy.on_hold(parent)
 
     def _set_pending(self, key: BlockKey, t: _Tier, slot: int) -> None:
         """``key`` (in the index) now holds ``slot`` in ``t``, not yet readable."""
@@ -830,7 +835,7 @@ class TierManager:
             self._fastest[key] = idx
         t.policy.on_insert(key)
         if key in t.children or key in self._held:
-            self._sync_park(key, t)
+            t.policy.on_hold(key)
         if self._record_blocks:
             self._events.append(BlockStored(key, t.name, self._parent[key]))
 
@@ -869,15 +874,13 @@ class TierManager:
             for key in itertools.compress(rkeys, map(operator.not_, to_park)):
                 policy.on_insert(key)
             if parked_keys:
-                self._parked[idx].update(parked_keys)
                 insert_held_many(parked_keys)
         else:
-            parked, insert_held = self._parked[idx], t.insert_held
+            insert_held = t.insert_held
             for key, park in zip(rkeys, to_park):
                 if not park:
                     policy.on_insert(key)
                     continue
-                parked.add(key)
                 if insert_held is not None:
                     insert_held(key)
                 else:
@@ -926,7 +929,6 @@ class TierManager:
         if key in ready:
             t.num_ready -= 1
             ready.discard(key)
-            self._parked[idx].discard(key)
             if self._record:
                 self._events.append(BlockRemoved(key, t.name, reason or "removed"))
         t.give_slot(t.slots.pop(key))
@@ -943,8 +945,9 @@ class TierManager:
                 t.children[parent] = count
             else:
                 del t.children[parent]
-                if unpark_parent:  # the parent is the chain's tail now
-                    self._sync_park(parent, t, front=True)
+                # the parent is the chain's tail now: unparked, as the next to evict
+                if unpark_parent and parent not in self._held and parent in self._ready[idx]:
+                    t.policy.on_unhold(parent, True)
         self._maybe_forget(key)
 
     def _ref(self, key: BlockKey) -> None:
@@ -960,12 +963,14 @@ class TierManager:
             self._maybe_forget(key)
 
     def _hold(self, key: BlockKey) -> None:
-        """Park ``key`` in every tier's policy while it is in use."""
+        """Park ``key`` in every tier's policy while it is in use (where no child
+        there parked it already)."""
         if key in self._held:
             return
         self._held.add(key)
         for t in self._tiers:
-            self._sync_park(key, t)
+            if key in self._ready[t.index] and key not in t.children:
+                t.policy.on_hold(key)
 
     def _maybe_unhold(self, key: BlockKey) -> None:
         """Back into the eviction orders (as most recent) once no reference and no pin hold it."""
@@ -973,22 +978,8 @@ class TierManager:
             return
         self._held.discard(key)
         for t in self._tiers:
-            self._sync_park(key, t)
-
-    def _sync_park(self, key: BlockKey, t: _Tier, front: bool = False) -> None:
-        """Park a ready block in ``t``'s policy while it is held or has a child in
-        ``t``; unpark it otherwise (at the eviction end with ``front``)."""
-        idx = t.index
-        if key not in self._ready[idx]:
-            return
-        parked = self._parked[idx]
-        if key in self._held or key in t.children:
-            if key not in parked:
-                parked.add(key)
-                t.policy.on_hold(key)
-        elif key in parked:
-            parked.discard(key)
-            t.policy.on_unhold(key, front)
+            if key in self._ready[t.index] and key not in t.children:  # (a child there keeps it parked)
+                t.policy.on_unhold(key)
 
     def _maybe_forget(self, key: BlockKey) -> None:
         """Delete index keys that hold nothing, walking up the chain."""

@@ -49,6 +49,10 @@ Optional: ``adapts_before_insert = False`` (class attribute) — the policy's
 ``before_insert`` does nothing, so the manager may skip calling it (once per
 stored block).
 
+Optional: ``parked_keys()`` — the keys held now (``on_hold`` without
+``on_unhold`` or removal since); the manager's ``check_invariants`` compares
+them with the blocks it holds, as it keeps no such set itself.
+
 Optional: ``to_front(key)`` — make an idle resident ``key`` the next victim
 (an agent-aware placement knows it will not be used soon). Policies without
 an order to reorder omit it and the manager ignores the request.
@@ -112,6 +116,10 @@ class Parking:
 
     def on_unhold(self, key: BlockKey, front: bool = False) -> None:
         self._attach(key, self._parked.pop(key), front)  # type: ignore[attr-defined]
+
+    def parked_keys(self) -> Iterable[BlockKey]:
+        """The held keys (for the manager's invariant check)."""
+        return self._parked.keys()
 
     def _forget_parked(self, key: BlockKey) -> bool:
         """True (and forgotten) when ``key`` was parked."""

@@ -162,6 +162,9 @@ class BeladyPolicy:
         del self._parked[key]
         self._push(key)
 
+    def parked_keys(self) -> Iterable[BlockKey]:
+        return self._parked.keys()
+
     def pop_victim(self, is_evictable: IsEvictable, incoming: BlockKey | None = None) -> BlockKey | None:
         heap, nxt, clock = self._heap, self._next, self._oracle.clock
         skipped: list[tuple[float, int, BlockKey]] = []
