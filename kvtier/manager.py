@@ -849,8 +849,7 @@ class TierManager:
         and each has the children it was given (its successor, none for the
         tail): nothing to look up for them. Those lookups cost a cache miss per
         key once a large copy ran between prepare and complete."""
-        idx, fastest, held, children = t.index, self._fastest, self._held, t.children
-        policy = t.policy
+        idx, fastest = t.index, self._fastest
         rkeys = list(reversed(keys))
         self._ready[idx].update(rkeys)
         if fresh or fastest.keys().isdisjoint(rkeys):  # readable nowhere else yet (most stores)
@@ -861,6 +860,21 @@ class TierManager:
                 if best is None or idx < best:
                     fastest[key] = idx
         # a pending key is never parked: park each that has a child here or is held
+        insert_held_many = t.insert_held_many
+        if fresh and insert_held_many is not None and rkeys[0] not in self._held:  # (most stores)
+            t.policy.on_insert(rkeys[0])  # the tail, idle
+            insert_held_many(rkeys[1:])  # the others, parked under their child
+        else:
+            self._insert_parking(t, rkeys, fresh)
+        if self._record_blocks:  # built at C speed: one BlockStored per key, tail first
+            self._events.extend(map(BlockStored, rkeys, itertools.repeat(t.name),
+                                    map(self._parent.__getitem__, rkeys)))
+        t.num_ready += len(keys)
+
+    def _insert_parking(self, t: _Tier, rkeys: list[BlockKey], fresh: bool) -> None:
+        """The policy calls of :meth:`_mark_ready_many` for ``rkeys`` (tail first):
+        ``on_insert`` of each, parked at once where it is held or has a child in ``t``."""
+        held, children, policy = self._held, t.children, t.policy
         if fresh:  # every key but the tail (rkeys[0]) has its child here
             to_park = [rkeys[0] in held]
             to_park += itertools.repeat(True, len(rkeys) - 1)
@@ -875,21 +889,16 @@ class TierManager:
                 policy.on_insert(key)
             if parked_keys:
                 insert_held_many(parked_keys)
-        else:
-            insert_held = t.insert_held
-            for key, park in zip(rkeys, to_park):
-                if not park:
-                    policy.on_insert(key)
-                    continue
-                if insert_held is not None:
-                    insert_held(key)
-                else:
-                    policy.on_insert(key)
-                    policy.on_hold(key)
-        if self._record_blocks:  # built at C speed: one BlockStored per key, tail first
-            self._events.extend(map(BlockStored, rkeys, itertools.repeat(t.name),
-                                    map(self._parent.__getitem__, rkeys)))
-        t.num_ready += len(keys)
+            return
+        insert_held = t.insert_held
+        for key, park in zip(rkeys, to_park):
+            if not park:
+                policy.on_insert(key)
+            elif insert_held is not None:
+                insert_held(key)
+            else:
+                policy.on_insert(key)
+                policy.on_hold(key)
 
     def _complete_load_ok(self, plan: LoadPlan) -> None:
         """``complete_load`` of a plan whose every block verified: the same events and

@@ -134,6 +134,10 @@ class TieredStore:
         self._prefetching: dict[BlockKey, int] = {}  # key -> plan id of its prefetch in flight
         self._superseded: set[int] = set()  # prefetch plans a get overtook (discarded on completion)
         self._prefetched: dict[BlockKey, str] = {}  # prefetched, not yet read: key -> tier
+        # the tiers every put writes: the put tier, then (write-through) the others
+        self._put_targets = (cfg.put_tier,) + (
+            tuple(t for t in self.manager.tier_names if t != cfg.put_tier) if cfg.write_through else ()
+        )
         if self._ssd is not None:
             self._reindex_ssd()
 
@@ -196,12 +200,9 @@ class TieredStore:
         if len(keys) != len(blocks):
             raise ValueError(f"put: {len(keys)} keys but {len(blocks)} blocks")
         srcs = self._check_blocks(blocks)
-        targets = [self.config.put_tier]
-        if self.config.write_through:
-            targets += [t for t in self.manager.tier_names if t != self.config.put_tier]
         plans: list[StorePlan] = []
         with self._lock:
-            for tier in targets:
+            for tier in self._put_targets:
                 plan = self.manager.prepare_store(tier, keys, parent)
                 self._pump_events()
                 if plan is not None and plan.keys:

@@ -115,6 +115,8 @@ class TensorPool:
         self._views = list(self.data.unbind(0))  # one zero-copy view per slot, made once
         self._non_blocking = pin or device.type != "cpu"
         self._asynchronous = device.type != "cpu"  # copies into or out of it need a synchronize()
+        # a host pool copies with one _foreach_copy_ whenever the caller's tensors are on the host too
+        self._host_foreach = device.type == "cpu" and _HAS_FOREACH_COPY
 
     @property
     def nbytes(self) -> int:
@@ -126,17 +128,26 @@ class TensorPool:
 
     def write(self, slots: list[int] | tuple[int, ...], srcs: list[torch.Tensor]) -> list[bool]:
         """Copy each ``srcs[i]`` (``bytes_per_block`` bytes) into ``slots[i]``."""
-        _copy_all(list(map(self._views.__getitem__, slots)), srcs, self._non_blocking)
-        if self._asynchronous:
-            self.synchronize()
+        self._copy(list(map(self._views.__getitem__, slots)), srcs, srcs)
         return [True] * len(slots)
 
     def read(self, slots: list[int] | tuple[int, ...], dsts: list[torch.Tensor]) -> list[bool]:
         """Copy ``slots[i]`` into the caller's ``dsts[i]``."""
-        _copy_all(list(dsts), list(map(self._views.__getitem__, slots)), self._non_blocking)
+        dsts = list(dsts)
+        self._copy(dsts, list(map(self._views.__getitem__, slots)), dsts)
+        return [True] * len(slots)
+
+    def _copy(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], callers: list[torch.Tensor]) -> None:
+        """``_copy_all(dsts, srcs)`` where one side is this pool's views and ``callers``
+        the other: only the caller's tensors are checked (the pool's side is
+        on the pool's device by construction; once per block of every put and
+        get, each check reads a tensor that is likely out of cache)."""
+        if self._host_foreach and all(map(_IS_CPU, callers)):
+            torch._foreach_copy_(dsts, srcs, non_blocking=self._non_blocking)
+        else:
+            _copy_all(dsts, srcs, self._non_blocking)
         if self._asynchronous:
             self.synchronize()
-        return [True] * len(slots)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
