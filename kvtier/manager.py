@@ -351,7 +351,7 @@ class TierManager:
                 for key in keys:
                     before_insert(key)
             keys = tuple(keys)
-            self._last_plan_id = self._fresh_plan_id = plan_id = self._last_plan_id + 1
+            self._fresh_plan_id = plan_id = self._new_plan_id()
             plan = StorePlan(plan_id, t.name, keys, tuple(self._reserve_fresh_chain(t, keys, parent)), (), ())
             self._plans[plan.plan_id] = plan
             return plan
