@@ -79,10 +79,33 @@ def as_byte_tensors(bufs: Sequence[Any], nbytes: int) -> list[torch.Tensor] | No
 
 _HAS_FOREACH_COPY = hasattr(torch, "_foreach_copy_")
 _IS_CPU = operator.attrgetter("is_cpu")
+_DATA_PTR = torch.Tensor.data_ptr
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
 _IS_TENSOR = torch.Tensor.__instancecheck__
 _U8 = torch.uint8
+
+
+def host_run(ts: Sequence[torch.Tensor], nbytes: int) -> torch.Tensor | None:
+    """``ts`` (flat ``uint8`` tensors of ``nbytes`` bytes each) as one ``[len(ts),
+    nbytes]`` view, when they are adjacent blocks of one host buffer, in order:
+    ``ts[i]`` contiguous and starting ``i * nbytes`` bytes after ``ts[0]``, all
+    inside ``ts[0]``'s storage (rows of one tensor, such as an engine's or a
+    host pool's pages, usually are). ``None`` otherwise. C-speed checks only."""
+    n = len(ts)
+    if n < 2:
+        return None
+    first = ts[0]
+    p0 = first.data_ptr()
+    if (
+        not all(map(_IS_CPU, ts))
+        or list(map(_DATA_PTR, ts)) != list(range(p0, p0 + n * nbytes, nbytes))
+        or not all(map(_IS_CONTIGUOUS, ts))
+        or first.storage_offset() + n * nbytes > first.untyped_storage().nbytes()
+    ):
+        return None
+    return first.as_strided((n, nbytes), (nbytes, 1))
 
 
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool) -> None:
@@ -116,7 +139,8 @@ class TensorPool:
         self._non_blocking = pin or device.type != "cpu"
         self._asynchronous = device.type != "cpu"  # copies into or out of it need a synchronize()
         # a host pool copies with one _foreach_copy_ whenever the caller's tensors are on the host too
-        self._host_foreach = device.type == "cpu" and _HAS_FOREACH_COPY
+        self._host = device.type == "cpu"
+        self._host_foreach = self._host and _HAS_FOREACH_COPY
 
     @property
     def nbytes(self) -> int:
@@ -128,14 +152,37 @@ class TensorPool:
 
     def write(self, slots: list[int] | tuple[int, ...], srcs: list[torch.Tensor]) -> list[bool]:
         """Copy each ``srcs[i]`` (``bytes_per_block`` bytes) into ``slots[i]``."""
+        run = self._slot_run(slots)
+        if run is not None:
+            src = host_run(srcs, self.bytes_per_block)
+            if src is not None:  # adjacent blocks into adjacent slots: one copy
+                run.copy_(src)
+                return [True] * len(slots)
         self._copy(list(map(self._views.__getitem__, slots)), srcs, srcs)
         return [True] * len(slots)
 
     def read(self, slots: list[int] | tuple[int, ...], dsts: list[torch.Tensor]) -> list[bool]:
         """Copy ``slots[i]`` into the caller's ``dsts[i]``."""
         dsts = list(dsts)
+        run = self._slot_run(slots)
+        if run is not None:
+            dst = host_run(dsts, self.bytes_per_block)
+            if dst is not None:  # adjacent slots into adjacent blocks: one copy
+                dst.copy_(run)
+                return [True] * len(slots)
         self._copy(dsts, list(map(self._views.__getitem__, slots)), dsts)
         return [True] * len(slots)
+
+    def _slot_run(self, slots: list[int] | tuple[int, ...]) -> torch.Tensor | None:
+        """``[len(slots), bytes_per_block]`` view of ``slots`` when they are several
+        adjacent slots in order (a fresh chain's usually are) of a host pool."""
+        n = len(slots)
+        if n < 2 or not self._host:
+            return None
+        first = slots[0]
+        if slots[-1] != first + n - 1 or list(slots) != list(range(first, first + n)):
+            return None
+        return self.data[first : first + n]
 
     def _copy(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], callers: list[torch.Tensor]) -> None:
         """``_copy_all(dsts, srcs)`` where one side is this pool's views and ``callers``
