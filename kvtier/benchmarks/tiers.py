@@ -4,7 +4,13 @@ For each block size it measures, through the public :class:`~kvtier.store.Tiered
 (manager bookkeeping included):
 
 * ``memcpy_gbps``: a torch copy of the same bytes between preallocated buffers (baseline);
-* ``dram_put_gbps`` / ``dram_get_gbps``: store.put / store.get on a DRAM-only store;
+* ``dram_put_gbps`` / ``dram_get_gbps``: store.put / store.get on a DRAM-only store.
+  The blocks are rows of one tensor, as an engine's pages are, so each batch
+  of a fresh chain is one run copied as one (see ``TensorPool.write``); the
+  gets read into separate buffers, block by block;
+  ``dram_put_scattered_gbps``: the same puts with each batch's blocks in a
+  shuffled order, so no run forms and every block is copied on its own (no
+  target: it shows what the run copy buys);
   ``dram_put_evicting_gbps``: puts into a full store, each block evicting one;
 * ``raw_file_write_gbps``: plain ``write`` + ``fsync`` of the same bytes in the same
   batches (baseline); ``ssd_put_gbps``: store.put on an SSD-only store with
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -37,6 +44,7 @@ from ..config import load_config
 from ..keys import BlockKey, Namespace, chain_foreign_keys
 from ..manager import TierManager, TierSpec
 from ..store import TieredStore
+from ..tiers.pool import host_run
 from .common import best_seconds, bf16_blocks, gbps, interleaved_best_seconds
 
 BLOCK_SIZES_BYTES = (256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
@@ -119,15 +127,25 @@ def bench_memcpy_and_dram(block_bytes: int, total_bytes: int) -> dict[str, float
     # every round of fresh keys fits: this measures the put path itself (no eviction)
     store = _store(block_bytes, (REPEATS + 1) * n, "dram")
     put = _RoundPutter(store, blocks, REPEATS)
+    scattered_blocks = [b for batch in _batches(blocks) for b in random.Random(7).sample(batch, len(batch))]
+    scattered_store = _store(block_bytes, (REPEATS + 1) * n, "dram")
+    put_scattered = _RoundPutter(scattered_store, scattered_blocks, REPEATS)
+    # what each variant measures: every batch of `blocks` is a run, no batch of `scattered_blocks` is
+    assert all(host_run(b, block_bytes) is not None for b in _batches(blocks))
+    assert all(host_run(b, block_bytes) is None for b in _batches(scattered_blocks))
 
     def get() -> None:  # the blocks of the latest put round
         for kb, ob in zip(_batches(put.keys), _batches(outs)):
             assert store.get(kb, ob) == len(kb)
 
     memcpy()  # fault the output buffers in before anything is timed
-    memcpy_s, put_s, get_s = interleaved_best_seconds([memcpy, put, get], REPEATS)
+    memcpy_s, put_s, get_s, put_scattered_s = interleaved_best_seconds([memcpy, put, get, put_scattered], REPEATS)
     assert all(torch.equal(a, b) for a, b in zip(blocks, outs)), "dram get returned wrong bytes"
     store.close()
+    for kb, ob in zip(_batches(put_scattered.keys), _batches(outs)):
+        assert scattered_store.get(kb, ob) == len(kb)
+    assert all(torch.equal(a, b) for a, b in zip(scattered_blocks, outs)), "scattered dram put stored wrong bytes"
+    scattered_store.close()
     # steady state of a full cache: every put also evicts one block
     full = _store(block_bytes, n, "dram")
     put_evicting = _RoundPutter(full, blocks, 1 + EVICT_REPEATS)
@@ -135,7 +153,8 @@ def bench_memcpy_and_dram(block_bytes: int, total_bytes: int) -> dict[str, float
     put_evict_s = best_seconds(put_evicting, EVICT_REPEATS)
     full.close()
     return {"memcpy_gbps": gbps(nbytes, memcpy_s), "dram_put_gbps": gbps(nbytes, put_s),
-            "dram_get_gbps": gbps(nbytes, get_s), "dram_put_evicting_gbps": gbps(nbytes, put_evict_s)}
+            "dram_get_gbps": gbps(nbytes, get_s), "dram_put_scattered_gbps": gbps(nbytes, put_scattered_s),
+            "dram_put_evicting_gbps": gbps(nbytes, put_evict_s)}
 
 
 def bench_ssd(block_bytes: int, total_bytes: int, workdir: str) -> dict[str, float]:
@@ -223,6 +242,7 @@ def _run(total_mib: int, ssd_total_mib: int, progress) -> dict[str, Any]:
             row.update(bench_ssd(size, ssd_total_mib << 20, workdir))
             row["dram_put_vs_memcpy"] = row["dram_put_gbps"] / row["memcpy_gbps"]
             row["dram_get_vs_memcpy"] = row["dram_get_gbps"] / row["memcpy_gbps"]
+            row["dram_put_scattered_vs_memcpy"] = row["dram_put_scattered_gbps"] / row["memcpy_gbps"]
             row["ssd_put_vs_raw_write"] = row["ssd_put_gbps"] / row["raw_file_write_gbps"]
             row["ssd_get_vs_raw_read"] = row["ssd_get_gbps"] / row["raw_file_read_gbps"]
             results.append(row)
