@@ -99,7 +99,8 @@ def host_run(ts: Sequence[torch.Tensor], nbytes: int) -> torch.Tensor | None:
     first = ts[0]
     p0 = first.data_ptr()
     if (
-        not all(map(_IS_CPU, ts))
+        ts[1].data_ptr() != p0 + nbytes  # separate buffers (most gets) fail here, before any map
+        or not all(map(_IS_CPU, ts))
         or list(map(_DATA_PTR, ts)) != list(range(p0, p0 + n * nbytes, nbytes))
         or not all(map(_IS_CONTIGUOUS, ts))
         or first.storage_offset() + n * nbytes > first.untyped_storage().nbytes()
