@@ -153,11 +153,10 @@ class TensorPool:
 
     def write(self, slots: list[int] | tuple[int, ...], srcs: list[torch.Tensor]) -> list[bool]:
         """Copy each ``srcs[i]`` (``bytes_per_block`` bytes) into ``slots[i]``."""
-        run = self._slot_run(slots)
-        if run is not None:
+        if self._is_slot_run(slots):
             src = host_run(srcs, self.bytes_per_block)
             if src is not None:  # adjacent blocks into adjacent slots: one copy
-                run.copy_(src)
+                self.data[slots[0] : slots[0] + len(slots)].copy_(src)
                 return [True] * len(slots)
         self._copy(list(map(self._views.__getitem__, slots)), srcs, srcs)
         return [True] * len(slots)
@@ -165,25 +164,23 @@ class TensorPool:
     def read(self, slots: list[int] | tuple[int, ...], dsts: list[torch.Tensor]) -> list[bool]:
         """Copy ``slots[i]`` into the caller's ``dsts[i]``."""
         dsts = list(dsts)
-        run = self._slot_run(slots)
-        if run is not None:
+        if self._is_slot_run(slots):
             dst = host_run(dsts, self.bytes_per_block)
             if dst is not None:  # adjacent slots into adjacent blocks: one copy
-                dst.copy_(run)
+                dst.copy_(self.data[slots[0] : slots[0] + len(slots)])
                 return [True] * len(slots)
         self._copy(dsts, list(map(self._views.__getitem__, slots)), dsts)
         return [True] * len(slots)
 
-    def _slot_run(self, slots: list[int] | tuple[int, ...]) -> torch.Tensor | None:
-        """``[len(slots), bytes_per_block]`` view of ``slots`` when they are several
-        adjacent slots in order (a fresh chain's usually are) of a host pool."""
+    def _is_slot_run(self, slots: list[int] | tuple[int, ...]) -> bool:
+        """True when ``slots`` are several adjacent slots, in order (a fresh chain's
+        usually are), of a host pool. Plain int checks: the view of the run is
+        made only once the caller's buffers form a run too."""
         n = len(slots)
         if n < 2 or not self._host:
-            return None
+            return False
         first = slots[0]
-        if slots[-1] != first + n - 1 or list(slots) != list(range(first, first + n)):
-            return None
-        return self.data[first : first + n]
+        return slots[-1] == first + n - 1 and list(slots) == list(range(first, first + n))
 
     def _copy(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], callers: list[torch.Tensor]) -> None:
         """``_copy_all(dsts, srcs)`` where one side is this pool's views and ``callers``
