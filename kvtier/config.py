@@ -307,6 +307,8 @@ class SSDTierConfig:
     codec: str = "raw"  # "auto" stores bf16 KV 1.5x smaller but decodes at ~1 GB/s on 2 cores (README)
     zstd_level: int = 1
     sync: bool = False
+    # threads that copy and verify the blocks of one large read (the caller's included)
+    read_threads: int = 2
     SECTION: ClassVar[str] = "tiers.ssd"
 
     def __post_init__(self) -> None:
@@ -316,6 +318,7 @@ class SSDTierConfig:
         _check_choice("tiers.ssd.codec", self.codec, SSD_CODECS)
         if not 1 <= self.zstd_level <= 22:
             raise ConfigError("tiers.ssd.zstd_level", self.zstd_level, "must be in 1..22")
+        _check_min("tiers.ssd.read_threads", self.read_threads, 1)
         if self.enabled:
             if not self.path:
                 raise ConfigError("tiers.ssd.path", self.path, "required when tiers.ssd.enabled is true")

@@ -118,6 +118,7 @@ class TieredStore:
                 codec=cfg.ssd.codec,
                 zstd_level=cfg.ssd.zstd_level,
                 sync=cfg.ssd.sync,
+                read_threads=cfg.ssd.read_threads,
             )
         # removals and failures are always recorded (SSD deletes, removal counts,
         # explain_miss); the per-block stored/loaded events only for a KV-event feed

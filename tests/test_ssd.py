@@ -52,7 +52,11 @@ def make_block(kind: str, seed: int) -> np.ndarray:
 
 
 def failures(tier: SSDTier) -> int:
-    return sum(tier.stats[c] for c in FAILURE_COUNTERS)
+    return failures_from(tier.stats)
+
+
+def failures_from(stats: dict[str, int]) -> int:
+    return sum(stats[c] for c in FAILURE_COUNTERS)
 
 
 def rewrite_values(path: Path, edit) -> None:
@@ -215,6 +219,45 @@ def test_flipped_bytes_are_counted_misses(tier_path: Path, codec: str, region: s
             assert s["checksum_failures"] == len(keys)  # only the raw checksum can catch these
         assert tier.verify_all() == (0, len(keys))
         assert tier.verify_all(delete_bad=True) == (0, len(keys)) and len(tier) == 0
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_reads_split_over_threads_match_the_callers_thread(tier_path: Path, codec: str, monkeypatch) -> None:
+    """A read split over pool threads returns, per block, what one thread returns:
+    the same verified bytes, the same misses for absent and corrupted values,
+    and the same counters; the tier's read pool is gone after close()."""
+    import kvtier.tiers.ssd as ssd_mod
+
+    keys = [BlockKey(i) for i in range(1, 26)]
+    originals = {k: bf16_block(k) for k in keys}
+    with SSDTier(tier_path, NS, LAYOUT, codec=codec) as tier:
+        tier.put_many([(k, originals[k], None) for k in keys[:-3]])  # the last three are absent
+    rng = random.Random(codec)
+    bad = set(rng.sample(range(len(keys) - 3), 6))
+
+    def corrupt(key: bytes, value: memoryview) -> bytes:
+        if int.from_bytes(key, "big") - 1 not in bad:
+            return bytes(value)
+        return _flip(bytes(value), rng.randrange(HEADER_BYTES, len(value)), rng.randrange(1, 256))
+
+    rewrite_values(tier_path, corrupt)
+    monkeypatch.setattr(ssd_mod, "PARALLEL_READ_MIN_BYTES", 0)  # split even these small blocks
+    seen = {}
+    for threads in (1, 3):
+        with SSDTier(tier_path, NS, LAYOUT, read_threads=threads) as tier:
+            outs = [np.zeros(BPB, dtype=np.uint8) for _ in keys]
+            oks = tier.get_many_into(keys, outs)
+            assert (tier._read_pool is not None) == (threads > 1)
+            seen[threads] = (oks, tier.stats)
+            for i, (k, ok) in enumerate(zip(keys, oks)):
+                assert ok == (i not in bad and i < len(keys) - 3)
+                if ok:
+                    assert np.array_equal(outs[i], originals[k])
+        assert tier._read_pool is None
+    assert seen[1] == seen[3]
+    assert seen[3][1]["misses"] == len(bad) + 3 and failures_from(seen[3][1]) == len(bad)
+    with pytest.raises(ConfigError, match="tiers.ssd.read_threads"):
+        SSDTier(tier_path, NS, LAYOUT, read_threads=0)
 
 
 @pytest.mark.parametrize("codec", CODECS)

@@ -527,7 +527,9 @@ def _decode_raw_fast(value: object, out: object, ctx: ValueContext, key: BlockKe
         return False
     if dst.format != "B" or dst.ndim != 1:
         dst = dst.cast("B")
-    dst[:] = mv[HEADER_BYTES:]
+    # numpy's copy lets go of the GIL (a memoryview slice assignment does not), as
+    # does the checksum: blocks decoded on several threads copy and verify in parallel
+    np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(mv, np.uint8, offset=HEADER_BYTES))
     return checksum(dst) == raw_sum
 
 

@@ -27,7 +27,9 @@ the last ones may be lost on power loss; :meth:`SSDTier.close` syncs.
 would kill the process with SIGBUS instead of failing a write.
 
 Threading. Reads may run concurrently from several threads; writers are
-serialized by LMDB's writer lock. Every transaction holds a shared gate that
+serialized by LMDB's writer lock. A large :meth:`SSDTier.get_many_into` also
+splits its blocks' copies and checksums over ``read_threads`` threads (the
+caller's and a small pool of this tier's); both let go of the GIL. Every transaction holds a shared gate that
 the (rare) map resize of a delete on a full map takes exclusively. Counters
 are best-effort under races. Buffers are anything with the buffer protocol
 (bytes, bytearray, numpy arrays); pass a torch CPU tensor as
@@ -54,6 +56,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import Callable, Iterator, NamedTuple, Sequence, TypeVar
 
@@ -68,6 +71,9 @@ DEFAULT_MAP_SIZE_BYTES = 16 << 30
 _DELETE_HEADROOM_BYTES = 1 << 20
 _NUDGE_KEY = b"\x00"  # never a block key (those are 16 bytes)
 _SCAN_CHUNK_ENTRIES = 1024
+# a read of fewer raw bytes stays on the caller's thread: handing blocks to a
+# pool thread costs tens of microseconds, about what 256 KiB takes to copy
+PARALLEL_READ_MIN_BYTES = 1 << 20
 _T = TypeVar("_T")
 
 STAT_NAMES: tuple[str, ...] = (
@@ -119,9 +125,12 @@ class SSDTier:
         sync: bool = True,
         readonly: bool = False,
         min_ratio: float = 1.05,
+        read_threads: int = 2,
     ) -> None:
         if not isinstance(map_size_bytes, int) or map_size_bytes <= 0:
             raise ConfigError("tiers.ssd.map_size_bytes", map_size_bytes, "must be a positive integer")
+        if not isinstance(read_threads, int) or read_threads < 1:
+            raise ConfigError("tiers.ssd.read_threads", read_threads, "must be an integer >= 1")
         self.path = os.fspath(path)
         self.namespace = namespace
         self.layout = layout
@@ -134,6 +143,9 @@ class SSDTier:
         self._ctx = ValueContext.of(namespace, layout)
         self._stats: dict[str, int] = dict.fromkeys(STAT_NAMES, 0)
         self._gate = _TxnGate()
+        self.read_threads = read_threads
+        self._read_pool: ThreadPoolExecutor | None = None  # made on the first large read
+        self._read_pool_lock = threading.Lock()
         self._env: lmdb.Environment | None = _open_env(self.path, map_size_bytes, sync, readonly)
         self.map_size_bytes: int = self._env.info()["map_size"]
         if not readonly:
@@ -143,6 +155,10 @@ class SSDTier:
 
     def close(self) -> None:
         """Close the environment (idempotent). With ``sync=False``, flushes first."""
+        with self._read_pool_lock:
+            pool, self._read_pool = self._read_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         if self._env is not None:
             if not self.sync and not self.readonly:
                 self._env.sync(True)
@@ -331,20 +347,54 @@ class SSDTier:
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
         for out in outs:
             self._check_out(out)
-        results: list[bool] = []
+        n = len(keys)
+        parts = min(self.read_threads, n) if n * self.layout.bytes_per_block >= PARALLEL_READ_MIN_BYTES else 1
         with self._read_txn() as txn:
-            for key, out in zip(keys, outs):
-                value = txn.get(key_to_bytes(key))
-                ok = value is not None and decode_into(value, out, self._ctx, self._stats, key=key)
-                if ok:
-                    self._stats["bytes_read"] += len(value)
-                results.append(ok)
+            values = [txn.get(key_to_bytes(key)) for key in keys]
+            if parts == 1:
+                results = self._decode_part(keys, values, outs, self._stats)
+            else:  # the caller decodes the first share, pool threads the others
+                bounds = [n * i // parts for i in range(parts + 1)]
+                pool = self._pool()
+                counts: list[dict[str, int]] = [{} for _ in range(parts)]
+                futures: list[Future[list[bool]]] = [
+                    pool.submit(self._decode_part, keys[a:b], values[a:b], outs[a:b], c)
+                    for a, b, c in zip(bounds[1:-1], bounds[2:], counts[1:])
+                ]
+                try:
+                    results = self._decode_part(keys[: bounds[1]], values[: bounds[1]], outs[: bounds[1]], counts[0])
+                finally:
+                    wait(futures)  # no thread may read a value after the transaction ends
+                for f in futures:
+                    results += f.result()
+                for c in counts:  # merged on this thread: no increment lost to a race
+                    for name, value in c.items():
+                        self._stats[name] += value
         num_hits = sum(results)
         self._stats["gets"] += len(keys)
         self._stats["hits"] += num_hits
         self._stats["misses"] += len(keys) - num_hits
         self._stats["raw_bytes_read"] += num_hits * self.layout.bytes_per_block
         return results
+
+    def _decode_part(
+        self, keys: Sequence[BlockKey], values: Sequence[object], outs: Sequence[object], stats: dict[str, int]
+    ) -> list[bool]:
+        """Decode and verify ``values[i]`` (``None``: absent) into ``outs[i]``,
+        counting failures and bytes read into ``stats``."""
+        results = []
+        for key, value, out in zip(keys, values, outs):
+            ok = value is not None and decode_into(value, out, self._ctx, stats, key=key)
+            if ok:
+                stats["bytes_read"] = stats.get("bytes_read", 0) + len(value)
+            results.append(ok)
+        return results
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._read_pool_lock:
+            if self._read_pool is None:
+                self._read_pool = ThreadPoolExecutor(self.read_threads - 1, thread_name_prefix="kvtier-ssd-read")
+            return self._read_pool
 
     def contains(self, key: BlockKey) -> bool:
         """Whether a value is stored under ``key`` (not verified; O(log n), no copy)."""
