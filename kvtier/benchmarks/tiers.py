@@ -50,7 +50,7 @@ from .common import best_seconds, bf16_blocks, gbps, interleaved_best_seconds
 
 BLOCK_SIZES_BYTES = (256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 BATCH_BLOCKS = 16
-REPEATS = 5  # interleaved rounds; each figure is the best of them
+REPEATS = 9  # interleaved rounds; each figure is the best of them
 EVICT_REPEATS = 3  # rounds of puts into a full DRAM store
 AUTO_CODEC_REPEATS = 3  # rounds of the zstd codec's put / get (no target: fewer)
 TARGETS = {
