@@ -350,19 +350,21 @@ class SSDTier:
         n = len(keys)
         parts = min(self.read_threads, n) if n * self.layout.bytes_per_block >= PARALLEL_READ_MIN_BYTES else 1
         with self._read_txn() as txn:
-            values = [txn.get(key_to_bytes(key)) for key in keys]
+            get = txn.get
             if parts == 1:
-                results = self._decode_part(keys, values, outs, self._stats)
-            else:  # the caller decodes the first share, pool threads the others
+                results = self._decode_part(keys, [get(key_to_bytes(k)) for k in keys], outs, self._stats)
+            else:  # pool threads decode the later shares (looked up first), the caller the first
                 bounds = [n * i // parts for i in range(parts + 1)]
                 pool = self._pool()
                 counts: list[dict[str, int]] = [{} for _ in range(parts)]
-                futures: list[Future[list[bool]]] = [
-                    pool.submit(self._decode_part, keys[a:b], values[a:b], outs[a:b], c)
-                    for a, b, c in zip(bounds[1:-1], bounds[2:], counts[1:])
-                ]
+                futures: list[Future[list[bool]]] = []
                 try:
-                    results = self._decode_part(keys[: bounds[1]], values[: bounds[1]], outs[: bounds[1]], counts[0])
+                    for a, b, c in zip(bounds[1:-1], bounds[2:], counts[1:]):
+                        values = [get(key_to_bytes(k)) for k in keys[a:b]]
+                        futures.append(pool.submit(self._decode_part, keys[a:b], values, outs[a:b], c))
+                    head = keys[: bounds[1]]
+                    results = self._decode_part(head, [get(key_to_bytes(k)) for k in head], outs[: bounds[1]],
+                                                counts[0])
                 finally:
                     wait(futures)  # no thread may read a value after the transaction ends
                 for f in futures:
