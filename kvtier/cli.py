@@ -28,8 +28,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         report = tiers.run(total_mib=args.total_mib, ssd_total_mib=args.ssd_total_mib,
                            progress=lambda m: print(m, file=sys.stderr, flush=True))
         cols = ["block_kib", "memcpy_gbps", "dram_put_gbps", "dram_get_gbps", "memcpy_2_gbps",
-                "dram_put_scattered_gbps", "dram_put_evicting_gbps", "dram_put_vs_memcpy", "dram_get_vs_memcpy", "dram_put_scattered_vs_memcpy",
-                "raw_file_write_gbps", "ssd_put_gbps", "ssd_put_vs_raw_write",
+                "dram_put_scattered_gbps", "dram_put_evicting_gbps", "dram_put_vs_memcpy", "dram_get_vs_memcpy",
+                "dram_put_scattered_vs_memcpy", "raw_file_write_gbps", "ssd_put_gbps", "ssd_put_vs_raw_write",
                 "raw_file_read_gbps", "ssd_get_gbps", "ssd_get_vs_raw_read", "ssd_put_gbps_auto",
                 "ssd_get_gbps_auto", "zstd_ratio_bf16"]
         print_table(report["results"], cols)

@@ -29,7 +29,8 @@ would kill the process with SIGBUS instead of failing a write.
 Threading. Reads may run concurrently from several threads; writers are
 serialized by LMDB's writer lock. A large :meth:`SSDTier.get_many_into` also
 splits its blocks' copies and checksums over ``read_threads`` threads (the
-caller's and a small pool of this tier's); both let go of the GIL. Every transaction holds a shared gate that
+caller's and a small pool of this tier's, shut down by :meth:`SSDTier.close`);
+both let go of the GIL. Every transaction holds a shared gate that
 the (rare) map resize of a delete on a full map takes exclusively. Counters
 are best-effort under races. Buffers are anything with the buffer protocol
 (bytes, bytearray, numpy arrays); pass a torch CPU tensor as
