@@ -187,6 +187,16 @@ class _Tier:
         self.free_slots.append(slot)
 
 
+def _is_descending_run(slots: list[int]) -> bool:
+    """True for several adjacent slots in descending order. A chain stored into a
+    full tier takes the slots of the blocks it evicts, tail first, and so gets
+    such a run; reserving them ascending instead lets a run of source blocks be
+    copied into them as one (see :mod:`kvtier.tiers.pool`). Both store paths
+    apply it, so they reserve the same slots in the same order."""
+    n = len(slots)
+    return n > 1 and slots[0] == slots[-1] + n - 1 and slots == list(range(slots[0], slots[-1] - 1, -1))
+
+
 class TierManager:
     """Metadata of the enabled tiers; see the module docstring for its rules.
 
@@ -380,6 +390,9 @@ class TierManager:
                 prev = key
         if not reserved and not skipped:
             return None
+        if _is_descending_run(slots):  # (none is written yet: any order of them will do)
+            slots.reverse()
+            t.slots.update(zip(reserved, slots))
         plan = StorePlan(self._new_plan_id(), t.name, tuple(reserved), tuple(slots), tuple(skipped), tuple(evicted))
         self._plans[plan.plan_id] = plan
         return plan
@@ -786,6 +799,8 @@ class TierManager:
         self._num_children.update(interior)
         t.children.update(interior)
         slots = t.take_slots(len(keys))
+        if _is_descending_run(slots):
+            slots.reverse()
         t.slots.update(zip(keys, slots))
         if parent is not None:
             self._num_children[parent] = self._num_children.get(parent, 0) + 1
