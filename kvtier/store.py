@@ -57,7 +57,7 @@ from .config import KVTierConfig, load_config
 from .events import BlockRemoved, Event, StoreFailed
 from .keys import BlockKey, chain_keys
 from .manager import TIER_ORDER, LoadPlan, MovePlan, PrefixHit, StorePlan, TierManager, TierSpec
-from .tiers.pool import TensorPool, accelerator_device, as_byte_tensor, as_byte_tensors, resolve_device
+from .tiers.pool import TensorPool, accelerator_device, as_byte_tensor, as_byte_tensors, host_buffers, resolve_device
 from .transfer import TransferEngine, TransferJob
 
 log = logging.getLogger(__name__)
@@ -466,10 +466,12 @@ class TieredStore:
             return functools.partial(self._pools[plan.tier].write, plan.slots, srcs)
         parents = [self.manager.parent_of(k) for k in plan.keys]
 
-        def run() -> Sequence[bool]:
-            items = [(k, _host_buffer(s), p) for k, s, p in zip(plan.keys, srcs, parents)]
-            n = self._ssd.put_many(items)
-            return [i < n for i in range(len(items))]
+        def run() -> Sequence[bool]:  # srcs, held here, keep the buffers' tensors alive
+            bufs = host_buffers(srcs, self.layout.bytes_per_block)
+            if bufs is None:  # a device tensor: copied to the host
+                bufs = list(map(_host_buffer, srcs))
+            n = self._ssd.put_many(list(zip(plan.keys, bufs, parents)))
+            return [i < n for i in range(len(bufs))]
 
         return run
 
@@ -482,15 +484,16 @@ class TieredStore:
             parents = [self.manager.parent_of(k) for k in plan.keys]
 
             def run() -> Sequence[bool]:
-                items = [(k, _host_buffer(pool.view(s)), p) for k, s, p in zip(plan.keys, plan.src_slots, parents)]
-                n = self._ssd.put_many(items)
-                return [i < n for i in range(len(items))]
+                bufs = (pool.host_buffers(plan.src_slots) if pool.device.type == "cpu"
+                        else [_host_buffer(pool.view(s)) for s in plan.src_slots])
+                n = self._ssd.put_many(list(zip(plan.keys, bufs, parents)))
+                return [i < n for i in range(len(bufs))]
         elif src == "ssd":
             pool = self._pools[dst]
 
             def run() -> Sequence[bool]:
                 if pool.device.type == "cpu":
-                    return self._ssd.get_many_into(plan.keys, [pool.view(s).numpy() for s in plan.dst_slots])
+                    return self._ssd.get_many_into(plan.keys, pool.host_buffers(plan.dst_slots))
                 staging = [torch.empty(pool.bytes_per_block, dtype=torch.uint8) for _ in plan.keys]
                 oks = self._ssd.get_many_into(plan.keys, [b.numpy() for b in staging])
                 pool.write(plan.dst_slots, staging)
@@ -578,8 +581,9 @@ class TieredStore:
     ) -> list[bool]:
         if tier != "ssd":
             return list(map(bool, self._pools[tier].read(slots, dsts)))
-        if all(d.is_cpu for d in dsts):
-            return list(map(bool, self._ssd.get_many_into(keys, [d.numpy() for d in dsts])))
+        bufs = host_buffers(dsts, self.layout.bytes_per_block)  # the caller holds dsts until we return
+        if bufs is not None:
+            return list(map(bool, self._ssd.get_many_into(keys, bufs)))
         hosts = [d if d.is_cpu else torch.empty_like(d, device="cpu") for d in dsts]
         res = self._ssd.get_many_into(keys, [h.numpy() for h in hosts])
         for host, dst in zip(hosts, dsts):

@@ -1,5 +1,7 @@
 """TensorPool copies: a run of adjacent blocks into adjacent slots is one copy,
-and every other arrangement copies block by block; both give the same bytes."""
+and every other arrangement copies block by block; both give the same bytes.
+Buffer views of tensors and slots (for the SSD codec) alias their bytes, and
+are refused where they would not."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.tiers.pool import TensorPool, host_run
+from kvtier.tiers.pool import TensorPool, host_buffers, host_run
 
 NB = 64  # bytes per block
 
@@ -94,3 +96,34 @@ def test_overlapping_run_is_a_failed_copy_not_a_wrong_block() -> None:
     pool.data.copy_(rows(6, seed=2))
     with pytest.raises(RuntimeError):
         pool.write([1, 2, 3], [pool.view(0), pool.view(1), pool.view(2)])
+
+
+def test_host_buffers_alias_the_tensors_and_refuse_what_they_cannot_view() -> None:
+    base = rows(3, seed=3)
+    ts = list(base.unbind(0))
+    bufs = host_buffers(ts, NB)
+    assert bufs is not None and [memoryview(b).nbytes for b in bufs] == [NB] * 3
+    assert all(bytes(b) == t.numpy().tobytes() for b, t in zip(bufs, ts))
+    before = base.clone()
+    memoryview(bufs[1]).cast("B")[5] = (int(before[1, 5]) + 1) % 256  # lands in that tensor's bytes only
+    before[1, 5] = (int(before[1, 5]) + 1) % 256
+    assert torch.equal(base, before)
+    assert host_buffers([], NB) == []
+    strided = torch.zeros(2 * NB, dtype=torch.uint8)[::2]  # NB bytes, but not contiguous
+    assert host_buffers([ts[0], strided], NB) is None
+    assert host_buffers([ts[0], torch.zeros(NB + 1, dtype=torch.uint8)], NB) is None  # another size
+    # the byte count, not the element count, is what must match
+    assert host_buffers([torch.zeros(NB // 2, dtype=torch.bfloat16)], NB) is not None
+
+
+def test_pool_host_buffers_view_the_slots_and_check_the_range() -> None:
+    pool = TensorPool(4, NB, torch.device("cpu"))
+    pool.data.copy_(rows(4, seed=4))
+    bufs = pool.host_buffers([3, 1])
+    assert [bytes(b) for b in bufs] == [pool.view(3).numpy().tobytes(), pool.view(1).numpy().tobytes()]
+    memoryview(bufs[0]).cast("B")[:] = bytes(range(NB))
+    assert pool.view(3).tolist() == list(range(NB))
+    assert pool.host_buffers([]) == []
+    for bad in ([4], [0, -1]):
+        with pytest.raises(IndexError, match="outside 0..3"):
+            pool.host_buffers(bad)

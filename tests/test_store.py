@@ -208,3 +208,19 @@ def test_concurrent_puts_and_gets_keep_invariants() -> None:
             t.join()
         assert not errors, errors
         s.check_invariants()
+
+
+def test_ssd_get_into_a_strided_buffer_is_refused_and_writes_nothing_outside_it(tmp_path: Path) -> None:
+    """Blocks read from SSD reach the caller's tensors through views of their
+    memory; a 1-D buffer that is not contiguous must not get a view that
+    spans its gaps: the get raises and the bytes between its elements stay."""
+    with make_store(tmp_path, dram=0, ssd=4, put_tier="ssd") as s:
+        keys = s.keys_for(list(range(8)))
+        data = kv_blocks(2)
+        assert s.put(keys, data) == 2
+        backing = torch.full((2 * BPB,), 7, dtype=torch.uint8)
+        with pytest.raises(TypeError, match="contiguous"):
+            s.get(keys[:1], [backing[::2]])
+        assert bool((backing[1::2] == 7).all())
+        outs = empty(2)  # the blocks are still there, readable into proper buffers
+        assert s.get(keys, outs) == 2 and all(torch.equal(a, b) for a, b in zip(data, outs))

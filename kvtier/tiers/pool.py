@@ -9,6 +9,8 @@ which slot holds what: the TierManager hands out slots.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import operator
 from typing import Any, Sequence
 
@@ -85,6 +87,30 @@ _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
 _IS_TENSOR = torch.Tensor.__instancecheck__
 _U8 = torch.uint8
+_NBYTES = operator.attrgetter("nbytes")
+
+
+@functools.cache
+def _byte_array(nbytes: int) -> Any:
+    """The ctypes type of ``nbytes`` unsigned bytes (made once per block size)."""
+    return ctypes.c_ubyte * nbytes
+
+
+def host_buffers(ts: Sequence[torch.Tensor], nbytes: int) -> list[Any] | None:
+    """Writable buffer-protocol views of ``ts`` for code that takes buffers, not
+    tensors (the SSD tier's codec), or ``None`` unless every tensor is a
+    contiguous host tensor of exactly ``nbytes`` bytes (the caller then falls
+    back to ``Tensor.numpy()``).
+
+    Each view is a ctypes array over the tensor's data pointer, made by C-speed
+    maps: about 0.3 us a block against 1.4 us for ``Tensor.numpy()`` (this
+    runs once per block of every SSD read and write; 256 KiB take about 40 us
+    to copy). The views do not keep their tensors alive: use them only while
+    the caller holds ``ts``."""
+    n = len(ts)
+    if not (all(map(_IS_CPU, ts)) and all(map(_IS_CONTIGUOUS, ts)) and list(map(_NBYTES, ts)).count(nbytes) == n):
+        return None
+    return list(map(_byte_array(nbytes).from_address, map(_DATA_PTR, ts)))
 
 
 def host_run(ts: Sequence[torch.Tensor], nbytes: int) -> torch.Tensor | None:
@@ -150,6 +176,17 @@ class TensorPool:
     def view(self, slot: int) -> torch.Tensor:
         """Zero-copy ``uint8`` view of one slot."""
         return self._views[slot]
+
+    def host_buffers(self, slots: Sequence[int]) -> list[Any]:
+        """Writable buffer-protocol views of ``slots`` of a host pool (see
+        :func:`host_buffers`; made from the slots' addresses, no tensor touched).
+        They are valid while this pool lives."""
+        if not self._host:
+            raise ValueError(f"host_buffers: a pool on {self.device} has no host memory to view")
+        if slots and not (0 <= min(slots) and max(slots) < self.num_slots):
+            raise IndexError(f"host_buffers: slots {min(slots)}..{max(slots)} outside 0..{self.num_slots - 1}")
+        base, size = self.data.data_ptr(), self.bytes_per_block
+        return list(map(_byte_array(size).from_address, [base + s * size for s in slots]))
 
     def write(self, slots: list[int] | tuple[int, ...], srcs: list[torch.Tensor]) -> list[bool]:
         """Copy each ``srcs[i]`` (``bytes_per_block`` bytes) into ``slots[i]``."""
