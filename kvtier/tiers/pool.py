@@ -5,6 +5,11 @@ Owns: one pre-allocated ``uint8`` tensor of ``num_slots x bytes_per_block``
 is present, for ``dram``), and copies into and out of its slots. No
 allocation per block; :meth:`TensorPool.view` is zero-copy. Must not decide
 which slot holds what: the TierManager hands out slots.
+
+Also the helpers that turn the caller's tensors into what the copies need:
+byte views (:func:`as_byte_tensors`), one view of a run of adjacent blocks
+(:func:`host_run`), and buffer-protocol views for the SSD codec, which takes
+no tensors (:func:`host_buffers`, :meth:`TensorPool.host_buffers`).
 """
 
 from __future__ import annotations
