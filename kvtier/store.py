@@ -468,7 +468,7 @@ class TieredStore:
 
         def run() -> Sequence[bool]:  # srcs, held here, keep the buffers' tensors alive
             bufs = host_buffers(srcs, self.layout.bytes_per_block)
-            if bufs is None:  # a device tensor: copied to the host
+            if bufs is None:  # a device (copied to the host) or non-contiguous tensor
                 bufs = list(map(_host_buffer, srcs))
             n = self._ssd.put_many(list(zip(plan.keys, bufs, parents)))
             return [i < n for i in range(len(bufs))]
