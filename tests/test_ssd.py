@@ -73,12 +73,25 @@ def tier_path(tmp_path: Path) -> Path:
     return tmp_path / "ssd"
 
 
+@pytest.fixture(params=["native", "python"])
+def read_path(request, monkeypatch) -> str:
+    """Run a test on the C read path for raw values and on the pure-Python one
+    (what a machine without a C compiler at install runs)."""
+    import kvtier.tiers.codec as codec_mod
+
+    if request.param == "native" and not codec_mod.native_raw_read():
+        pytest.skip("kvtier.tiers._rawread is not built here")
+    if request.param == "python":
+        monkeypatch.setattr(codec_mod, "_rawread", None)
+    return request.param
+
+
 # ----------------------------------------------------------------- round trips
 
 
 @pytest.mark.parametrize("codec", [*CODECS, "auto"])
 @pytest.mark.parametrize("kind", ["bf16", "random", "zeros"])
-def test_round_trip_every_codec(tier_path: Path, codec: str, kind: str) -> None:
+def test_round_trip_every_codec(tier_path: Path, codec: str, kind: str, read_path: str) -> None:
     blocks = {BlockKey(i + 1): make_block(kind, i) for i in range(6)}
     with SSDTier(tier_path, NS, LAYOUT, codec=codec) as tier:
         items = [(k, b, BlockKey(k - 1) if k > 1 else None) for k, b in blocks.items()]
@@ -191,7 +204,7 @@ def _flip(value: bytes, offset: int, mask: int) -> bytes:
 
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("region", ["header", "payload"])
-def test_flipped_bytes_are_counted_misses(tier_path: Path, codec: str, region: str) -> None:
+def test_flipped_bytes_are_counted_misses(tier_path: Path, codec: str, region: str, read_path: str) -> None:
     rng = random.Random(f"{codec}-{region}")
     keys = [BlockKey(i) for i in range(1, 41)]
     originals = {k: (bf16_block(k) if k % 2 else random_block(k)) for k in keys}
@@ -222,7 +235,9 @@ def test_flipped_bytes_are_counted_misses(tier_path: Path, codec: str, region: s
 
 
 @pytest.mark.parametrize("codec", CODECS)
-def test_reads_split_over_threads_match_the_callers_thread(tier_path: Path, codec: str, monkeypatch) -> None:
+def test_reads_split_over_threads_match_the_callers_thread(
+    tier_path: Path, codec: str, monkeypatch, read_path: str
+) -> None:
     """A read split over pool threads returns, per block, what one thread returns:
     the same verified bytes, the same misses for absent and corrupted values,
     and the same counters; the tier's read pool is gone after close()."""
@@ -475,3 +490,75 @@ def test_raw_fast_path_accepts_only_what_the_general_path_accepts(kind: str, edi
         assert general is DecodeOutcome.OK and bytes(out) == raw
     if not edits and not other_key:
         assert fast  # the common case takes the fast path
+
+
+def test_the_c_read_path_is_built_where_a_compiler_is() -> None:
+    """setup.py builds ``kvtier.tiers._rawread`` as optional: a failed build would
+    leave every SSD read on the slower Python path without a word, so where a C
+    compiler is present (CI, developer machines) it must have been built."""
+    import shutil
+    import sys
+
+    from kvtier.tiers.codec import native_raw_read
+
+    if not sys.platform.startswith("linux") or not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler here: the pure-Python read path is expected")
+    assert native_raw_read(), "kvtier.tiers._rawread was not built; reinstall with `pip install -e .`"
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kind=st.sampled_from(sorted(SMALL_RAWS)),
+    edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 255)), max_size=3),
+    other_key=st.booleans(),
+    codec=st.sampled_from(CODECS),
+    ctx_kind=st.sampled_from(["same", "other_namespace", "other_layout"]),
+)
+def test_c_read_path_accepts_only_what_the_general_path_accepts(
+    kind: str, edits: list, other_key: bool, codec: str, ctx_kind: str
+) -> None:
+    """The C batch read (``decode_raw_batch``) never accepts a value the general
+    decoder rejects (bit flips anywhere, another key, namespace, layout or
+    codec), and accepts every intact raw value of the tier's own."""
+    from kvtier.tiers.codec import DecodeOutcome, decode_outcome, decode_raw_batch, native_raw_read
+
+    if not native_raw_read():
+        pytest.skip("kvtier.tiers._rawread is not built here")
+    raw = SMALL_RAWS[kind]
+    value = bytearray(encode(raw, SMALL_CTX, codec, key=K))
+    for pos, byte in edits:
+        value[pos % len(value)] ^= byte
+    key = BlockKey(K + 1) if other_key else K
+    ctx = {"same": SMALL_CTX, "other_namespace": ValueContext.of(OTHER_NS, SMALL),
+           "other_layout": ValueContext.of(NS, KVLayout(1, 1, 512, "bfloat16", 2, arrangement="fused"))}[ctx_kind]
+    out = bytearray(SMALL.bytes_per_block)
+    [fast] = decode_raw_batch([bytes(value)], [key.to_bytes(16, "big")], [out], ctx)
+    general = decode_outcome(bytes(value), bytearray(SMALL.bytes_per_block), ctx, key=key)
+    if fast:
+        assert general is DecodeOutcome.OK and bytes(out) == raw
+    if codec == "raw" and not edits and not other_key and ctx_kind == "same":
+        assert fast
+
+
+def test_c_read_path_refuses_what_it_cannot_check() -> None:
+    """Absent values, output buffers of the wrong size, read-only or strided ones,
+    and values that are not contiguous are "not shown OK" (the general decoder
+    then says why or raises for the caller's bug); bad arguments raise."""
+    from kvtier.tiers.codec import decode_raw_batch, native_raw_read
+
+    if not native_raw_read():
+        pytest.skip("kvtier.tiers._rawread is not built here")
+    raw = SMALL_RAWS["bf16"]
+    value = encode(raw, SMALL_CTX, "raw", key=K)
+    kb = K.to_bytes(16, "big")
+    n = SMALL.bytes_per_block
+    strided = np.zeros(2 * n, dtype=np.uint8)[::2]
+    wide = np.frombuffer(value + value, dtype=np.uint8)[::2]  # not contiguous
+    outs = [bytearray(n), bytearray(n + 1), bytes(n), strided, bytearray(n), bytearray(n)]
+    got = decode_raw_batch([value, value, value, value, None, wide], [kb] * 6, outs, SMALL_CTX)
+    assert got == [True, False, False, False, False, False]
+    assert bytes(outs[0]) == raw and not any(outs[1]) and not strided.any()
+    with pytest.raises(TypeError, match="16 bytes"):
+        decode_raw_batch([value], [kb[:8]], [bytearray(n)], SMALL_CTX)
+    with pytest.raises(ValueError, match="same length"):
+        decode_raw_batch([value, value], [kb], [bytearray(n)], SMALL_CTX)

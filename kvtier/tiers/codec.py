@@ -7,7 +7,7 @@ namespace or layout, stored under another key, corrupt zstd frame) makes
 :func:`decode_into` return ``False`` and bump a counter; it never raises for bad
 data and never claims partially written output.
 
-Header (100 bytes, little-endian, every byte covered by the header checksum)::
+Header (96 bytes, little-endian, every byte covered by the header checksum)::
 
     magic "KVTB" | version u8 | codec u8 | flags u16 | block key 16B
     | namespace digest 16B | layout hash 8B | parent key 16B (zeros: none)
@@ -81,6 +81,11 @@ import zstandard
 from ..errors import ConfigError
 from ..keys import KEY_BYTES, BlockKey, Namespace, key_from_bytes, key_to_bytes
 from ..layout import KVLayout
+
+try:  # the optional C read path (setup.py); absent where no compiler built it
+    from . import _rawread
+except ImportError:  # not built, or its XXH3 binding failed its self-check
+    _rawread = None
 
 MAGIC = b"KVTB"
 FORMAT_VERSION = 2
@@ -531,6 +536,28 @@ def _decode_raw_fast(value: object, out: object, ctx: ValueContext, key: BlockKe
     # does the checksum: blocks decoded on several threads copy and verify in parallel
     np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(mv, np.uint8, offset=HEADER_BYTES))
     return checksum(dst) == raw_sum
+
+
+def native_raw_read() -> bool:
+    """Whether :func:`decode_raw_batch` runs in C (``kvtier.tiers._rawread`` was
+    built and bound XXH3) rather than reporting "not shown OK" for every value."""
+    return _rawread is not None
+
+
+def decode_raw_batch(
+    values: list[object | None], key_bytes: list[bytes], outs: list[object], ctx: ValueContext
+) -> list[bool]:
+    """:func:`_decode_raw_fast` for a batch, in C with the GIL released once:
+    ``True`` where ``values[i]`` (found under ``key_bytes[i]``; ``None``: absent)
+    is a verified ``raw`` value now copied into ``outs[i]``. ``False`` means only
+    "not shown OK here" (absent, another codec, a failed check): the caller runs
+    :func:`decode_into` for it, which says why. All ``False`` without the C
+    module. Never ``True`` where :func:`decode_outcome` would not be ``OK``
+    (tests/test_codec.py checks this on corrupted values)."""
+    if _rawread is None:
+        return [False] * len(values)
+    return _rawread.read_raw_many(values, key_bytes, outs, MAGIC, FORMAT_VERSION, ctx.namespace_digest,
+                                  ctx.layout_hash)
 
 
 def decode_outcome(value: object, out: object, ctx: ValueContext, *, key: BlockKey) -> DecodeOutcome:

@@ -28,9 +28,13 @@ would kill the process with SIGBUS instead of failing a write.
 
 Threading. Reads may run concurrently from several threads; writers are
 serialized by LMDB's writer lock. A large :meth:`SSDTier.get_many_into` also
-splits its blocks' copies and checksums over ``read_threads`` threads (the
-caller's and a small pool of this tier's, shut down by :meth:`SSDTier.close`);
-both let go of the GIL. Every transaction holds a shared gate that
+shares its blocks among ``read_threads`` threads (the caller's and a small pool
+of this tier's, shut down by :meth:`SSDTier.close`), each taking the next block
+from a shared queue in a read transaction of its own; the copies and checksums
+let go of the GIL. Raw values are checked and copied a chunk at a time by the
+optional C module ``kvtier.tiers._rawread`` (built by ``pip install`` where a
+C compiler is present), with the GIL released once per chunk; without it, or
+for any value it does not show OK, the Python codec decodes (same results). Every transaction holds a shared gate that
 the (rare) map resize of a delete on a full map takes exclusively. Counters
 are best-effort under races. Buffers are anything with the buffer protocol
 (bytes, bytearray, numpy arrays); pass a torch CPU tensor as
@@ -57,7 +61,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import Callable, Iterator, NamedTuple, Sequence, TypeVar
 
@@ -66,7 +70,15 @@ import lmdb
 from ..errors import ConfigError, ProtocolError, StorageError
 from ..keys import KEY_BYTES, BlockKey, Namespace, key_from_bytes, key_to_bytes
 from ..layout import KVLayout
-from .codec import ValueContext, ValueHeader, check_codec, decode_into, encode_many, read_header
+from .codec import (
+    ValueContext,
+    ValueHeader,
+    check_codec,
+    decode_into,
+    decode_raw_batch,
+    encode_many,
+    read_header,
+)
 
 DEFAULT_MAP_SIZE_BYTES = 16 << 30
 _DELETE_HEADROOM_BYTES = 1 << 20
@@ -75,6 +87,9 @@ _SCAN_CHUNK_ENTRIES = 1024
 # a read of fewer raw bytes stays on the caller's thread: handing blocks to a
 # pool thread costs tens of microseconds, about what 256 KiB takes to copy
 PARALLEL_READ_MIN_BYTES = 1 << 20
+# blocks are handed out to read threads in chunks of about this many raw bytes:
+# fewer lookups between copies, and a late thread waits at most one chunk
+READ_CHUNK_BYTES = 512 << 10
 _T = TypeVar("_T")
 
 STAT_NAMES: tuple[str, ...] = (
@@ -145,6 +160,7 @@ class SSDTier:
         self._stats: dict[str, int] = dict.fromkeys(STAT_NAMES, 0)
         self._gate = _TxnGate()
         self.read_threads = read_threads
+        self._chunk_blocks = max(1, READ_CHUNK_BYTES // layout.bytes_per_block)
         self._read_pool: ThreadPoolExecutor | None = None  # made on the first large read
         self._read_pool_lock = threading.Lock()
         self._env: lmdb.Environment | None = _open_env(self.path, map_size_bytes, sync, readonly)
@@ -343,36 +359,20 @@ class SSDTier:
         return self.get_many_into([key], [out])[0]
 
     def get_many_into(self, keys: Sequence[BlockKey], outs: Sequence[object]) -> list[bool]:
-        """:meth:`get_into` for many keys in one read transaction (zero-copy reads)."""
+        """:meth:`get_into` for many keys (zero-copy reads: each value is decoded
+        straight out of the map). A read of at least ``PARALLEL_READ_MIN_BYTES``
+        runs on up to ``read_threads`` threads (see :meth:`_read_shared`)."""
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
         for out in outs:
             self._check_out(out)
         n = len(keys)
         parts = min(self.read_threads, n) if n * self.layout.bytes_per_block >= PARALLEL_READ_MIN_BYTES else 1
-        with self._read_txn() as txn:
-            get = txn.get
-            if parts == 1:
-                results = self._decode_part(keys, [get(key_to_bytes(k)) for k in keys], outs, self._stats)
-            else:  # pool threads decode the later shares (looked up first), the caller the first
-                bounds = [n * i // parts for i in range(parts + 1)]
-                pool = self._pool()
-                counts: list[dict[str, int]] = [{} for _ in range(parts)]
-                futures: list[Future[list[bool]]] = []
-                try:
-                    for a, b, c in zip(bounds[1:-1], bounds[2:], counts[1:]):
-                        values = [get(key_to_bytes(k)) for k in keys[a:b]]
-                        futures.append(pool.submit(self._decode_part, keys[a:b], values, outs[a:b], c))
-                    head = keys[: bounds[1]]
-                    results = self._decode_part(head, [get(key_to_bytes(k)) for k in head], outs[: bounds[1]],
-                                                counts[0])
-                finally:
-                    wait(futures)  # no thread may read a value after the transaction ends
-                for f in futures:
-                    results += f.result()
-                for c in counts:  # merged on this thread: no increment lost to a race
-                    for name, value in c.items():
-                        self._stats[name] += value
+        if parts == 1:
+            results = [False] * n
+            self._read_queued(keys, outs, iter(range(0, n, self._chunk_blocks)), results, self._stats)
+        else:
+            results = self._read_shared(keys, outs, parts)
         num_hits = sum(results)
         self._stats["gets"] += len(keys)
         self._stats["hits"] += num_hits
@@ -380,18 +380,56 @@ class SSDTier:
         self._stats["raw_bytes_read"] += num_hits * self.layout.bytes_per_block
         return results
 
-    def _decode_part(
-        self, keys: Sequence[BlockKey], values: Sequence[object], outs: Sequence[object], stats: dict[str, int]
-    ) -> list[bool]:
-        """Decode and verify ``values[i]`` (``None``: absent) into ``outs[i]``,
-        counting failures and bytes read into ``stats``."""
-        results = []
-        for key, value, out in zip(keys, values, outs):
-            ok = value is not None and decode_into(value, out, self._ctx, stats, key=key)
-            if ok:
-                stats["bytes_read"] = stats.get("bytes_read", 0) + len(value)
-            results.append(ok)
+    def _read_shared(self, keys: Sequence[BlockKey], outs: Sequence[object], parts: int) -> list[bool]:
+        """Read ``keys`` into ``outs`` on ``parts`` threads (the caller's and pool
+        threads) that take blocks one at a time from a shared queue.
+
+        Each thread opens its own read transaction, looks its blocks up and decodes
+        them, so a pool thread that wakes late (tens of microseconds) takes fewer
+        blocks instead of holding the caller up, and no lookups run before the first
+        copy. Transactions opened a moment apart may see different commits; that
+        is harmless, since a key's value is its block's bytes whichever commit wrote
+        it, and a key deleted in between reads as a miss. The caller's transaction
+        ends before it waits for the pool: a resize queued for the exclusive gate
+        then runs, and a pool thread it held up finds the queue empty."""
+        # next() on a range iterator is atomic under the GIL
+        queue = iter(range(0, len(keys), self._chunk_blocks))
+        results = [False] * len(keys)
+        counts: list[dict[str, int]] = [{} for _ in range(parts)]
+        pool = self._pool()
+        futures = [pool.submit(self._read_queued, keys, outs, queue, results, c) for c in counts[1:]]
+        try:
+            self._read_queued(keys, outs, queue, results, counts[0])
+        finally:
+            wait(futures)
+        for f in futures:
+            f.result()
+        for c in counts:  # merged on this thread: no increment lost to a race
+            for name, value in c.items():
+                self._stats[name] += value
         return results
+
+    def _read_queued(self, keys: Sequence[BlockKey], outs: Sequence[object], queue: Iterator[int],
+                     results: list[bool], stats: dict[str, int]) -> None:
+        """One thread's share of a read: until ``queue`` runs dry, take the next
+        start index, look up the ``_chunk_blocks`` blocks from there in this
+        thread's transaction and decode them into ``outs`` (raw values in one
+        call of the C read path, with the GIL released; anything it does not
+        show OK through the general decoder, which says why)."""
+        ctx, bytes_read, chunk, n = self._ctx, 0, self._chunk_blocks, len(keys)
+        with self._read_txn() as txn:
+            get = txn.get
+            for start in queue:
+                stop = min(start + chunk, n)
+                key_bytes = [key_to_bytes(k) for k in keys[start:stop]]
+                values = [get(kb) for kb in key_bytes]
+                fast = decode_raw_batch(values, key_bytes, list(outs[start:stop]), ctx)
+                for i, value, ok in zip(range(start, stop), values, fast):
+                    if value is not None and (ok or decode_into(value, outs[i], ctx, stats, key=keys[i])):
+                        results[i] = True
+                        bytes_read += len(value)
+        if bytes_read:
+            stats["bytes_read"] = stats.get("bytes_read", 0) + bytes_read
 
     def _pool(self) -> ThreadPoolExecutor:
         with self._read_pool_lock:

@@ -1,0 +1,239 @@
+/* kvtier.tiers._rawread: the SSD tier's read path for ``raw`` values, in C.
+
+What it owns: for a batch of LMDB values (zero-copy views into the map), check
+each one's header exactly as kvtier.tiers.codec's fast path does (magic,
+format version, codec raw, no flags, key, namespace digest, layout hash,
+lengths, header checksum), copy its payload into the caller's buffer and check
+the payload's XXH3-64 -- all with the GIL released once per batch, so a read
+thread spends no interpreter time per block and two threads copy in parallel.
+
+What it must not do: decide anything the Python codec would not. It answers
+only "shown OK here" (True) or "not shown OK here" (False); on False the caller
+runs the general Python decoder, which tells why (absent, corrupt, foreign,
+another codec) and counts it. It never writes outside a buffer whose length
+it checked, and never reads past a value's length. It holds no state but the
+address of XXH3_64bits.
+
+XXH3-64 is not implemented here: it is looked up at import in the xxhash
+package's own extension module (which exports the xxHash library's public
+XXH3_64bits), and checked against xxhash.xxh3_64_intdigest on a test buffer.
+Where either fails, importing this module fails and kvtier stays on the
+pure-Python path.
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <dlfcn.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef uint64_t (*xxh3_fn)(const void *, size_t);
+static xxh3_fn xxh3_64 = NULL;
+
+/* Header layout: struct "<4sBBH16s16s8s16sIIIIQ" then "<Q" (kvtier.tiers.codec). */
+enum {
+    OFF_MAGIC = 0,
+    OFF_VERSION = 4,
+    OFF_CODEC = 5,
+    OFF_FLAGS = 6,
+    OFF_KEY = 8,
+    OFF_NS = 24,
+    OFF_LAYOUT = 40,
+    OFF_RAW_LEN = 68,
+    OFF_PAYLOAD_LEN = 72,
+    OFF_PLANE0_LEN = 76,
+    OFF_RAW_SUM = 80,
+    FIELDS_BYTES = 88,
+    HEADER_BYTES = 96,
+    KEY_LEN = 16,
+    NS_LEN = 16,
+    LAYOUT_LEN = 8,
+};
+
+static uint32_t le32(const unsigned char *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static uint64_t le64(const unsigned char *p) {
+    return (uint64_t)le32(p) | (uint64_t)le32(p + 4) << 32;
+}
+
+typedef struct {
+    Py_buffer value;
+    Py_buffer out;
+    const unsigned char *key;
+    int have_value;
+    int have_out;
+    int ok;
+} item_t;
+
+/* One block, GIL released: 1 only when every check of codec._decode_raw_fast holds. */
+static int read_one(item_t *it, const unsigned char *magic, unsigned version, const unsigned char *ns,
+                    const unsigned char *layout) {
+    const unsigned char *v = (const unsigned char *)it->value.buf;
+    Py_ssize_t vlen = it->value.len;
+    if (vlen < HEADER_BYTES) return 0;
+    if (memcmp(v + OFF_MAGIC, magic, 4) != 0 || v[OFF_VERSION] != version || v[OFF_CODEC] != 0) return 0;
+    if (v[OFF_FLAGS] != 0 || v[OFF_FLAGS + 1] != 0) return 0;
+    if (memcmp(v + OFF_KEY, it->key, KEY_LEN) != 0 || memcmp(v + OFF_NS, ns, NS_LEN) != 0 ||
+        memcmp(v + OFF_LAYOUT, layout, LAYOUT_LEN) != 0)
+        return 0;
+    uint32_t raw_len = le32(v + OFF_RAW_LEN), payload_len = le32(v + OFF_PAYLOAD_LEN);
+    if (le32(v + OFF_PLANE0_LEN) != 0 || payload_len != raw_len || (Py_ssize_t)payload_len != vlen - HEADER_BYTES)
+        return 0;
+    if (it->out.len != (Py_ssize_t)raw_len) return 0;
+    if (xxh3_64(v, FIELDS_BYTES) != le64(v + FIELDS_BYTES)) return 0;
+    memcpy(it->out.buf, v + HEADER_BYTES, raw_len);
+    return xxh3_64(it->out.buf, raw_len) == le64(v + OFF_RAW_SUM);
+}
+
+PyDoc_STRVAR(read_raw_many_doc,
+"read_raw_many(values, keys, outs, magic, version, namespace_digest, layout_hash) -> list[bool]\n\n"
+"For each i: True when values[i] is a raw value written for keys[i] (16 bytes)\n"
+"in this namespace and layout, both its checksums verify, and its payload was\n"
+"copied into outs[i] (a writable contiguous buffer of the raw length). False\n"
+"means 'not shown OK here' (None, another codec, any failed check, or a buffer\n"
+"that is not contiguous/writable); the caller then runs the general decoder.\n"
+"The GIL is released while the blocks are checked and copied.");
+
+static PyObject *read_raw_many(PyObject *self, PyObject *args) {
+    PyObject *values, *keys, *outs;
+    Py_buffer magic, ns, layout;
+    unsigned int version;
+    if (!PyArg_ParseTuple(args, "OOOy*Iy*y*", &values, &keys, &outs, &magic, &version, &ns, &layout)) return NULL;
+    PyObject *result = NULL;
+    item_t *items = NULL;
+    Py_ssize_t n = 0;
+    if (!PyList_Check(values) || !PyList_Check(keys) || !PyList_Check(outs)) {
+        PyErr_SetString(PyExc_TypeError, "values, keys and outs must be lists");
+        goto done;
+    }
+    n = PyList_GET_SIZE(values);
+    if (PyList_GET_SIZE(keys) != n || PyList_GET_SIZE(outs) != n) {
+        PyErr_SetString(PyExc_ValueError, "values, keys and outs must have the same length");
+        goto done;
+    }
+    if (magic.len != 4 || ns.len != NS_LEN || layout.len != LAYOUT_LEN || version > 255) {
+        PyErr_SetString(PyExc_ValueError, "magic must be 4 bytes, namespace_digest 16, layout_hash 8, version < 256");
+        goto done;
+    }
+    items = (item_t *)PyMem_Calloc(n ? (size_t)n : 1, sizeof(item_t));
+    if (items == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        item_t *it = &items[i];
+        PyObject *key = PyList_GET_ITEM(keys, i), *value = PyList_GET_ITEM(values, i);
+        if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) != KEY_LEN) {
+            PyErr_SetString(PyExc_TypeError, "every key must be 16 bytes");
+            goto done;
+        }
+        it->key = (const unsigned char *)PyBytes_AS_STRING(key);
+        if (value == Py_None) continue;
+        if (PyObject_GetBuffer(value, &it->value, PyBUF_SIMPLE) != 0) {
+            PyErr_Clear();
+            continue;
+        }
+        it->have_value = 1;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(outs, i), &it->out, PyBUF_SIMPLE | PyBUF_WRITABLE) != 0) {
+            PyErr_Clear();
+            continue;
+        }
+        it->have_out = 1;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        item_t *it = &items[i];
+        it->ok = it->have_value && it->have_out &&
+                 read_one(it, (const unsigned char *)magic.buf, version, (const unsigned char *)ns.buf,
+                          (const unsigned char *)layout.buf);
+    }
+    Py_END_ALLOW_THREADS
+    result = PyList_New(n);
+    if (result == NULL) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = items[i].ok ? Py_True : Py_False;
+        Py_INCREF(b);
+        PyList_SET_ITEM(result, i, b);
+    }
+done:
+    if (items != NULL) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (items[i].have_value) PyBuffer_Release(&items[i].value);
+            if (items[i].have_out) PyBuffer_Release(&items[i].out);
+        }
+        PyMem_Free(items);
+    }
+    PyBuffer_Release(&magic);
+    PyBuffer_Release(&ns);
+    PyBuffer_Release(&layout);
+    return result;
+}
+
+PyDoc_STRVAR(xxh3_doc, "xxh3_64(buffer) -> int: XXH3-64 of a contiguous buffer, through the bound function.");
+
+static PyObject *py_xxh3_64(PyObject *self, PyObject *arg) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) != 0) return NULL;
+    uint64_t h = xxh3_64(b.buf, (size_t)b.len);
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+static PyMethodDef methods[] = {
+    {"read_raw_many", read_raw_many, METH_VARARGS, read_raw_many_doc},
+    {"xxh3_64", py_xxh3_64, METH_O, xxh3_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rawread", NULL, -1, methods};
+
+/* Bind XXH3_64bits from the loaded xxhash extension and check it on a test buffer. */
+static int bind_xxh3(void) {
+    PyObject *mod = PyImport_ImportModule("xxhash._xxhash");
+    if (mod == NULL) return -1;
+    PyObject *file = PyObject_GetAttrString(mod, "__file__");
+    Py_DECREF(mod);
+    if (file == NULL) return -1;
+    const char *path = PyUnicode_AsUTF8(file);
+    if (path == NULL) {
+        Py_DECREF(file);
+        return -1;
+    }
+    void *handle = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    Py_DECREF(file);
+    if (handle == NULL) {
+        PyErr_SetString(PyExc_ImportError, "xxhash extension module is not loaded");
+        return -1;
+    }
+    xxh3_fn fn = (xxh3_fn)dlsym(handle, "XXH3_64bits");
+    if (fn == NULL) {
+        PyErr_SetString(PyExc_ImportError, "xxhash extension module does not export XXH3_64bits");
+        return -1;
+    }
+    /* checked against the Python binding, also covering byte order and the header's le64 reads */
+    unsigned char probe[HEADER_BYTES * 3];
+    for (size_t i = 0; i < sizeof probe; i++) probe[i] = (unsigned char)(i * 131u + 7u);
+    PyObject *xx = PyImport_ImportModule("xxhash");
+    if (xx == NULL) return -1;
+    PyObject *want = PyObject_CallMethod(xx, "xxh3_64_intdigest", "y#", (const char *)probe, (Py_ssize_t)sizeof probe);
+    Py_DECREF(xx);
+    if (want == NULL) return -1;
+    unsigned long long w = PyLong_AsUnsignedLongLong(want);
+    Py_DECREF(want);
+    if (PyErr_Occurred()) return -1;
+    unsigned char le[8];
+    uint64_t h = fn(probe, sizeof probe);
+    for (int i = 0; i < 8; i++) le[i] = (unsigned char)(h >> (8 * i));
+    if ((uint64_t)w != h || le64(le) != h) {
+        PyErr_SetString(PyExc_ImportError, "bound XXH3_64bits disagrees with xxhash.xxh3_64_intdigest");
+        return -1;
+    }
+    xxh3_64 = fn;
+    return 0;
+}
+
+PyMODINIT_FUNC PyInit__rawread(void) {
+    if (bind_xxh3() != 0) return NULL;
+    return PyModule_Create(&module);
+}
