@@ -264,6 +264,7 @@ def test_reads_split_over_threads_match_the_callers_thread(
 
     rewrite_values(tier_path, corrupt)
     monkeypatch.setattr(ssd_mod, "PARALLEL_READ_MIN_BYTES", 0)  # split even these small blocks
+    monkeypatch.setattr(ssd_mod, "READ_CHUNK_BYTES", 2 * BPB)  # 13 chunks of 25 blocks, the last one short
     seen = {}
     for threads in (1, 3):
         with SSDTier(tier_path, NS, LAYOUT, read_threads=threads) as tier:
@@ -474,6 +475,47 @@ def test_map_resize_for_deletes_is_safe_with_concurrent_readers(tier_path: Path)
         assert tier._env.info()["map_size"] == 1 << 20  # set back afterwards
 
 
+def test_close_waits_for_reads_in_flight(tier_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() unmaps the file only once no read holds views into it: reads on
+    other threads (split over the pool too) either return verified bytes or
+    raise ProtocolError for a closed tier, and never read unmapped memory."""
+    import threading
+
+    import kvtier.tiers.ssd as ssd_mod
+
+    monkeypatch.setattr(ssd_mod, "PARALLEL_READ_MIN_BYTES", 0)
+    blocks = {BlockKey(i): bf16_block(i) for i in range(1, 33)}
+    for attempt in range(5):
+        path = tier_path / str(attempt)
+        with SSDTier(path, NS, LAYOUT) as tier:
+            tier.put_many([(k, b, None) for k, b in blocks.items()])
+        tier = SSDTier(path, NS, LAYOUT, read_threads=2)
+        outcomes: list[str] = []
+        started = threading.Barrier(4)
+
+        def reader() -> None:
+            outs = [np.empty(BPB, dtype=np.uint8) for _ in blocks]
+            started.wait()
+            while True:
+                try:
+                    oks = tier.get_many_into(list(blocks), outs)
+                except ProtocolError:
+                    outcomes.append("closed")
+                    return
+                if oks != [True] * len(blocks) or not all(np.array_equal(o, b) for o, b in zip(outs, blocks.values())):
+                    outcomes.append("wrong")
+                    return
+
+        threads = [threading.Thread(target=reader) for _ in range(3)]
+        for t in threads:
+            t.start()
+        started.wait()
+        tier.close()
+        for t in threads:
+            t.join(timeout=30)
+        assert outcomes == ["closed"] * 3
+
+
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     kind=st.sampled_from(sorted(SMALL_RAWS)),
@@ -502,14 +544,18 @@ def test_raw_fast_path_accepts_only_what_the_general_path_accepts(kind: str, edi
 def test_the_c_read_path_is_built_where_a_compiler_is() -> None:
     """setup.py builds ``kvtier.tiers._rawread`` as optional: a failed build would
     leave every SSD read on the slower Python path without a word, so where a C
-    compiler is present (CI, developer machines) it must have been built."""
+    compiler and the Python headers are present (CI, developer machines) it
+    must have been built."""
     import shutil
     import sys
+    import sysconfig
 
     from kvtier.tiers.codec import native_raw_read
 
-    if not sys.platform.startswith("linux") or not (shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no C compiler here: the pure-Python read path is expected")
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    headers = Path(sysconfig.get_paths()["include"], "Python.h").is_file()
+    if not sys.platform.startswith("linux") or not compiler or not headers:
+        pytest.skip("no C compiler or Python headers here: the pure-Python read path is expected")
     assert native_raw_read(), "kvtier.tiers._rawread was not built; reinstall with `pip install -e .`"
 
 

@@ -60,14 +60,14 @@ static uint64_t le64(const unsigned char *p) {
 typedef struct {
     Py_buffer value;
     Py_buffer out;
-    const unsigned char *key;
+    unsigned char key[16]; /* copied: nothing borrowed is read without the GIL */
     int have_value;
     int have_out;
     int ok;
 } item_t;
 
 /* One block, GIL released: 1 only when every check of codec._decode_raw_fast holds. */
-static int read_one(item_t *it, const unsigned char *magic, unsigned version, const unsigned char *ns,
+static int read_one(const item_t *it, const unsigned char *magic, unsigned version, const unsigned char *ns,
                     const unsigned char *layout) {
     const unsigned char *v = (const unsigned char *)it->value.buf;
     Py_ssize_t vlen = it->value.len;
@@ -82,7 +82,7 @@ static int read_one(item_t *it, const unsigned char *magic, unsigned version, co
         return 0;
     if (it->out.len != (Py_ssize_t)raw_len) return 0;
     if (xxh3_64(v, FIELDS_BYTES) != le64(v + FIELDS_BYTES)) return 0;
-    memcpy(it->out.buf, v + HEADER_BYTES, raw_len);
+    memmove(it->out.buf, v + HEADER_BYTES, raw_len); /* memmove: a caller's buffer may overlap the value */
     return xxh3_64(it->out.buf, raw_len) == le64(v + OFF_RAW_SUM);
 }
 
@@ -96,24 +96,32 @@ PyDoc_STRVAR(read_raw_many_doc,
 "The GIL is released while the blocks are checked and copied.");
 
 static PyObject *read_raw_many(PyObject *self, PyObject *args) {
-    PyObject *values, *keys, *outs;
+    PyObject *values_in, *keys_in, *outs_in;
     Py_buffer magic, ns, layout;
-    unsigned int version;
-    if (!PyArg_ParseTuple(args, "OOOy*Iy*y*", &values, &keys, &outs, &magic, &version, &ns, &layout)) return NULL;
-    PyObject *result = NULL;
+    unsigned char version;
+    if (!PyArg_ParseTuple(args, "OOOy*by*y*", &values_in, &keys_in, &outs_in, &magic, &version, &ns, &layout))
+        return NULL;
+    PyObject *result = NULL, *values = NULL, *keys = NULL, *outs = NULL;
     item_t *items = NULL;
     Py_ssize_t n = 0;
-    if (!PyList_Check(values) || !PyList_Check(keys) || !PyList_Check(outs)) {
+    if (!PyList_Check(values_in) || !PyList_Check(keys_in) || !PyList_Check(outs_in)) {
         PyErr_SetString(PyExc_TypeError, "values, keys and outs must be lists");
         goto done;
     }
-    n = PyList_GET_SIZE(values);
-    if (PyList_GET_SIZE(keys) != n || PyList_GET_SIZE(outs) != n) {
+    /* tuples: fixed items and length, whatever a buffer exporter does to the lists */
+    values = PyList_AsTuple(values_in);
+    keys = PyList_AsTuple(keys_in);
+    outs = PyList_AsTuple(outs_in);
+    if (values == NULL || keys == NULL || outs == NULL) goto done;
+    n = PyTuple_GET_SIZE(values);
+    if (PyTuple_GET_SIZE(keys) != n || PyTuple_GET_SIZE(outs) != n) {
+        n = 0;
         PyErr_SetString(PyExc_ValueError, "values, keys and outs must have the same length");
         goto done;
     }
-    if (magic.len != 4 || ns.len != NS_LEN || layout.len != LAYOUT_LEN || version > 255) {
-        PyErr_SetString(PyExc_ValueError, "magic must be 4 bytes, namespace_digest 16, layout_hash 8, version < 256");
+    if (magic.len != 4 || ns.len != NS_LEN || layout.len != LAYOUT_LEN) {
+        n = 0;
+        PyErr_SetString(PyExc_ValueError, "magic must be 4 bytes, namespace_digest 16, layout_hash 8");
         goto done;
     }
     items = (item_t *)PyMem_Calloc(n ? (size_t)n : 1, sizeof(item_t));
@@ -123,19 +131,19 @@ static PyObject *read_raw_many(PyObject *self, PyObject *args) {
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         item_t *it = &items[i];
-        PyObject *key = PyList_GET_ITEM(keys, i), *value = PyList_GET_ITEM(values, i);
+        PyObject *key = PyTuple_GET_ITEM(keys, i), *value = PyTuple_GET_ITEM(values, i);
         if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) != KEY_LEN) {
             PyErr_SetString(PyExc_TypeError, "every key must be 16 bytes");
             goto done;
         }
-        it->key = (const unsigned char *)PyBytes_AS_STRING(key);
+        memcpy(it->key, PyBytes_AS_STRING(key), KEY_LEN);
         if (value == Py_None) continue;
         if (PyObject_GetBuffer(value, &it->value, PyBUF_SIMPLE) != 0) {
             PyErr_Clear();
             continue;
         }
         it->have_value = 1;
-        if (PyObject_GetBuffer(PyList_GET_ITEM(outs, i), &it->out, PyBUF_SIMPLE | PyBUF_WRITABLE) != 0) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(outs, i), &it->out, PyBUF_SIMPLE | PyBUF_WRITABLE) != 0) {
             PyErr_Clear();
             continue;
         }
@@ -164,6 +172,9 @@ done:
         }
         PyMem_Free(items);
     }
+    Py_XDECREF(values);
+    Py_XDECREF(keys);
+    Py_XDECREF(outs);
     PyBuffer_Release(&magic);
     PyBuffer_Release(&ns);
     PyBuffer_Release(&layout);
@@ -234,6 +245,18 @@ static int bind_xxh3(void) {
 }
 
 PyMODINIT_FUNC PyInit__rawread(void) {
-    if (bind_xxh3() != 0) return NULL;
+    if (bind_xxh3() != 0) {
+        /* any failure to bind is an ImportError, which kvtier.tiers.codec takes as "use Python" */
+        if (!PyErr_ExceptionMatches(PyExc_ImportError)) {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_NormalizeException(&type, &value, &tb);
+            PyErr_Format(PyExc_ImportError, "cannot bind XXH3_64bits: %S", value ? value : Py_None);
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+        }
+        return NULL;
+    }
     return PyModule_Create(&module);
 }

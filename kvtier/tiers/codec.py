@@ -553,7 +553,7 @@ def decode_raw_batch(
     "not shown OK here" (absent, another codec, a failed check): the caller runs
     :func:`decode_into` for it, which says why. All ``False`` without the C
     module. Never ``True`` where :func:`decode_outcome` would not be ``OK``
-    (tests/test_codec.py checks this on corrupted values)."""
+    (tests/test_ssd.py checks this on corrupted values)."""
     if _rawread is None:
         return [False] * len(values)
     return _rawread.read_raw_many(values, key_bytes, outs, MAGIC, FORMAT_VERSION, ctx.namespace_digest,

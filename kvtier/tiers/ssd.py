@@ -176,11 +176,12 @@ class SSDTier:
             pool, self._read_pool = self._read_pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-        if self._env is not None:
-            if not self.sync and not self.readonly:
-                self._env.sync(True)
-            self._env.close()
-            self._env = None
+        with self._gate.exclusive():  # a read in flight on another thread finishes first (its views map the file)
+            if self._env is not None:
+                if not self.sync and not self.readonly:
+                    self._env.sync(True)
+                self._env.close()
+                self._env = None
 
     def __enter__(self) -> SSDTier:
         return self
@@ -364,10 +365,12 @@ class SSDTier:
         runs on up to ``read_threads`` threads (see :meth:`_read_shared`)."""
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
+        self._live_env()  # a closed tier raises here, before a read pool is made again
         for out in outs:
             self._check_out(out)
         n = len(keys)
-        parts = min(self.read_threads, n) if n * self.layout.bytes_per_block >= PARALLEL_READ_MIN_BYTES else 1
+        num_chunks = -(-n // self._chunk_blocks)
+        parts = min(self.read_threads, num_chunks) if n * self.layout.bytes_per_block >= PARALLEL_READ_MIN_BYTES else 1
         if parts == 1:
             results = [False] * n
             self._read_queued(keys, outs, iter(range(0, n, self._chunk_blocks)), results, self._stats)
@@ -397,11 +400,13 @@ class SSDTier:
         results = [False] * len(keys)
         counts: list[dict[str, int]] = [{} for _ in range(parts)]
         pool = self._pool()
-        futures = [pool.submit(self._read_queued, keys, outs, queue, results, c) for c in counts[1:]]
+        futures = []
         try:
+            for c in counts[1:]:
+                futures.append(pool.submit(self._read_queued, keys, outs, queue, results, c))
             self._read_queued(keys, outs, queue, results, counts[0])
         finally:
-            wait(futures)
+            wait(futures)  # no thread may write into outs once this returns or raises
         for f in futures:
             f.result()
         for c in counts:  # merged on this thread: no increment lost to a race
