@@ -29,16 +29,17 @@ would kill the process with SIGBUS instead of failing a write.
 Threading. Reads may run concurrently from several threads; writers are
 serialized by LMDB's writer lock. A large :meth:`SSDTier.get_many_into` also
 shares its blocks among ``read_threads`` threads (the caller's and a small pool
-of this tier's, shut down by :meth:`SSDTier.close`), each taking the next block
-from a shared queue in a read transaction of its own; the copies and checksums
-let go of the GIL. Raw values are checked and copied a chunk at a time by the
-optional C module ``kvtier.tiers._rawread`` (built by ``pip install`` where a
-C compiler is present), with the GIL released once per chunk; without it, or
-for any value it does not show OK, the Python codec decodes (same results). Every transaction holds a shared gate that
-the (rare) map resize of a delete on a full map takes exclusively. Counters
-are best-effort under races. Buffers are anything with the buffer protocol
-(bytes, bytearray, numpy arrays); pass a torch CPU tensor as
-``t.view(torch.uint8).numpy()``.
+of this tier's, shut down by :meth:`SSDTier.close`), each taking the next chunk
+of blocks from a shared queue in a read transaction of its own; the copies and
+checksums let go of the GIL. Raw values are checked and copied a chunk at a
+time by the optional C module ``kvtier.tiers._rawread`` (built by ``pip
+install`` where a C compiler is present), with the GIL released once per
+chunk; without it, or for any value it does not show OK, the Python codec
+decodes (same results). Every transaction holds a shared gate that the (rare)
+map resize of a delete on a full map, and :meth:`SSDTier.close`, take
+exclusively. Counters are best-effort under races. Buffers are anything with
+the buffer protocol (bytes, bytearray, numpy arrays); pass a torch CPU tensor
+as ``t.view(torch.uint8).numpy()``.
 
 >>> import tempfile
 >>> from kvtier.keys import Namespace
@@ -385,7 +386,8 @@ class SSDTier:
 
     def _read_shared(self, keys: Sequence[BlockKey], outs: Sequence[object], parts: int) -> list[bool]:
         """Read ``keys`` into ``outs`` on ``parts`` threads (the caller's and pool
-        threads) that take blocks one at a time from a shared queue.
+        threads) that take chunks of ``_chunk_blocks`` blocks (about
+        ``READ_CHUNK_BYTES``) from a shared queue.
 
         Each thread opens its own read transaction, looks its blocks up and decodes
         them, so a pool thread that wakes late (tens of microseconds) takes fewer
