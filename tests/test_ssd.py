@@ -484,8 +484,9 @@ def test_close_waits_for_reads_in_flight(tier_path: Path, monkeypatch: pytest.Mo
     import kvtier.tiers.ssd as ssd_mod
 
     monkeypatch.setattr(ssd_mod, "PARALLEL_READ_MIN_BYTES", 0)
+    monkeypatch.setattr(ssd_mod, "READ_CHUNK_BYTES", 4 * BPB)  # 8 chunks: the pool takes part
     blocks = {BlockKey(i): bf16_block(i) for i in range(1, 33)}
-    for attempt in range(5):
+    for attempt in range(10):
         path = tier_path / str(attempt)
         with SSDTier(path, NS, LAYOUT) as tier:
             tier.put_many([(k, b, None) for k, b in blocks.items()])
@@ -493,7 +494,7 @@ def test_close_waits_for_reads_in_flight(tier_path: Path, monkeypatch: pytest.Mo
         outcomes: list[str] = []
         started = threading.Barrier(4)
 
-        def reader() -> None:
+        def reader(tier: SSDTier, outcomes: list[str], started: threading.Barrier) -> None:
             outs = [np.empty(BPB, dtype=np.uint8) for _ in blocks]
             started.wait()
             while True:
@@ -506,7 +507,7 @@ def test_close_waits_for_reads_in_flight(tier_path: Path, monkeypatch: pytest.Mo
                     outcomes.append("wrong")
                     return
 
-        threads = [threading.Thread(target=reader) for _ in range(3)]
+        threads = [threading.Thread(target=reader, args=(tier, outcomes, started)) for _ in range(3)]
         for t in threads:
             t.start()
         started.wait()
@@ -539,6 +540,28 @@ def test_raw_fast_path_accepts_only_what_the_general_path_accepts(kind: str, edi
         assert general is DecodeOutcome.OK and bytes(out) == raw
     if not edits and not other_key:
         assert fast  # the common case takes the fast path
+
+
+def test_a_read_whose_pool_was_shut_down_reads_on_the_callers_thread(
+    tier_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() on another thread may shut the read pool down between a read
+    taking it and handing it work; the read then finishes alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import kvtier.tiers.ssd as ssd_mod
+
+    monkeypatch.setattr(ssd_mod, "PARALLEL_READ_MIN_BYTES", 0)
+    monkeypatch.setattr(ssd_mod, "READ_CHUNK_BYTES", BPB)
+    blocks = {BlockKey(i): bf16_block(i) for i in range(1, 9)}
+    with SSDTier(tier_path, NS, LAYOUT, read_threads=2) as tier:
+        tier.put_many([(k, b, None) for k, b in blocks.items()])
+        dead = ThreadPoolExecutor(1)
+        dead.shutdown()
+        monkeypatch.setattr(tier, "_pool", lambda: dead)
+        outs = [np.empty(BPB, dtype=np.uint8) for _ in blocks]
+        assert tier.get_many_into(list(blocks), outs) == [True] * len(blocks)
+        assert all(np.array_equal(o, b) for o, b in zip(outs, blocks.values()))
 
 
 def test_the_c_read_path_is_built_where_a_compiler_is() -> None:

@@ -405,7 +405,10 @@ class SSDTier:
         futures = []
         try:
             for c in counts[1:]:
-                futures.append(pool.submit(self._read_queued, keys, outs, queue, results, c))
+                try:
+                    futures.append(pool.submit(self._read_queued, keys, outs, queue, results, c))
+                except RuntimeError:  # close() on another thread shut the pool down: read alone
+                    break
             self._read_queued(keys, outs, queue, results, counts[0])
         finally:
             wait(futures)  # no thread may write into outs once this returns or raises
