@@ -407,6 +407,9 @@ class Simulator:
         if need > self.cfg.hbm_blocks:  # can never fit: served without caching
             self.counters["oversized_requests"] += 1
             run.uncached = True
+            if run.prefetch is not None:  # its hold must not outlive the request
+                self._settle_prefetch(run.prefetch, ())
+                run.prefetch = None
             run.prefill_left = run.computed_tokens = req.input_tokens
             self._admitted += 1
             self.block_touches += len(keys)
