@@ -22,8 +22,7 @@ and the transfer model through the :class:`PlacementContext`:
 * ``kvtier`` — the project's default: everything above over all three tiers
   with write-through, plus dead-KV retirement (when the hint plane says an
   agent or a session ended, its private blocks become the next victims in
-  every tier — still readable until the room is needed), oldest-application-
-  first admission with critical agents ahead, TokenCake's keep / offload rule
+  every tier — still readable until the room is needed), TokenCake's keep / offload rule
   on the fitted transfer model (with write-through copies below, "offload"
   costs no transfer: the HBM copy just goes first in line), and a prefetch
   lead proportional to the transfer estimate (``0.05 s + 1.5 T``), for tool
@@ -35,6 +34,11 @@ and the transfer model through the :class:`PlacementContext`:
   leaves an agent's context. No discard decision: with write-through the
   lower tiers already hold the copies, and reloading beats recomputing.
 * ``kvtier-space-only`` / ``kvtier-time-only`` — ablations of ``kvtier``.
+
+Admission order (TokenCake's critical-first, kvtier's oldest-application-
+first) is the engine scheduler's, not a placement decision: it is the
+replay's ``--admission`` setting (:mod:`kvtier.replay.admission`), applied
+alike to every policy and reported apart.
 
 Policies decide; they never touch simulator or store state except through
 the context, so the same objects drive a live store. Must not read the
@@ -244,10 +248,6 @@ class TokenCake(AgentAware):
     write_through = False
     lower_tiers = ("dram",)
 
-    def admission_priority(self, ctx: PlacementContext, session: int, agent_id: str, session_start_s: float) -> float:
-        """Critical-path agents first (the dominant term of TokenCake's request score)."""
-        return -ctx.criticality((session, agent_id))
-
 
 class KVFlow(AgentAware):
     """Steps-to-execution order and prefetch of the agents due next (no reserve,
@@ -280,17 +280,6 @@ class KVTier(AgentAware):
 
     def lead_s(self, t_back_s: float) -> float:
         return 0.05 + 1.5 * t_back_s
-
-    seniority_s = 10.0
-
-    def admission_priority(self, ctx: PlacementContext, session: int, agent_id: str, session_start_s: float) -> float:
-        """Oldest application first (it finishes instead of every application
-        crawling; unlike shortest-remaining-first nothing starves), critical
-        agents of an application ``seniority_s`` ahead. Without space
-        awareness: FCFS."""
-        if not self.space:
-            return 0.0
-        return session_start_s - self.seniority_s * ctx.criticality((session, agent_id))
 
 
 class KVTierSpaceOnly(KVTier):

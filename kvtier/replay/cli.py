@@ -20,14 +20,27 @@ DESCRIPTION = """\
 Replay agent traces closed-loop against a modelled engine and compare KV-cache
 placement policies on TTFT, interactivity, throughput per chip and prefill work.
 With no --trace, replays the embedded workload: deterministic AgentX-shaped
-coding-agent sessions (see kvtier.replay.generator); --workload apps replays
-generated TokenCake-style applications. Policies: lru (vLLM prefix caching, HBM
-only), lru-dram (LMCache-style write-through to DRAM/SSD), arc, s3fifo, ttl
-(Continuum), minwaste (InferCept), tokencake (TokenCake), kvflow (KVFlow), kvtier
-(agent-aware: critical-path admission and reserve, tool-wait offload with
-predictive prefetch, dead-KV retirement; ablations kvtier-space-only,
-kvtier-time-only), belady (offline optimum of HBM eviction).
+coding-agent sessions (see kvtier.replay.generator) over three HBM capacities;
+--workload apps replays generated TokenCake-style applications. Policies: lru
+(vLLM prefix caching, HBM only), lru-dram (LMCache-style write-through to
+DRAM/SSD), arc, s3fifo, ttl (Continuum), minwaste (InferCept), tokencake
+(TokenCake), kvflow (KVFlow), kvtier (agent-aware: critical-path reserve,
+tool-wait offload with predictive prefetch, dead-KV retirement; ablations
+kvtier-space-only, kvtier-time-only), belady-hbm (offline optimum of HBM
+eviction, HBM only).
+
+Every result is judged against two references computed in the same run on the
+same requests: the floor (an unbounded cache) and the bound (Belady over HBM +
+DRAM + SSD as one tier: no placement over those tiers computes less; exact at
+conc 1 for sessions without parallel agents, else an estimate). Every policy is
+offered the same tiers and capacities; the "tiers used" column says which it
+uses. Admission order (--admission) is the engine scheduler's, applied alike
+to every policy. A request larger than HBM stops the run (rc 2) unless
+--skip-oversized.
 """
+
+
+DEFAULT_HBM_SCALES = (0.25, 0.5, 1.0)  # embedded workload, no capacity given: fractions of the profile's HBM
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -75,8 +88,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-p99", type=float, metavar="S", help="SLO capacity search: p99 TTFT bound (s)")
     p.add_argument("--slo-interactivity", type=float, metavar="TOK_S",
                    help="SLO capacity search: p50 interactivity floor (tokens/s/user)")
+    p.add_argument("--skip-oversized", action="store_true",
+                   help="skip (and count) requests that need more HBM than given, alike for every policy, the floor "
+                        "and the bound (default: refuse to run, naming the largest and the capacity it needs)")
+    p.add_argument("--admission", default="fcfs", metavar="ORDER",
+                   help="engine admission order, alike for every policy: fcfs (default, vLLM's), critical-first "
+                        "(TokenCake's), oldest-app (oldest session first, critical agents ahead)")
+    p.add_argument("--split", default="all", choices=["all", "tune", "eval"],
+                   help="traces: replay the tuning half (1st, 3rd, ... session by sorted id), the evaluation half "
+                        "(2nd, 4th, ...) or all (default)")
+    p.add_argument("--no-references", action="store_true",
+                   help="skip the floor and bound runs (faster; no computed/bound figures)")
+    p.add_argument("--jobs", type=int, metavar="N",
+                   help="replay points in N worker processes (default: the CPUs this process may use, at most 8)")
+    p.add_argument("--full", action="store_true", help="print the full table of every figure after the summary")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
-    p.add_argument("--plot", metavar="PATH.png", help="write the Pareto / hit-rate chart as a PNG")
+    p.add_argument("--plot", metavar="PATH.png",
+                   help="write a PNG: prefill computed / bound and later-turn TTFT p99 per policy over the swept "
+                        "HBM capacity or conc (bars when nothing is swept)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     add_rounds_arguments(p)
 
@@ -141,6 +170,12 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
 
         workload = default_workload(seed=args.seed, num_sessions=args.sessions or 30)
         trace_name = f"embedded(seed={args.seed}, sessions={len(workload.sessions)})"
+    if args.trace:
+        from .run import split_workload
+
+        workload = split_workload(workload, args.split)
+        if args.split != "all":
+            trace_name += f" ({args.split} half)"
     if args.trace and args.sessions:
         workload = replace(workload, sessions=workload.sessions[: args.sessions])
     if args.block_size and args.block_size != workload.block_size:
@@ -150,20 +185,56 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
 
     for name in policies:
         make_placement(name)  # unknown names fail before any work
+    from .admission import admission_order
+    from .run import default_jobs
+
+    admission_order(args.admission)
+    hbm_blocks = args.hbm_blocks
+    if not (args.trace or hbm_blocks or args.hbm_fraction or getattr(args, "workload", "traces") == "apps"):
+        # the embedded workload: a capacity sweep around what the profile's HBM holds
+        full = profile.hbm_kv_capacity_blocks(workload.block_size)
+        hbm_blocks = tuple(max(1, int(full * f)) for f in DEFAULT_HBM_SCALES)
     return ReplaySpec(
         workload=workload, profile=profile, policies=policies,
         concs=args.sweep_conc or (args.conc,),
-        hbm_blocks=args.hbm_blocks, hbm_fractions=args.hbm_fraction,
+        hbm_blocks=hbm_blocks, hbm_fractions=args.hbm_fraction,
         dram_blocks=args.dram_blocks, ssd_blocks=args.ssd_blocks, seed=args.seed,
         warmup_s=args.warmup, gap_cap_s=args.gap_cap, max_batch_tokens=args.max_batch_tokens,
         time_scale=args.time_scale,
         trace_name=trace_name, extra=extra,
+        skip_oversized=args.skip_oversized, admission=args.admission, references=not args.no_references,
+        jobs=args.jobs or default_jobs(),
     )
 
 
+class ProgressBar:
+    """Points done of total with an ETA on one rewritten stderr line (a terminal),
+    or one line per point (a pipe or file)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.tty = enabled and sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int, elapsed_s: float) -> None:
+        if not self.enabled:
+            return
+        eta = elapsed_s / done * (total - done) if done else 0.0
+        if self.tty:
+            width = 30
+            fill = int(width * done / max(1, total))
+            print(f"\r[replay] [{'#' * fill}{'.' * (width - fill)}] {done}/{total} runs, "
+                  f"{elapsed_s:.0f}s elapsed, ETA {eta:.0f}s ", end="", file=sys.stderr, flush=True)
+            if done == total:
+                print(file=sys.stderr)
+        else:
+            print(f"[replay] {done}/{total} runs done, {elapsed_s:.0f}s elapsed, ETA {eta:.0f}s",
+                  file=sys.stderr, flush=True)
+
+
 def command(args: argparse.Namespace) -> int:
-    from .report import format_table, plot
-    from .run import report_header, run_replay, slo_capacity
+    from ..errors import ConfigError
+    from .report import format_summary, format_table, plot
+    from .run import OversizedRequestsError, check_capacity, report_header, run_replay, slo_capacity
 
     def progress(msg: str) -> None:
         if not args.quiet:
@@ -172,36 +243,43 @@ def command(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     if getattr(args, "workload", "traces") == "rounds":
         return _command_rounds(args, progress)
-    spec = build_spec(args, progress)
+    try:
+        spec = build_spec(args, progress)
+    except ConfigError as e:
+        print(f"kvtier replay: {e}", file=sys.stderr)
+        return 2
     w = spec.workload
     progress(f"[replay] {spec.trace_name}: {len(w.sessions)} sessions, {w.num_requests()} requests, "
-             f"{w.num_distinct_blocks()} distinct blocks of {w.block_size} tokens; profile {spec.profile.spec}")
-    if args.slo_ttft_p99 is not None or args.slo_interactivity is not None:
-        report = report_header(spec)
-        report["slo"] = [slo_capacity(spec, pol, spec.capacities()[0], args.slo_ttft_p99, args.slo_interactivity,
-                                      progress=progress) for pol in spec.policies]
-        print(f"SLO capacity (largest conc with p99 TTFT <= {args.slo_ttft_p99} s and "
-              f"p50 interactivity >= {args.slo_interactivity} tok/s/user):")
-        for row in report["slo"]:
-            print(f"  {row['policy']:>10}: conc {row['max_conc']}")
-        report["results"] = [pt for row in report["slo"] for pt in row["points"]]
-    else:
-        report = run_replay(spec, progress)
-    rows = report["results"]
-    print(format_table(rows))
-    baseline = next((r for r in rows if r["policy"] == "lru"), None)
-    if baseline and baseline["prefill_tokens_computed"]:
-        print("prefill tokens computed vs lru (same conc and capacity): " + ", ".join(
-            f"{r['policy']}={r['prefill_tokens_computed'] / b['prefill_tokens_computed']:.2f}x"
-            for r in rows for b in [next(x for x in rows if x["policy"] == "lru" and x["conc"] == r["conc"]
-                                         and x["hbm_blocks"] == r["hbm_blocks"])]))
+             f"{w.num_distinct_blocks()} distinct blocks of {w.block_size} tokens; profile {spec.profile.spec}; "
+             f"{spec.jobs} worker process(es)")
+    try:
+        if args.slo_ttft_p99 is not None or args.slo_interactivity is not None:
+            report = report_header(spec) | {"skipped": check_capacity(spec)}
+            report["slo"] = [slo_capacity(spec, pol, spec.capacities()[0], args.slo_ttft_p99, args.slo_interactivity,
+                                          progress=progress) for pol in spec.policies]
+            print(f"SLO capacity (largest conc with p99 TTFT of later turns <= {args.slo_ttft_p99} s and "
+                  f"p50 interactivity >= {args.slo_interactivity} tok/s/user):")
+            for row in report["slo"]:
+                print(f"  {row['policy']:>10}: conc {row['max_conc']}")
+            report["results"] = [pt for row in report["slo"] for pt in row["points"]]
+            rows = report["results"]
+        else:
+            report = run_replay(spec, progress, on_point=ProgressBar(not args.quiet))
+            rows = report["results"]
+            print(format_summary(rows))
+    except OversizedRequestsError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    for cap, what in (report.get("skipped") or {}).items():
+        print(f"skipped (--skip-oversized): {what['message']}")
+    if args.full:
+        print(format_table(rows))
     report["wall_s"] = time.perf_counter() - start
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=float) + "\n")
         progress(f"[replay] wrote {args.json}")
     if args.plot:
-        caps = rows if len({r["hbm_blocks"] for r in rows}) > 1 else []
-        plot(rows, caps, args.plot, f"{spec.trace_name} on {spec.profile.spec}")
+        plot(rows, args.plot, f"{spec.trace_name} on {spec.profile.spec}")
         progress(f"[replay] wrote {args.plot}")
     progress(f"[replay] finished in {report['wall_s']:.1f}s")
     return 0

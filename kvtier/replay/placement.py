@@ -20,14 +20,15 @@ Baselines:
 * ``minwaste`` — InferCept (arXiv 2402.01869): on a tool call choose
   preserve / swap / discard, whichever wastes the least memory-time, with
   no write-through (swap is an explicit HBM → DRAM move).
-* ``belady`` — offline optimum of HBM eviction by next use (HBM only, like
+* ``belady-hbm`` — offline optimum of HBM eviction by next use (HBM only, like
   ``lru``), with the future recorded by an ``lru`` pass. With one session at
   a time every policy serves the same order, the recorded future is exact
   and Belady is the bound on HBM hits no online policy beats (tested). With
   several live sessions the order moves with each policy's timing; the
   future is then the recorded timeline shifted by each session's drift, an
   estimate. (Per-tier Belady is not optimal for a hierarchy, so it is not
-  offered as a bound on DRAM/SSD reuse.)
+  offered as a bound on DRAM/SSD reuse: the bound every result shows is
+  Belady over all tiers' capacity as one tier, see ``kvtier.replay.run``.)
 """
 
 from __future__ import annotations
@@ -132,9 +133,6 @@ class PlacementPolicy:
 
     def on_session_end(self, ctx: PlacementContext, session: int) -> None:
         """Every agent of the session finished."""
-
-    # A policy may define ``admission_priority(ctx, session, agent_id, session_start_s) -> float``:
-    # the waiting queue is then served lowest first (FCFS among equals) instead of FCFS.
 
     def admit_lower(self, ctx: PlacementContext, tier: str, agent_key: tuple[int, str] | None) -> bool:
         """Write freshly computed blocks of ``agent_key`` through to ``tier``?"""
@@ -249,7 +247,7 @@ class MinWaste(PlacementPolicy):
 
 
 class Belady(PlacementPolicy):
-    name = "belady"
+    name = "belady-hbm"
     eviction = "belady"
     write_through = False
     lower_tiers = ()

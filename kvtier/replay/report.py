@@ -124,42 +124,102 @@ def _cell(key: str, v: Any) -> str:
     return str(v)
 
 
-def plot(results: Sequence[dict[str, Any]], capacity_rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
-    """Pareto chart (interactivity vs throughput per chip, labelled by conc) and,
-    when capacities were swept, hit rate vs HBM capacity. Writes a PNG."""
+def _tiers_cell(r: dict[str, Any]) -> str:
+    used, offered = r.get("tiers_used") or [], r.get("tiers_offered") or []
+    unused = [t for t in offered if t not in used]
+    return "+".join(used) + (f" (no {'/'.join(unused)})" if unused else "")
+
+
+SUMMARY_HEADER = ("policy", "tiers used", "computed", "vs lru", "vs bound", "TTFT p99 later (s)",
+                  "tok/s/chip", "hit hbm", "hit dram", "hit ssd")
+
+
+def summary_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """One line per policy of one (conc, capacity) group: prefill computed vs
+    ``lru`` and vs the bound, later-turn TTFT p99, throughput per chip, hits per tier."""
+    lru = next((r for r in rows if r["policy"] == "lru"), None)
+    out = []
+    for r in rows:
+        c = r["prefill_tokens_computed"]
+        vs_lru = f"{c / lru['prefill_tokens_computed']:.3f}x" if lru and lru["prefill_tokens_computed"] else "-"
+        vs_bound = f"{r['computed_over_bound']:.3f}x" if r.get("computed_over_bound") else "-"
+        out.append([r["policy"], _tiers_cell(r), f"{c / 1e6:.2f}M", vs_lru, vs_bound,
+                    _cell("x", r["ttft_p99_later_turns_s"]), f"{r['throughput_per_chip_tok_s']:.0f}",
+                    _cell("hit_rate", r["hit_rate_hbm"]), _cell("hit_rate", r["hit_rate_dram"]),
+                    _cell("hit_rate", r["hit_rate_ssd"])])
+    return out
+
+
+def group_caption(r: dict[str, Any], admission: str = "fcfs") -> str:
+    """What one (conc, capacity) group was given and its references."""
+    ssd = f"SSD {r['ssd_blocks']:,}" if r.get("ssd_blocks") else "SSD off"
+    text = (f"conc {r['conc']}, HBM {r['hbm_blocks']:,} + DRAM {r.get('dram_blocks', 0):,} blocks, {ssd}; "
+            f"admission {r.get('admission', admission)}")
+    if r.get("bound_prefill_tokens") is not None:
+        est = "exact" if r.get("bound_exact") else "estimate"
+        text += (f"; floor (unbounded cache) {r['floor_prefill_tokens'] / 1e6:.2f}M, bound (Belady over all "
+                 f"{r['hbm_blocks'] + r.get('dram_blocks', 0) + r.get('ssd_blocks', 0):,} blocks as one tier, "
+                 f"{est}) {r['bound_prefill_tokens'] / 1e6:.2f}M, LRU over that one tier "
+                 f"{r['lru_one_tier_prefill_tokens'] / 1e6:.2f}M prefill tokens computed")
+    if r.get("skipped_requests"):
+        text += f"; {r['skipped_requests']} oversized requests skipped"
+    return text
+
+
+def format_summary(rows: Sequence[dict[str, Any]]) -> str:
+    """The default output of ``kvtier replay``: per (conc, capacity), a caption and one line per policy."""
+    groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["hbm_blocks"], r["conc"]), []).append(r)
+    parts = []
+    for grp in groups.values():
+        body = summary_rows(grp)
+        widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(SUMMARY_HEADER)]
+        lines = [group_caption(grp[0]) + ":", "  ".join(h.rjust(w) for h, w in zip(SUMMARY_HEADER, widths))]
+        lines += ["  ".join(c.rjust(w) for c, w in zip(b, widths)) for b in body]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def plot(results: Sequence[dict[str, Any]], path: str, title: str) -> None:
+    """Prefill computed over the bound, and later-turn TTFT p99, per policy
+    against the swept axis (HBM capacity, else conc); with one point per
+    policy, bars. Writes a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ncols = 2 if capacity_rows else 1
-    fig, axes = plt.subplots(1, ncols, figsize=(7 * ncols, 5), squeeze=False)
-    ax = axes[0][0]
-    for pol in dict.fromkeys(r["policy"] for r in results):
-        pts = sorted((r for r in results if r["policy"] == pol), key=lambda r: r["conc"])
-        xs = [r["interactivity_p50"] for r in pts]
-        ys = [r["throughput_per_chip_tok_s"] for r in pts]
-        ax.plot(xs, ys, marker="o", label=pol)
-        for r, x, y in zip(pts, xs, ys):
-            ax.annotate(str(r["conc"]), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
-    ax.set_xlabel("interactivity p50 (tokens/s/user)")
-    ax.set_ylabel("throughput per chip (tokens/s)")
-    ax.set_title("Pareto: throughput vs interactivity (labels: conc)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    if capacity_rows:
-        ax2 = axes[0][1]
-        for pol in dict.fromkeys(r["policy"] for r in capacity_rows):
-            pts = sorted((r for r in capacity_rows if r["policy"] == pol), key=lambda r: r["hbm_blocks"])
-            total = [(r["prefill_tokens_hit_hbm"] + r["prefill_tokens_hit_dram"] + r["prefill_tokens_hit_ssd"])
-                     / max(1, r["prefill_tokens_hit_hbm"] + r["prefill_tokens_hit_dram"] + r["prefill_tokens_hit_ssd"]
-                           + r["prefill_tokens_computed"]) for r in pts]
-            ax2.plot([r["hbm_blocks"] for r in pts], total, marker="o", label=pol)
-        ax2.set_xlabel("HBM capacity (blocks)")
-        ax2.set_ylabel("prefill tokens served from cache (all tiers)")
-        ax2.set_title("hit rate vs HBM capacity")
-        ax2.grid(alpha=0.3)
-        ax2.legend(fontsize=8)
+    axis = "hbm_blocks" if len({r["hbm_blocks"] for r in results}) > 1 else "conc"
+    xlabel = "HBM capacity (blocks; DRAM and SSD as given)" if axis == "hbm_blocks" else "conc (live sessions)"
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    policies = list(dict.fromkeys(r["policy"] for r in results))
+    ykey = "computed_over_bound" if all(r.get("computed_over_bound") for r in results) else "prefill_tokens_computed"
+    if len({r[axis] for r in results}) == 1:  # one point per policy: bars
+        for a, key in ((ax, ykey), (ax2, "ttft_p99_later_turns_s")):
+            a.bar(policies, [next(r[key] for r in results if r["policy"] == p) for p in policies])
+            a.tick_params(axis="x", rotation=45)
+    else:
+        for pol in policies:
+            pts = sorted((r for r in results if r["policy"] == pol), key=lambda r: r[axis])
+            ax.plot([r[axis] for r in pts], [r[ykey] for r in pts], marker="o", label=pol)
+            ax2.plot([r[axis] for r in pts], [r["ttft_p99_later_turns_s"] for r in pts], marker="o", label=pol)
+        if ykey == "computed_over_bound":
+            refs = sorted({(r[axis], r["floor_prefill_tokens"] / r["bound_prefill_tokens"]) for r in results})
+            ax.plot([x for x, _ in refs], [y for _, y in refs], "k--", label="floor (unbounded cache)")
+        for a in (ax, ax2):
+            a.set_xlabel(xlabel)
+            a.set_xscale("log", base=2)
+        ax.legend(fontsize=8)
+    ax.set_ylabel("prefill computed / bound (Belady over all tiers as one)" if ykey == "computed_over_bound"
+                  else "prefill tokens computed")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_title("prefill work over the offline bound (1.0 = bound)")
+    ax2.set_ylabel("TTFT p99, later turns (s)")
+    ax2.set_yscale("log")
+    ax2.set_title("later-turn TTFT p99")
+    for a in (ax, ax2):
+        a.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -39,6 +39,7 @@ from ..agents import AgentGraph, GraphLimits
 from ..keys import BlockKey
 from ..manager import TierManager, TierSpec
 from ..transfer.linkmodel import LinkModel
+from .admission import admission_order
 from .belady import BeladyPolicy, DriftOracle, NextUseOracle
 from .model import Agent, Request, Session, Workload
 from .placement import PlacementPolicy, ToolWait
@@ -58,6 +59,11 @@ class SimConfig:
     pin_budget_fraction: float = 0.5
     max_sessions: int | None = None
     time_scale: float = 1.0  # open loop: arrival times are multiplied by this (< 1 raises the rate)
+    # Requests (session index, agent id, request index) skipped: "served" at once
+    # without touching the engine or the cache, and left out of every figure
+    # (oversized requests under --skip-oversized; the same set for every run).
+    skip_requests: frozenset[tuple[int, str, int]] = frozenset()
+    admission: str = "fcfs"  # the engine's admission order (kvtier.replay.admission), alike for every policy
 
 
 @dataclass(slots=True)
@@ -107,7 +113,7 @@ class _Run:
     __slots__ = (
         "sess", "agent", "req", "keys", "ready_s", "prefill_left", "ctx_tokens", "decode_left",
         "first_token_s", "held", "store_plan", "computed_keys", "loads_pending", "load_ready_s",
-        "hit", "computed_tokens", "uncached", "reserved", "prefetch",
+        "hit", "computed_tokens", "uncached", "reserved", "prefetch", "skipped",
     )
 
     def __init__(self, sess: "_SessionRun", agent: Agent, req: Request, ready_s: float) -> None:
@@ -127,17 +133,19 @@ class _Run:
         self.uncached = False
         self.reserved = 0  # HBM blocks reserved for the decode
         self.prefetch: _Prefetch | None = None  # a prefetch for this request that arrived in time
+        self.skipped = False  # in SimConfig.skip_requests: never admitted, never recorded
 
 
 class _Prefetch:
     """A promotion into HBM started for an agent's next request."""
 
-    __slots__ = ("plans", "done_s", "arrived", "hold", "keys")
+    __slots__ = ("plans", "done_s", "arrived", "hold", "keys", "cancelled")
 
     def __init__(self, plans: list[Any], done_s: float, keys: tuple[BlockKey, ...]) -> None:
         self.plans, self.done_s, self.keys = plans, done_s, keys
         self.arrived = False
         self.hold: BlockKey | None = None  # referenced HBM tail from arrival until admission
+        self.cancelled = False  # its request was skipped: nothing to hold on arrival
 
 
 class _WaitQueue:
@@ -219,7 +227,7 @@ class Simulator:
         self.now = 0.0
         self._seq = itertools.count()
         self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
-        prio = getattr(policy, "admission_priority", None)
+        prio = admission_order(config.admission)
         self.waiting = _WaitQueue((lambda run: prio(self, run.sess.idx, run.agent.agent_id, run.sess.start_s))
                                   if prio is not None else None)
         self.prefilling: list[_Run] = []
@@ -238,7 +246,7 @@ class Simulator:
         self.counters: dict[str, int] = {"admission_waits": 0, "oversized_requests": 0, "pins_refused": 0,
                                          "offloaded_blocks": 0, "discarded_blocks": 0, "dropped_blocks": 0,
                                          "prefetches": 0, "prefetch_on_time": 0, "prefetch_late": 0,
-                                         "prefetch_wasted": 0, "prefetched_blocks": 0}
+                                         "prefetch_wasted": 0, "prefetched_blocks": 0, "skipped_requests": 0}
         # The hint plane as the agent framework would feed it (tenant "replay"):
         # policies read criticality and predicted tool returns from it, as live.
         big = 1 << 40
@@ -294,8 +302,9 @@ class Simulator:
                 self.now = max(self.now, self._events[0][0])
             else:
                 break
-        if len(self.records) != self._total_requests:
-            raise RuntimeError(f"replay stalled at {self.now:.1f}s with {self._total_requests - len(self.records)} "
+        served = len(self.records) + self.counters["skipped_requests"]
+        if served != self._total_requests:
+            raise RuntimeError(f"replay stalled at {self.now:.1f}s with {self._total_requests - served} "
                                f"requests unserved ({len(self.waiting)} waiting for HBM, policy "
                                f"{self.policy.name!r}, HBM used {self.mgr.used_blocks('hbm')} of "
                                f"{self.hbm_capacity_blocks}, {self.mgr.num_pinned()} pinned); "
@@ -368,6 +377,12 @@ class Simulator:
         run = _Run(sr, agent, req, self.now)
         self.policy.on_wait_end(self, agent_key, run.keys)
         pf = self._prefetches.pop(agent_key, None)
+        if (sr.idx, agent.agent_id, req.index) in self.cfg.skip_requests:
+            if pf is not None:
+                pf.cancelled = True
+                self._settle_prefetch(pf, ())
+            self._skip(run)
+            return
         if pf is not None and not pf.arrived:  # late: the request waits for its blocks in flight
             self.counters["prefetch_late"] += 1
             self._at(pf.done_s, self._enqueue_after_prefetch, run, pf)
@@ -376,6 +391,14 @@ class Simulator:
             self.counters["prefetch_on_time"] += 1
             run.prefetch = pf
         self.waiting.append(run)
+
+    def _skip(self, run: _Run) -> None:
+        """A request in ``skip_requests`` ends the moment it is ready: no engine
+        time, no cache change, no record; its agent goes on as if it was served."""
+        self.counters["skipped_requests"] += 1
+        run.uncached = run.skipped = True
+        run.first_token_s = self.now
+        self._finish(run)
 
     def _enqueue_after_prefetch(self, run: _Run, pf: _Prefetch) -> None:
         run.prefetch = pf
@@ -622,7 +645,8 @@ class Simulator:
                 mgr.unreserve("hbm", run.reserved)
         ctx_keys = self._cache_output_blocks(run) if not run.uncached else run.keys
         self._admission_blocked = False
-        self._record(run)
+        if not run.skipped:
+            self._record(run)
         sr.running.discard(agent.agent_id)
         index = req.index
         self.graph.end_request("replay", sr.sid, agent.agent_id, str(index), self.now)
@@ -652,7 +676,7 @@ class Simulator:
             self._issue(sr, parent, sr.next_index[parent.agent_id])
         if sr.agents_left == 0:
             self._end_session(sr)
-        if self.progress is not None and len(self.records) % 500 == 0:
+        if self.progress is not None and not run.skipped and len(self.records) % 500 == 0:
             self.progress(len(self.records), self._total_requests)
 
     def _cache_output_blocks(self, run: _Run) -> tuple[BlockKey, ...]:
@@ -815,6 +839,8 @@ class Simulator:
         for plan in pf.plans:
             self.mgr.complete_move(plan, True)
         pf.arrived = True
+        if pf.cancelled:
+            return
         pf.hold = self._deepest_ready_hbm(pf.keys, len(pf.keys))
         if pf.hold is not None:
             self.mgr.acquire((pf.hold,))
