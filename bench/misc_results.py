@@ -16,7 +16,9 @@ writing them under ``bench/out/``:
   each run's command line and report.
 
 Both files also name the commit of the code that produced them and whether
-``kvtier/`` had uncommitted changes (``kvtier_dirty``).
+``kvtier/`` had uncommitted changes (``kvtier_dirty``); every run records its
+seconds and the machine's 1-minute load average before and after it, since
+other jobs on a shared machine move the timings.
 
 Must not: render or edit any document (``bench/readme_tables.py`` does, with
 the renderers in ``bench/misc_tables.py``), change the commands' defaults,
@@ -83,16 +85,20 @@ def _source() -> dict[str, Any]:
 
     status = git("status", "--porcelain", "--", "kvtier")
     return {"commit": git("rev-parse", "HEAD"), "kvtier_dirty": None if status is None else bool(status),
-            "python": sys.version.split()[0], "generated_by": "bench/misc_results.py",
+            "python": sys.version.split()[0], "cpu_count": os.cpu_count(), "generated_by": "bench/misc_results.py",
             "generated_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
 
-def _run_json(args: list[str], tmp: Path, timeout_s: float) -> tuple[dict[str, Any], float]:
-    """Run ``kvtier ARGS --json FILE``; the report it wrote and the seconds it took."""
+def _run_json(args: list[str], tmp: Path, timeout_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run ``kvtier ARGS --json FILE``; the report it wrote, and the run's seconds and the
+    machine's 1-minute load average before and after it (timings move with other jobs' load)."""
     path = tmp / "report.json"
     path.unlink(missing_ok=True)
+    before = os.getloadavg()[0]
     seconds = _kvtier([*args, "--json", str(path)], timeout_s)
-    return json.loads(path.read_text()), seconds
+    meta = {"seconds": round(seconds, 2), "loadavg_1m_before": round(before, 2),
+            "loadavg_1m_after": round(os.getloadavg()[0], 2)}
+    return json.loads(path.read_text()), meta
 
 
 def rounds(tmp: Path, timeout_s: float, log) -> dict[str, Any]:
@@ -105,11 +111,10 @@ def rounds(tmp: Path, timeout_s: float, log) -> dict[str, Any]:
         args += ["--output-tokens", str(out)] if out is not None else []
         args += ["--round-latency", latency] if latency != "full" else []
         args += ["--quiet"]
-        report, seconds = _run_json(args, tmp, timeout_s)
-        log(f"[misc_results] kvtier {shlex.join(args)}: {seconds:.1f} s")
+        report, meta = _run_json(args, tmp, timeout_s)
+        log(f"[misc_results] kvtier {shlex.join(args)}: {meta['seconds']:.1f} s")
         runs.append({"command": "kvtier " + shlex.join(args), "argv": args, "hbm_blocks_arg": hbm,
-                     "output_tokens_arg": out, "latency_arg": latency, "seconds": round(seconds, 2),
-                     "report": report})
+                     "output_tokens_arg": out, "latency_arg": latency, **meta, "report": report})
     return {**_source(), "runs": runs}
 
 
@@ -117,10 +122,10 @@ def shared(tmp: Path, timeout_s: float, num_runs: int, log) -> dict[str, Any]:
     args = ["bench", "shared"]
     runs = []
     for i in range(num_runs):
-        report, seconds = _run_json(args, tmp, timeout_s)
-        log(f"[misc_results] kvtier {shlex.join(args)} ({i + 1}/{num_runs}): {seconds:.1f} s")
-        runs.append({"command": "kvtier " + shlex.join(args), "argv": args, "seconds": round(seconds, 2),
-                     "report": report})
+        report, meta = _run_json(args, tmp, timeout_s)
+        log(f"[misc_results] kvtier {shlex.join(args)} ({i + 1}/{num_runs}): {meta['seconds']:.1f} s, "
+            f"load average {meta['loadavg_1m_before']:.2f} -> {meta['loadavg_1m_after']:.2f}")
+        runs.append({"command": "kvtier " + shlex.join(args), "argv": args, **meta, "report": report})
     return {**_source(), "runs": runs}
 
 

@@ -40,7 +40,7 @@ to every policy. A request larger than HBM stops the run (rc 2) unless
 """
 
 
-DEFAULT_HBM_SCALES = (0.25, 0.5, 1.0)  # embedded workload, no capacity given: fractions of the profile's HBM
+DEFAULT_HBM_SCALES = (0.6, 0.8, 1.0, 1.5)  # embedded workload, no capacity given: fractions of the profile's HBM
 
 
 def _floats(text: str) -> tuple[float, ...]:

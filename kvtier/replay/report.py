@@ -166,18 +166,44 @@ def group_caption(r: dict[str, Any], admission: str = "fcfs") -> str:
     return text
 
 
-def format_summary(rows: Sequence[dict[str, Any]]) -> str:
-    """The default output of ``kvtier replay``: per (conc, capacity), a caption and one line per policy."""
+def _fixed(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
+    return ["  ".join(h.rjust(w) for h, w in zip(header, widths))] + [
+        "  ".join(c.rjust(w) for c, w in zip(b, widths)) for b in body]
+
+
+def group_by_point(rows: Sequence[dict[str, Any]]) -> dict[tuple[int, int], list[dict[str, Any]]]:
     groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["hbm_blocks"], r["conc"]), []).append(r)
+    return groups
+
+
+def sweep_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """Prefill computed over the bound per policy (rows) and (capacity, conc) point (columns)."""
+    groups = group_by_point(rows)
+    header = ["policy"] + [f"hbm {h:,} conc {c}" for h, c in groups]
+    body = [[pol] + [next((f"{r['computed_over_bound']:.3f}" for r in g if r["policy"] == pol
+                           and r.get("computed_over_bound")), "-") for g in groups.values()]
+            for pol in dict.fromkeys(r["policy"] for r in rows)]
+    body.append(["floor"] + [f"{g[0]['floor_prefill_tokens'] / g[0]['bound_prefill_tokens']:.3f}"
+                             if g[0].get("bound_prefill_tokens") else "-" for g in groups.values()])
+    return header, body
+
+
+def format_summary(rows: Sequence[dict[str, Any]]) -> str:
+    """The default output of ``kvtier replay``: with several (capacity, conc)
+    points, prefill computed / bound per policy and point; then, for one point
+    (the only one, else the middle of the sweep), its caption and one line per
+    policy. ``--full`` prints every figure of every point."""
+    groups = list(group_by_point(rows).values())
     parts = []
-    for grp in groups.values():
-        body = summary_rows(grp)
-        widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(SUMMARY_HEADER)]
-        lines = [group_caption(grp[0]) + ":", "  ".join(h.rjust(w) for h, w in zip(SUMMARY_HEADER, widths))]
-        lines += ["  ".join(c.rjust(w) for c, w in zip(b, widths)) for b in body]
-        parts.append("\n".join(lines))
+    if len(groups) > 1:
+        header, body = sweep_rows(rows)
+        parts.append("\n".join(["prefill computed / bound (1.000 = the offline bound; floor = unbounded cache):",
+                                 *_fixed(header, body)]))
+    grp = groups[len(groups) // 2] if len(groups) > 2 else groups[-1]
+    parts.append("\n".join([group_caption(grp[0]) + ":", *_fixed(SUMMARY_HEADER, summary_rows(grp))]))
     return "\n\n".join(parts)
 
 
@@ -207,9 +233,14 @@ def plot(results: Sequence[dict[str, Any]], path: str, title: str) -> None:
         if ykey == "computed_over_bound":
             refs = sorted({(r[axis], r["floor_prefill_tokens"] / r["bound_prefill_tokens"]) for r in results})
             ax.plot([x for x, _ in refs], [y for _, y in refs], "k--", label="floor (unbounded cache)")
+        from matplotlib.ticker import NullFormatter
+
+        xs = sorted({r[axis] for r in results})
         for a in (ax, ax2):
             a.set_xlabel(xlabel)
             a.set_xscale("log", base=2)
+            a.set_xticks(xs, [f"{x:,}" for x in xs])
+            a.xaxis.set_minor_formatter(NullFormatter())
         ax.legend(fontsize=8)
     ax.set_ylabel("prefill computed / bound (Belady over all tiers as one)" if ykey == "computed_over_bound"
                   else "prefill tokens computed")

@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Run the ``kvtier replay`` comparisons whose tables the README shows, and keep their JSON.
+
+Owns: the exact replay commands behind the README's replay tables, run as
+subprocesses, their ``--json`` written to ``bench/out/replay-*.json`` (with
+the command line and wall time added). Must not format tables
+(``bench/replay_tables.py`` does, through ``bench/readme_tables.py``).
+
+The dev Claude Code traces are split by the replay's fixed rule (sessions
+sorted by id; 1st, 3rd, ... = tuning half, 2nd, 4th, ... = evaluation half);
+both halves are run at ``--hbm-fraction 0.25``, conc 8, with the default DRAM
+(2x HBM) and no SSD, and with ``--ssd-blocks`` equal to 4x that half's HBM.
+
+Usage: ``python bench/replay_results.py [--only NAME,...] [--jobs N]``, then
+``python bench/readme_tables.py``. About 20 minutes on 2 cores in full.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "out"
+DEV_TRACE = ROOT.parent / "shared" / "traces" / "weka_claude_code" / "weka_dev_120.tar.xz"
+DEV_POLICIES = "lru,lru-dram,arc,s3fifo,ttl,minwaste,tokencake,kvflow,kvtier,kvtier-space-only,kvtier-time-only," \
+               "belady-hbm"
+DEV_FRACTION = 0.25
+DEV_CONC = 8
+
+
+def _dev_hbm_blocks(half: str) -> int:
+    """HBM blocks that ``--hbm-fraction 0.25`` gives on that half at conc 8 (to size the SSD at 4x)."""
+    from kvtier.replay import load_trace
+    from kvtier.replay.profiles import DEFAULT_PROFILE, parse_profile
+    from kvtier.replay.run import ReplaySpec, split_workload
+
+    w = split_workload(load_trace(DEV_TRACE), half)
+    spec = ReplaySpec(workload=w, profile=parse_profile(DEFAULT_PROFILE), concs=(DEV_CONC,),
+                      hbm_fractions=(DEV_FRACTION,))
+    return spec.capacities()[0]
+
+
+def commands() -> dict[str, list[str]]:
+    """name -> the replay's arguments (after ``kvtier replay``)."""
+    cmds: dict[str, list[str]] = {"default": []}
+    for half in ("eval", "tune"):
+        dev = ["--trace", os.path.relpath(DEV_TRACE, ROOT), "--split", half,
+               "--hbm-fraction", str(DEV_FRACTION), "--conc", str(DEV_CONC), "--policies", DEV_POLICIES,
+               "--skip-oversized"]
+        cmds[f"dev-{half}"] = dev
+        cmds[f"dev-{half}-ssd"] = dev + ["--ssd-blocks", str(4 * _dev_hbm_blocks(half))]
+    return cmds
+
+
+def run(name: str, args: list[str], jobs: int | None) -> None:
+    out = OUT / f"replay-{name}.json"
+    cmd = [sys.executable, "-m", "kvtier.cli", "replay", *args, "--quiet", "--json", str(out)]
+    if jobs:
+        cmd += ["--jobs", str(jobs)]
+    shown = "kvtier replay " + shlex.join(args)
+    print(f"$ {shown}", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"replay_results: `{shown}` failed with exit status {proc.returncode}")
+    report = json.loads(out.read_text())
+    report["command"] = shown
+    report["bench_wall_s"] = time.perf_counter() - start
+    out.write_text(json.dumps(report, indent=2, default=float) + "\n")
+    print(f"  {name}: {report['bench_wall_s']:.0f}s -> {out.relative_to(ROOT)}", file=sys.stderr, flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", help="comma-separated names to run (default: all): default, dev-eval, dev-eval-ssd, "
+                                   "dev-tune, dev-tune-ssd")
+    ap.add_argument("--jobs", type=int, help="worker processes per replay (default: the replay's own default)")
+    args = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    cmds = commands()
+    names = args.only.split(",") if args.only else list(cmds)
+    for name in names:
+        if name not in cmds:
+            raise SystemExit(f"replay_results: unknown --only name {name!r}; valid: {', '.join(cmds)}")
+        run(name, cmds[name], args.jobs)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
