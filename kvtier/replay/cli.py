@@ -85,7 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-scale", type=float, default=1.0, metavar="X",
                    help="open-loop traces (Mooncake): multiply arrival times by X (0.5 = twice the rate)")
     p.add_argument("--max-batch-tokens", type=int, default=8192, help="token budget per engine step (default 8192)")
-    p.add_argument("--slo-ttft-p99", type=float, metavar="S", help="SLO capacity search: p99 TTFT bound (s)")
+    p.add_argument("--slo-ttft-p99", type=float, metavar="S",
+                   help="SLO capacity search: the largest conc (doubling, then bisecting) at which the later-turn "
+                        "TTFT p99 is at most S seconds, per policy, at the first HBM capacity")
     p.add_argument("--slo-interactivity", type=float, metavar="TOK_S",
                    help="SLO capacity search: p50 interactivity floor (tokens/s/user)")
     p.add_argument("--skip-oversized", action="store_true",
@@ -204,6 +206,7 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
         trace_name=trace_name, extra=extra,
         skip_oversized=args.skip_oversized, admission=args.admission, references=not args.no_references,
         jobs=args.jobs or default_jobs(),
+        slo_ttft_p99_s=args.slo_ttft_p99, slo_interactivity=args.slo_interactivity,
     )
 
 
@@ -234,7 +237,7 @@ class ProgressBar:
 def command(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
     from .report import format_summary, format_table, plot
-    from .run import OversizedRequestsError, check_capacity, report_header, run_replay, slo_capacity
+    from .run import OversizedRequestsError, check_capacity, report_header, run_replay, slo_capacities
 
     def progress(msg: str) -> None:
         if not args.quiet:
@@ -255,10 +258,9 @@ def command(args: argparse.Namespace) -> int:
     try:
         if args.slo_ttft_p99 is not None or args.slo_interactivity is not None:
             report = report_header(spec) | {"skipped": check_capacity(spec)}
-            report["slo"] = [slo_capacity(spec, pol, spec.capacities()[0], args.slo_ttft_p99, args.slo_interactivity,
-                                          progress=progress) for pol in spec.policies]
-            print(f"SLO capacity (largest conc with p99 TTFT of later turns <= {args.slo_ttft_p99} s and "
-                  f"p50 interactivity >= {args.slo_interactivity} tok/s/user):")
+            report["slo"] = slo_capacities(spec, spec.capacities()[0], on_point=ProgressBar(not args.quiet))
+            print(f"SLO capacity at HBM {spec.capacities()[0]:,} blocks (largest conc with p99 TTFT of later "
+                  f"turns <= {args.slo_ttft_p99} s and p50 interactivity >= {args.slo_interactivity} tok/s/user):")
             for row in report["slo"]:
                 print(f"  {row['policy']:>10}: conc {row['max_conc']}")
             report["results"] = [pt for row in report["slo"] for pt in row["points"]]

@@ -77,6 +77,9 @@ class ReplaySpec:
     admission: str = "fcfs"
     references: bool = True
     jobs: int = 1
+    slo_ttft_p99_s: float | None = None  # SLO capacity search: later-turn TTFT p99 bound (s)
+    slo_interactivity: float | None = None  # ... and p50 interactivity floor (tokens/s/user)
+    slo_max_conc: int = 256
 
     def working_set_blocks(self, conc: int | None = None) -> int:
         """Blocks that would make every reuse a hit: the distinct blocks of ``conc``
@@ -287,9 +290,16 @@ _WORKER_SPEC: ReplaySpec | None = None  # the spec forked worker processes inher
 
 def _task(kind: str, policy: str, conc: int, hbm: int) -> dict[str, Any]:
     assert _WORKER_SPEC is not None
+    return _run_task(_WORKER_SPEC, (kind, policy, conc, hbm))
+
+
+def _run_task(spec: ReplaySpec, task: tuple[str, str, int, int]) -> dict[str, Any]:
+    kind, policy, conc, hbm = task
     if kind == "ref":
-        return reference_point(_WORKER_SPEC, conc, hbm)
-    return run_point(_WORKER_SPEC, policy, conc, hbm)
+        return reference_point(spec, conc, hbm)
+    if kind == "slo":
+        return slo_capacity(spec, policy, hbm, spec.slo_ttft_p99_s, spec.slo_interactivity, spec.slo_max_conc)
+    return run_point(spec, policy, conc, hbm)
 
 
 def run_points(spec: ReplaySpec, tasks: Iterable[tuple[str, str, int, int]],
@@ -302,7 +312,7 @@ def run_points(spec: ReplaySpec, tasks: Iterable[tuple[str, str, int, int]],
     jobs = min(spec.jobs, len(tasks))
     if jobs <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         for t in tasks:
-            on_done(t, reference_point(spec, t[2], t[3]) if t[0] == "ref" else run_point(spec, *t[1:]))
+            on_done(t, _run_task(spec, t))
         return
     _WORKER_SPEC = spec
     try:
@@ -402,8 +412,26 @@ def slo_capacity(spec: ReplaySpec, policy_name: str, hbm_blocks: int, ttft_p99_s
         ok_int = interactivity is None or row["interactivity_p50"] >= interactivity
         return ok_ttft and ok_int
 
-    lo = largest_passing(meets, max_conc)
+    w = spec.workload
+    limit = max_conc if w.open_loop else min(max_conc, len(_sessions(spec)))  # more conc than sessions: no change
+    lo = largest_passing(meets, limit)
     return {"policy": policy_name, "hbm_blocks": hbm_blocks, "slo_ttft_p99_s": ttft_p99_s,
             "slo_interactivity": interactivity, "max_conc": lo,
             "points": [cache[c] for c in sorted(cache)]}
 
+
+
+def slo_capacities(spec: ReplaySpec, hbm_blocks: int,
+                   on_point: Callable[[int, int, float], None] | None = None) -> list[dict[str, Any]]:
+    """:func:`slo_capacity` of every policy of ``spec`` (its SLO fields), one
+    policy per worker process when ``spec.jobs > 1``; in policy order."""
+    out: dict[str, dict[str, Any]] = {}
+    start = time.perf_counter()
+
+    def done(task: tuple[str, str, int, int], result: dict[str, Any]) -> None:
+        out[task[1]] = result
+        if on_point is not None:
+            on_point(len(out), len(spec.policies), time.perf_counter() - start)
+
+    run_points(spec, [("slo", pol, 0, hbm_blocks) for pol in spec.policies], done)
+    return [out[p] for p in spec.policies]

@@ -1,0 +1,53 @@
+"""The README's results tables are what their committed JSON gives (bench/readme_tables.py).
+
+A figure edited by hand, or JSON regenerated without rewriting the README,
+fails here; so does a generated table removed from the README.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def rt():
+    spec = importlib.util.spec_from_file_location("readme_tables", ROOT / "bench" / "readme_tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["readme_tables"] = mod
+    spec.loader.exec_module(mod)
+    mod._load_renderers()
+    yield mod
+    sys.modules.pop("readme_tables", None)
+
+
+@pytest.mark.parametrize("doc", ["README.md", "bench/RESULTS.md"])
+def test_every_generated_table_matches_its_json(rt, doc: str) -> None:
+    text = (ROOT / doc).read_text()
+    new, changed = rt.rewrite(text)
+    assert not changed, f"{doc}: tables {changed} differ from bench/out JSON; run python bench/readme_tables.py"
+
+
+def test_the_readme_shows_the_judged_replay_tables(rt) -> None:
+    names = set(rt.blocks((ROOT / "README.md").read_text()))
+    assert {"replay-default-sweep", "replay-dev-eval", "replay-dev-eval-ssd"} <= names
+    assert set(rt.blocks((ROOT / "README.md").read_text())) <= set(rt.TABLES)
+
+
+def test_an_edited_number_is_caught(rt) -> None:
+    text = (ROOT / "README.md").read_text()
+    name = "replay-dev-eval"
+    start = text.index(f"<!-- table:{name} -->")
+    row = text.index("| lru |", start)
+    cell_start = text.index("|", row + 5) + 2  # the "tiers used" cell, then prefill computed
+    cell_start = text.index("|", cell_start) + 2
+    cell_end = text.index(" |", cell_start)
+    edited = text[:cell_start] + "1.00" + text[cell_end:]
+    assert edited != text
+    _, changed = rt.rewrite(edited)
+    assert changed == [name]
