@@ -10,6 +10,9 @@ The dev Claude Code traces are split by the replay's fixed rule (sessions
 sorted by id; 1st, 3rd, ... = tuning half, 2nd, 4th, ... = evaluation half);
 both halves are run at ``--hbm-fraction 0.25``, conc 8, with the default DRAM
 (2x HBM) and no SSD, and with ``--ssd-blocks`` equal to 4x that half's HBM.
+TokenCake-style applications (``--workload apps``) are run with FCFS
+admission for every policy, and again with each non-FCFS admission order for
+``lru`` and the policy that proposed it (scheduling reported apart).
 
 Usage: ``python bench/replay_results.py [--only NAME,...] [--jobs N]``, then
 ``python bench/readme_tables.py``. About 20 minutes on 2 cores in full.
@@ -31,6 +34,10 @@ OUT = ROOT / "bench" / "out"
 DEV_TRACE = ROOT.parent / "shared" / "traces" / "weka_claude_code" / "weka_dev_120.tar.xz"
 DEV_POLICIES = "lru,lru-dram,arc,s3fifo,ttl,minwaste,tokencake,kvflow,kvtier,kvtier-space-only,kvtier-time-only," \
                "belady-hbm"
+APPS = ("mixed", "code-writer", "deep-research")
+APP_POLICIES = "lru,lru-dram,ttl,minwaste,tokencake,kvflow,kvtier,kvtier-space-only,kvtier-time-only"
+# scheduling apart from placement: the admission orders as their own rows, with the policies that proposed them
+ADMISSION_ROWS = {"critical-first": "lru,tokencake", "oldest-app": "lru,kvtier"}
 DEV_FRACTION = 0.25
 DEV_CONC = 8
 
@@ -49,13 +56,19 @@ def _dev_hbm_blocks(half: str) -> int:
 
 def commands() -> dict[str, list[str]]:
     """name -> the replay's arguments (after ``kvtier replay``)."""
-    cmds: dict[str, list[str]] = {"default": []}
+    cmds: dict[str, list[str]] = {"default": ["--plot", "bench/out/replay-default.png"]}
     for half in ("eval", "tune"):
         dev = ["--trace", os.path.relpath(DEV_TRACE, ROOT), "--split", half,
                "--hbm-fraction", str(DEV_FRACTION), "--conc", str(DEV_CONC), "--policies", DEV_POLICIES,
                "--skip-oversized"]
         cmds[f"dev-{half}"] = dev
         cmds[f"dev-{half}-ssd"] = dev + ["--ssd-blocks", str(4 * _dev_hbm_blocks(half))]
+    for app in APPS:
+        apps = ["--workload", "apps", "--app", app, "--apps", "80", "--rate", "1.0", "--hbm-blocks", "1000",
+                "--ssd-blocks", "8000"]
+        cmds[f"apps-{app}"] = apps + ["--policies", APP_POLICIES]
+        for order, policies in ADMISSION_ROWS.items():
+            cmds[f"apps-{app}-{order}"] = apps + ["--policies", policies, "--admission", order, "--no-references"]
     return cmds
 
 
@@ -80,7 +93,8 @@ def run(name: str, args: list[str], jobs: int | None) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help="comma-separated names to run (default: all): default, dev-eval, dev-eval-ssd, "
-                                   "dev-tune, dev-tune-ssd")
+                                   "dev-tune, dev-tune-ssd, apps-APP[-ORDER] (APP: mixed, code-writer, "
+                                   "deep-research; ORDER: critical-first, oldest-app)")
     ap.add_argument("--jobs", type=int, help="worker processes per replay (default: the replay's own default)")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)

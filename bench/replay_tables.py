@@ -81,3 +81,18 @@ def default_sweep(report: dict[str, Any]) -> str:
         f"{groups[c][0]['floor_prefill_tokens'] / groups[c][0]['bound_prefill_tokens']:.3f}" for c in caps])
     head = ["prefill computed / bound"] + [f"HBM {c:,}" for c in caps]
     return md_table(head, body)
+
+
+@table("tune-kvtier", "tune-kvtier.json")
+def tune_kvtier(data: dict[str, Any]) -> str:
+    """The tuning half's search of KVTier.demote_after_s (bench/tune_kvtier.py)."""
+    body = []
+    for r in data["rows"]:
+        v = "never" if r["demote_after_s"] is None else f"{r['demote_after_s']:g} s"
+        chosen = r["demote_after_s"] == data["chosen_demote_after_s"]
+        body.append([f"**{v}** (shipped)" if chosen else v, f"{r['prefill_tokens_computed'] / 1e6:.3f}",
+                     f"{r['ttft_p99_later_turns_s']:.1f}"])
+    caption = (f"Tuning half ({data['sessions']} sessions), HBM {data['hbm_blocks']:,}, DRAM {data['dram_blocks']:,}, "
+               f"SSD {data['ssd_blocks']:,} blocks, conc {data['conc']}:\n\n")
+    return caption + md_table(["demote a wait predicted at least", "prefill computed (M tok)",
+                               "later-turn TTFT p99 (s)"], body)

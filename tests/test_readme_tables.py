@@ -51,3 +51,13 @@ def test_an_edited_number_is_caught(rt) -> None:
     assert edited != text
     _, changed = rt.rewrite(edited)
     assert changed == [name]
+
+
+def test_the_shipped_kvtier_constant_is_the_one_tuned_on_the_tuning_half() -> None:
+    import json
+
+    from kvtier.replay.agent_policies import KVTier
+
+    tuned = json.loads((ROOT / "bench" / "out" / "tune-kvtier.json").read_text())
+    assert tuned["split"] == "tune"
+    assert KVTier.demote_after_s == tuned["chosen_demote_after_s"]
