@@ -35,11 +35,12 @@ DOCUMENTS = (ROOT / "README.md", ROOT / "bench" / "RESULTS.md")
 _BLOCK = re.compile(r"(<!-- table:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
 
 Render = Callable[[dict[str, Any]], str]
-TABLES: dict[str, tuple[str, Render]] = {}
+TABLES: dict[str, tuple[str | tuple[str, ...], Render]] = {}
 
 
-def table(name: str, json_name: str) -> Callable[[Render], Render]:
-    """Register ``fn`` as the renderer of table ``name`` from ``bench/out/<json_name>``."""
+def table(name: str, json_name: str | tuple[str, ...]) -> Callable[[Render], Render]:
+    """Register ``fn`` as the renderer of table ``name`` from ``bench/out/<json_name>``
+    (several names: ``fn`` gets ``{json name: its data}``)."""
 
     def deco(fn: Render) -> Render:
         if name in TABLES:
@@ -74,12 +75,16 @@ def render(name: str, out_dir: Path = OUT) -> str:
         json_name, fn = TABLES[name]
     except KeyError:
         raise SystemExit(f"readme_tables: unknown table {name!r} in a document; known: {', '.join(sorted(TABLES))}")
-    path = out_dir / json_name
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"readme_tables: table {name!r} needs {path}: {e}")
-    return fn(data)
+    def load(json_file: str) -> Any:
+        path = out_dir / json_file
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"readme_tables: table {name!r} needs {path}: {e}")
+
+    if isinstance(json_name, tuple):
+        return fn({n: load(n) for n in json_name})
+    return fn(load(json_name))
 
 
 def rewrite(text: str, out_dir: Path = OUT) -> tuple[str, list[str]]:

@@ -10,6 +10,9 @@ The dev Claude Code traces are split by the replay's fixed rule (sessions
 sorted by id; 1st, 3rd, ... = tuning half, 2nd, 4th, ... = evaluation half);
 both halves are run at ``--hbm-fraction 0.25``, conc 8, with the default DRAM
 (2x HBM) and no SSD, and with ``--ssd-blocks`` equal to 4x that half's HBM.
+The SLO capacity (largest conc meeting later-turn TTFT p99 <= 10 s and p50
+interactivity >= 30 tokens/s/user) is searched on the evaluation half at the
+HBM capacity that ``--hbm-fraction 0.25`` gives at conc 8.
 TokenCake-style applications (``--workload apps``) are run with FCFS
 admission for every policy, and again with each non-FCFS admission order for
 ``lru`` and the policy that proposed it (scheduling reported apart).
@@ -38,6 +41,9 @@ APPS = ("mixed", "code-writer", "deep-research")
 APP_POLICIES = "lru,lru-dram,ttl,minwaste,tokencake,kvflow,kvtier,kvtier-space-only,kvtier-time-only"
 # scheduling apart from placement: the admission orders as their own rows, with the policies that proposed them
 ADMISSION_ROWS = {"critical-first": "lru,tokencake", "oldest-app": "lru,kvtier"}
+SLO_POLICIES = "lru,lru-dram,arc,s3fifo,ttl,minwaste,tokencake,kvflow,kvtier"
+SLO_TTFT_P99_S = 10.0  # later turns: a tool result or user turn answered within 10 s at p99
+SLO_INTERACTIVITY = 30.0  # tokens/s/user at p50
 DEV_FRACTION = 0.25
 DEV_CONC = 8
 
@@ -63,6 +69,9 @@ def commands() -> dict[str, list[str]]:
                "--skip-oversized"]
         cmds[f"dev-{half}"] = dev
         cmds[f"dev-{half}-ssd"] = dev + ["--ssd-blocks", str(4 * _dev_hbm_blocks(half))]
+    cmds["slo-dev-eval"] = ["--trace", os.path.relpath(DEV_TRACE, ROOT), "--split", "eval", "--hbm-fraction",
+                            str(DEV_FRACTION), "--conc", str(DEV_CONC), "--policies", SLO_POLICIES, "--skip-oversized",
+                            "--slo-ttft-p99", str(SLO_TTFT_P99_S), "--slo-interactivity", str(SLO_INTERACTIVITY)]
     for app in APPS:
         apps = ["--workload", "apps", "--app", app, "--apps", "80", "--rate", "1.0", "--hbm-blocks", "1000",
                 "--ssd-blocks", "8000"]

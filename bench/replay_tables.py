@@ -96,3 +96,60 @@ def tune_kvtier(data: dict[str, Any]) -> str:
                f"SSD {data['ssd_blocks']:,} blocks, conc {data['conc']}:\n\n")
     return caption + md_table(["demote a wait predicted at least", "prefill computed (M tok)",
                                "later-turn TTFT p99 (s)"], body)
+
+
+_APPS = ("mixed", "code-writer", "deep-research")
+_ORDERS = {"critical-first": ("lru", "tokencake"), "oldest-app": ("lru", "kvtier")}
+
+
+@table("apps", tuple(f"replay-apps-{a}{o}.json" for a in _APPS for o in ("", *(f"-{k}" for k in _ORDERS))))
+def apps(data: dict[str, Any]) -> str:
+    """Mean application latency per policy and application shape; FCFS admission for
+    every placement policy, then each other admission order as rows of its own."""
+
+    def rows_of(app: str, order: str = "") -> dict[str, dict[str, Any]]:
+        return {r["policy"]: r for r in data[f"replay-apps-{app}{order}.json"]["results"]}
+
+    base = {a: rows_of(a)["lru"]["e2e_mean_s"] for a in _APPS}
+
+    def cells(get: Any) -> list[str]:
+        out = []
+        for a in _APPS:
+            r = get(a)
+            out.append(f"{r['e2e_mean_s']:.0f} ({r['e2e_mean_s'] / base[a]:.3f}x)")
+        return out
+
+    body = [[p, "fcfs"] + cells(lambda a, p=p: rows_of(a)[p]) + [f"{rows_of('mixed')[p]['computed_over_bound']:.3f}x"]
+            for p in rows_of("mixed")]
+    for order, policies in _ORDERS.items():
+        body += [[p, order] + cells(lambda a, p=p, o=order: rows_of(a, f"-{o}")[p]) + ["-"] for p in policies]
+    mixed = data["replay-apps-mixed.json"]
+    r0 = mixed["results"][0]
+    caption = (f"`{mixed['command']}` (and `--app code-writer`, `--app deep-research`; the admission rows add "
+               f"`--admission ORDER`): HBM {r0['hbm_blocks']:,}, DRAM {r0['dram_blocks']:,}, SSD "
+               f"{r0['ssd_blocks']:,} blocks. Mean end-to-end application latency in seconds (vs `lru` with FCFS "
+               f"admission); prefill computed over the bound on `mixed`.\n\n")
+    return caption + md_table(["policy", "admission", *_APPS, "mixed: computed / bound"], body)
+
+
+@table("slo-dev-eval", "replay-slo-dev-eval.json")
+def slo_dev_eval(report: dict[str, Any]) -> str:
+    """SLO capacity per policy: the largest conc meeting both SLOs, with the figures there and one step beyond."""
+    body = []
+    for row in report["slo"]:
+        pts = {p["conc"]: p for p in row["points"]}
+        ok = pts.get(row["max_conc"])
+        over = min((c for c in pts if c > row["max_conc"]), default=None)
+
+        def fig(p: dict[str, Any] | None) -> str:
+            return "-" if p is None else f"{p['ttft_p99_later_turns_s']:.1f} s, {p['interactivity_p50']:.0f} tok/s"
+
+        body.append([row["policy"], str(row["max_conc"]), fig(ok), "-" if over is None else f"conc {over}: "
+                     + fig(pts[over])])
+    first = report["slo"][0]
+    caption = (f"`{report['command']}`: HBM {first['hbm_blocks']:,} blocks (DRAM 2x, no SSD), evaluation half "
+               f"({report['workload']['sessions']} sessions, so conc is at most that); SLO: later-turn TTFT p99 <= "
+               f"{first['slo_ttft_p99_s']:g} s and p50 interactivity >= {first['slo_interactivity']:g} tokens/s/user."
+               "\n\n")
+    return caption + md_table(["policy", "SLO capacity (conc)", "at that conc: TTFT p99 later, interactivity",
+                               "first conc that misses"], body)

@@ -33,7 +33,9 @@ and the transfer model through the :class:`PlacementContext`:
   contexts reused once go to SSD) and retiring the old tail when a prompt
   leaves an agent's context. No discard decision: with write-through the
   lower tiers already hold the copies, and reloading beats recomputing.
-* ``kvtier-space-only`` / ``kvtier-time-only`` — ablations of ``kvtier``.
+* ``kvtier-space-only`` / ``kvtier-time-only`` — ablations of ``kvtier``:
+  the critical-path reserve without tool-wait offload and prefetch, and the
+  reverse.
 
 Admission order (TokenCake's critical-first, kvtier's oldest-application-
 first) is the engine scheduler's, not a placement decision: it is the
