@@ -20,7 +20,7 @@ DESCRIPTION = """\
 Replay agent traces closed-loop against a modelled engine and compare KV-cache
 placement policies on TTFT, interactivity, throughput per chip and prefill work.
 With no --trace, replays the embedded workload: deterministic AgentX-shaped
-coding-agent sessions (see kvtier.replay.generator) over three HBM capacities;
+coding-agent sessions (see kvtier.replay.generator) over four HBM capacities;
 --workload apps replays generated TokenCake-style applications. Policies: lru
 (vLLM prefix caching, HBM only), lru-dram (LMCache-style write-through to
 DRAM/SSD), arc, s3fifo, ttl (Continuum), minwaste (InferCept), tokencake
@@ -72,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep-conc", type=_ints, metavar="1,2,4,...", help="replay every listed conc")
     cap = p.add_mutually_exclusive_group()
     cap.add_argument("--hbm-blocks", type=_ints, metavar="N[,N...]",
-                     help="HBM KV capacity in blocks (default: what the profile's HBM holds after weights)")
+                     help="HBM KV capacity in blocks (default: what the profile's HBM holds after weights; "
+                          "the embedded workload with no capacity given: 0.6, 0.8, 1.0 and 1.5 of that)")
     cap.add_argument("--hbm-fraction", type=_floats, metavar="F[,F...]",
                      help="HBM capacity as a fraction of the working set: conc sessions of mean footprint live at once, "
                           "capped by the distinct blocks (several: capacity sweep)")
