@@ -7,7 +7,8 @@ SSD copy) over a fixed grid, replayed on the *tuning* half of the dev traces
 (``--split tune``: sessions sorted by id, the 1st, 3rd, ...) at the README's
 point (``--hbm-fraction 0.25``, conc 8, DRAM 2x HBM, SSD 4x HBM), and the
 JSON it writes (``bench/out/tune-kvtier.json``: every value's prefill
-computed and the value chosen: the least computed, ties to the larger).
+computed and later-turn TTFT p99, and the value chosen: the least computed,
+then the lowest TTFT p99, then the larger value).
 Must not read the evaluation half: the README reports the chosen constant
 there (``bench/replay_results.py``), and ``tests/test_readme_tables.py``
 checks that the shipped constant is the one chosen here.
@@ -63,7 +64,7 @@ def main() -> int:
     report = run_replay(spec, on_point=lambda d, t, e: print(f"[tune] {d}/{t} runs, {e:.0f}s", file=sys.stderr))
     rows = [{"demote_after_s": names[r["policy"]], "prefill_tokens_computed": r["prefill_tokens_computed"],
              "ttft_p99_later_turns_s": r["ttft_p99_later_turns_s"]} for r in report["results"]]
-    best = min(rows, key=lambda r: (r["prefill_tokens_computed"],
+    best = min(rows, key=lambda r: (r["prefill_tokens_computed"], r["ttft_p99_later_turns_s"],
                                     -(math.inf if r["demote_after_s"] is None else r["demote_after_s"])))
     OUT.write_text(json.dumps({
         "what": "KVTier.demote_after_s on the tuning half of the dev traces",

@@ -216,7 +216,8 @@ def test_a_prefetch_of_a_context_the_next_prompt_left_never_stalls_admission():
 def test_a_long_predicted_wait_demotes_to_the_ssd_copy():
     """kvtier: a wait predicted at demote_after_s or longer gives up the HBM and the
     DRAM copies first (the write-through SSD copy stays); shorter waits only the
-    HBM copy. TokenCake (no SSD, no write-through) never demotes."""
+    HBM copy. TokenCake (no SSD, no write-through) never demotes, nor does kvtier
+    when no SSD tier is enabled."""
 
     class Ctx:
         def __init__(self):
@@ -229,10 +230,20 @@ def test_a_long_predicted_wait_demotes_to_the_ssd_copy():
             self.calls.append((tuple(keys), tuple(tiers)))
             return len(keys)
 
+    class Tiers:
+        def __init__(self, *names):
+            self.names = ("hbm", *names)
+
+        def tiers_enabled(self):
+            return self.names
+
     pol = KVTier()
-    assert pol._demotes(pol.demote_after_s) and not pol._demotes(pol.demote_after_s - 0.1)
+    pol.demote_after_s = 30.0  # whatever the tuned value, the rule is the same
+    with_ssd = Tiers("dram", "ssd")
+    assert pol._demotes(with_ssd, 30.0) and not pol._demotes(with_ssd, 29.9)
+    assert not pol._demotes(Tiers("dram"), 1e9)  # no SSD copy to keep: no demotion
     ctx = Ctx()
     assert pol._offload(ctx, (1, 2, 3), demote=True) == 2
     assert pol._offload(ctx, (1, 2, 3)) == 2
     assert ctx.calls == [((2, 3), ("hbm", "dram")), ((2, 3), ("hbm",))]
-    assert not make_placement("tokencake")._demotes(1e9)
+    assert not make_placement("tokencake")._demotes(with_ssd, 1e9)
