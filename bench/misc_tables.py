@@ -52,7 +52,8 @@ def _grid(data: dict[str, Any]) -> tuple[list[Any], list[Any], dict[tuple[Any, A
 
 
 def _header(data: dict[str, Any], outs: list[Any], first: str) -> list[str]:
-    default_out = next(r["report"]["workload"]["output_tokens"] for r in data["runs"] if r["output_tokens_arg"] is None)
+    default_out = next((r["report"]["workload"]["output_tokens"] for r in data["runs"]
+                        if r["output_tokens_arg"] is None), None)
     cols = []
     for i, o in enumerate(outs):
         n = default_out if o is None else o
@@ -129,6 +130,14 @@ def _bound(x: float) -> str:
     return f"1/{f.denominator}" if f.numerator == 1 and f.denominator > 1 else f"{x:g}"
 
 
+def _mid(values: list[float], fmt: str, unit: str = "") -> str:
+    """A timing over runs: the median, then ``(lowest-highest)`` where the runs differ at the shown precision."""
+    xs = sorted(values)
+    mid = xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+    span = _span(values, fmt)
+    return format(mid, fmt) + unit + ("" if "-" not in span else f" ({span})")
+
+
 @table("shared", "shared.json")
 def shared(data: dict[str, Any]) -> str:
     reps = [r["report"] for r in data["runs"]]
@@ -142,7 +151,8 @@ def shared(data: dict[str, Any]) -> str:
 
     mib = 2**20
     n = len(reps)
-    runs = "one run" if n == 1 else f"{n} runs in a row; a range is lowest-highest over them"
+    runs = ("one run" if n == 1 else
+            f"{n} runs in a row; a timing is the median over them, lowest-highest in brackets")
     load = ""
     if all("loadavg_1m_before" in r for r in data["runs"]):
         cpus = f" on {data['cpu_count']} CPUs" if data.get("cpu_count") else ""
@@ -161,9 +171,10 @@ def shared(data: dict[str, Any]) -> str:
         [f"lossy diffs at bound {_bound(first['error_bound_abs'])}",
          f"{_span(v('bytes_ratio_lossy'), '.1f')}x less, max error {_span(v('lossy_max_err'), '.4f')}"],
         [f"fused vs dense reconstruct-then-copy restore ({_span([x / mib for x in v('restore_bytes')], '.1f')} MiB)",
-         f"{_span(v('fused_vs_dense'), '.2f')}x faster"],
-        ["restore throughput: fused / dense / memcpy of full copies",
-         f"{_span(v('fused_gbps'), '.2f')} / {_span(v('dense_gbps'), '.2f')} / {_span(v('memcpy_gbps'), '.2f')} GB/s"],
+         f"fused at {_mid(v('fused_vs_dense'), '.2f', 'x')} the speed of dense"],
+        ["restore throughput, GB/s",
+         f"fused {_mid(v('fused_gbps'), '.2f')}, dense {_mid(v('dense_gbps'), '.2f')}, "
+         f"memcpy of full copies {_mid(v('memcpy_gbps'), '.2f')}"],
         ["lossless restores bit-exact (fused, dense, SSD)",
          ("yes, every tensor compared" if exact else "NO") + ("" if n == 1 else f", in all {n} runs" if exact else "")],
     ]
