@@ -20,6 +20,13 @@ same skipped requests and the same admission order as the policies:
   when every policy serves requests in one order (conc 1, sessions without
   agents running in parallel); otherwise the future is the first pass's
   timeline shifted by each session's drift, an estimate (``bound_exact``).
+
+Both references cache in one large tier but admit requests as an engine with
+the policies' HBM would (``SimConfig.running_limit_blocks``: the running
+requests' blocks fit in that HBM), since every policy runs requests only from
+HBM. Without that limit they would run more requests at once than any
+policy can, and requests prefilling the same new prefix at once each compute
+it: a "bound" above what a policy with less memory computes.
 """
 
 from __future__ import annotations
@@ -218,9 +225,11 @@ def reference_point(spec: ReplaySpec, conc: int, hbm_blocks: int) -> dict[str, A
     cfg = sim_config(spec, conc, hbm_blocks)
     total = cfg.hbm_blocks + cfg.dram_blocks + cfg.ssd_blocks
     start = time.perf_counter()
-    floor = Simulator(spec.workload, replace(cfg, hbm_blocks=UNBOUNDED_BLOCKS, dram_blocks=0, ssd_blocks=0),
+    # both cache in one large tier but run no more requests at once than the policies' HBM holds
+    floor = Simulator(spec.workload, replace(cfg, hbm_blocks=UNBOUNDED_BLOCKS, dram_blocks=0, ssd_blocks=0,
+                                             running_limit_blocks=cfg.hbm_blocks),
                       make_placement("lru"), spec.profile).run()
-    one_tier = replace(cfg, hbm_blocks=total, dram_blocks=0, ssd_blocks=0)
+    one_tier = replace(cfg, hbm_blocks=total, dram_blocks=0, ssd_blocks=0, running_limit_blocks=cfg.hbm_blocks)
     order: list = []
     lru = Simulator(spec.workload, one_tier, make_placement("lru"), spec.profile, order_log=order).run()
     exact = bound_is_exact(spec, conc)

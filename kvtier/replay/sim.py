@@ -64,6 +64,9 @@ class SimConfig:
     # (oversized requests under --skip-oversized; the same set for every run).
     skip_requests: frozenset[tuple[int, str, int]] = frozenset()
     admission: str = "fcfs"  # the engine's admission order (kvtier.replay.admission), alike for every policy
+    # References (floor, bound) cache in one large tier but run requests as an engine with the policies'
+    # HBM would: a request is admitted only while the running requests' blocks, its own included, fit here.
+    running_limit_blocks: int | None = None
 
 
 @dataclass(slots=True)
@@ -439,6 +442,9 @@ class Simulator:
             if self.order_log is not None:
                 self.order_log.append((request_id, keys, self.now))
             return True
+        limit = self.cfg.running_limit_blocks
+        if limit is not None and (self.prefilling or self.decoding) and self.running_blocks() + need > limit:
+            return False
         hit = mgr.lookup(keys)
         names = hit.tier_names
         tiers = hit.tier_indices
