@@ -147,7 +147,10 @@ def slo_dev_eval(report: dict[str, Any]) -> str:
         body.append([row["policy"], str(row["max_conc"]), fig(ok), "-" if over is None else f"conc {over}: "
                      + fig(pts[over])])
     first = report["slo"][0]
-    caption = (f"`{report['command']}`: HBM {first['hbm_blocks']:,} blocks (DRAM 2x, no SSD), evaluation half "
+    p0 = first["points"][0]
+    ssd = f"SSD {p0['ssd_blocks']:,}" if p0.get("ssd_blocks") else "no SSD"
+    caption = (f"`{report['command']}`: HBM {first['hbm_blocks']:,} blocks, DRAM {p0['dram_blocks']:,}, {ssd}; "
+               f"evaluation half "
                f"({report['workload']['sessions']} sessions, so conc is at most that); SLO: later-turn TTFT p99 <= "
                f"{first['slo_ttft_p99_s']:g} s and p50 interactivity >= {first['slo_interactivity']:g} tokens/s/user."
                "\n\n")
