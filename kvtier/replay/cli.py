@@ -149,6 +149,7 @@ def add_rounds_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_spec(args: argparse.Namespace, progress=None) -> Any:
+    from ..errors import ConfigError
     from .profiles import DEFAULT_PROFILE, load_profile_overrides, parse_profile
     from .readers import load_trace_with_report
     from .run import ReplaySpec
@@ -192,6 +193,10 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
     from .run import default_jobs
 
     admission_order(args.admission)
+    if args.split != "all" and not args.trace:
+        raise ConfigError("--split", args.split, "splits a trace set; give --trace (the embedded workload is not split)")
+    if args.jobs is not None and args.jobs < 1:
+        raise ConfigError("--jobs", args.jobs, "must be >= 1")
     hbm_blocks = args.hbm_blocks
     if not (args.trace or hbm_blocks or args.hbm_fraction or getattr(args, "workload", "traces") == "apps"):
         # the embedded workload: a capacity sweep around what the profile's HBM holds
