@@ -241,7 +241,7 @@ class ProgressBar:
 
 
 def command(args: argparse.Namespace) -> int:
-    from ..errors import ConfigError
+    from ..errors import KVTierError
     from .report import format_summary, format_table, plot
     from .run import OversizedRequestsError, check_capacity, report_header, run_replay, slo_capacities
 
@@ -254,7 +254,7 @@ def command(args: argparse.Namespace) -> int:
         return _command_rounds(args, progress)
     try:
         spec = build_spec(args, progress)
-    except ConfigError as e:
+    except (KVTierError, FileNotFoundError) as e:  # a bad flag or trace: the message names it, no traceback
         print(f"kvtier replay: {e}", file=sys.stderr)
         return 2
     w = spec.workload
