@@ -164,3 +164,15 @@ def test_split_halves_are_disjoint_fixed_and_cover_the_set() -> None:
     assert [s.session_id for s in sorted(tune.sessions, key=lambda s: s.session_id)] == ids[0::2]
     assert [s.session_id for s in sorted(ev.sessions, key=lambda s: s.session_id)] == ids[1::2]
     assert split_workload(w, "all") is w
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--split", "eval"], "--split='eval'"),
+    (["--jobs", "0"], "--jobs=0: must be >= 1"),
+    (["--admission", "sjf"], "unknown admission order; valid: fcfs, critical-first, oldest-app"),
+    (["--trace", "/nonexistent/trace.json"], "'/nonexistent/trace.json' does not exist"),
+])
+def test_cli_bad_flags_are_one_line_naming_them(args: list[str], says: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "replay", "--quiet", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
