@@ -124,7 +124,8 @@ def _cell(key: str, v: Any) -> str:
     return str(v)
 
 
-def _tiers_cell(r: dict[str, Any]) -> str:
+def tiers_cell(r: dict[str, Any]) -> str:
+    """The tiers a policy used, and those it was offered but does not use."""
     used, offered = r.get("tiers_used") or [], r.get("tiers_offered") or []
     unused = [t for t in offered if t not in used]
     return "+".join(used) + (f" (no {'/'.join(unused)})" if unused else "")
@@ -143,18 +144,18 @@ def summary_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
         c = r["prefill_tokens_computed"]
         vs_lru = f"{c / lru['prefill_tokens_computed']:.3f}x" if lru and lru["prefill_tokens_computed"] else "-"
         vs_bound = f"{r['computed_over_bound']:.3f}x" if r.get("computed_over_bound") else "-"
-        out.append([r["policy"], _tiers_cell(r), f"{c / 1e6:.2f}M", vs_lru, vs_bound,
+        out.append([r["policy"], tiers_cell(r), f"{c / 1e6:.2f}M", vs_lru, vs_bound,
                     _cell("x", r["ttft_p99_later_turns_s"]), f"{r['throughput_per_chip_tok_s']:.0f}",
                     _cell("hit_rate", r["hit_rate_hbm"]), _cell("hit_rate", r["hit_rate_dram"]),
                     _cell("hit_rate", r["hit_rate_ssd"])])
     return out
 
 
-def group_caption(r: dict[str, Any], admission: str = "fcfs") -> str:
+def group_caption(r: dict[str, Any]) -> str:
     """What one (conc, capacity) group was given and its references."""
     ssd = f"SSD {r['ssd_blocks']:,}" if r.get("ssd_blocks") else "SSD off"
     text = (f"conc {r['conc']}, HBM {r['hbm_blocks']:,} + DRAM {r.get('dram_blocks', 0):,} blocks, {ssd}; "
-            f"admission {r.get('admission', admission)}")
+            f"admission {r.get('admission', 'fcfs')}")
     if r.get("bound_prefill_tokens") is not None:
         est = "exact" if r.get("bound_exact") else "estimate"
         text += (f"; floor (unbounded cache) {r['floor_prefill_tokens'] / 1e6:.2f}M, bound (Belady over all "
@@ -162,7 +163,7 @@ def group_caption(r: dict[str, Any], admission: str = "fcfs") -> str:
                  f"{est}) {r['bound_prefill_tokens'] / 1e6:.2f}M, LRU over that one tier "
                  f"{r['lru_one_tier_prefill_tokens'] / 1e6:.2f}M prefill tokens computed")
     if r.get("skipped_requests"):
-        text += f"; {r['skipped_requests']} oversized requests skipped"
+        text += f"; {r['skipped_requests']:,} oversized requests skipped alike in every run"
     return text
 
 
@@ -191,6 +192,12 @@ def sweep_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str
     return header, body
 
 
+def main_point(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of the point a summary details: the only one, else the middle of the sweep."""
+    groups = list(group_by_point(rows).values())
+    return groups[len(groups) // 2]
+
+
 def format_summary(rows: Sequence[dict[str, Any]]) -> str:
     """The default output of ``kvtier replay``: with several (capacity, conc)
     points, prefill computed / bound per policy and point; then, for one point
@@ -202,7 +209,7 @@ def format_summary(rows: Sequence[dict[str, Any]]) -> str:
         header, body = sweep_rows(rows)
         parts.append("\n".join(["prefill computed / bound (1.000 = the offline bound; floor = unbounded cache):",
                                  *_fixed(header, body)]))
-    grp = groups[len(groups) // 2] if len(groups) > 2 else groups[-1]
+    grp = main_point(rows)
     parts.append("\n".join([group_caption(grp[0]) + ":", *_fixed(SUMMARY_HEADER, summary_rows(grp))]))
     return "\n\n".join(parts)
 

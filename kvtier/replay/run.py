@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
 from .. import __version__
-from ..errors import KVTierError
+from ..errors import ConfigError, KVTierError
 from .belady import DriftOracle, NextUseOracle
 from .model import Session, Workload
 from .placement import make_placement
@@ -187,8 +187,6 @@ def split_workload(workload: Workload, half: str) -> Workload:
     sorted by id, the 1st, 3rd, 5th, ... form the tuning half (``tune``), the
     2nd, 4th, ... the evaluation half (``eval``); ``all`` keeps every session."""
     if half not in SPLITS:
-        from ..errors import ConfigError
-
         raise ConfigError("--split", half, f"valid: {', '.join(SPLITS)}")
     if half == "all":
         return workload
@@ -205,7 +203,7 @@ def _parallel_free(session: Session) -> bool:
     for a in session.agents[1:]:
         if a.join_before is None or a.spawn_after is None:
             return False  # a background agent, or one started with the session, runs beside its parent
-        if a.spawn_after is not None and a.join_before > a.spawn_after + 1:
+        if a.join_before > a.spawn_after + 1:
             return False  # the parent sends requests while the sub-agent runs
     spans = sorted((a.parent_id, a.spawn_after, a.join_before) for a in session.agents[1:])
     return all(not (p == q and j > s2) for (p, _, j), (q, s2, _) in zip(spans, spans[1:]))
@@ -427,7 +425,6 @@ def slo_capacity(spec: ReplaySpec, policy_name: str, hbm_blocks: int, ttft_p99_s
     return {"policy": policy_name, "hbm_blocks": hbm_blocks, "slo_ttft_p99_s": ttft_p99_s,
             "slo_interactivity": interactivity, "max_conc": lo,
             "points": [cache[c] for c in sorted(cache)]}
-
 
 
 def slo_capacities(spec: ReplaySpec, hbm_blocks: int,
