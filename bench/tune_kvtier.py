@@ -31,7 +31,7 @@ GRID_S: tuple[float | None, ...] = (5.0, 15.0, 30.0, 60.0, 120.0, None)  # None:
 
 
 def _variant(value: float | None):
-    from kvtier.replay.agent_policies import KVTier
+    from kvtier.placement.agent import KVTier
 
     name = "kvtier-demote-" + ("never" if value is None else f"{value:g}s")
     cls = type(name.replace("-", "_"), (KVTier,), {"name": name, "demote_after_s": value})
@@ -46,7 +46,7 @@ def main() -> int:
     from replay_results import DEV_CONC, DEV_FRACTION, DEV_TRACE, _dev_hbm_blocks
 
     from kvtier.replay import load_trace
-    from kvtier.replay.placement import register_placement
+    from kvtier.placement import register_placement
     from kvtier.replay.profiles import DEFAULT_PROFILE, parse_profile
     from kvtier.replay.run import ReplaySpec, default_jobs, run_replay, split_workload
 

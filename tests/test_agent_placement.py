@@ -11,9 +11,9 @@ import pytest
 from kvtier.agents import AgentGraph, DurationHistory
 from kvtier.agents.critical import criticality, path_through_s
 from kvtier.manager import TierManager, TierSpec
-from kvtier.replay.agent_policies import AGENT_POLICIES, KVTier
+from kvtier.placement.agent import AGENT_POLICIES, KVTier
 from kvtier.replay.model import Agent, Request, Session, Workload
-from kvtier.replay.placement import make_placement, placement_names
+from kvtier.placement import make_placement, placement_names
 from kvtier.replay.profiles import get_profile
 from kvtier.replay.sim import SimConfig, Simulator
 from kvtier.transfer.linkmodel import LinkModel

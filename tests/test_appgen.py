@@ -13,7 +13,7 @@ import kvtier.replay.appgen
 from kvtier.errors import ConfigError
 from kvtier.replay.appgen import DEFAULT_TOOLS, AppGenConfig, ToolSpec, app_workload, describe
 from kvtier.replay.model import Session, Workload, common_prefix_len
-from kvtier.replay.placement import make_placement
+from kvtier.placement import make_placement
 from kvtier.replay.profiles import parse_profile
 from kvtier.replay.run import ReplaySpec, run_point
 from kvtier.replay.sim import SimConfig, Simulator

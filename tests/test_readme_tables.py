@@ -56,7 +56,7 @@ def test_an_edited_number_is_caught(rt) -> None:
 def test_the_shipped_kvtier_constant_is_the_one_tuned_on_the_tuning_half() -> None:
     import json
 
-    from kvtier.replay.agent_policies import KVTier
+    from kvtier.placement.agent import KVTier
 
     tuned = json.loads((ROOT / "bench" / "out" / "tune-kvtier.json").read_text())
     assert tuned["split"] == "tune"

@@ -16,7 +16,7 @@ import pytest
 
 from kvtier.replay.generator import GeneratorConfig, default_workload
 from kvtier.replay.model import Agent, Request, Session, Workload
-from kvtier.replay.placement import placement_names
+from kvtier.placement import placement_names
 from kvtier.replay.profiles import get_profile
 from kvtier.replay.run import (OversizedRequestsError, ReplaySpec, bound_is_exact, check_capacity, find_oversized,
                                reference_point, run_replay, split_workload)

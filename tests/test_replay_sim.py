@@ -11,7 +11,7 @@ import pytest
 from kvtier.replay import default_workload
 from kvtier.replay.generator import GeneratorConfig
 from kvtier.replay.model import Agent, Request, Session, Workload
-from kvtier.replay.placement import make_placement
+from kvtier.placement import make_placement
 from kvtier.replay.profiles import get_profile
 from kvtier.replay.run import ReplaySpec, run_point
 from kvtier.replay.sim import SimConfig, Simulator

@@ -97,6 +97,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admission", default="fcfs", metavar="ORDER",
                    help="engine admission order, alike for every policy: fcfs (default, vLLM's), critical-first "
                         "(TokenCake's), oldest-app (oldest session first, critical agents ahead)")
+    p.add_argument("--surface", default="full", metavar="NAME",
+                   help="what the engine lets placement do: full (default: every decision, including HBM reordering "
+                        "and prefetch into HBM, modelled only) or vllm (only what the live vLLM connector can do "
+                        "through vLLM's public surface: hold and refresh HBM blocks, prefetch SSD to DRAM)")
     p.add_argument("--split", default="all", choices=["all", "tune", "eval"],
                    help="traces: replay the tuning half (1st, 3rd, ... session by sorted id), the evaluation half "
                         "(2nd, 4th, ...) or all (default)")
@@ -185,7 +189,7 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
     if args.block_size and args.block_size != workload.block_size:
         workload = workload.reblock(args.block_size)
     policies = tuple(p for p in args.policies.split(",") if p)
-    from .placement import make_placement
+    from ..placement import make_placement
 
     for name in policies:
         make_placement(name)  # unknown names fail before any work
@@ -193,6 +197,9 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
     from .run import default_jobs
 
     admission_order(args.admission)
+    from ..placement.surface import surface
+
+    surface(args.surface)
     if args.split != "all" and not args.trace:
         raise ConfigError("--split", args.split, "splits a trace set; give --trace (the embedded workload is not split)")
     if args.jobs is not None and args.jobs < 1:
@@ -210,7 +217,8 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
         warmup_s=args.warmup, gap_cap_s=args.gap_cap, max_batch_tokens=args.max_batch_tokens,
         time_scale=args.time_scale,
         trace_name=trace_name, extra=extra,
-        skip_oversized=args.skip_oversized, admission=args.admission, references=not args.no_references,
+        skip_oversized=args.skip_oversized, admission=args.admission, surface=args.surface,
+        references=not args.no_references,
         jobs=args.jobs or default_jobs(),
         slo_ttft_p99_s=args.slo_ttft_p99, slo_interactivity=args.slo_interactivity,
     )

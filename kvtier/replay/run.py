@@ -42,7 +42,7 @@ from .. import __version__
 from ..errors import ConfigError, KVTierError
 from .belady import DriftOracle, NextUseOracle
 from .model import Session, Workload
-from .placement import make_placement
+from ..placement import make_placement
 from .report import summarize
 from .sim import SimConfig, Simulator
 
@@ -82,6 +82,7 @@ class ReplaySpec:
     extra: dict[str, Any] = field(default_factory=dict)
     skip_oversized: bool = False
     admission: str = "fcfs"
+    surface: str = "full"  # what the engine lets placement do (kvtier.placement.surface)
     references: bool = True
     jobs: int = 1
     slo_ttft_p99_s: float | None = None  # SLO capacity search: later-turn TTFT p99 bound (s)
@@ -116,7 +117,7 @@ def sim_config(spec: ReplaySpec, conc: int, hbm_blocks: int) -> SimConfig:
     return SimConfig(hbm_blocks=hbm_blocks, dram_blocks=dram, ssd_blocks=spec.ssd_blocks, conc=conc,
                      max_batch_tokens=spec.max_batch_tokens, warmup_s=spec.warmup_s, gap_cap_s=spec.gap_cap_s,
                      max_sessions=spec.max_sessions, time_scale=spec.time_scale, skip_requests=skip,
-                     admission=spec.admission)
+                     admission=spec.admission, surface=spec.surface)
 
 
 # ------------------------------------------------------------ capacity check
@@ -284,6 +285,7 @@ def run_point(spec: ReplaySpec, policy_name: str, conc: int, hbm_blocks: int,
     row["tiers_offered"] = list(tiers_offered(cfg))
     row["tiers_used"] = list(sim.mgr.tier_names)
     row["admission"] = cfg.admission
+    row["surface"] = cfg.surface
     row["skipped_requests"] = result.counters.get("skipped_requests", 0)
     row["wall_s"] = wall
     row["block_touches_per_s"] = result.block_touches / wall if wall > 0 else None
@@ -383,6 +385,7 @@ def report_header(spec: ReplaySpec) -> dict[str, Any]:
         "workload": {"sessions": len(w.sessions), "requests": w.num_requests(),
                      "distinct_blocks": w.num_distinct_blocks()},
         "admission": spec.admission,
+        "surface": spec.surface,
         "skip_oversized": spec.skip_oversized,
         **spec.extra,
     }

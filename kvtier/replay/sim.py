@@ -6,7 +6,7 @@ dependency rules of agent sessions (see :mod:`kvtier.replay.model`), the
 modelled mover (links with bandwidth and latency, FIFO per link) and the
 per-request measurements. Block residency is the unchanged
 :class:`~kvtier.manager.TierManager` with the unchanged eviction policies;
-placement decisions come from a :class:`~kvtier.replay.placement.PlacementPolicy`.
+placement decisions come from a :class:`~kvtier.placement.PlacementPolicy`.
 Must not read files or print (progress goes through a callback). Closed-loop
 workloads keep ``conc`` session trees live; open-loop ones (Mooncake) start
 every single-request session at its recorded arrival time.
@@ -42,7 +42,8 @@ from ..transfer.linkmodel import LinkModel
 from .admission import admission_order
 from .belady import BeladyPolicy, DriftOracle, NextUseOracle
 from .model import Agent, Request, Session, Workload
-from .placement import PlacementPolicy, ToolWait
+from ..placement import PlacementPolicy, ToolWait
+from ..placement.surface import surface
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
@@ -67,6 +68,9 @@ class SimConfig:
     # References (floor, bound) cache in one large tier but run requests as an engine with the policies'
     # HBM would: a request is admitted only while the running requests' blocks, its own included, fit here.
     running_limit_blocks: int | None = None
+    # What the engine lets placement do (kvtier.placement.surface): "full" (every decision, modelled only
+    # where an engine does not allow it) or "vllm" (what the live vLLM connector can carry out).
+    surface: str = "full"
 
 
 @dataclass(slots=True)
@@ -217,6 +221,7 @@ class Simulator:
         self.w, self.cfg, self.policy, self.profile = workload, config, policy, profile
         self.block_size = workload.block_size
         self.hbm_capacity_blocks = config.hbm_blocks
+        self.surface = surface(config.surface)
         self.bytes_per_block = profile.kv_bytes_per_block(self.block_size)
         self.oracle = oracle
         self.order_log = order_log
@@ -227,6 +232,8 @@ class Simulator:
         self._pinned_blocks = 0
         self._pin_sizes: dict[BlockKey, int] = {}  # pinned chain tail -> blocks it protects
         self.lower = [t for t in self.mgr.tier_names if t != "hbm"]
+        # write computed blocks through to the lower tiers (a live vLLM connector always does)
+        self._write_through_on = policy.write_through or (self.surface.write_through_always and bool(self.lower))
         self.now = 0.0
         self._seq = itertools.count()
         self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
@@ -388,8 +395,11 @@ class Simulator:
             return
         if pf is not None and not pf.arrived:  # late: the request waits for its blocks in flight
             self.counters["prefetch_late"] += 1
-            self._at(pf.done_s, self._enqueue_after_prefetch, run, pf)
-            return
+            if self.surface.prefetch_to == "hbm":
+                self._at(pf.done_s, self._enqueue_after_prefetch, run, pf)
+                return
+            pf.cancelled = True  # into DRAM: the request loads from wherever its blocks are now
+            pf = None
         if pf is not None:
             self.counters["prefetch_on_time"] += 1
             run.prefetch = pf
@@ -455,7 +465,7 @@ class Simulator:
             for t in tiers:
                 if t != hbm_idx:
                     by_tier[names[t]] = by_tier.get(names[t], 0) + 1
-            if not self.policy.should_load(self, by_tier, 0):
+            if self.surface.choose_load and not self.policy.should_load(self, by_tier, 0):
                 n_used = tiers.index(next(t for t in tiers if t != hbm_idx))
         used_tiers = tiers[:n_used]
         all_hbm = used_tiers.count(hbm_idx) == n_used
@@ -502,7 +512,7 @@ class Simulator:
         mgr.touch(keys[:n_used], "hbm")
         if store_plan is not None and store_plan.skipped:
             mgr.touch(store_plan.skipped, "hbm")
-        if self.policy.write_through:
+        if self._write_through_on:
             # A write-through store of this prompt refreshes the copies already
             # below (so a chain's head stays at least as recent as its tail).
             for tier in self.lower:
@@ -568,7 +578,7 @@ class Simulator:
                        agent_key: tuple[int, str] | None = None) -> None:
         """Copy freshly computed HBM blocks down to the lower tiers the policy admits them to
         (modelled, async)."""
-        if not self.policy.write_through or not keys:
+        if not self._write_through_on or not keys:
             return
         for tier in self.lower:
             if not self.policy.admit_lower(self, tier, agent_key):
@@ -732,7 +742,7 @@ class Simulator:
         """Pin a chain by its deepest HBM block (tail-first eviction keeps its prefix).
         The budget counts the chain's blocks."""
         tail = self._deepest_ready_hbm(keys, len(keys))
-        if ttl_s <= 0 or tail is None:
+        if ttl_s <= 0 or tail is None or not self.surface.hbm_hold:
             return False
         n = keys.index(tail) + 1
         if self._pinned_blocks + n - self._pin_sizes.get(tail, 0) > self._pin_budget_blocks:
@@ -763,6 +773,8 @@ class Simulator:
         if dst not in self.mgr.tier_names:
             return 0
         mgr = self.mgr
+        if not self.surface.hbm_drop:  # the HBM copy stays until the engine evicts it; the copy below counts
+            return len(mgr.present(mgr.present(keys, "hbm"), dst))
         in_hbm = mgr.present(keys, "hbm")
         already = mgr.present(in_hbm, dst)
         dropped = mgr.remove(already, "hbm") if already else 0
@@ -781,6 +793,8 @@ class Simulator:
         self._admission_blocked = False
 
     def discard(self, keys: Sequence[BlockKey]) -> int:
+        if not self.surface.hbm_drop:
+            return 0
         n = self.mgr.remove(keys, "hbm")
         self.counters["discarded_blocks"] += n
         self._admission_blocked = False
@@ -823,15 +837,18 @@ class Simulator:
         hit = mgr.lookup(keys)
         names, tiers = hit.tier_names, hit.tier_indices
         plans, done = [], self.now
-        for src_idx in range(1, len(names)):
+        dst = self.surface.prefetch_to
+        if dst not in names:
+            return None
+        for src_idx in range(names.index(dst) + 1, len(names)):
             src_keys = list(compress(keys, map(src_idx.__eq__, tiers)))
             if not src_keys:
                 continue
-            plan = mgr.prepare_move(src_keys, names[src_idx], "hbm", keep_source=True)
+            plan = mgr.prepare_move(src_keys, names[src_idx], dst, keep_source=True)
             if plan is None:
                 break
             plans.append(plan)
-            done = max(done, self._transfer(names[src_idx], "hbm", len(plan.keys)))
+            done = max(done, self._transfer(names[src_idx], dst, len(plan.keys)))
         if not plans:
             return None
         pf = _Prefetch(plans, done, tuple(keys[: hit.num_blocks]))
@@ -845,7 +862,7 @@ class Simulator:
         for plan in pf.plans:
             self.mgr.complete_move(plan, True)
         pf.arrived = True
-        if pf.cancelled:
+        if pf.cancelled or self.surface.prefetch_to != "hbm":
             return
         pf.hold = self._deepest_ready_hbm(pf.keys, len(pf.keys))
         if pf.hold is not None:
@@ -882,14 +899,18 @@ class Simulator:
 
     def drop(self, keys: Sequence[BlockKey]) -> int:
         """Remove ``keys`` from every tier (dead KV: nobody will read it again)."""
-        n = self.mgr.remove(keys)
+        if self.surface.hbm_drop:
+            n = self.mgr.remove(keys)
+        else:
+            n = sum(self.mgr.remove(keys, t) for t in self.lower)
         self.counters["dropped_blocks"] += n
         self._admission_blocked = False
         return n
 
     def deprioritize(self, keys: Sequence[BlockKey], tiers: Sequence[str] = ("hbm",)) -> int:
         """Make ``keys``' idle copies in ``tiers`` the next victims there."""
-        n = sum(self.mgr.deprioritize(keys, t) for t in tiers if t in self.mgr.tier_names)
+        n = sum(self.mgr.deprioritize(keys, t) for t in tiers
+                if t in self.mgr.tier_names and (t != "hbm" or self.surface.hbm_demote))
         return n
 
     def retire(self, keys: Sequence[BlockKey]) -> int:
@@ -911,7 +932,10 @@ class Simulator:
     def hbm_pressure(self) -> float:
         """HBM in use (cached + reserved) over capacity, plus the demand of the
         requests waiting for admission, as a fraction of capacity."""
-        used = self.mgr.used_blocks("hbm")
+        if self.surface.pressure_counts_idle:
+            used = self.mgr.used_blocks("hbm")
+        else:  # what vLLM reports as KV usage: blocks referenced by running requests and holds
+            used = min(self.hbm_capacity_blocks, self.running_blocks() + self._pinned_blocks)
         waiting = sum(math.ceil((r.req.input_tokens + r.req.output_tokens) / self.block_size)
                       for r in itertools.islice(self.waiting, 16))
         return (used + waiting) / max(1, self.hbm_capacity_blocks)
@@ -930,7 +954,8 @@ class Simulator:
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Refresh ``keys``' HBM copies to most recent (they are due next)."""
-        self.mgr.touch(self.mgr.present(keys, "hbm"), "hbm")
+        if self.surface.hbm_refresh:
+            self.mgr.touch(self.mgr.present(keys, "hbm"), "hbm")
 
     def remaining_path_s(self, session: int) -> float:
         """The session's expected remaining time (its critical path) per the hint plane."""

@@ -55,7 +55,7 @@ from typing import Sequence
 
 from ..agents.predictor import wait_pin_ttl_s
 from ..keys import BlockKey
-from .placement import PlacementContext, PlacementPolicy, ToolWait
+from .base import PlacementContext, PlacementPolicy, ToolWait
 
 AgentKey = tuple[int, str]
 

@@ -1,6 +1,11 @@
-"""Placement policies compared by ``kvtier replay``: what to keep, offload or drop, and when.
+"""Placement policies: what to keep, offload or drop, and when — one object for live and replay.
 
-Owns: the baseline policies (and their registry) as small decision objects.
+Owns: the placement interface (:class:`PlacementContext`, :class:`ToolWait`,
+:class:`PlacementPolicy`), the baseline policies and the registry of every
+policy by name. Must not import the simulator, an engine or a store: the
+replay simulator (``kvtier.replay.sim``) and the live vLLM connector
+(``kvtier_vllm.placement``) each implement the context, and drive the same
+policy objects.
 Each one names the eviction policy of every tier (run unchanged by the
 TierManager), whether blocks are written through to the lower tiers as they
 are computed (LMCache / vLLM CPU offloading) and what to do when an agent
@@ -264,14 +269,14 @@ _REGISTRY: dict[str, Callable[[], PlacementPolicy]] = {
 def _load_agent_policies() -> None:
     """Register the agent-aware policies (a module of their own that subclasses
     :class:`PlacementPolicy`, so it is imported on first use, not here)."""
-    from .agent_policies import AGENT_POLICIES
+    from .agent import AGENT_POLICIES
 
     for cls in AGENT_POLICIES:
         _REGISTRY.setdefault(cls.name, cls)
 
 
 def register_placement(name: str, factory: Callable[[], PlacementPolicy]) -> None:
-    """Add a placement policy (e.g. the agent-aware ones) to the replay registry."""
+    """Add a placement policy to the registry (live and replay)."""
     _load_agent_policies()
     if name in _REGISTRY:
         raise ValueError(f"placement policy {name!r} registered twice")
@@ -283,9 +288,10 @@ def placement_names() -> list[str]:
     return list(_REGISTRY)
 
 
-def make_placement(name: str) -> PlacementPolicy:
+def make_placement(name: str, setting: str = "--policies") -> PlacementPolicy:
+    """A new policy object by name; an unknown name is a ``ConfigError`` naming ``setting``."""
     _load_agent_policies()
     try:
         return _REGISTRY[name]()
     except KeyError:
-        raise ConfigError("--policies", name, f"unknown replay policy; valid: {', '.join(_REGISTRY)}") from None
+        raise ConfigError(setting, name, f"unknown placement policy; valid: {', '.join(_REGISTRY)}") from None
