@@ -23,10 +23,13 @@ AGENT_ID_PARAM = "kvtier_agent_id"
 
 
 TOOL_WAIT_PARAM = "kvtier_tool_wait_s"
+CRITICALITY_PARAM = "kvtier_criticality"
+PRIORITY_FIELD = "priority"  # vLLM's own request priority (lower first under --scheduling-policy priority)
 
 
 def tag_request(body: Mapping[str, Any], session_id: str, agent_id: str,
-                tool_wait_s: float | None = None) -> dict[str, Any]:
+                tool_wait_s: float | None = None, *, criticality: float | None = None,
+                critical_path_rank: int | None = None) -> dict[str, Any]:
     """A copy of an OpenAI-compatible request ``body`` whose ``kv_transfer_params``
     also carry ``kvtier_session_id`` and ``kvtier_agent_id`` (existing params are
     kept; ``body`` is not modified). With the ``openai`` client, pass
@@ -34,7 +37,16 @@ def tag_request(body: Mapping[str, Any], session_id: str, agent_id: str,
 
     ``tool_wait_s``: when the agent will call a tool with this response and
     expects to come back after about that long, the engine connector keeps the
-    request's KV pinned in kvtier's tiers meanwhile (``kvtier_tool_wait_s``)."""
+    request's KV for that wait as its placement policy decides (``kvtier_tool_wait_s``;
+    with the ``kvtier`` policy a critical agent's HBM blocks are held).
+
+    ``criticality`` (0..1, 1 = on the session's critical path) tells the
+    connector how critical the agent is when no hint server says so
+    (``kvtier_criticality``). ``critical_path_rank`` (0 = on the critical path,
+    larger = further off it) becomes vLLM's own request ``priority``, which
+    vLLM's scheduler admits lowest first only when started with
+    ``--scheduling-policy priority``: admission order, reported apart from KV
+    placement."""
     params = dict(body.get(KV_TRANSFER_PARAMS) or {})
     params[SESSION_ID_PARAM] = session_id
     params[AGENT_ID_PARAM] = agent_id
@@ -42,8 +54,16 @@ def tag_request(body: Mapping[str, Any], session_id: str, agent_id: str,
         if not (isinstance(tool_wait_s, (int, float)) and 0 < tool_wait_s < float("inf")):
             raise ValueError(f"tag_request: tool_wait_s={tool_wait_s!r} must be a finite number of seconds > 0")
         params[TOOL_WAIT_PARAM] = float(tool_wait_s)
+    if criticality is not None:
+        if isinstance(criticality, bool) or not isinstance(criticality, (int, float)) or not 0 <= criticality <= 1:
+            raise ValueError(f"tag_request: criticality={criticality!r} must be a number in [0, 1]")
+        params[CRITICALITY_PARAM] = float(criticality)
     tagged = dict(body)
     tagged[KV_TRANSFER_PARAMS] = params
+    if critical_path_rank is not None:
+        if isinstance(critical_path_rank, bool) or not isinstance(critical_path_rank, int) or critical_path_rank < 0:
+            raise ValueError(f"tag_request: critical_path_rank={critical_path_rank!r} must be an int >= 0")
+        tagged[PRIORITY_FIELD] = critical_path_rank
     return tagged
 
 
@@ -62,6 +82,15 @@ def request_tool_wait_s(kv_transfer_params: Mapping[str, Any] | None) -> float |
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait < float("inf"):
         return None
     return float(wait)
+
+
+def request_criticality(kv_transfer_params: Mapping[str, Any] | None) -> float | None:
+    """The criticality :func:`tag_request` put into ``kv_transfer_params`` (``None``
+    when absent or not a number in [0, 1])."""
+    crit = (kv_transfer_params or {}).get(CRITICALITY_PARAM)
+    if isinstance(crit, bool) or not isinstance(crit, (int, float)) or not 0 <= crit <= 1:
+        return None
+    return float(crit)
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,16 @@ class StoreJob:
     writes: tuple[TierWrite, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class PromoteJob:
+    """Copy ``keys`` from this rank's SSD tier into its DRAM slots ``slots``
+    (a predictive prefetch); reported per block under ``plan_id``."""
+
+    plan_id: int
+    keys: tuple[int, ...]
+    slots: tuple[int, ...]
+
+
 @dataclass(slots=True)
 class KVTierConnectorMetadata(KVConnectorMetadata):
     """One step's plans. ``release`` lists finished requests whose blocks the
@@ -68,6 +78,7 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     release: list[str] = field(default_factory=list)
     ssd_deletes: list[int] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    promotions: list[PromoteJob] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -5,9 +5,11 @@ Owns: a :class:`~kvtier.manager.TierManager` over the DRAM and SSD tiers
 (metadata only; the bytes live in the workers), the mapping from vLLM block
 hashes to kvtier keys, per-request bookkeeping (keys, blocks already planned
 for storing, store jobs whose engine blocks are still being read), the
-session / agent ids a request carries in ``kv_transfer_params`` (and the
-pins that keep a context while its agent waits on a tool), and the
-counters behind :meth:`KVTierScheduler.stats`.
+session / agent ids and hints a request carries in ``kv_transfer_params``,
+the placement policy (a :mod:`kvtier.placement` object, the one the replay
+runs) with its live context (:class:`~.placement.EnginePlacement`: HBM holds
+through vLLM's block pool, SSD -> DRAM prefetch), and the counters behind
+:meth:`KVTierScheduler.stats`.
 
 Must not touch tensors or do I/O on the scheduler's hot path: lookups read
 the in-memory index only, so a slow SSD never stalls a scheduling step (the
@@ -32,11 +34,12 @@ from typing import Any
 from kvtier.events import BlockRemoved
 from kvtier.keys import BlockKey, Namespace, chain_foreign_keys
 from kvtier.manager import LoadPlan, StorePlan, TierManager, TierSpec
-from kvtier.agents.predictor import wait_pin_ttl_s
-from kvtier.sdk.handles import request_tags, request_tool_wait_s
+from kvtier.placement import ToolWait, make_placement
+from kvtier.sdk.handles import request_criticality, request_tags, request_tool_wait_s
 
 from . import ssdshare
-from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob, StoreJob, TierWrite
+from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob, PromoteJob, StoreJob, TierWrite
+from .placement import EnginePlacement
 from .settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
@@ -76,7 +79,11 @@ class KVTierScheduler:
         self.namespace = namespace
         self.block_size = block_size
         self.world_size = world_size
-        specs = [TierSpec(t, getattr(cfg, t).capacity_blocks, getattr(cfg, t).policy) for t in cfg.enabled_tiers]
+        self.policy = make_placement(settings.placement, "kv_connector_extra_config.placement")
+        specs = [TierSpec(t, getattr(cfg, t).capacity_blocks,
+                          getattr(cfg, t).policy if settings.eviction_set or self.policy.eviction_for(t) == "lru"
+                          else self.policy.eviction_for(t))
+                 for t in cfg.enabled_tiers]
         # only removals are read (_pump_events: SSD deletes); no per-block stored/loaded events
         self.manager = TierManager(specs, pin_budget_blocks=cfg.pin_budget_blocks, record_block_events=False)
         self.counters: Counter[str] = Counter()
@@ -91,11 +98,14 @@ class KVTierScheduler:
         self._release: list[str] = []
         self._ssd_deletes: list[int] = []
         self._job_ids = itertools.count(1)
-        # (session, agent) -> keys pinned while that agent waits on a tool
-        self._waiting: dict[tuple[str, str], list[BlockKey]] = {}
-        # (session, agent) -> its latest finished context, for tool calls the hint server announces
-        self._last_ctx: OrderedDict[tuple[str, str], list[BlockKey]] = OrderedDict()
+        self.placement = EnginePlacement(self.manager, block_size, cfg.layout.to_layout().bytes_per_block,
+                                         self.counters, hold_budget_fraction=settings.hbm_hold_budget_fraction,
+                                         holds_enabled=settings.hbm_hold)
+        self._promote_plans: dict[int, Any] = {}
+        # (session, agent) -> its latest finished context (keys, vLLM hashes), for tool calls the hint server announces
+        self._last_ctx: OrderedDict[tuple[str, str], tuple[list[BlockKey], list[Any]]] = OrderedDict()
         self._hints: Any = None
+        self._graph_cache: dict[tuple[str, str], tuple[float, str | None]] = {}
         self.hint_address: str | None = None
         self._next_poll_s = 0.0
         if settings.hint_server:
@@ -103,6 +113,7 @@ class KVTierScheduler:
 
             self._hints = BackgroundHintServer()
             self.hint_address = self._hints.start(settings.hint_server)
+            self.placement.graph_reader = self._graph_facts
             log.info("kvtier: hint server hosted in the scheduler process at %s", self.hint_address)
         self._kv_cache_manager: Any = None
         self._gpu_block_pool: Any = None
@@ -118,13 +129,24 @@ class KVTierScheduler:
         self._kv_cache_manager = kv_cache_manager
 
     def bind_gpu_block_pool(self, block_pool: Any) -> None:
-        """Keep the engine's block pool, read only for stats (free HBM blocks)."""
+        """Keep the engine's block pool: HBM holds (public ``touch`` / ``free_blocks``) and free-block stats."""
         self._gpu_block_pool = block_pool
+        self.placement.bind_block_pool(block_pool)
 
     def on_new_request(self, request: Any) -> None:
-        """Record a new request and the session / agent ids of its ``kv_transfer_params``."""
-        self._state(request)
+        """Record a new request, the session / agent ids and hints of its
+        ``kv_transfer_params``; a request of a waiting agent ends its wait."""
+        st = self._state(request)
         self.counters["requests"] += 1
+        agent = self._agent(st)
+        if agent is not None:
+            crit = request_criticality(getattr(request, "kv_transfer_params", None))
+            if crit is not None:
+                self.placement.criticalities[agent] = crit
+        need = -(-int(request.num_tokens) // self.block_size)
+        if self.placement.arrived(request.request_id, agent, need) and agent is not None:
+            self.policy.on_wait_end(self.placement, agent, self._keys(st))
+            self.placement.wait_ended(agent)
 
     # ------------------------------------------------------------ lookups
 
@@ -181,7 +203,12 @@ class KVTierScheduler:
         """This step's loads, stores (blocks that become full in this step's
         forward), releases and SSD deletions. Resets the per-step state."""
         self.poll_hints()
+        self.placement.scheduled(list(scheduler_output.num_scheduled_tokens))  # allocated by now: holds may go
+        self.placement.tick()
         meta = KVTierConnectorMetadata(loads=self._loads, release=self._release)
+        for plan in self.placement.take_promotions():
+            self._promote_plans[plan.plan_id] = plan
+            meta.promotions.append(PromoteJob(plan.plan_id, tuple(int(k) for k in plan.keys), plan.dst_slots))
         self._loads, self._release = [], []
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
@@ -226,8 +253,9 @@ class KVTierScheduler:
         them for a store, or writes them for a load."""
         st = self._reqs.pop(request.request_id, None)
         self._matches.pop(request.request_id, None)
+        self.placement.finished(request.request_id)
         if st is not None:
-            self._hold_for_tool_wait(st, request_tool_wait_s(getattr(request, "kv_transfer_params", None)))
+            self._agent_waits(st, request_tool_wait_s(getattr(request, "kv_transfer_params", None)))
         if st is None or not (st.pending_jobs or st.loading):
             return False
         self.counters["delayed_frees"] += 1
@@ -236,38 +264,43 @@ class KVTierScheduler:
         # a request with a load in flight is freed by the engine when the load reports finished
         return True
 
-    def _hold_for_tool_wait(self, st: _Req, wait_s: float | None) -> None:
-        """Agent-aware retention from the SDK's hints: a request whose agent now waits
-        on a tool (``kvtier_tool_wait_s`` in its ``kv_transfer_params``) keeps its
-        context pinned in kvtier's tiers for ``wait_pin_ttl_s`` of the expected wait (within
-        ``pin_budget_blocks``), so other traffic cannot evict what is due back soon
-        (the engine's own HBM prefix cache evicts as it always does: vLLM gives a
-        connector no say there). The agent's previous pin is released when its
-        next request finishes; pins also lapse at their TTL."""
-        if st.session_id is None or st.agent_id is None:
+    def _agent_waits(self, st: _Req, wait_s: float | None) -> None:
+        """A tagged request finished. With a tool wait (``kvtier_tool_wait_s`` in its
+        ``kv_transfer_params``) its agent now waits: the placement policy decides
+        (hold its HBM blocks, order its host copies, schedule a prefetch). The
+        context is remembered for tool calls a hosted hint server announces."""
+        agent = self._agent(st)
+        if agent is None:
             return
-        agent = (st.session_id, st.agent_id)
-        old = self._waiting.pop(agent, None)
-        if old:
-            self.manager.unpin(old)
-        keys = self._keys(st)[: st.num_planned_blocks]  # the blocks planned for storing
+        keys = self._keys(st)
+        hashes = list(st.request.block_hashes[: len(keys)])
         if self._hints is not None and keys:
-            self._last_ctx[agent] = keys
+            self._last_ctx[agent] = (keys, hashes)
             self._last_ctx.move_to_end(agent)
             while len(self._last_ctx) > self.MAX_TRACKED_AGENTS:
                 self._last_ctx.popitem(last=False)
         if wait_s is not None and keys:
-            self._pin_waiting(agent, keys, wait_s)
+            self._start_wait(agent, keys, hashes, wait_s, -(-int(st.request.num_tokens) // self.block_size))
 
     MAX_TRACKED_AGENTS = 4096
 
-    def _pin_waiting(self, agent: tuple[str, str], keys: list[BlockKey], wait_s: float) -> None:
-        if self.manager.pin(keys, wait_pin_ttl_s(wait_s)) is None:
-            self.counters["tool_wait_pins_refused"] += 1
-            return
-        self._waiting[agent] = keys
-        self.counters["tool_wait_pinned_blocks"] += len(keys)
+    def _start_wait(self, agent: tuple[str, str], keys: list[BlockKey], hashes: list[Any], wait_s: float,
+                    finishing_blocks: int) -> None:
+        self.placement.waiting_starts(agent, keys, hashes, finishing_blocks)
+        try:
+            self.policy.on_wait_start(self.placement, ToolWait(agent, tuple(keys), "tool", wait_s))
+        finally:
+            self.placement.waiting_started()
+        self.counters["tool_waits"] += 1
         self._pump_events()
+
+    def _agent(self, st: _Req) -> tuple[str, str] | None:
+        return (st.session_id, st.agent_id) if st.session_id is not None and st.agent_id is not None else None
+
+    def _graph_facts(self, agent: tuple[str, str]) -> tuple[float, str | None] | None:
+        """(criticality, parent id) of ``agent`` from the hosted hint server's DAG, as
+        last polled (``poll_hints``); ``None`` for an agent it does not know."""
+        return self._graph_cache.get(agent)
 
     def poll_hints(self) -> None:
         """With a hosted hint server: pin the latest context of every agent the server
@@ -281,37 +314,45 @@ class KVTierScheduler:
         self._next_poll_s = now + 0.05
         graph = self._hints.server.graph
 
-        def in_flight() -> list[tuple[str, str, float | None]]:
-            return [(s.session_id, c.agent_id, c.predicted_return_s) for s, c in graph.tool_calls_in_flight()]
+        def read() -> tuple[list[tuple[str, str, float | None]], dict[tuple[str, str], tuple[float, str | None]]]:
+            calls = [(s.session_id, c.agent_id, c.predicted_return_s) for s, c in graph.tool_calls_in_flight()]
+            facts: dict[tuple[str, str], tuple[float, str | None]] = {}
+            for s in graph.sessions():
+                crit = graph.criticalities(s.tenant, s.session_id, now)
+                for aid, a in s.agents.items():
+                    facts[(s.session_id, aid)] = (float(crit.get(aid, 0.0)), a.parent_id)
+            return calls, facts
 
         try:
-            calls = self._hints.call(in_flight, timeout_s=1.0)
+            calls, self._graph_cache = self._hints.call(read, timeout_s=1.0)
         except Exception as exc:  # a stuck hint loop must not stop the scheduler
             log.warning("kvtier: reading the hosted hint server failed: %s", exc)
             return
         for sid, aid, returns_s in calls:
             agent = (sid, aid)
-            keys = self._last_ctx.get(agent)
-            if keys and agent not in self._waiting:
-                self._pin_waiting(agent, keys, max(0.0, returns_s - now) if returns_s is not None else 10.0)
+            known = self._last_ctx.get(agent)
+            if known and not self.placement.is_waiting(agent):
+                keys, hashes = known
+                self._start_wait(agent, keys, hashes,
+                                 max(0.01, returns_s - now) if returns_s is not None else 10.0, 0)
 
     def shutdown(self) -> None:
-        """Stop the hosted hint server, if any."""
+        """Give back every HBM hold; stop the hosted hint server, if any."""
+        self.placement.release_all()
         if self._hints is not None:
             self._hints.stop()
             self._hints = None
 
     def has_pending_work(self) -> bool:
         """Whether plans are still out (so the engine keeps stepping to collect them)."""
-        return bool(self._store_plans or self._load_plans or self._release or self._job_to_req)
+        return bool(self._store_plans or self._load_plans or self._release or self._job_to_req
+                    or self._promote_plans)
 
     def reset(self) -> bool:
         """Drop every stored block (vLLM calls this on ``reset_prefix_cache(reset_connector=True)``,
         e.g. after a weight update, when stored KV is stale); SSD values are deleted by the
         workers next step. False when a block could not be dropped (a load or store in flight)."""
-        for keys in self._waiting.values():  # stale KV must go, waiting agents or not
-            self.manager.unpin(keys)
-        self._waiting.clear()
+        self.placement.release_all()  # stale KV must go, waiting agents or not
         for tier in self.manager.tier_names:
             self.manager.evict(tier, self.manager.capacity_blocks(tier))
         self._pump_events()
@@ -323,12 +364,17 @@ class KVTierScheduler:
     def stats(self) -> dict[str, Any]:
         """Counters (tokens and blocks), tier use and, when bound, free HBM blocks."""
         m = self.manager
-        out: dict[str, Any] = {"counters": dict(self.counters),
-                               "pending_plans": len(self._store_plans) + len(self._load_plans)}
+        out: dict[str, Any] = {"counters": dict(self.counters), "placement": self.policy.name,
+                               "pending_plans": len(self._store_plans) + len(self._load_plans)
+                               + len(self._promote_plans)}
         out["tiers"] = {t: {"capacity_blocks": m.capacity_blocks(t), "ready_blocks": m.ready_blocks(t)}
                         for t in m.tier_names}
         if self._gpu_block_pool is not None:
             out["hbm_free_blocks"] = int(self._gpu_block_pool.get_num_free_blocks())
+        holds = self.placement.holds
+        if holds is not None:
+            out["hbm_hold"] = {"budget_blocks": holds.budget_blocks, "held_blocks": holds.held_blocks,
+                               "peak_blocks": holds.peak_blocks}
         sessions = Counter(st.session_id for st in self._reqs.values() if st.session_id)
         out["live_sessions"] = len(sessions)
         return out
@@ -406,6 +452,8 @@ class KVTierScheduler:
             good = sum(oks)
             self.counters[f"stored_blocks_{plan.tier}"] += good
             self.counters[f"store_failed_blocks_{plan.tier}"] += len(oks) - good
+        elif plan_id in self._promote_plans:
+            self.placement.promotion_done(self._promote_plans.pop(plan_id), oks, None)
         elif plan_id in self._load_plans:
             req_id, plan = self._load_plans.pop(plan_id)
             self.manager.complete_load(plan, oks)

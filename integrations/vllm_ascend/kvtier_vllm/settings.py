@@ -31,11 +31,15 @@ EXTRA_KEYS: dict[str, str] = {
     "dram_capacity_blocks": "host-DRAM tier size in blocks (0 disables the tier)",
     "ssd_path": "directory of the SSD tier (LMDB); setting it enables the tier",
     "ssd_capacity_blocks": "SSD tier size in blocks",
-    "policy": "eviction policy of the DRAM and SSD tiers (a registered kvtier policy name)",
+    "policy": "eviction policy of the DRAM and SSD tiers (a registered kvtier policy name; default: the placement's)",
+    "placement": "placement policy, the same object the replay runs (default kvtier; lru-dram for write-through LRU "
+                 "with no agent actions; ttl, kvflow, tokencake, ...): see kvtier.placement",
+    "hbm_hold": "false: never hold a waiting agent's HBM blocks (the placement decides everything else)",
+    "hbm_hold_budget_fraction": "most of vLLM's HBM blocks held for waiting agents at once (default 0.5)",
     "tenant": "cache salt: tenants never share blocks",
     "stats_path": "JSON file the scheduler side rewrites with its counters (for operators and tests)",
     "hint_server": "host:port or unix:PATH: host kvtier's hint server (gRPC) in the scheduler process; "
-                   "agents' tool calls announced there keep their context pinned while they wait",
+                   "agents' tool calls announced there start their wait, and its DAG gives their criticality",
     "allow_untested_vllm": "true: start on a vLLM outside the tested range (see kvtier_vllm.version)",
 }
 """Every key the connector reads from ``kv_connector_extra_config``."""
@@ -65,6 +69,10 @@ class ConnectorSettings:
     stats_path: str | None
     hint_server: str | None
     ssd_root: Path | None
+    placement: str = "kvtier"
+    hbm_hold: bool = True
+    hbm_hold_budget_fraction: float = 0.5
+    eviction_set: bool = False  # the host tiers' eviction policy was set (else the placement's)
 
     @classmethod
     def build(
@@ -113,11 +121,36 @@ class ConnectorSettings:
         overrides.update(put_tier=host_tiers[0], write_through=True)
         cfg = load_config(extra.get("config_file"), env=env, overrides=overrides)
         ssd_root = cfg.ssd.resolved_path() if cfg.ssd.enabled else None
-        return cls(cfg, extra.get("stats_path"), extra.get("hint_server"), ssd_root)
+        placement = extra.get("placement", "kvtier")
+        _check_placement(placement)
+        hold = extra.get("hbm_hold", True)
+        if not isinstance(hold, bool):
+            raise ConfigError("kv_connector_extra_config.hbm_hold", hold, "must be true or false")
+        budget = extra.get("hbm_hold_budget_fraction", 0.5)
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
+            raise ConfigError("kv_connector_extra_config.hbm_hold_budget_fraction", budget, "must be a number in [0, 1]")
+        eviction_set = "policy" in extra or any(
+            "policy" in (overrides["tiers"].get(t) or {}) for t in ("dram", "ssd"))
+        return cls(cfg, extra.get("stats_path"), extra.get("hint_server"), ssd_root, placement, hold, float(budget),
+                   eviction_set)
 
     def rank_ssd_path(self, tp_rank: int, tp_size: int) -> Path | None:
         """The LMDB directory of one TP rank (each rank stores its own shard)."""
         return None if self.ssd_root is None else self.ssd_root / f"tp{tp_rank}-of-{tp_size}"
+
+
+def _check_placement(name: Any) -> None:
+    """A placement the connector can run live; a ``ConfigError`` naming the setting otherwise."""
+    from kvtier.placement import make_placement
+
+    setting = "kv_connector_extra_config.placement"
+    if not isinstance(name, str):
+        raise ConfigError(setting, name, "must be a placement policy name")
+    policy = make_placement(name, setting)
+    if policy.needs_oracle:
+        raise ConfigError(setting, name, "needs the future (an offline bound): replay only")
+    if not policy.lower_tiers:
+        raise ConfigError(setting, name, "uses no host tier: run vLLM without the connector for HBM-only caching")
 
 
 def _nested_copy(data: Mapping[str, Any]) -> dict[str, Any]:

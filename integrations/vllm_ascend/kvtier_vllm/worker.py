@@ -42,7 +42,7 @@ from kvtier.tiers.pool import TensorPool
 
 from . import ssdshare
 from .blockio import BlockIO, KVCache
-from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob, StoreJob
+from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob, PromoteJob, StoreJob
 from .settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,9 @@ class KVTierWorker:
         if meta.ssd_deletes and self._ssd is not None:
             keys = [BlockKey(k) for k in meta.ssd_deletes]
             self._ssd_thread.submit(self._ssd.delete_many, keys)
+        for pj in meta.promotions:
+            self._ssd_thread.submit(self._guarded, lambda pj=pj: self._promote(pj),
+                                    lambda pj=pj: self._post_plan(pj.plan_id, [False] * len(pj.keys)))
         for job in meta.loads:
             self._loads.add(job.req_id)
             rows = torch.empty((len(job.keys), self.layout.bytes_per_block), dtype=torch.uint8)
@@ -255,6 +258,14 @@ class KVTierWorker:
             for i, ok in zip(ssd, got):
                 oks[i] = ok
         self._post_read(job, rows, oks)
+
+    def _promote(self, job: PromoteJob) -> None:
+        """SSD -> DRAM (a prefetch): read verified values straight into the reserved slots."""
+        if self._ssd is None or self._pool_np is None:
+            self._post_plan(job.plan_id, [False] * len(job.keys))
+            return
+        oks = self._ssd.get_many_into([BlockKey(k) for k in job.keys], [self._pool_np[s] for s in job.slots])
+        self._post_plan(job.plan_id, list(oks))
 
     def _post_read(self, job: LoadJob, rows: torch.Tensor, oks: list[bool]) -> None:
         with self._lock:

@@ -1,0 +1,481 @@
+"""Live placement in vLLM: the connector's implementation of kvtier's :class:`~kvtier.placement.PlacementContext`.
+
+Owns: what a placement policy (the same objects the replay drives) can do
+through vLLM 0.32's public surface from the scheduler-side connector —
+
+* **hold** an idle agent's HBM blocks across its tool wait: the block pool's
+  public ``get_cached_block`` / ``touch`` (a reference, so vLLM cannot evict
+  them) and ``free_blocks`` (the reference given back), within a bound
+  (:class:`HBMHolds`);
+* **refresh** idle HBM blocks to most recent (``touch`` then ``free_blocks``
+  re-queues them at the tail of vLLM's free queue);
+* order, demote, retire and drop copies in kvtier's own DRAM and SSD tiers;
+* **prefetch** a waiting agent's SSD blocks into DRAM ahead of its predicted
+  return (the worker reads LMDB into the DRAM slab), counted on time, late
+  or wasted (:class:`PrefetchTracker`);
+* read pressure (vLLM's KV usage plus requests not yet scheduled), the
+  agent's criticality (its ``kv_transfer_params`` or the hosted hint server)
+  and timers (fired on scheduler steps).
+
+What vLLM does not let a connector do is refused here in the way the
+replay's ``vllm`` surface (:data:`kvtier.placement.surface.SURFACES`) models
+it: no reordering of vLLM's free queue towards eviction, no freeing of an
+idle HBM copy sooner (``evict_blocks`` only forgets the hash; the block keeps
+its place in the queue), no load into HBM without a request.
+
+Must not touch tensors or do I/O (the worker moves the bytes), must not read
+a private attribute of vLLM, and must give back every block reference it took.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.keys import BlockKey
+from kvtier.manager import MovePlan, TierManager
+from kvtier.placement.surface import SURFACES
+from kvtier.transfer.linkmodel import LinkModel
+
+log = logging.getLogger(__name__)
+
+AgentKey = tuple[str, str]
+
+SURFACE = SURFACES["vllm"]
+"""The replay's model of what this module can do (kept in step with it by the fidelity test)."""
+
+DEFAULT_LINKS: dict[str, tuple[float, float]] = {
+    # (latency s, bytes/s) until the worker's own transfers are observed: host DRAM over PCIe 5
+    # (H200: ~50 GB/s per direction, NVIDIA spec), a local NVMe SSD (~5 GB/s).
+    "dram->hbm": (1e-5, 50e9), "hbm->dram": (1e-5, 50e9),
+    "ssd->dram": (1e-4, 5e9), "dram->ssd": (1e-4, 5e9),
+}
+
+
+class HBMHolds:
+    """References on idle vLLM HBM blocks, by tag (an agent's context tail),
+    bounded by ``budget_blocks``.
+
+    ``pool`` is vLLM's ``BlockPool`` (only ``get_cached_block``, ``touch``,
+    ``free_blocks`` are used). A hold takes the longest cached prefix of the
+    given block hashes; blocks already held under another tag are not taken
+    twice. Every reference taken is given back by :meth:`release`,
+    :meth:`expire` or :meth:`release_all`.
+    """
+
+    def __init__(self, pool: Any, budget_blocks: int) -> None:
+        self.pool = pool
+        self.budget_blocks = max(0, budget_blocks)
+        self._holds: dict[BlockKey, tuple[list[Any], float]] = {}  # tag -> (blocks, expiry)
+        self._held_ids: set[int] = set()
+        self.peak_blocks = 0
+
+    @property
+    def held_blocks(self) -> int:
+        return len(self._held_ids)
+
+    def cached_prefix(self, hashes: Sequence[Any]) -> list[Any]:
+        """The blocks of the longest prefix of ``hashes`` cached in HBM."""
+        out = []
+        for h in hashes:
+            blocks = self.pool.get_cached_block(h, [0])
+            if not blocks:
+                break
+            out.append(blocks[0])
+        return out
+
+    def hold(self, tag: BlockKey, hashes: Sequence[Any], until: float) -> int:
+        """Hold the cached prefix of ``hashes`` until ``until`` (monotonic s);
+        returns blocks newly held (0: nothing cached, or over the budget)."""
+        if tag in self._holds:
+            self.release(tag)
+        blocks = [b for b in self.cached_prefix(hashes) if b.block_id not in self._held_ids]
+        if not blocks or self.held_blocks + len(blocks) > self.budget_blocks:
+            return 0
+        self.pool.touch(blocks)
+        self._holds[tag] = (blocks, until)
+        self._held_ids.update(b.block_id for b in blocks)
+        self.peak_blocks = max(self.peak_blocks, self.held_blocks)
+        return len(blocks)
+
+    def is_held(self, tag: BlockKey) -> bool:
+        return tag in self._holds
+
+    def release(self, tag: BlockKey) -> int:
+        """Give the hold's references back (tail first into vLLM's free queue)."""
+        entry = self._holds.pop(tag, None)
+        if entry is None:
+            return 0
+        blocks = entry[0]
+        self.pool.free_blocks(reversed(blocks))
+        self._held_ids.difference_update(b.block_id for b in blocks)
+        return len(blocks)
+
+    def expire(self, now: float) -> int:
+        """Release the holds whose time is up; returns blocks released."""
+        return sum(self.release(tag) for tag, (_, until) in list(self._holds.items()) if until <= now)
+
+    def release_all(self) -> int:
+        return sum(self.release(tag) for tag in list(self._holds))
+
+
+@dataclass(slots=True)
+class _Promotion:
+    agent: AgentKey
+    plan: MovePlan
+    started_s: float
+    done_s: float | None = None  # when the worker reported it
+    arrived_s: float | None = None  # when the agent's next request arrived
+
+
+@dataclass(slots=True)
+class PrefetchTracker:
+    """SSD -> DRAM promotions started ahead of an agent's predicted return, and
+    how each ended: ``on_time`` (in DRAM before the request arrived), ``late``
+    (the request arrived first: it loads what is ready, the rest from SSD),
+    ``wasted`` (in DRAM for ``EnginePlacement.PREFETCH_UNUSED_S`` with no request
+    from its agent), ``cancelled`` (the tool returned before the
+    prefetch started)."""
+
+    counters: Counter[str] = field(default_factory=Counter)
+    by_plan: dict[int, _Promotion] = field(default_factory=dict)
+    by_agent: dict[AgentKey, _Promotion] = field(default_factory=dict)
+
+    def started(self, agent: AgentKey, plan: MovePlan, now: float) -> None:
+        p = _Promotion(agent, plan, now)
+        self.by_plan[plan.plan_id] = p
+        self.by_agent[agent] = p
+        self.counters["prefetches"] += 1
+        self.counters["prefetched_blocks"] += len(plan.keys)
+
+    def completed(self, plan_id: int, now: float) -> _Promotion | None:
+        p = self.by_plan.pop(plan_id, None)
+        if p is None:
+            return None
+        p.done_s = now
+        if p.arrived_s is not None:  # the request came first
+            self.counters["prefetch_late"] += 1
+            self.by_agent.pop(p.agent, None)
+        return p
+
+    def arrived(self, agent: AgentKey, now: float) -> str | None:
+        """The agent's next request arrived; ``"on_time"`` / ``"late"`` for its prefetch, if any."""
+        p = self.by_agent.get(agent)
+        if p is None:
+            return None
+        p.arrived_s = now
+        if p.done_s is None:
+            return "late"  # counted when the worker reports it (it may still fail)
+        self.by_agent.pop(agent, None)
+        self.counters["prefetch_on_time"] += 1
+        return "on_time"
+
+    def abandoned(self, agent: AgentKey) -> None:
+        """The agent did not come back for the prefetch."""
+        p = self.by_agent.pop(agent, None)
+        if p is not None and p.arrived_s is None:
+            self.counters["prefetch_wasted"] += 1
+
+
+class EnginePlacement:
+    """The :class:`~kvtier.placement.PlacementContext` of the vLLM connector's scheduler side.
+
+    ``manager``: kvtier's DRAM / SSD index (the scheduler's). ``counters``: the
+    scheduler's (decisions and holds are counted there). ``hold_budget_fraction``
+    bounds the HBM blocks held at once (the replay's pin budget);
+    ``holds_enabled`` False refuses every hold (an ablation). The block pool
+    comes later, from vLLM's ``bind_gpu_block_pool``.
+    """
+
+    surface = SURFACE
+
+    def __init__(self, manager: TierManager, block_size: int, bytes_per_block: int, counters: Counter[str], *,
+                 hold_budget_fraction: float = 0.5, holds_enabled: bool = True,
+                 prefill_tokens_per_s: float = 20000.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.manager = manager
+        self.block_size = block_size
+        self.bytes_per_block = bytes_per_block
+        self.counters = counters
+        self.hold_budget_fraction = hold_budget_fraction
+        self.holds_enabled = holds_enabled
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.clock = clock
+        self.holds: HBMHolds | None = None
+        self.links = LinkModel(prior=DEFAULT_LINKS)
+        self.prefetches = PrefetchTracker(counters)
+        self.criticalities: dict[AgentKey, float] = {}
+        self.parents: dict[AgentKey, str | None] = {}
+        self.graph_reader: Callable[[AgentKey], tuple[float, str | None] | None] | None = None
+        self._hashes: dict[BlockKey, Any] = {}  # kvtier key -> vLLM block hash, for waiting agents' contexts
+        self._agent_hashes: dict[AgentKey, list[BlockKey]] = {}
+        self._waiting: dict[AgentKey, float] = {}  # agent -> when its wait started
+        self._tool_history: deque[float] = deque(maxlen=512)
+        self._timers: list[tuple[float, int, Callable[..., None], tuple]] = []
+        self._seq = itertools.count()
+        self._releases: list[BlockKey] = []  # holds to give back after the next allocation
+        self._unscheduled: dict[str, int] = {}  # arrived, not yet scheduled: req id -> blocks it needs
+        self._finishing_blocks = 0
+        self._promotions: list[MovePlan] = []  # to send to the workers this step
+
+    # ------------------------------------------------------------ engine facts
+
+    def bind_block_pool(self, pool: Any) -> None:
+        capacity = max(0, int(pool.num_gpu_blocks) - 1)  # one is vLLM's null block
+        self.holds = HBMHolds(pool, int(self.hold_budget_fraction * capacity))
+
+    @property
+    def now(self) -> float:
+        return self.clock()
+
+    @property
+    def hbm_capacity_blocks(self) -> int:
+        return max(0, int(self.holds.pool.num_gpu_blocks) - 1) if self.holds is not None else 0
+
+    # ------------------------------------------------------------ scheduler calls
+
+    def arrived(self, req_id: str, agent: AgentKey | None, num_blocks: int) -> bool:
+        """A request arrived; True when it ends its agent's wait."""
+        self._unscheduled[req_id] = num_blocks
+        if agent is None:
+            return False
+        started = self._waiting.pop(agent, None)
+        if started is None:
+            return False
+        self._tool_history.append(self.now - started)
+        self.prefetches.arrived(agent, self.now)
+        return True
+
+    def waiting_starts(self, agent: AgentKey, keys: Sequence[BlockKey], hashes: Sequence[Any],
+                       finishing_blocks: int) -> None:
+        """Before the policy's ``on_wait_start``: remember the context's block hashes
+        (to find its HBM blocks) and exclude the finishing request's own blocks
+        (vLLM frees them right after) from the pressure the policy reads."""
+        for k in self._agent_hashes.pop(agent, ()):
+            self._hashes.pop(k, None)
+        n = min(len(keys), len(hashes))
+        self._hashes.update(zip(keys[:n], hashes[:n]))
+        self._agent_hashes[agent] = list(keys[:n])
+        self._waiting[agent] = self.now
+        self._finishing_blocks = finishing_blocks
+
+    def waiting_started(self) -> None:
+        self._finishing_blocks = 0
+
+    def wait_ended(self, agent: AgentKey) -> None:
+        """After the policy's ``on_wait_end``: the agent's hold (if any is left) goes
+        back once its new request is allocated (the policy's own release, by key,
+        misses a hold whose tail the new prompt does not repeat)."""
+        if self.holds is not None:
+            self._releases.extend(k for k in self._agent_hashes.get(agent, ()) if self.holds.is_held(k))
+
+    def scheduled(self, req_ids: Sequence[str]) -> None:
+        """After vLLM allocated this step's requests: they no longer wait for HBM,
+        and holds let go of meanwhile can return to vLLM's free queue (a resumed
+        agent's blocks are referenced by its request by now)."""
+        for r in req_ids:
+            self._unscheduled.pop(r, None)
+        self._settle()
+
+    def finished(self, req_id: str) -> None:
+        self._unscheduled.pop(req_id, None)
+
+    def tick(self) -> None:
+        """Each scheduler step: fire due timers, end holds whose time is up."""
+        now = self.now
+        while self._timers and self._timers[0][0] <= now:
+            _, _, fn, args = heapq.heappop(self._timers)
+            fn(*args)
+        if self.holds is not None:
+            n = self.holds.expire(now)
+            if n:
+                self.counters["hbm_hold_expired_blocks"] += n
+        for agent, p in list(self.prefetches.by_agent.items()):
+            if p.done_s is not None and p.arrived_s is None and now - p.done_s > self.PREFETCH_UNUSED_S:
+                self.prefetches.abandoned(agent)
+                self._waiting.pop(agent, None)
+
+    PREFETCH_UNUSED_S = 120.0
+    """A prefetch in DRAM this long with no request from its agent counts as wasted."""
+
+    def take_promotions(self) -> list[MovePlan]:
+        out, self._promotions = self._promotions, []
+        return out
+
+    def promotion_done(self, plan: MovePlan, oks: Sequence[bool], seconds: float | None) -> None:
+        self.manager.complete_move(plan, list(oks))
+        if seconds is not None and any(oks):
+            self.links.observe("ssd->dram", sum(oks) * self.bytes_per_block, seconds)
+        self.prefetches.completed(plan.plan_id, self.now)
+
+    def release_all(self) -> None:
+        if self.holds is not None:
+            self.holds.release_all()
+        self._releases.clear()
+
+    def _settle(self) -> None:
+        if self.holds is None:
+            self._releases.clear()
+            return
+        for tag in self._releases:
+            n = self.holds.release(tag)
+            if n:
+                self.counters["hbm_hold_released_blocks"] += n
+        self._releases.clear()
+
+    # ------------------------------------------------------------ PlacementContext
+
+    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> bool:
+        """Hold the cached HBM prefix of ``keys`` for ``ttl_s`` (within the budget)."""
+        if not keys or ttl_s <= 0 or self.holds is None:
+            return False
+        if not self.holds_enabled:
+            self.counters["hbm_hold_disabled"] += 1
+            return False
+        hashes = [self._hashes[k] for k in itertools.takewhile(self._hashes.__contains__, keys)]
+        n = self.holds.hold(keys[-1], hashes, self.now + ttl_s)
+        if not n:
+            self.counters["hbm_hold_refused"] += 1
+            return False
+        self.counters["hbm_held_blocks"] += n
+        self.counters["hbm_hold_peak_blocks"] = max(self.counters["hbm_hold_peak_blocks"], self.holds.peak_blocks)
+        return True
+
+    def unpin(self, keys: Sequence[BlockKey]) -> None:
+        if self.holds is not None and keys:
+            tags = [k for k in keys if self.holds.is_held(k)]
+            self._releases.extend(tags)
+
+    def offload(self, keys: Sequence[BlockKey], dst: str) -> int:
+        """The connector wrote the blocks through already: what ``dst`` holds counts;
+        the HBM copy stays until vLLM evicts it (nothing frees it sooner)."""
+        return len(self.manager.present(keys, dst)) if dst in self.manager.tier_names else 0
+
+    def discard(self, keys: Sequence[BlockKey]) -> int:
+        return 0  # forgetting an idle HBM block's hash frees nothing sooner in vLLM
+
+    def transfer_time_s(self, num_blocks: int, link: str) -> float:
+        nbytes = num_blocks * self.bytes_per_block
+        if link == "ssd->hbm":
+            return self.links.predict_s("ssd->dram", nbytes) + self.links.predict_s("dram->hbm", nbytes)
+        return self.links.predict_s(link, nbytes)
+
+    def recompute_time_s(self, num_tokens: int) -> float:
+        return num_tokens / self.prefill_tokens_per_s
+
+    def running_blocks(self) -> int:
+        """HBM blocks referenced (by requests and holds): vLLM's KV usage."""
+        if self.holds is None:
+            return 0
+        pool = self.holds.pool
+        return max(0, int(pool.num_gpu_blocks) - 1 - int(pool.get_num_free_blocks()))
+
+    def tool_history_s(self) -> Sequence[float]:
+        return self._tool_history
+
+    def private_start(self, keys: Sequence[BlockKey]) -> int:
+        return self.manager.private_start(keys)
+
+    def blocks_in(self, keys: Sequence[BlockKey], tier: str) -> int:
+        if tier == "hbm":
+            if self.holds is None:
+                return 0
+            hashes = [self._hashes[k] for k in itertools.takewhile(self._hashes.__contains__, keys)]
+            return len(self.holds.cached_prefix(hashes))
+        return len(self.manager.present(keys, tier)) if tier in self.manager.tier_names else 0
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Refresh the idle cached HBM blocks of ``keys`` to most recent (touch + free)."""
+        if self.holds is None:
+            return
+        hashes = [self._hashes[k] for k in itertools.takewhile(self._hashes.__contains__, keys)]
+        idle = [b for b in self.holds.cached_prefix(hashes) if b.ref_cnt == 0]
+        if idle:
+            self.holds.pool.touch(idle)
+            self.holds.pool.free_blocks(reversed(idle))
+
+    def call_at(self, t: float, fn: Callable[..., None], *args: object) -> None:
+        heapq.heappush(self._timers, (t, next(self._seq), fn, args))
+
+    def prefetch(self, agent_key: AgentKey, keys: Sequence[BlockKey]) -> float | None:
+        """Promote the SSD blocks of ``keys``' cached prefix into DRAM (the worker
+        copies them); returns when they should be there."""
+        mgr = self.manager
+        if "ssd" not in mgr.tier_names or "dram" not in mgr.tier_names or agent_key in self.prefetches.by_agent:
+            return None
+        hit = mgr.lookup(keys)
+        ssd = hit.tier_names.index("ssd")
+        on_ssd = [k for k, t in zip(keys, hit.tier_indices) if t == ssd]
+        if not on_ssd:
+            return None
+        plan = mgr.prepare_move(on_ssd, "ssd", "dram", keep_source=True)
+        if plan is None:
+            return None
+        self._promotions.append(plan)
+        self.prefetches.started(agent_key, plan, self.now)
+        return self.now + self.transfer_time_s(len(plan.keys), "ssd->dram")
+
+    def drop(self, keys: Sequence[BlockKey]) -> int:
+        n = sum(self.manager.remove(keys, t) for t in self.manager.tier_names)
+        self.counters["dropped_blocks"] += n
+        return n
+
+    def deprioritize(self, keys: Sequence[BlockKey], tiers: Sequence[str] = ("hbm",)) -> int:
+        """Make ``keys``' idle copies the next victims in kvtier's tiers among ``tiers``
+        (vLLM's own free queue cannot be reordered: HBM is skipped)."""
+        return sum(self.manager.deprioritize(keys, t) for t in tiers if t in self.manager.tier_names)
+
+    def retire(self, keys: Sequence[BlockKey]) -> int:
+        n = self.deprioritize(keys, self.manager.tier_names)
+        self.counters["retired_blocks"] += n
+        return n
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] += n
+
+    def criticality(self, agent_key: AgentKey) -> float:
+        """From the request's ``kvtier_criticality``, else the hosted hint server's
+        DAG, else 1.0 (an agent nobody said more about is its own critical path)."""
+        if agent_key in self.criticalities:
+            return self.criticalities[agent_key]
+        if self.graph_reader is not None:
+            got = self.graph_reader(agent_key)
+            if got is not None:
+                return got[0]
+        return 1.0
+
+    def hbm_pressure(self) -> float:
+        cap = self.hbm_capacity_blocks
+        used = max(0, self.running_blocks() - self._finishing_blocks)
+        return (used + self.waiting_demand_blocks()) / max(1, cap)
+
+    def waiting_demand_blocks(self) -> int:
+        return sum(itertools.islice(self._unscheduled.values(), 16))
+
+    def tiers_enabled(self) -> tuple[str, ...]:
+        return ("hbm", *self.manager.tier_names)
+
+    def is_waiting(self, agent_key: AgentKey) -> bool:
+        return agent_key in self._waiting
+
+    def parent_of(self, agent_key: AgentKey) -> str | None:
+        if agent_key in self.parents:
+            return self.parents[agent_key]
+        if self.graph_reader is not None:
+            got = self.graph_reader(agent_key)
+            if got is not None:
+                return got[1]
+        return None
+
+    def remaining_path_s(self, session: int) -> float:
+        return 0.0
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return math.ceil(num_tokens / block_size)

@@ -1,0 +1,205 @@
+"""Live placement in the connector's scheduler half, on vLLM's real ``BlockPool``.
+
+A stand-in for vLLM's scheduler (``_Engine``) allocates, caches and frees
+blocks through the pool's public calls exactly as vLLM does around the
+connector's hooks, with a clock the test moves. Shown here:
+
+* HBM holds stay within their budget and every block reference they take is
+  given back (the pool's free count comes back to where it started);
+* an agent resumed inside its predicted wait finds its context in HBM,
+  which other traffic flushed otherwise;
+* an SSD -> DRAM prefetch the worker finishes after the agent's request
+  arrived is counted late (and one finished first, on time).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from kvtier_vllm.metadata import KVTierWorkerMetadata
+from kvtier_vllm.scheduler import KVTierScheduler
+from kvtier_vllm.settings import ConnectorSettings, EngineFacts
+from vllm.v1.core.block_pool import BlockPool
+
+from kvtier.sdk import tag_request
+
+BS = 32
+
+
+class _Request:
+    def __init__(self, req_id: str, hashes: list[bytes], params: dict | None) -> None:
+        self.request_id = req_id
+        self.block_hashes = hashes
+        self.num_tokens = len(hashes) * BS + 5  # a partial last block: its tokens are never offered
+        self.num_computed_tokens = 0
+        self.kv_transfer_params = params
+        self.lora_request = None
+
+
+class _Engine:
+    """vLLM's side of the hooks around a real block pool (one KV cache group)."""
+
+    def __init__(self, num_gpu_blocks: int, **extra) -> None:
+        facts = EngineFacts("tiny", "bfloat16", BS, 2, 2, 32, "fused", "sha256")
+        settings = ConnectorSettings.build({"dram_capacity_blocks": 8, **extra}, facts, env={})
+        ns = settings.config.namespace.to_namespace(settings.config.layout.to_layout())
+        self.sched = KVTierScheduler(settings, ns, BS, 1)
+        self.block_ids: dict[str, list[int]] = {}
+        self.sched.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda r: (self.block_ids[r],)))
+        self.pool = BlockPool(num_gpu_blocks, True, BS)
+        self.sched.bind_gpu_block_pool(self.pool)
+        self.now = 1000.0
+        self.sched.placement.clock = lambda: self.now
+
+    def step(self, scheduled: dict[str, int] | None = None):
+        meta = self.sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens=scheduled or {},
+                                                               preempted_req_ids=set()))
+        plans = {w.plan_id: (1, [True] * len(w.rows)) for job in meta.stores for w in job.writes}
+        self.sched.update_connector_output(KVTierWorkerMetadata(plans, {job.job_id: 1 for job in meta.stores}))
+        return meta
+
+    def serve(self, req_id: str, hashes: list[bytes], params: dict | None = None) -> int:
+        """Arrive, allocate (prefix hit first), run, cache, finish, free. Returns HBM-hit blocks."""
+        req = _Request(req_id, hashes, params)
+        self.sched.on_new_request(req)
+        hit = []
+        for h in hashes:
+            got = self.pool.get_cached_block(h, [0])
+            if not got:
+                break
+            hit.append(got[0])
+        self.pool.touch(hit)
+        blocks = hit + self.pool.get_new_blocks(len(hashes) + 1 - len(hit))
+        self.block_ids[req_id] = [b.block_id for b in blocks]
+        self.step({req_id: req.num_tokens})
+        self.pool.cache_full_blocks(req, blocks, len(hit), len(hashes), BS, 0)
+        self.sched.request_finished(req)
+        self.pool.free_blocks(reversed(blocks))
+        return len(hit)
+
+
+def _ctx(agent: int, n: int) -> list[bytes]:
+    return [bytes([agent, i]) * 16 for i in range(n)]
+
+
+def _tag(agent: int, wait_s: float | None = 30.0, **kw) -> dict:
+    return tag_request({}, "s", f"agent-{agent}", wait_s, **kw)["kv_transfer_params"]
+
+
+def test_holds_stay_within_their_budget_and_return_every_block() -> None:
+    eng = _Engine(41, placement="ttl", hbm_hold_budget_fraction=0.25)  # 40 usable: at most 10 held
+    holds = eng.sched.placement.holds
+    assert holds is not None and holds.budget_blocks == 10
+    free_at_start = eng.pool.get_num_free_blocks()
+    for a in range(5):  # five agents of 4 blocks start tool waits: two fit the budget
+        eng.serve(f"a{a}-1", _ctx(a, 4), _tag(a))
+        assert holds.held_blocks <= holds.budget_blocks
+        assert eng.pool.get_num_free_blocks() == free_at_start - holds.held_blocks
+    assert holds.held_blocks == 8 and eng.sched.counters["hbm_hold_refused"] == 3
+    assert eng.serve("a0-2", _ctx(0, 6), _tag(0, None)) == 4  # back within its wait: all 4 held blocks hit
+    eng.step()  # its hold was given back once the new request was allocated
+    assert holds.held_blocks == 4
+    eng.now += 60.0  # agent 1 never comes back: its hold lapses at its TTL (ttl's prior, 10 s)
+    eng.step()
+    assert holds.held_blocks == 0 and eng.sched.counters["hbm_hold_expired_blocks"] == 4
+    assert eng.pool.get_num_free_blocks() == free_at_start
+    eng.serve("a2-2", _ctx(2, 5), _tag(2))  # a new hold, then a reset: nothing may stay referenced
+    assert holds.held_blocks == 5
+    eng.sched.reset()
+    assert holds.held_blocks == 0 and eng.pool.get_num_free_blocks() == free_at_start
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_an_agent_resumed_inside_its_predicted_wait_hits_hbm(hold: bool) -> None:
+    eng = _Engine(101, placement="kvtier", hbm_hold=hold)  # the critical reserve: 5% of 100 blocks
+    eng.serve("a-1", _ctx(1, 4), _tag(1, 30.0))
+    # a critical agent, a long wait, low pressure: the policy keeps it (refused with holds off)
+    assert eng.sched.counters["decision_reserve"] == (1 if hold else 0)
+    assert eng.sched.counters["hbm_hold_disabled"] == (0 if hold else 1)
+    eng.serve("other", _ctx(9, eng.pool.get_num_free_blocks() - 1))  # untagged traffic takes every free block
+    eng.now += 5.0  # well inside the predicted 30 s
+    hits = eng.serve("a-2", _ctx(1, 6), _tag(1, None))
+    assert hits == (4 if hold else 0)
+    eng.step()
+    assert eng.sched.placement.holds.held_blocks == 0
+
+
+def _ssd_only_agent(tmp_path: Path) -> tuple[_Engine, list[bytes]]:
+    """A non-critical agent whose context is on SSD only, starting a 1 s tool wait."""
+    eng = _Engine(101, placement="kvtier", ssd_path=str(tmp_path / "ssd"), ssd_capacity_blocks=64)
+    ctx = _ctx(1, 4)
+    eng.serve("a-1", ctx, _tag(1, 1.0, criticality=0.2))
+    eng.sched.manager.evict("dram", 8)
+    assert eng.sched.counters["decision_low_pressure"] == 1
+    return eng, ctx
+
+
+def _fire_prefetch(eng: _Engine):
+    eng.now += 1.0  # the prefetch is due just before the predicted return
+    (job,) = eng.step().promotions
+    assert len(job.keys) == 4
+    return job
+
+
+def _report(eng: _Engine, job) -> None:
+    eng.sched.update_connector_output(KVTierWorkerMetadata({job.plan_id: (1, [True] * len(job.keys))}, {}))
+
+
+def test_a_prefetch_that_lands_after_its_request_arrived_is_late(tmp_path: Path) -> None:
+    eng, ctx = _ssd_only_agent(tmp_path)
+    job = _fire_prefetch(eng)
+    eng.sched.on_new_request(_Request("a-2", ctx + _ctx(2, 1), _tag(1, None)))  # back before the worker reported
+    assert eng.sched.counters["prefetch_late"] == 0  # counted once the promotion reports
+    _report(eng, job)
+    c = eng.sched.counters
+    assert (c["prefetches"], c["prefetch_late"], c["prefetch_on_time"]) == (1, 1, 0)
+    assert eng.sched.manager.ready_blocks("dram") == 4  # late, but in DRAM now
+
+
+def test_a_prefetch_that_lands_first_is_on_time(tmp_path: Path) -> None:
+    eng, ctx = _ssd_only_agent(tmp_path)
+    _report(eng, _fire_prefetch(eng))
+    eng.sched.on_new_request(_Request("a-2", ctx + _ctx(2, 1), _tag(1, None)))
+    c = eng.sched.counters
+    assert (c["prefetches"], c["prefetch_late"], c["prefetch_on_time"]) == (1, 0, 1)
+
+
+def test_a_prefetch_is_cancelled_when_the_tool_returns_before_it_starts(tmp_path: Path) -> None:
+    eng, ctx = _ssd_only_agent(tmp_path)
+    eng.now += 0.2
+    eng.sched.on_new_request(_Request("a-2", ctx + _ctx(2, 1), _tag(1, None)))
+    eng.now += 1.0
+    assert eng.step().promotions == []
+    assert eng.sched.counters["prefetch_cancelled"] == 1 and eng.sched.counters["prefetches"] == 0
+
+
+def test_a_tool_call_announced_to_the_hosted_hint_server_starts_the_wait() -> None:
+    """``hint_server`` in the extra config: the scheduler process serves the hint
+    plane; a tool call the agent framework announces there starts that agent's
+    wait (its requests carry only the session and agent ids), and the DAG says
+    it is critical: the policy holds its HBM blocks."""
+    import time
+
+    from kvtier.sdk import HintClient
+
+    eng = _Engine(101, placement="kvtier", hint_server="127.0.0.1:0")
+    sched = eng.sched
+    try:
+        assert sched.hint_address and sched.hint_address.startswith("127.0.0.1:")
+        client = HintClient(sched.hint_address)
+        with client.session("s"), client.agent("coder") as agent:
+            eng.serve("r1", _ctx(1, 4), agent.tag({})["kv_transfer_params"])
+            eng.step()
+            assert sched.placement.holds.held_blocks == 0  # no tool call yet
+            with client.tool_call("bash", expected_s=20.0):
+                deadline = time.monotonic() + 10
+                while sched.counters["tool_waits"] == 0 and time.monotonic() < deadline:
+                    eng.step()  # each scheduler step polls the hosted server (at most every 50 ms)
+                    time.sleep(0.02)
+                assert sched.placement.holds.held_blocks == 4
+        client.close()
+    finally:
+        sched.shutdown()
+    assert sched._hints is None and sched.placement.holds.held_blocks == 0
