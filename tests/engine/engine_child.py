@@ -97,7 +97,10 @@ def main(spec_path: str, out_path: str | None) -> None:
         rows = []
         for o in outs:
             c = o.outputs[0]
+            metrics = getattr(o, "metrics", None)
             rows.append({
+                "ttft_s": getattr(metrics, "first_token_latency", None),  # vLLM's own, per request
+                "cached_tokens": getattr(o, "num_cached_tokens", None),  # HBM + connector hits
                 "token_ids": list(c.token_ids),
                 "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in (c.logprobs or [])],
             })

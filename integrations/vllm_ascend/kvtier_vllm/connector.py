@@ -16,13 +16,10 @@ What vLLM 0.32 lets a connector do (and what this one does):
 * ``request_finished`` returning True keeps a finished request's blocks
   until ``get_finished`` reports it: only while a store still reads them.
 * ``bind_kv_cache_manager`` / ``bind_gpu_block_pool`` / ``on_new_request``:
-  used to read a request's block ids, observe free HBM blocks and record a
-  request's session and agent. vLLM gives no hook to choose which HBM block
-  its prefix cache evicts, so agent-aware HBM decisions act through what is
-  kept in DRAM/SSD and loaded back, not by reordering vLLM's free queue:
-  a request whose ``kv_transfer_params`` say its agent now waits on a tool
-  (``kvtier.sdk.tag_request(..., tool_wait_s=...)``) keeps its context
-  pinned in kvtier's tiers for that wait (``tests/engine/test_vllm_agents.py``).
+  used to read a request's block ids, record a request's session, agent and
+  hints, and let the placement policy hold a waiting agent's HBM blocks
+  through the block pool's public ``touch`` / ``free_blocks`` (see
+  :mod:`.placement`; vLLM's free queue itself is never reordered).
 """
 
 from __future__ import annotations
