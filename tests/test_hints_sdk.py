@@ -16,7 +16,7 @@ import pytest
 from hints_support import ServerThread, free_port, stub
 
 from kvtier.hints._gen import hints_pb2 as pb
-from kvtier.sdk import AsyncHintClient, HintClient, request_tags, request_tool_wait_s, tag_request
+from kvtier.sdk import AsyncHintClient, HintClient, request_criticality, request_tags, request_tool_wait_s, tag_request
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,6 +96,20 @@ def test_tag_request_carries_an_expected_tool_wait():
         assert request_tool_wait_s({"kvtier_tool_wait_s": junk}) is None
     with pytest.raises(ValueError, match="tool_wait_s"):
         tag_request({}, "s", "a", tool_wait_s=0)
+
+
+def test_tag_request_carries_criticality_and_sets_vllm_priority():
+    tagged = tag_request({"model": "m"}, "s", "a", criticality=0.25, critical_path_rank=2)
+    assert request_criticality(tagged["kv_transfer_params"]) == 0.25
+    assert tagged["priority"] == 2  # vLLM's own request field (honoured with --scheduling-policy priority)
+    plain = tag_request({}, "s", "a")
+    assert "priority" not in plain and request_criticality(plain["kv_transfer_params"]) is None
+    for junk in ("1", -0.1, 1.5, True, None):
+        assert request_criticality({"kvtier_criticality": junk}) is None
+    with pytest.raises(ValueError, match="criticality"):
+        tag_request({}, "s", "a", criticality=2)
+    with pytest.raises(ValueError, match="critical_path_rank"):
+        tag_request({}, "s", "a", critical_path_rank=-1)
 
 
 def test_full_queue_and_bad_fields_are_dropped_and_counted(srv):

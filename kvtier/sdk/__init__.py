@@ -28,6 +28,7 @@ from .handles import (
     SessionHandle,
     ToolCallHandle,
     request_tags,
+    request_criticality,
     request_tool_wait_s,
     tag_request,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "ToolCallHandle",
     "pack_keys",
     "request_tags",
+    "request_criticality",
     "request_tool_wait_s",
     "tag_request",
 ]

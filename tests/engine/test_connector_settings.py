@@ -53,6 +53,25 @@ def test_no_host_tier_is_an_error() -> None:
         ConnectorSettings.build({"dram_capacity_blocks": 0}, FACTS, env={})
 
 
+def test_placement_defaults_to_kvtier_and_takes_the_replay_names() -> None:
+    s = ConnectorSettings.build({}, FACTS, env={})
+    assert (s.placement, s.hbm_hold, s.hbm_hold_budget_fraction) == ("kvtier", True, 0.5)
+    for name in ("lru-dram", "ttl", "kvflow", "tokencake", "kvtier-space-only"):
+        assert ConnectorSettings.build({"placement": name}, FACTS, env={}).placement == name
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"placement": "lru-2q"}, "placement='lru-2q': unknown placement policy; valid: "),
+    ({"placement": "belady-hbm"}, "placement='belady-hbm': needs the future"),
+    ({"placement": "lru"}, "placement='lru': uses no host tier"),
+    ({"hbm_hold": "no"}, "hbm_hold='no': must be true or false"),
+    ({"hbm_hold_budget_fraction": 1.5}, "hbm_hold_budget_fraction=1.5: must be a number in"),
+])
+def test_bad_placement_settings_name_the_key(extra: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match="kv_connector_extra_config." + match):
+        ConnectorSettings.build(extra, FACTS, env={})
+
+
 @pytest.mark.parametrize("version", ["0.32.0", "0.32.5+cpu"])
 def test_tested_versions_pass(version: str) -> None:
     assert check_vllm_version(version) == version
