@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="tiny: 2 layers of 128 (the tests' model: the engine's fixed per-step cost dominates); "
                          "small: 8 layers of 512 (~100x the compute per token, closer to where a connector's "
                          "per-step cost sits next to a real model's)")
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON result to this file")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))
     model = make_model(tmp / "model", config=SMALL_LLAMA if args.model == "small" else TINY_LLAMA)
@@ -122,7 +123,10 @@ def main(argv: list[str] | None = None) -> dict:
         "connector_cpu_s": own_us / 1e6,
         "connector_cpu_share": connector_share,
     }
+    result["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     print(json.dumps(result, indent=1))
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{'config':>9}  {'tok/s':>8}  {'tok/cpu-s':>9}  tok/s per round")
     for name, c in result["configs"].items():
         print(f"{name:>9}  {c['median_tokens_per_s']:8.1f}  {c['median_tokens_per_cpu_s']:9.1f}  "

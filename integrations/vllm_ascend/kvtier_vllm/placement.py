@@ -34,7 +34,7 @@ import itertools
 import logging
 import math
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,7 +214,7 @@ class EnginePlacement:
         self.parents: dict[AgentKey, str | None] = {}
         self.graph_reader: Callable[[AgentKey], tuple[float, str | None] | None] | None = None
         self._hashes: dict[BlockKey, Any] = {}  # kvtier key -> vLLM block hash, for waiting agents' contexts
-        self._agent_hashes: dict[AgentKey, list[BlockKey]] = {}
+        self._agent_hashes: OrderedDict[AgentKey, list[BlockKey]] = OrderedDict()  # least recently waiting first
         self._waiting: dict[AgentKey, float] = {}  # agent -> when its wait started
         self._tool_history: deque[float] = deque(maxlen=512)
         self._timers: list[tuple[float, int, Callable[..., None], tuple]] = []
@@ -264,6 +264,16 @@ class EnginePlacement:
         self._agent_hashes[agent] = list(keys[:n])
         self._waiting[agent] = self.now
         self._finishing_blocks = finishing_blocks
+        while len(self._agent_hashes) > self.MAX_TRACKED_AGENTS:  # agents that never came back
+            old, old_keys = self._agent_hashes.popitem(last=False)
+            for k in old_keys:
+                self._hashes.pop(k, None)
+            self._waiting.pop(old, None)
+            self.criticalities.pop(old, None)
+
+    MAX_TRACKED_AGENTS = 4096
+    """Waiting agents remembered at once (their block hashes); the longest waiting are forgotten first
+    (a hold they have keeps its own block references and lapses at its TTL)."""
 
     def waiting_started(self) -> None:
         self._finishing_blocks = 0
