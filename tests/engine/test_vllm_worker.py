@@ -9,7 +9,14 @@ import time
 
 import pytest
 import torch
-from kvtier_vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob, StoreJob, TierWrite
+from kvtier_vllm.metadata import (
+    KVTierConnectorMetadata,
+    KVTierWorkerMetadata,
+    LoadJob,
+    PromoteJob,
+    StoreJob,
+    TierWrite,
+)
 from kvtier_vllm.settings import ConnectorSettings, EngineFacts
 from kvtier_vllm.worker import KVTierWorker
 
@@ -116,3 +123,18 @@ def test_worker_metadata_aggregates_over_ranks() -> None:
     merged = a.aggregate(b)
     assert merged.plans == {1: (2, [True, False]), 2: (1, [True])}
     assert merged.gathered == {5: 2}
+
+
+def test_a_prefetch_promotes_ssd_values_into_dram_slots(worker) -> None:
+    """A PromoteJob (SSD -> DRAM, the connector's predictive prefetch) fills the DRAM
+    slots the scheduler reserved with verified SSD bytes: a load from those slots
+    gives back the stored blocks. A key not on SSD fails, and only that one."""
+    w, caches, _ = worker
+    _store(w)
+    w.start_load_kv(KVTierConnectorMetadata(promotions=[PromoteJob(5, (10, 11, 99), (2, 3, 0))]))
+    plans, *_ = _drain(w, {5})
+    assert plans == {5: [True, True, False]}
+    w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r4", 6, (10, 11), ("dram", "dram"), (2, 3), (4, 5))]))
+    plans, _, _, errors = _drain(w, {6}, {"r4"})
+    assert plans == {6: [True, True]} and not errors
+    assert _blocks_equal(caches, 1, 4) and _blocks_equal(caches, 2, 5)
