@@ -199,6 +199,12 @@ def test_a_tool_call_announced_to_the_hosted_hint_server_starts_the_wait() -> No
                     eng.step()  # each scheduler step polls the hosted server (at most every 50 ms)
                     time.sleep(0.02)
                 assert sched.placement.holds.held_blocks == 4
+        # the session ended: the policy retires its context in kvtier's DRAM tier (next victims there)
+        deadline = time.monotonic() + 10
+        while sched.counters["sessions_ended"] == 0 and time.monotonic() < deadline:
+            eng.step()
+            time.sleep(0.02)
+        assert sched.counters["retired_blocks"] == 4
         client.close()
     finally:
         sched.shutdown()

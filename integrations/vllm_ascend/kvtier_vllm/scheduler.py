@@ -106,6 +106,7 @@ class KVTierScheduler:
         self._last_ctx: OrderedDict[tuple[str, str], tuple[list[BlockKey], list[Any]]] = OrderedDict()
         self._hints: Any = None
         self._graph_cache: dict[tuple[str, str], tuple[float, str | None]] = {}
+        self._ended_agents: set[tuple[str, str]] = set()
         self.hint_address: str | None = None
         self._next_poll_s = 0.0
         if settings.hint_server:
@@ -303,9 +304,11 @@ class KVTierScheduler:
         return self._graph_cache.get(agent)
 
     def poll_hints(self) -> None:
-        """With a hosted hint server: pin the latest context of every agent the server
-        has a tool call in flight for (``wait_pin_ttl_s`` of its predicted return; a call
-        with no prediction is taken as 10 s). At most every 50 ms; called each step."""
+        """With a hosted hint server: start the wait of every agent the server has a
+        tool call in flight for (its predicted return; 10 s without one), refresh
+        the agents' criticalities and parents, and tell the policy which agents and
+        sessions ended (it retires their private blocks in DRAM / SSD). At most
+        every 50 ms; called each step."""
         if self._hints is None:  # the common case: no clock read on the scheduler step
             return
         now = time.monotonic()
@@ -314,20 +317,36 @@ class KVTierScheduler:
         self._next_poll_s = now + 0.05
         graph = self._hints.server.graph
 
-        def read() -> tuple[list[tuple[str, str, float | None]], dict[tuple[str, str], tuple[float, str | None]]]:
+        def read() -> tuple[list[tuple[str, str, float | None]], dict[tuple[str, str], tuple[float, str | None]],
+                            set[tuple[str, str]]]:
             calls = [(s.session_id, c.agent_id, c.predicted_return_s) for s, c in graph.tool_calls_in_flight()]
             facts: dict[tuple[str, str], tuple[float, str | None]] = {}
+            ended: set[tuple[str, str]] = set()
             for s in graph.sessions():
                 crit = graph.criticalities(s.tenant, s.session_id, now)
                 for aid, a in s.agents.items():
                     facts[(s.session_id, aid)] = (float(crit.get(aid, 0.0)), a.parent_id)
-            return calls, facts
+                    if a.ended_s is not None:
+                        ended.add((s.session_id, aid))
+            return calls, facts, ended
 
         try:
-            calls, self._graph_cache = self._hints.call(read, timeout_s=1.0)
+            calls, facts, ended = self._hints.call(read, timeout_s=1.0)
         except Exception as exc:  # a stuck hint loop must not stop the scheduler
             log.warning("kvtier: reading the hosted hint server failed: %s", exc)
             return
+        before = self._graph_cache
+        self._graph_cache = facts
+        for agent in sorted(ended - self._ended_agents):
+            known = self._last_ctx.get(agent)
+            if known:
+                self.policy.on_agent_end(self.placement, agent, tuple(known[0]))
+                self.counters["agents_ended"] += 1
+        self._ended_agents = ended
+        for sid in sorted({a[0] for a in before} - {a[0] for a in facts}):
+            self.policy.on_session_end(self.placement, sid)
+            self.counters["sessions_ended"] += 1
+        self._pump_events()
         for sid, aid, returns_s in calls:
             agent = (sid, aid)
             known = self._last_ctx.get(agent)
