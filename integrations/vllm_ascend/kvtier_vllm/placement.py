@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import logging
-import math
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -43,8 +41,6 @@ from kvtier.keys import BlockKey
 from kvtier.manager import MovePlan, TierManager
 from kvtier.placement.surface import SURFACES
 from kvtier.transfer.linkmodel import LinkModel
-
-log = logging.getLogger(__name__)
 
 AgentKey = tuple[str, str]
 
@@ -339,6 +335,10 @@ class EnginePlacement:
                 self.counters["hbm_hold_released_blocks"] += n
         self._releases.clear()
 
+    def _hashes_of(self, keys: Sequence[BlockKey]) -> list[Any]:
+        """vLLM block hashes of the leading ``keys`` known from a waiting agent's context."""
+        return [self._hashes[k] for k in itertools.takewhile(self._hashes.__contains__, keys)]
+
     # ------------------------------------------------------------ PlacementContext
 
     def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> bool:
@@ -348,7 +348,7 @@ class EnginePlacement:
         if not self.holds_enabled:
             self.counters["hbm_hold_disabled"] += 1
             return False
-        hashes = [self._hashes[k] for k in itertools.takewhile(self._hashes.__contains__, keys)]
+        hashes = self._hashes_of(keys)
         n = self.holds.hold(keys[-1], hashes, self.now + ttl_s)
         if not n:
             self.counters["hbm_hold_refused"] += 1
@@ -396,7 +396,7 @@ class EnginePlacement:
         if tier == "hbm":
             if self.holds is None:
                 return 0
-            hashes = [self._hashes[k] for k in itertools.takewhile(self._hashes.__contains__, keys)]
+            hashes = self._hashes_of(keys)
             return len(self.holds.cached_prefix(hashes))
         return len(self.manager.present(keys, tier)) if tier in self.manager.tier_names else 0
 
@@ -404,7 +404,7 @@ class EnginePlacement:
         """Refresh the idle cached HBM blocks of ``keys`` to most recent (touch + free)."""
         if self.holds is None:
             return
-        hashes = [self._hashes[k] for k in itertools.takewhile(self._hashes.__contains__, keys)]
+        hashes = self._hashes_of(keys)
         idle = [b for b in self.holds.cached_prefix(hashes) if b.ref_cnt == 0]
         if idle:
             self.holds.pool.touch(idle)
@@ -486,6 +486,3 @@ class EnginePlacement:
     def remaining_path_s(self, session: int) -> float:
         return 0.0
 
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return math.ceil(num_tokens / block_size)
