@@ -9,7 +9,9 @@ the command line and wall time added). Must not format tables
 The dev Claude Code traces are split by the replay's fixed rule (sessions
 sorted by id; 1st, 3rd, ... = tuning half, 2nd, 4th, ... = evaluation half);
 both halves are run at ``--hbm-fraction 0.25``, conc 8, with the default DRAM
-(2x HBM) and no SSD, and with ``--ssd-blocks`` equal to 4x that half's HBM.
+(2x HBM) and no SSD, and with ``--ssd-blocks`` equal to 4x that half's HBM;
+the evaluation half with SSD once more on the ``vllm`` engine surface
+(``--surface vllm``: only what the live vLLM connector carries out).
 The SLO capacity (largest conc meeting later-turn TTFT p99 <= 20 s and p50
 interactivity >= 30 tokens/s/user) is searched on the evaluation half at the
 HBM capacity that ``--hbm-fraction 0.25`` gives at conc 8.
@@ -44,6 +46,7 @@ ADMISSION_ROWS = {"critical-first": "lru,tokencake", "oldest-app": "lru,kvtier"}
 SLO_POLICIES = "lru,lru-dram,arc,s3fifo,ttl,minwaste,tokencake,kvflow,kvtier"
 SLO_TTFT_P99_S = 20.0  # later turns: a tool result or user turn answered within 20 s at p99
 SLO_INTERACTIVITY = 30.0  # tokens/s/user at p50
+LIVE_POLICIES = "lru,lru-dram,ttl,tokencake,kvflow,kvtier"
 DEV_FRACTION = 0.25
 DEV_CONC = 8
 
@@ -63,12 +66,16 @@ def _dev_hbm_blocks(half: str) -> int:
 def commands() -> dict[str, list[str]]:
     """name -> the replay's arguments (after ``kvtier replay``)."""
     cmds: dict[str, list[str]] = {"default": ["--plot", "bench/out/replay-default.png"]}
+    def dev(half: str, policies: str) -> list[str]:
+        return ["--trace", os.path.relpath(DEV_TRACE, ROOT), "--split", half, "--hbm-fraction", str(DEV_FRACTION),
+                "--conc", str(DEV_CONC), "--policies", policies, "--skip-oversized"]
+
     for half in ("eval", "tune"):
-        dev = ["--trace", os.path.relpath(DEV_TRACE, ROOT), "--split", half,
-               "--hbm-fraction", str(DEV_FRACTION), "--conc", str(DEV_CONC), "--policies", DEV_POLICIES,
-               "--skip-oversized"]
-        cmds[f"dev-{half}"] = dev
-        cmds[f"dev-{half}-ssd"] = dev + ["--ssd-blocks", str(4 * _dev_hbm_blocks(half))]
+        cmds[f"dev-{half}"] = dev(half, DEV_POLICIES)
+        cmds[f"dev-{half}-ssd"] = dev(half, DEV_POLICIES) + ["--ssd-blocks", str(4 * _dev_hbm_blocks(half))]
+    # what the live vLLM connector can carry out of the same decisions (evaluation half, with SSD)
+    cmds["dev-eval-ssd-vllm"] = dev("eval", LIVE_POLICIES) + ["--ssd-blocks", str(4 * _dev_hbm_blocks("eval")),
+                                                              "--surface", "vllm"]
     cmds["slo-dev-eval"] = ["--trace", os.path.relpath(DEV_TRACE, ROOT), "--split", "eval", "--hbm-fraction",
                             str(DEV_FRACTION), "--conc", str(DEV_CONC), "--policies", SLO_POLICIES, "--skip-oversized",
                             "--slo-ttft-p99", str(SLO_TTFT_P99_S), "--slo-interactivity", str(SLO_INTERACTIVITY)]

@@ -31,7 +31,7 @@ def policy_table(report: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return caption + md_table(list(SUMMARY_HEADER), body)
 
 
-for _name in ("dev-eval", "dev-eval-ssd", "dev-tune", "dev-tune-ssd", "default"):
+for _name in ("dev-eval", "dev-eval-ssd", "dev-eval-ssd-vllm", "dev-tune", "dev-tune-ssd", "default"):
     table(f"replay-{_name}", f"replay-{_name}.json")(lambda rep: policy_table(rep, main_point(rep["results"])))
 
 

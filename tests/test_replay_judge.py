@@ -170,6 +170,7 @@ def test_split_halves_are_disjoint_fixed_and_cover_the_set() -> None:
     (["--split", "eval"], "--split='eval'"),
     (["--jobs", "0"], "--jobs=0: must be >= 1"),
     (["--admission", "sjf"], "unknown admission order; valid: fcfs, critical-first, oldest-app"),
+    (["--surface", "sglang"], "--surface='sglang': unknown engine surface; valid: full, vllm"),
     (["--trace", "/nonexistent/trace.json"], "'/nonexistent/trace.json' does not exist"),
 ])
 def test_cli_bad_flags_are_one_line_naming_them(args: list[str], says: str) -> None:
