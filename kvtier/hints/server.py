@@ -161,6 +161,20 @@ class _Servicer:
         self.s.rpcs[("GetStats", "OK")] += 1
         return stats
 
+    async def Watch(self, request: Any, context: Any) -> Any:
+        tenant = await self.s.tenant_of(context, "Watch")
+        if type(request) is _Undecodable:
+            self.s.rpcs[("Watch", "INVALID_ARGUMENT")] += 1
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message())
+        interval_s = max(0.01, (request.interval_ms or 50) / 1000)
+        self.s.rpcs[("Watch", "OK")] += 1
+        try:
+            while True:
+                yield self.s.agents_view(tenant)
+                await asyncio.sleep(interval_s)
+        except asyncio.CancelledError:  # the client went away or the server stops: the stream just ends
+            return
+
 
 class _Undecodable:
     """What the deserializer hands the servicer for bytes that are not the message."""
@@ -204,6 +218,9 @@ def _add_service(servicer: _Servicer, server: Any) -> None:
         "GetStats": grpc.unary_unary_rpc_method_handler(
             servicer.GetStats, request_deserializer=_decoder(pb.GetStatsRequest),
             response_serializer=pb.Stats.SerializeToString),
+        "Watch": grpc.unary_stream_rpc_method_handler(
+            servicer.Watch, request_deserializer=_decoder(pb.WatchRequest),
+            response_serializer=pb.AgentsView.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -351,6 +368,31 @@ class HintServer:
     def apply(self, tenant: str, request: Any, *, skip_invalid: bool) -> BatchResult:
         return self.applier.apply(tenant, request, skip_invalid=skip_invalid, now_s=time.monotonic(),
                                   now_unix_us=time.time_ns() // 1000)
+
+    MAX_VIEW_AGENTS = 65_536
+
+    def agents_view(self, tenant: str) -> Any:
+        """The ``AgentsView`` of ``tenant`` now (what ``Watch`` streams). O(its agents)."""
+        now = time.monotonic()
+        view = pb.AgentsView()
+        n = 0
+        for s in self.graph.sessions(tenant):
+            crit = self.graph.criticalities(tenant, s.session_id, now)
+            for aid, a in s.agents.items():
+                n += 1
+                if n > self.MAX_VIEW_AGENTS:
+                    continue
+                av = view.agents.add(session_id=s.session_id, agent_id=aid, parent_agent_id=a.parent_id or "",
+                                     criticality=float(crit.get(aid, 0.0)), ended=a.ended_s is not None)
+                returns = [c.predicted_return_s for c in a.tool_calls.values()]
+                if returns:
+                    av.tool_call_in_flight = True
+                    known = [r for r in returns if r is not None]
+                    if known:
+                        av.has_prediction = True
+                        av.tool_returns_in_s = max(known) - now
+        view.num_left_out = max(0, n - self.MAX_VIEW_AGENTS)
+        return view
 
     def stats(self, tenant: str, session_id: str = "") -> Any:
         """The ``Stats`` message of ``tenant`` (``None`` when ``session_id`` is unknown to it)."""

@@ -66,6 +66,8 @@ def test_placement_defaults_to_kvtier_and_takes_the_replay_names() -> None:
     ({"placement": "lru"}, "placement='lru': uses no host tier"),
     ({"hbm_hold": "no"}, "hbm_hold='no': must be true or false"),
     ({"hbm_hold_budget_fraction": 1.5}, "hbm_hold_budget_fraction=1.5: must be a number in"),
+    ({"hint_watch": "127.0.0.1:1", "hint_server": "127.0.0.1:0"}, "hint_watch='127.0.0.1:1': give hint_server"),
+    ({"hint_watch": 5}, "hint_watch=5: must be host:port"),
 ])
 def test_bad_placement_settings_name_the_key(extra: dict, match: str) -> None:
     with pytest.raises(ConfigError, match="kv_connector_extra_config." + match):

@@ -209,3 +209,38 @@ def test_a_tool_call_announced_to_the_hosted_hint_server_starts_the_wait() -> No
     finally:
         sched.shutdown()
     assert sched._hints is None and sched.placement.holds.held_blocks == 0
+
+
+def test_a_separate_hint_server_is_followed_with_hint_watch() -> None:
+    """``hint_watch``: the hint server runs elsewhere (``kvtier serve`` beside several
+    engines); the connector follows its agents over gRPC (``HintService.Watch``)
+    and acts on an announced tool call as with a hosted one."""
+    import time
+
+    from kvtier.hints.server import BackgroundHintServer
+    from kvtier.sdk import HintClient
+
+    server = BackgroundHintServer()
+    address = server.start("127.0.0.1:0")
+    eng = _Engine(101, placement="kvtier", hint_watch=address)
+    sched = eng.sched
+    client = HintClient(address)
+    try:
+        with client.session("s"), client.agent("coder") as agent:
+            eng.serve("r1", _ctx(1, 4), agent.tag({})["kv_transfer_params"])
+            with client.tool_call("bash", expected_s=20.0):
+                deadline = time.monotonic() + 10
+                while sched.counters["tool_waits"] == 0 and time.monotonic() < deadline:
+                    eng.step()
+                    time.sleep(0.02)
+                assert sched.placement.holds.held_blocks == 4
+        deadline = time.monotonic() + 10
+        while sched.counters["sessions_ended"] == 0 and time.monotonic() < deadline:
+            eng.step()
+            time.sleep(0.02)
+        assert sched.counters["retired_blocks"] == 4
+    finally:
+        client.close()
+        sched.shutdown()
+        server.stop()
+    assert sched.placement.holds.held_blocks == 0

@@ -116,6 +116,13 @@ class KVTierScheduler:
             self.hint_address = self._hints.start(settings.hint_server)
             self.placement.graph_reader = self._graph_facts
             log.info("kvtier: hint server hosted in the scheduler process at %s", self.hint_address)
+        self._watcher: Any = None
+        if settings.hint_watch:
+            from kvtier.sdk.watch import AgentsWatcher
+
+            self._watcher = AgentsWatcher(settings.hint_watch, token=settings.hint_watch_token)
+            self.placement.graph_reader = self._graph_facts
+            log.info("kvtier: following the hint server at %s", settings.hint_watch)
         self._kv_cache_manager: Any = None
         self._gpu_block_pool: Any = None
         self._stats_lock = threading.Lock()
@@ -269,13 +276,13 @@ class KVTierScheduler:
         """A tagged request finished. With a tool wait (``kvtier_tool_wait_s`` in its
         ``kv_transfer_params``) its agent now waits: the placement policy decides
         (hold its HBM blocks, order its host copies, schedule a prefetch). The
-        context is remembered for tool calls a hosted hint server announces."""
+        context is remembered for tool calls a hint server announces."""
         agent = self._agent(st)
         if agent is None:
             return
         keys = self._keys(st)
         hashes = list(st.request.block_hashes[: len(keys)])
-        if self._hints is not None and keys:
+        if (self._hints is not None or self._watcher is not None) and keys:
             self._last_ctx[agent] = (keys, hashes)
             self._last_ctx.move_to_end(agent)
             while len(self._last_ctx) > self.MAX_TRACKED_AGENTS:
@@ -304,17 +311,35 @@ class KVTierScheduler:
         return self._graph_cache.get(agent)
 
     def poll_hints(self) -> None:
-        """With a hosted hint server: start the wait of every agent the server has a
+        """With a hint server (hosted here, or followed with ``hint_watch``): start the wait of every agent it has a
         tool call in flight for (its predicted return; 10 s without one), refresh
         the agents' criticalities and parents, and tell the policy which agents and
         sessions ended (it retires their private blocks in DRAM / SSD). At most
         every 50 ms; called each step."""
-        if self._hints is None:  # the common case: no clock read on the scheduler step
+        if self._hints is None and self._watcher is None:  # the common case: no clock read on the scheduler step
             return
         now = time.monotonic()
         if now < self._next_poll_s:
             return
         self._next_poll_s = now + 0.05
+        got = self._read_hosted(now) if self._hints is not None else self._read_watched()
+        if got is not None:
+            self._apply_hints(now, *got)
+
+    def _read_watched(self) -> tuple[list[tuple[str, str, float | None]], dict[tuple[str, str], tuple[float, str | None]],
+                                     set[tuple[str, str]]] | None:
+        """The newest view of a separate hint server (``hint_watch``); never waits."""
+        snap = self._watcher.latest()
+        if snap is None:
+            return None
+        calls = [(k[0], k[1], a.returns_at_s) for k, a in snap.agents.items() if a.tool_in_flight]
+        facts = {k: (a.criticality, a.parent_id) for k, a in snap.agents.items()}
+        ended = {k for k, a in snap.agents.items() if a.ended}
+        return calls, facts, ended
+
+    def _read_hosted(self, now: float) -> tuple[list[tuple[str, str, float | None]],
+                                                dict[tuple[str, str], tuple[float, str | None]],
+                                                set[tuple[str, str]]] | None:
         graph = self._hints.server.graph
 
         def read() -> tuple[list[tuple[str, str, float | None]], dict[tuple[str, str], tuple[float, str | None]],
@@ -331,10 +356,13 @@ class KVTierScheduler:
             return calls, facts, ended
 
         try:
-            calls, facts, ended = self._hints.call(read, timeout_s=1.0)
+            return self._hints.call(read, timeout_s=1.0)
         except Exception as exc:  # a stuck hint loop must not stop the scheduler
             log.warning("kvtier: reading the hosted hint server failed: %s", exc)
-            return
+            return None
+
+    def _apply_hints(self, now: float, calls: list[tuple[str, str, float | None]],
+                     facts: dict[tuple[str, str], tuple[float, str | None]], ended: set[tuple[str, str]]) -> None:
         before = self._graph_cache
         self._graph_cache = facts
         for agent in sorted(ended - self._ended_agents):
@@ -356,8 +384,11 @@ class KVTierScheduler:
                                  max(0.01, returns_s - now) if returns_s is not None else 10.0, 0)
 
     def shutdown(self) -> None:
-        """Give back every HBM hold; stop the hosted hint server, if any."""
+        """Give back every HBM hold; stop the hosted hint server or the watcher, if any."""
         self.placement.release_all()
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
         if self._hints is not None:
             self._hints.stop()
             self._hints = None

@@ -40,6 +40,9 @@ EXTRA_KEYS: dict[str, str] = {
     "stats_path": "JSON file the scheduler side rewrites with its counters (for operators and tests)",
     "hint_server": "host:port or unix:PATH: host kvtier's hint server (gRPC) in the scheduler process; "
                    "agents' tool calls announced there start their wait, and its DAG gives their criticality",
+    "hint_watch": "host:port or unix:PATH of a separate hint server (kvtier serve): follow its agents' tool calls, "
+                  "criticality and ends (HintService.Watch) when the server does not run in this process",
+    "hint_watch_token": "bearer token for hint_watch (the server's auth; the view is of that token's tenant)",
     "allow_untested_vllm": "true: start on a vLLM outside the tested range (see kvtier_vllm.version)",
 }
 """Every key the connector reads from ``kv_connector_extra_config``."""
@@ -73,6 +76,8 @@ class ConnectorSettings:
     hbm_hold: bool = True
     hbm_hold_budget_fraction: float = 0.5
     eviction_set: bool = False  # the host tiers' eviction policy was set (else the placement's)
+    hint_watch: str | None = None
+    hint_watch_token: str | None = None
 
     @classmethod
     def build(
@@ -131,8 +136,14 @@ class ConnectorSettings:
             raise ConfigError("kv_connector_extra_config.hbm_hold_budget_fraction", budget, "must be a number in [0, 1]")
         eviction_set = "policy" in extra or any(
             "policy" in (overrides["tiers"].get(t) or {}) for t in ("dram", "ssd"))
+        watch = extra.get("hint_watch")
+        if watch is not None and (not isinstance(watch, str) or not watch):
+            raise ConfigError("kv_connector_extra_config.hint_watch", watch, "must be host:port or unix:PATH")
+        if watch and extra.get("hint_server"):
+            raise ConfigError("kv_connector_extra_config.hint_watch", watch,
+                              "give hint_server (host it here) or hint_watch (follow one elsewhere), not both")
         return cls(cfg, extra.get("stats_path"), extra.get("hint_server"), ssd_root, placement, hold, float(budget),
-                   eviction_set)
+                   eviction_set, watch, extra.get("hint_watch_token"))
 
     def rank_ssd_path(self, tp_rank: int, tp_size: int) -> Path | None:
         """The LMDB directory of one TP rank (each rank stores its own shard)."""

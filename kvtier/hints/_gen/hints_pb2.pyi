@@ -409,6 +409,40 @@ class SharedRoundInfo(_message.Message):
     num_block_keys: int
     def __init__(self, round_id: _Optional[str] = ..., agent_ids: _Optional[_Iterable[str]] = ..., num_block_keys: _Optional[int] = ...) -> None: ...
 
+class WatchRequest(_message.Message):
+    __slots__ = ("interval_ms",)
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    interval_ms: int
+    def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
+
+class AgentView(_message.Message):
+    __slots__ = ("session_id", "agent_id", "parent_agent_id", "criticality", "ended", "tool_call_in_flight", "has_prediction", "tool_returns_in_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CRITICALITY_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    HAS_PREDICTION_FIELD_NUMBER: _ClassVar[int]
+    TOOL_RETURNS_IN_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    agent_id: str
+    parent_agent_id: str
+    criticality: float
+    ended: bool
+    tool_call_in_flight: bool
+    has_prediction: bool
+    tool_returns_in_s: float
+    def __init__(self, session_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., parent_agent_id: _Optional[str] = ..., criticality: _Optional[float] = ..., ended: _Optional[bool] = ..., tool_call_in_flight: _Optional[bool] = ..., has_prediction: _Optional[bool] = ..., tool_returns_in_s: _Optional[float] = ...) -> None: ...
+
+class AgentsView(_message.Message):
+    __slots__ = ("agents", "num_left_out")
+    AGENTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
+    agents: _containers.RepeatedCompositeFieldContainer[AgentView]
+    num_left_out: int
+    def __init__(self, agents: _Optional[_Iterable[_Union[AgentView, _Mapping]]] = ..., num_left_out: _Optional[int] = ...) -> None: ...
+
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "age_s", "agents", "tool_calls", "shared_rounds", "critical_path")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

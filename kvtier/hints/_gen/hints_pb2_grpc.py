@@ -50,6 +50,11 @@ class HintServiceStub:
                 request_serializer=kvtier_dot_v1_dot_hints__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_hints__pb2.Stats.FromString,
                 _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/kvtier.v1.HintService/Watch',
+                request_serializer=kvtier_dot_v1_dot_hints__pb2.WatchRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_hints__pb2.AgentsView.FromString,
+                _registered_method=True)
 
 
 class HintServiceServicer:
@@ -81,6 +86,16 @@ class HintServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Watch(self, request, context):
+        """For engine connectors: the caller's tenant's agents as placement reads
+        them (criticality, parent, a tool call in flight and its predicted
+        return, ended), one view at once and then one every interval, until the
+        client cancels the call or the server stops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HintServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +113,11 @@ def add_HintServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=kvtier_dot_v1_dot_hints__pb2.GetStatsRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_hints__pb2.Stats.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=kvtier_dot_v1_dot_hints__pb2.WatchRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_hints__pb2.AgentsView.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +201,33 @@ class HintService:
             '/kvtier.v1.HintService/GetStats',
             kvtier_dot_v1_dot_hints__pb2.GetStatsRequest.SerializeToString,
             kvtier_dot_v1_dot_hints__pb2.Stats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvtier.v1.HintService/Watch',
+            kvtier_dot_v1_dot_hints__pb2.WatchRequest.SerializeToString,
+            kvtier_dot_v1_dot_hints__pb2.AgentsView.FromString,
             options,
             channel_credentials,
             insecure,
