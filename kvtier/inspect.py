@@ -19,6 +19,7 @@ from typing import TextIO
 import lmdb
 
 from .errors import StorageError
+from .tiers.lmdbfile import data_file_problem
 from .keys import KEY_BYTES, BlockKey, key_from_bytes
 from .tiers.codec import FORMAT_VERSION, MAGIC, DecodeOutcome, ValueContext, ValueHeader, decode_outcome, read_header
 
@@ -39,8 +40,14 @@ def inspect_dir(path: str, *, verify: bool = True, blocks: bool = False, out: Te
     when every value verifies, 1 otherwise. O(stored bytes) with ``verify``."""
     if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "data.mdb")):
         raise StorageError(f"{path!r} is not an SSD tier directory (no data.mdb); see tiers.ssd.path")
+    bad = data_file_problem(path)
+    if bad is not None:  # never map it: a truncated file is a SIGBUS, not an exception
+        raise StorageError(f"{path!r}: {bad}; not opened")
     now_s = time.time()
-    env = lmdb.open(path, readonly=True, lock=False, subdir=True, max_readers=8)
+    try:
+        env = lmdb.open(path, readonly=True, lock=False, subdir=True, max_readers=8)
+    except lmdb.Error as exc:
+        raise StorageError(f"{path!r}: cannot open LMDB environment: {exc}") from exc
     groups: dict[tuple[str, str, str], _Group] = defaultdict(_Group)
     num_unreadable = num_old_format = num_misplaced = 0
     block_lines: list[str] = []

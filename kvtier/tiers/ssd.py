@@ -60,8 +60,10 @@ as ``t.view(torch.uint8).numpy()``.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import Callable, Iterator, NamedTuple, Sequence, TypeVar
@@ -71,6 +73,7 @@ import lmdb
 from ..errors import ConfigError, ProtocolError, StorageError
 from ..keys import KEY_BYTES, BlockKey, Namespace, key_from_bytes, key_to_bytes
 from ..layout import KVLayout
+from .lmdbfile import data_file_problem
 from .codec import (
     ValueContext,
     ValueHeader,
@@ -80,6 +83,8 @@ from .codec import (
     encode_many,
     read_header,
 )
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAP_SIZE_BYTES = 16 << 30
 _DELETE_HEADROOM_BYTES = 1 << 20
@@ -616,20 +621,45 @@ def _open_env(path: str, map_size_bytes: int, sync: bool, readonly: bool) -> lmd
             os.makedirs(real_path, exist_ok=True)
         except OSError as exc:
             raise StorageError(f"tiers.ssd.path={path!r}: cannot create directory: {exc.strerror or exc}") from exc
+    bad = data_file_problem(real_path)
+    if bad is not None:
+        if readonly:  # never map it: a truncated file is a SIGBUS, not an exception
+            raise StorageError(f"tiers.ssd.path={path!r}: {bad}; not opened")
+        _set_aside(path, real_path, bad)
+
+    def open_() -> lmdb.Environment:
+        return lmdb.open(real_path, map_size=map_size_bytes, subdir=True, readonly=readonly, create=not readonly,
+                         sync=sync, metasync=sync, readahead=True, max_readers=256)
+
     try:
-        return lmdb.open(
-            real_path,
-            map_size=map_size_bytes,
-            subdir=True,
-            readonly=readonly,
-            create=not readonly,
-            sync=sync,
-            metasync=sync,
-            readahead=True,
-            max_readers=256,
-        )
+        return open_()
     except (lmdb.Error, OSError) as exc:
-        raise StorageError(f"tiers.ssd.path={path!r}: cannot open LMDB environment: {exc}") from exc
+        if readonly or bad is not None:
+            raise StorageError(f"tiers.ssd.path={path!r}: cannot open LMDB environment: {exc}") from exc
+        _set_aside(path, real_path, f"LMDB refused it ({exc})")  # a cache starts over rather than fail its host
+        try:
+            return open_()
+        except (lmdb.Error, OSError) as exc2:
+            raise StorageError(f"tiers.ssd.path={path!r}: cannot open LMDB environment: {exc2}") from exc2
+
+
+def _set_aside(path: str, real_path: str, problem: str) -> None:
+    """Rename an SSD tier directory that cannot be opened safely (kept for a
+    look, named in a WARNING) and make an empty one in its place: the tier
+    starts empty instead of crashing or failing its host."""
+    aside = f"{real_path}.unusable-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    try:
+        os.rename(real_path, aside)
+    except FileNotFoundError:  # another process set it aside first
+        aside = "(set aside by another process)"
+    except OSError as exc:
+        raise StorageError(f"tiers.ssd.path={path!r}: {problem}, and it cannot be set aside: "
+                           f"{exc.strerror or exc}") from exc
+    log.warning("kvtier: SSD tier %s: %s; set aside as %s, the tier starts empty", path, problem, aside)
+    try:
+        os.makedirs(real_path, exist_ok=True)
+    except OSError as exc:
+        raise StorageError(f"tiers.ssd.path={path!r}: cannot create directory: {exc.strerror or exc}") from exc
 
 
 class _TxnGate:

@@ -295,3 +295,66 @@ def test_ssd_directory_replaced_by_a_file_is_a_storage_error_naming_the_setting(
     with pytest.raises(StorageError, match="tiers.ssd.path"):
         TieredStore(cfg)
     FIGURES["faults_survived"] += 1
+
+
+# ---------------------------------------------------------------- unusable LMDB files
+
+_DAMAGE = {
+    "truncated": lambda f: os.truncate(f, os.path.getsize(f) // 3),
+    "empty": lambda f: os.truncate(f, 0),
+    "random": lambda f: f.write_bytes(random.Random(SEED).randbytes(os.path.getsize(f))),
+}
+
+_OPEN_AND_SERVE = textwrap.dedent("""
+    import sys, logging
+    sys.path.insert(0, {here!r})
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    from fault_support import blocks_for, chain_tokens, make_store, read_and_check
+    with make_store({path!r}, dram=8, ssd=256) as store:
+        old = store.keys_for(chain_tokens(0, 4))
+        print("old", read_and_check(store, old))
+        keys = store.keys_for(chain_tokens(7, 4))
+        print("put", store.put(keys, blocks_for(keys)))
+        print("get", read_and_check(store, keys))
+""")
+
+
+def _damaged_tier(tmp_path: Path, damage: str) -> Path:
+    path = tmp_path / "ssd"
+    with make_store(path, dram=8, ssd=256, write_through=True) as store:
+        for c in range(6):
+            keys = store.keys_for(chain_tokens(c, 4))
+            assert store.put(keys, blocks_for(keys)) == 4
+    _DAMAGE[damage](path / "data.mdb")
+    FIGURES["faults_injected"] += 1
+    return path
+
+
+@pytest.mark.parametrize("damage", sorted(_DAMAGE))
+def test_an_unusable_lmdb_file_is_set_aside_and_the_store_starts_empty(tmp_path: Path, damage: str) -> None:
+    """A truncated file used to kill the process (SIGBUS: LMDB maps pages past the
+    end of the file); an empty or foreign one failed the open. The store now sets
+    the directory aside, names it in a WARNING and serves from an empty tier.
+    In a child process: a crash would otherwise take the test runner with it."""
+    path = _damaged_tier(tmp_path, damage)
+    proc = subprocess.run([sys.executable, "-c", _OPEN_AND_SERVE.format(here=str(HERE), path=str(path))],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stdout.split("\n")[:3] == ["old (0, 0)", "put 4", "get (4, 0)"], proc.stdout
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("ssd.unusable-")]
+    assert f"set aside as {aside}" in proc.stderr and "WARNING" in proc.stderr
+    assert (aside / "data.mdb").exists()  # kept for a look, never deleted
+    FIGURES["faults_survived"] += 1
+
+
+@pytest.mark.parametrize("damage", sorted(_DAMAGE))
+def test_inspect_names_an_unusable_lmdb_file_and_does_not_crash(tmp_path: Path, damage: str) -> None:
+    path = _damaged_tier(tmp_path, damage)
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "inspect", str(path)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr)
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"kvtier inspect: error: {str(path)!r}: "), line
+    assert "data.mdb" in line or "LMDB" in line, line
+    assert not any(p.name.startswith("ssd.unusable-") for p in tmp_path.iterdir())  # inspect changes nothing
+    FIGURES["faults_survived"] += 1
