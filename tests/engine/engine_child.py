@@ -7,7 +7,8 @@ directory, engine options, an optional kvtier ``kv_connector_extra_config``,
 and phases (prompts as token ids, optionally one ``kv_transfer_params`` dict per
 prompt; ``reset_prefix_cache`` before a phase). The
 output has, per phase, each prompt's generated token ids and per-token
-logprobs, the kvtier stats file after the phase, and vLLM's external prefix
+logprobs (``outputs``), vLLM's own TTFT and cached-token count per request
+(``requests``), the kvtier stats file after the phase, and vLLM's external prefix
 cache hit counters (``external_hits`` from kvtier, ``local_hits`` from its own
 prefix cache; cumulative).
 """
@@ -94,17 +95,19 @@ def main(spec_path: str, out_path: str | None) -> None:
         sps = [sampling(p) for p in params] if params else sp
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]], sps, use_tqdm=False)
         gen_s, cpu_s = time.perf_counter() - t1, _tree_cpu_s() - cpu1
-        rows = []
+        rows, timings = [], []
         for o in outs:
             c = o.outputs[0]
             metrics = getattr(o, "metrics", None)
-            rows.append({
+            timings.append({
                 "ttft_s": getattr(metrics, "first_token_latency", None),  # vLLM's own, per request
                 "cached_tokens": getattr(o, "num_cached_tokens", None),  # HBM + connector hits
+            })
+            rows.append({
                 "token_ids": list(c.token_ids),
                 "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in (c.logprobs or [])],
             })
-        return {"outputs": rows, "gen_s": gen_s, "cpu_s": cpu_s, "stats": _wait_idle(stats_path),
+        return {"outputs": rows, "requests": timings, "gen_s": gen_s, "cpu_s": cpu_s, "stats": _wait_idle(stats_path),
                 "external_hits": _metric(llm, "vllm:external_prefix_cache_hits"),
                 "local_hits": _metric(llm, "vllm:prefix_cache_hits")}
 

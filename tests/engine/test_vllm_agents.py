@@ -151,7 +151,7 @@ def _engine_rows(run: dict, phases: list[dict]) -> list[dict]:
         local, ext = now["local"] - prev["local"], now["ext"] - prev["ext"]
         rows.append({"computed": int(sum(len(p) for p in spec["prompts"]) - local - ext), "hbm": int(local),
                      "dram": now["dram"] - prev["dram"], "ssd": now["ssd"] - prev["ssd"], "external": int(ext),
-                     "ttft_s": [o["ttft_s"] for o in ph["outputs"]]})
+                     "ttft_s": [r["ttft_s"] for r in ph["requests"]]})
         prev = now
     return rows
 

@@ -14,10 +14,16 @@ Scenario, one engine process per step, all over one SSD directory:
    loads blocks 1-2 (64 tokens), reports the rest as failed, recomputes, and
    the output still equals the baseline; a second run of A after a prefix
    cache reset is served in full from DRAM (the recomputed block was stored).
+5. truncated: the SSD file is cut to a third (LMDB would map pages past its
+   end: a SIGBUS that used to kill the engine at start). A new engine sets the
+   directory aside (a WARNING names it), starts with an empty tier, computes
+   A (nothing to load) with the baseline's output, and serves it from kvtier
+   after a prefix cache reset.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -52,6 +58,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     runs["corrupted_key"] = _corrupt_block(ssd / "tp0-of-1", chain_length=6, index=2)
     runs["corrupt"] = run_child(tmp, "corrupt", spec(kvtier("corrupt"), [
         {"prompts": [A]}, {"prompts": [A], "reset_prefix_cache": True}]))
+    data = ssd / "tp0-of-1" / "data.mdb"
+    os.truncate(data, data.stat().st_size // 3)
+    runs["truncated"] = run_child(tmp, "truncated", spec(kvtier("truncated"), [
+        {"prompts": [A]}, {"prompts": [A], "reset_prefix_cache": True}], engine={"distributed_executor_backend": "mp"}))
+    runs["truncated_log"] = (tmp / "truncated.log").read_text()
     return runs
 
 
@@ -136,3 +147,16 @@ def test_corrupt_ssd_value_is_recomputed_with_identical_output(world: dict) -> N
     # the recomputed blocks were stored again: a rerun is served in full
     assert healed["stats"]["counters"]["hit_tokens"] == 2 * BLOCK_SIZE + A_HIT_TOKENS
     assert _outputs(run, 1) == _outputs(world["baseline"], 0)[:1]
+
+
+def test_a_truncated_ssd_file_is_set_aside_and_the_engine_serves_from_an_empty_tier(world: dict) -> None:
+    run = world["truncated"]
+    cold, warm = run["phases"]
+    assert cold["stats"]["counters"]["ssd_reindexed_blocks"] == 0  # nothing read from the damaged file
+    assert cold["stats"]["counters"].get("hit_tokens", 0) == 0
+    assert _outputs(run, 0) == _outputs(world["baseline"], 0)[:1]
+    assert warm["stats"]["counters"]["hit_tokens"] == A_HIT_TOKENS
+    assert _outputs(run, 1) == _outputs(world["baseline"], 0)[:1]
+    aside = [p for p in world["ssd"].iterdir() if p.name.startswith("tp0-of-1.unusable-")]
+    assert len(aside) == 1 and (aside[0] / "data.mdb").exists()
+    assert "data.mdb is truncated" in world["truncated_log"] and f"set aside as {aside[0]}" in world["truncated_log"]
