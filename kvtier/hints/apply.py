@@ -247,7 +247,10 @@ class HintApplier:
 
         ``skip_invalid`` False: stop at the first rejection (``stopped``);
         events before it stay applied. True: skip bad events, list them all.
-        A duplicate ``(tenant, event_id)`` is counted and not applied again.
+        A duplicate ``(tenant, event_id)`` is counted and not applied again;
+        with ``request.announce`` (a client announcing its live state again
+        after a reconnect) so is an event refused only because what it starts
+        already exists.
         With ``HintLimits.max_events_per_s_per_tenant`` set, only as many
         events as the tenant's budget allows are looked at; the rest of the
         batch is refused as one ``rate_limited`` rejection (``stopped``).
@@ -273,7 +276,7 @@ class HintApplier:
         max_us = now_unix_us + int(self.limits.max_future_skew_s * 1e6)
         client_id = request.client_id
         self._run(stats, tenant, signals, "signals", self._signal, client_id, result, skip_invalid,
-                  now_s, max_us)
+                  now_s, max_us, announce=bool(getattr(request, "announce", False)))
         if result.stopped is None:
             self._run(stats, tenant, commands, "commands", self._command, stats, result, skip_invalid,
                       now_s, max_us)
@@ -315,7 +318,8 @@ class HintApplier:
         return result
 
     def _run(self, stats: TenantStats, tenant: str, events: Any, where: str, handlers: dict[str, Callable],
-             extra: Any, result: BatchResult, skip_invalid: bool, now_s: float, max_us: int) -> None:
+             extra: Any, result: BatchResult, skip_invalid: bool, now_s: float, max_us: int,
+             announce: bool = False) -> None:
         seen, order, window = self._seen, self._seen_order, self.limits.dedupe_window_events
         seen_add, order_append = seen.add, order.append
         tkey = _dedupe_tenant_key(stats.index)
@@ -342,6 +346,9 @@ class HintApplier:
                             seen.discard(order.popleft())
                         if listener is not None:
                             listener.on_event(tenant, kind, ev, now_s)
+                        continue
+                    if announce and refusal.reason == "duplicate":  # already known: the announcement is a no-op
+                        duplicates += 1
                         continue
                     refusal = Refusal(refusal.reason, f"{kind}.{refusal.field}", refusal.message)
                 else:

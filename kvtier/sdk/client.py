@@ -8,6 +8,15 @@ the agent beyond one bounded enqueue, and never raise because the server is
 slow, down or rejecting: such events are *dropped and counted*
 (:attr:`_Emitter.drops`). Caller bugs (an unknown event kind) raise.
 
+A restarted server knows none of the client's sessions. The sender keeps
+what it told the server is live (:class:`_LiveState`: sessions, agents,
+dependencies, requests and tool calls not yet ended, as of the batches
+already taken from the queue) and announces it again, with new event ids,
+before its next batch whenever the server may have lost it: after a failed
+call, or when a batch comes back with events refused ``unknown_*`` (a
+restart between two batches), in which case that batch is sent once more
+(event ids make the repeat safe: what was applied is deduplicated).
+
 ``emit(kind, **fields)`` is the whole hot path: a dict lookup, an id, a
 timestamp and a ``deque.append`` (p99 well under 20 us on the caller thread).
 ``kind`` is a field name of the ``Signal`` / ``Command`` oneof in
@@ -36,7 +45,7 @@ import secrets
 import socket
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -113,14 +122,82 @@ class ClientStats:
     reconnects: int
     connected: bool
     last_error: str
+    rejected_by_reason: Mapping[str, int] = None  # type: ignore[assignment]
+    reannounced_sessions: int = 0  # sessions announced again to a server that had lost them
 
     @property
     def num_dropped(self) -> int:
         return sum(self.dropped.values())
 
 
+_LOST_STATE = ("unknown_session", "unknown_agent", "unknown_request", "unknown_tool_call")
+_OPENS = {"request_start": ("requests", "request_id"), "tool_call_start": ("calls", "tool_call_id")}
+_CLOSES = {"request_end": ("requests", "request_id"), "tool_call_end": ("calls", "tool_call_id")}
+
+
+class _LiveState:
+    """What the client has told the server is live, by session, in announcement
+    order: its start, agents (parents before children), dependencies, requests
+    and tool calls in flight. At most ``max_sessions`` sessions, the most
+    recently started (a server limits sessions per client too); events the
+    server refused are left out."""
+
+    def __init__(self, max_sessions: int) -> None:
+        self.max_sessions = max_sessions
+        self.sessions: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+    def apply(self, items: list[tuple[str, int, int, dict[str, Any]]], refused: set[int] = frozenset()) -> None:
+        for kind, eid, ts, fields in items:
+            sid = fields.get("session_id")
+            if not isinstance(sid, str) or eid in refused:
+                continue
+            if kind == "session_start":
+                self.sessions[sid] = {"start": (ts, dict(fields)), "agents": {}, "deps": [], "requests": {},
+                                      "calls": {}}
+                self.sessions.move_to_end(sid)
+                while len(self.sessions) > self.max_sessions:
+                    self.sessions.popitem(last=False)
+                continue
+            s = self.sessions.get(sid)
+            if s is None:
+                continue
+            if kind == "session_end":
+                del self.sessions[sid]
+            elif kind == "agent_spawn":
+                s["agents"][fields.get("agent_id")] = (ts, dict(fields))
+            elif kind == "agent_end":
+                aid = fields.get("agent_id")
+                s["agents"].pop(aid, None)
+                for group in ("requests", "calls"):
+                    s[group] = {k: v for k, v in s[group].items() if v[1].get("agent_id") != aid}
+            elif kind == "dependency":
+                s["deps"].append((ts, dict(fields)))
+            elif kind in _OPENS:
+                group, key = _OPENS[kind]
+                s[group][fields.get(key)] = (ts, dict(fields))
+            elif kind in _CLOSES:
+                group, key = _CLOSES[kind]
+                s[group].pop(fields.get(key), None)
+
+    def announcements(self) -> list[tuple[str, int, dict[str, Any]]]:
+        """(kind, original client time, fields) that rebuild every live session."""
+        out = []
+        for s in self.sessions.values():
+            out.append(("session_start", *s["start"]))
+            live = s["agents"]
+            out += [("agent_spawn", ts, f) for ts, f in live.values()]
+            out += [("dependency", ts, f) for ts, f in s["deps"]
+                    if f.get("from_agent_id") in live and f.get("to_agent_id") in live]
+            out += [("request_start", ts, f) for ts, f in s["requests"].values()]
+            out += [("tool_call_start", ts, f) for ts, f in s["calls"].values()]
+        return out
+
+
 class _Emitter:
     """The queue, ``emit`` and the helpers shared by both clients."""
+
+    MAX_ANNOUNCED_SESSIONS = 256
+    """Live sessions a client announces again to a restarted server (the most recent)."""
 
     def __init__(self, *, client_id: str | None, max_queue_events: int, batch_max_events: int,
                  flush_interval_s: float) -> None:
@@ -140,6 +217,12 @@ class _Emitter:
         self._last_error = ""
         self._in_flight = 0
         self.last_rejections: deque[Any] = deque(maxlen=16)
+        self._rejected_by_reason: Counter[str] = Counter()
+        self._live = _LiveState(self.MAX_ANNOUNCED_SESSIONS)  # sender side only
+        self._refused: set[int] = set()  # event ids of the batch in flight that the server refused
+        self._announce_needed = False  # the server may have lost the live state (a failed call, a new connection)
+        self._reannounced = 0
+        self._was_ready = False
 
     # ----------------------------------------------------------- hot path
 
@@ -176,7 +259,7 @@ class _Emitter:
             self._first_id += 1
             return ClientStats(emitted, self._accepted, self._duplicates, self._rejected, dict(self.drops),
                                len(self._queue), self._batches, self._reconnects, self._connected,
-                               self._last_error)
+                               self._last_error, dict(self._rejected_by_reason), self._reannounced)
 
     # ----------------------------------------------------------- batches
 
@@ -214,11 +297,51 @@ class _Emitter:
             if not self._connected and self._batches:
                 self._reconnects += 1
             self._connected = True
+            self._last_error = ""
             self._batches += 1
             self._accepted += resp.num_accepted
             self._duplicates += resp.num_duplicates
             self._rejected += resp.num_rejected
             self.last_rejections.extend(resp.rejections)
+            listed = 0
+            for rej in resp.rejections:
+                self._rejected_by_reason[rej.reason] += 1
+                self._refused.add(rej.event_id)
+                listed += 1
+            if resp.num_rejected > listed:
+                self._rejected_by_reason["unlisted"] += resp.num_rejected - listed
+
+    def _lost_state(self, resp: Any) -> bool:
+        """Did the server refuse events for not knowing a live session (a restart)?"""
+        return bool(self._live.sessions) and any(r.reason in _LOST_STATE for r in resp.rejections)
+
+    def _announcements(self) -> list[Any]:
+        """Batches that announce every live session again (new event ids, original
+        times; ``announce``: what the server still has counts as a duplicate)."""
+        items = [(kind, next(self._ids), ts, dict(fields)) for kind, ts, fields in self._live.announcements()]
+        out = []
+        for i in range(0, len(items), self._batch_max):
+            req, n = self._build(items[i: i + self._batch_max])
+            if n:
+                req.announce = True
+                out.append(req)
+        return out
+
+    def _track(self, items: list[tuple[str, int, int, dict[str, Any]]]) -> None:
+        """After a batch was sent or dropped: what the caller said is live now
+        (less what the server refused)."""
+        self._live.apply(items, self._refused)
+        self._refused = set()
+
+    def _on_channel_state(self, state: Any) -> None:
+        """Channel connectivity (grpc's thread): once connected, any later state but
+        READY means the connection went away; the server behind the next one may
+        have restarted, so the live state is announced before the next batch."""
+        if state == grpc.ChannelConnectivity.READY:
+            self._was_ready = True
+        elif self._was_ready:
+            self._was_ready = False
+            self._announce_needed = True
 
     def _classify_failure(self, err: Any) -> str | None:
         """``None`` when the batch should be retried, else the drop reason."""
@@ -316,6 +439,7 @@ class HintClient(_Emitter):
         if self._thread is not None:
             return
         self._channel = _channel(self.target, *self._tls, aio=False)
+        self._channel.subscribe(self._on_channel_state, try_to_connect=False)
         self._publish = pb_grpc.HintServiceStub(self._channel).Publish
         self._thread = threading.Thread(target=self._run, name=f"kvtier-hints-{self.client_id}", daemon=True)
         self._thread.start()
@@ -332,16 +456,34 @@ class HintClient(_Emitter):
                 req, n = self._build(items)
                 if n:
                     self._send(req, n)
+                self._track(items)
                 with self._idle:
                     self._in_flight = 0
                     self._idle.notify_all()
             if self._stop.is_set():
                 return
 
+    def _call(self, req: Any) -> Any:
+        """One Publish; ``None`` after a failure that was counted for retrying."""
+        try:
+            return self._publish(req, timeout=self._rpc_timeout_s, metadata=self._md)
+        except grpc.RpcError as err:
+            if self._classify_failure(err) is None:
+                self._announce_needed = True
+            raise
+
     def _send(self, req: Any, n: int) -> None:
-        for attempt in range(1, self._max_attempts + 1):
+        announced_for_it = False
+        attempt = 0
+        while attempt < self._max_attempts:
+            attempt += 1
             try:
-                resp = self._publish(req, timeout=self._rpc_timeout_s, metadata=self._md)
+                if self._announce_needed and self._live.sessions:
+                    for ann in self._announcements():
+                        self._call(ann)
+                    self._reannounced += len(self._live.sessions)
+                    self._announce_needed = False
+                resp = self._call(req)
             except grpc.RpcError as err:
                 reason = self._classify_failure(err)
                 if reason is not None:
@@ -353,6 +495,10 @@ class HintClient(_Emitter):
                     return
                 self._sleep_backoff()
                 continue
+            if not announced_for_it and self._lost_state(resp):  # restarted between two batches
+                announced_for_it = self._announce_needed = True
+                attempt -= 1
+                continue  # announce, then this batch once more (applied events are deduplicated)
             self._on_response(resp)
             self._next_backoff_s = self._backoff[0]
             return
@@ -424,6 +570,7 @@ class AsyncHintClient(_Emitter):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake_event: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
         self._channel: Any = None
         self._closing = False
 
@@ -435,6 +582,15 @@ class AsyncHintClient(_Emitter):
         self._channel = _channel(self.target, *self._tls, aio=True)
         self._publish = pb_grpc.HintServiceStub(self._channel).Publish
         self._task = self._loop.create_task(self._run())
+        self._watch_task = self._loop.create_task(self._watch_channel())
+
+    async def _watch_channel(self) -> None:
+        channel = self._channel
+        state = channel.get_state(try_to_connect=False)
+        while not self._closing and channel is self._channel:
+            self._on_channel_state(state)
+            await channel.wait_for_state_change(state)
+            state = channel.get_state(try_to_connect=False)
 
     def _wake(self) -> None:
         loop, event = self._loop, self._wake_event
@@ -462,14 +618,31 @@ class AsyncHintClient(_Emitter):
                 req, n = self._build(items)
                 if n:
                     await self._send(req, n)
+                self._track(items)
                 self._in_flight = 0
             if self._closing:
                 return
 
+    async def _call(self, req: Any) -> Any:
+        try:
+            return await self._publish(req, timeout=self._rpc_timeout_s, metadata=self._md)
+        except grpc.RpcError as err:
+            if self._classify_failure(err) is None:
+                self._announce_needed = True
+            raise
+
     async def _send(self, req: Any, n: int) -> None:
-        for attempt in range(1, self._max_attempts + 1):
+        announced_for_it = False
+        attempt = 0
+        while attempt < self._max_attempts:
+            attempt += 1
             try:
-                resp = await self._publish(req, timeout=self._rpc_timeout_s, metadata=self._md)
+                if self._announce_needed and self._live.sessions:
+                    for ann in self._announcements():
+                        await self._call(ann)
+                    self._reannounced += len(self._live.sessions)
+                    self._announce_needed = False
+                resp = await self._call(req)
             except grpc.RpcError as err:
                 reason = self._classify_failure(err)
                 if reason is not None:
@@ -480,6 +653,10 @@ class AsyncHintClient(_Emitter):
                     await self._sleep_backoff()
                     return
                 await self._sleep_backoff()
+                continue
+            if not announced_for_it and self._lost_state(resp):  # restarted between two batches
+                announced_for_it = self._announce_needed = True
+                attempt -= 1
                 continue
             self._on_response(resp)
             self._next_backoff_s = self._backoff[0]
@@ -512,6 +689,9 @@ class AsyncHintClient(_Emitter):
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 self._task.cancel()
             self._task = None
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            self._watch_task = None
         left = len(self._queue)
         self._queue.clear()
         if left:

@@ -293,16 +293,18 @@ class Command(_message.Message):
     def __init__(self, event_id: _Optional[int] = ..., client_time_unix_us: _Optional[int] = ..., pin: _Optional[_Union[PinCommand, _Mapping]] = ..., unpin: _Optional[_Union[UnpinCommand, _Mapping]] = ..., prefetch: _Optional[_Union[PrefetchCommand, _Mapping]] = ..., priority: _Optional[_Union[PriorityCommand, _Mapping]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("client_id", "signals", "commands", "skip_invalid")
+    __slots__ = ("client_id", "signals", "commands", "skip_invalid", "announce")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SIGNALS_FIELD_NUMBER: _ClassVar[int]
     COMMANDS_FIELD_NUMBER: _ClassVar[int]
     SKIP_INVALID_FIELD_NUMBER: _ClassVar[int]
+    ANNOUNCE_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     signals: _containers.RepeatedCompositeFieldContainer[Signal]
     commands: _containers.RepeatedCompositeFieldContainer[Command]
     skip_invalid: bool
-    def __init__(self, client_id: _Optional[str] = ..., signals: _Optional[_Iterable[_Union[Signal, _Mapping]]] = ..., commands: _Optional[_Iterable[_Union[Command, _Mapping]]] = ..., skip_invalid: _Optional[bool] = ...) -> None: ...
+    announce: bool
+    def __init__(self, client_id: _Optional[str] = ..., signals: _Optional[_Iterable[_Union[Signal, _Mapping]]] = ..., commands: _Optional[_Iterable[_Union[Command, _Mapping]]] = ..., skip_invalid: _Optional[bool] = ..., announce: _Optional[bool] = ...) -> None: ...
 
 class Rejection(_message.Message):
     __slots__ = ("event_id", "field", "reason", "message")
