@@ -12,6 +12,7 @@ import sys
 from typing import Sequence
 
 from . import __version__
+from .cliargs import Parser, fraction, nonnegative_float, positive_int, writable_file
 from .errors import KVTierError
 
 
@@ -90,7 +91,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="kvtier",
         description="kvtier: an agent-aware tiered (HBM / DRAM / SSD) KV-cache manager.",
     )
@@ -112,19 +113,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "shared: on real KV of a small seeded transformer in an all-gather round, bytes per agent "
                         "of master+mirror diffs vs full copies, fused vs dense reconstruct-then-copy restore "
                         "throughput, bit-exact lossless restores")
-    b.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
-    b.add_argument("--total-mib", type=int, default=128, help="bytes copied per DRAM measurement (MiB, default 128)")
-    b.add_argument("--ssd-total-mib", type=int, default=64, help="bytes written per SSD measurement (MiB, default 64)")
-    b.add_argument("--events", type=int, default=200_000,
+    b.add_argument("--json", metavar="PATH", type=writable_file, help="also write the figures as JSON to PATH")
+    b.add_argument("--total-mib", type=positive_int, default=128,
+                   help="bytes copied per DRAM measurement (MiB, default 128)")
+    b.add_argument("--ssd-total-mib", type=positive_int, default=64,
+                   help="bytes written per SSD measurement (MiB, default 64)")
+    b.add_argument("--events", type=positive_int, default=200_000,
                    help="hints: events sent per client-count run, split over the clients (default 200000)")
-    b.add_argument("--agents", type=int, default=6, help="shared: agents in the round (default 6)")
-    b.add_argument("--segment-tokens", type=int, default=320,
+    b.add_argument("--agents", type=positive_int, default=6, help="shared: agents in the round (default 6)")
+    b.add_argument("--segment-tokens", type=positive_int, default=320,
                    help="shared: tokens of each agent's shared output segment (default 320 = 20 blocks)")
-    b.add_argument("--recompute-fraction", type=float, default=0.15,
+    b.add_argument("--recompute-fraction", type=fraction, default=0.15,
                    help="shared: fraction of shared positions each agent recomputes (default 0.15)")
     b.add_argument("--granularity", choices=["block", "token"], default="block",
                    help="shared: recompute whole blocks (default) or single tokens")
-    b.add_argument("--error-bound", type=float, default=1.0 / 64,
+    b.add_argument("--error-bound", type=nonnegative_float, default=1.0 / 64,
                    help="shared: per-element absolute error bound of the lossy diff figure (default 1/64)")
     b.set_defaults(func=_cmd_bench)
 
@@ -156,6 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVTierError as exc:  # bad input or configuration: the message names what to fix
         print(f"kvtier {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`kvtier replay ... | head -1`): stop quietly
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python would complain flushing stdout at exit
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

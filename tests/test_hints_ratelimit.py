@@ -83,9 +83,9 @@ def test_serve_flag_sets_the_limit_and_rejects_bad_values() -> None:
     serve.add_arguments(parser)
     server, _, _ = serve.build_server(parser.parse_args(["--max-events-per-s-per-tenant", "250"]))
     assert server.applier.limits.max_events_per_s_per_tenant == 250
-    with pytest.raises(SystemExit, match="--max-events-per-s-per-tenant") as info:
-        serve.build_server(parser.parse_args(["--max-events-per-s-per-tenant", "0"]))
-    assert SETTING in str(info.value)
+    with pytest.raises(SystemExit) as info:  # refused while parsing: argparse's exit status 2
+        parser.parse_args(["--max-events-per-s-per-tenant", "0"])
+    assert info.value.code == 2
     assert serve.build_server(parser.parse_args([]))[0].applier.limits.max_events_per_s_per_tenant is None
 
 

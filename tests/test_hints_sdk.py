@@ -118,13 +118,37 @@ def test_full_queue_and_bad_fields_are_dropped_and_counted(srv):
     assert results == [True, True, True, False, False]
     client.start()
     assert client.flush(10)
-    client.emit("session_start", session_id="q9", no_such_field=1)  # cannot be encoded
-    client.emit("agent_spawn", session_id="q9", agent_id="a", importance="bogus")
+    client.emit("agent_spawn", session_id="q9", agent_id="a", importance="bogus")  # an enum name it lacks
     assert client.flush(10)
     client.close()
     stats = client.stats()
-    assert stats.dropped["queue_full"] == 2 and stats.dropped["invalid"] == 2 and stats.accepted == 3
+    assert stats.dropped["queue_full"] == 2 and stats.dropped["invalid"] == 1 and stats.accepted == 3
     assert "BOGUS" in stats.last_error
+
+
+@pytest.mark.parametrize("fields, says", [
+    (dict(expected_s=3), "'tool_call_start' has no field 'expected_s'; its fields: "),  # a real miss: 2,738 lost
+    (dict(expected_duration_s="3"), "field 'expected_duration_s' takes int or float, got str '3'"),
+    (dict(tool_name=5), "field 'tool_name' takes str, got int 5"),
+])
+def test_misspelled_or_mistyped_fields_raise_at_emit(fields: dict, says: str, caplog) -> None:
+    client = HintClient("127.0.0.1:1", start=False)
+    base = dict(session_id="s", agent_id="a", tool_call_id="t", tool_name="bash")
+    with pytest.raises(TypeError) as err:
+        client.emit("tool_call_start", **{**base, **fields})
+    assert says in str(err.value)
+    assert client.stats().emitted == 0  # nothing queued
+    client.close(timeout_s=0.1)
+
+
+def test_the_first_drop_of_each_reason_is_logged(caplog) -> None:
+    client = HintClient("127.0.0.1:1", max_queue_events=1, start=False)
+    with caplog.at_level("WARNING", logger="kvtier.sdk"):
+        for i in range(3):
+            client.emit("session_start", session_id=f"s{i}")
+    warnings = [r for r in caplog.records if "queue_full" in r.getMessage()]
+    assert len(warnings) == 1 and client.stats().dropped["queue_full"] == 2
+    client.close(timeout_s=0.1)
 
 
 def test_emit_is_cheap_on_the_caller_thread(srv):

@@ -168,7 +168,7 @@ def test_split_halves_are_disjoint_fixed_and_cover_the_set() -> None:
 
 @pytest.mark.parametrize("args, says", [
     (["--split", "eval"], "--split='eval'"),
-    (["--jobs", "0"], "--jobs=0: must be >= 1"),
+    (["--jobs", "0"], "argument --jobs: must be an integer >= 1, got '0'"),
     (["--admission", "sjf"], "unknown admission order; valid: fcfs, critical-first, oldest-app"),
     (["--surface", "sglang"], "--surface='sglang': unknown engine surface; valid: full, vllm"),
     (["--trace", "/nonexistent/trace.json"], "'/nonexistent/trace.json' does not exist"),

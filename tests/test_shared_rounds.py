@@ -115,8 +115,8 @@ def test_cli_replay_rounds_writes_json(tmp_path, capsys) -> None:
     assert "kvtier_vs_lru" in capsys.readouterr().out
 
 
-def test_cli_replay_rounds_takes_one_hbm_capacity() -> None:
+def test_cli_replay_rounds_takes_one_hbm_capacity(capsys) -> None:
     from kvtier.cli import main
 
-    with pytest.raises(SystemExit, match="one --hbm-blocks"):
-        main(["replay", "--workload", "rounds", "--hbm-fraction", "0.5", "--quiet"])
+    assert main(["replay", "--workload", "rounds", "--hbm-fraction", "0.5", "--quiet"]) == 2
+    assert "takes one --hbm-blocks N" in capsys.readouterr().err

@@ -43,22 +43,22 @@ to every policy. A request larger than HBM stops the run (rc 2) unless
 DEFAULT_HBM_SCALES = (0.6, 0.8, 1.0, 1.5)  # embedded workload, no capacity given: fractions of the profile's HBM
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(",") if x)
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..cliargs import (
+        listed,
+        nonnegative_float,
+        nonnegative_int,
+        positive_float,
+        positive_int,
+        writable_file,
+    )
     from .run import DEFAULT_POLICIES
 
     p.add_argument("--trace", metavar="PATH",
                    help="AgentX/Weka JSON, Mooncake JSONL, or a directory or tarball of them "
                         "(default: the embedded workload)")
     p.add_argument("--skip-bad", action="store_true", help="skip (and count) malformed traces instead of failing")
-    p.add_argument("--sessions", type=int, metavar="N",
+    p.add_argument("--sessions", type=positive_int, metavar="N",
                    help="embedded workload: number of sessions (default 30); traces: replay only the first N")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help=f"comma-separated policies to compare (default: {','.join(DEFAULT_POLICIES)})")
@@ -66,30 +66,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hardware and model profile, e.g. h100-80gb:llama-3.1-8b (the default), "
                         "b200:llama-3.1-70b:4, ascend-910c:deepseek-r1")
     p.add_argument("--profile-file", metavar="YAML", help="override profile fields from a YAML file")
-    p.add_argument("--block-size", type=int, metavar="TOKENS",
+    p.add_argument("--block-size", type=positive_int, metavar="TOKENS",
                    help="engine block size: re-block the trace (merge exactly, split with derived ids)")
-    p.add_argument("--conc", type=int, default=8, help="live session trees (closed loop; default 8)")
-    p.add_argument("--sweep-conc", type=_ints, metavar="1,2,4,...", help="replay every listed conc")
+    p.add_argument("--conc", type=positive_int, default=8, help="live session trees (closed loop; default 8)")
+    p.add_argument("--sweep-conc", type=listed(positive_int), metavar="1,2,4,...", help="replay every listed conc")
     cap = p.add_mutually_exclusive_group()
-    cap.add_argument("--hbm-blocks", type=_ints, metavar="N[,N...]",
+    cap.add_argument("--hbm-blocks", type=listed(positive_int), metavar="N[,N...]",
                      help="HBM KV capacity in blocks (default: what the profile's HBM holds after weights; "
                           "the embedded workload with no capacity given: 0.6, 0.8, 1.0 and 1.5 of that)")
-    cap.add_argument("--hbm-fraction", type=_floats, metavar="F[,F...]",
+    cap.add_argument("--hbm-fraction", type=listed(positive_float), metavar="F[,F...]",
                      help="HBM capacity as a fraction of the working set: conc sessions of mean footprint live at once, "
                           "capped by the distinct blocks (several: capacity sweep)")
-    p.add_argument("--dram-blocks", type=int, help="DRAM tier capacity in blocks (default 2x HBM)")
-    p.add_argument("--ssd-blocks", type=int, default=0, help="SSD tier capacity in blocks (default 0: off)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the embedded workload (default 0)")
-    p.add_argument("--warmup", type=float, default=0.0, metavar="S",
+    p.add_argument("--dram-blocks", type=nonnegative_int, help="DRAM tier capacity in blocks (default 2x HBM)")
+    p.add_argument("--ssd-blocks", type=nonnegative_int, default=0, help="SSD tier capacity in blocks (default 0: off)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the embedded workload (default 0)")
+    p.add_argument("--warmup", type=nonnegative_float, default=0.0, metavar="S",
                    help="exclude requests ready before S simulated seconds from the figures")
-    p.add_argument("--gap-cap", type=float, metavar="S", help="cap tool/user gaps at S seconds (AgentX uses 10)")
-    p.add_argument("--time-scale", type=float, default=1.0, metavar="X",
+    p.add_argument("--gap-cap", type=nonnegative_float, metavar="S", help="cap tool/user gaps at S seconds (AgentX uses 10)")
+    p.add_argument("--time-scale", type=positive_float, default=1.0, metavar="X",
                    help="open-loop traces (Mooncake): multiply arrival times by X (0.5 = twice the rate)")
-    p.add_argument("--max-batch-tokens", type=int, default=8192, help="token budget per engine step (default 8192)")
-    p.add_argument("--slo-ttft-p99", type=float, metavar="S",
+    p.add_argument("--max-batch-tokens", type=positive_int, default=8192, help="token budget per engine step (default 8192)")
+    p.add_argument("--slo-ttft-p99", type=positive_float, metavar="S",
                    help="SLO capacity search: the largest conc (doubling, then bisecting) at which the later-turn "
                         "TTFT p99 is at most S seconds, per policy, at the first HBM capacity")
-    p.add_argument("--slo-interactivity", type=float, metavar="TOK_S",
+    p.add_argument("--slo-interactivity", type=positive_float, metavar="TOK_S",
                    help="SLO capacity search: p50 interactivity floor (tokens/s/user)")
     p.add_argument("--skip-oversized", action="store_true",
                    help="skip (and count) requests that need more HBM than given, alike for every policy, the floor "
@@ -106,11 +106,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(2nd, 4th, ...) or all (default)")
     p.add_argument("--no-references", action="store_true",
                    help="skip the floor and bound runs (faster; no computed/bound figures)")
-    p.add_argument("--jobs", type=int, metavar="N",
+    p.add_argument("--jobs", type=positive_int, metavar="N",
                    help="replay points in N worker processes (default: the CPUs this process may use, at most 8)")
     p.add_argument("--full", action="store_true", help="print the full table of every figure after the summary")
-    p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
-    p.add_argument("--plot", metavar="PATH.png",
+    p.add_argument("--json", metavar="PATH", type=writable_file, help="write every figure as JSON")
+    p.add_argument("--plot", metavar="PATH.png", type=writable_file,
                    help="write a PNG: prefill computed / bound and later-turn TTFT p99 per policy over the swept "
                         "HBM capacity or conc (bars when nothing is swept)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -119,6 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_rounds_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``--workload rounds`` (all-gather rounds; see kvtier.replay.rounds)."""
+    from ..cliargs import fraction, nonnegative_int, positive_float, positive_int
     from .rounds import DEFAULT_SLO_ROUND_S, ROUND_LATENCIES, RoundsWorkload
 
     d = RoundsWorkload()
@@ -130,24 +131,24 @@ def add_rounds_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("applications (--workload apps: kvtier.replay.appgen)")
     a.add_argument("--app", choices=["code-writer", "deep-research", "mixed"], default="code-writer",
                    help="application shape (default code-writer)")
-    a.add_argument("--rate", type=float, default=0.5, metavar="APPS_PER_S",
+    a.add_argument("--rate", type=positive_float, default=0.5, metavar="APPS_PER_S",
                    help="Poisson arrival rate of applications (default 0.5)")
-    a.add_argument("--apps", type=int, default=40, metavar="N", help="applications to replay (default 40)")
-    g.add_argument("--round-slo-ms", type=float, default=DEFAULT_SLO_ROUND_S * 1e3,
+    a.add_argument("--apps", type=positive_int, default=40, metavar="N", help="applications to replay (default 40)")
+    g.add_argument("--round-slo-ms", type=positive_float, default=DEFAULT_SLO_ROUND_S * 1e3,
                    help=f"round latency SLO in ms (default {DEFAULT_SLO_ROUND_S * 1e3:.0f})")
     g.add_argument("--round-latency", choices=list(ROUND_LATENCIES), default="full",
                    help="full: prefill + every output token of the round (default); ttft: until every agent "
                         "has its first output token")
-    g.add_argument("--rounds", type=int, default=d.num_rounds, help=f"rounds per run (default {d.num_rounds})")
-    g.add_argument("--private-tokens", type=int, default=d.private_tokens,
+    g.add_argument("--rounds", type=positive_int, default=d.num_rounds, help=f"rounds per run (default {d.num_rounds})")
+    g.add_argument("--private-tokens", type=nonnegative_int, default=d.private_tokens,
                    help=f"private history per agent (default {d.private_tokens})")
-    g.add_argument("--observe-tokens", type=int, default=d.observe_tokens,
+    g.add_argument("--observe-tokens", type=nonnegative_int, default=d.observe_tokens,
                    help=f"new private input per agent per round (default {d.observe_tokens})")
-    g.add_argument("--output-tokens", type=int, default=d.output_tokens,
+    g.add_argument("--output-tokens", type=positive_int, default=d.output_tokens,
                    help=f"output per agent per round, the shared segment (default {d.output_tokens})")
-    g.add_argument("--recompute-fraction", type=float, default=0.15,
+    g.add_argument("--recompute-fraction", type=fraction, default=0.15,
                    help="kvtier: fraction of shared positions each mirror recomputes (default 0.15)")
-    g.add_argument("--diff-block-fraction", type=float, default=0.15,
+    g.add_argument("--diff-block-fraction", type=fraction, default=0.15,
                    help="kvtier: fraction of a mirror's blocks that differ from the master (default 0.15, "
                         "as measured by `kvtier bench shared`)")
 
@@ -171,7 +172,8 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
         workload, report = load_trace_with_report(args.trace, skip_bad=args.skip_bad)
         extra["skipped_traces"] = report.num_skipped
         if report.num_skipped and progress:
-            progress(f"[replay] skipped {report.num_skipped} bad trace(s): {report.skipped_by_kind()}")
+            kinds = ", ".join(f"{n} {k}" for k, n in sorted(report.skipped_by_kind().items()))
+            progress(f"[replay] skipped {report.num_skipped} bad trace(s) ({kinds}):\n{report.describe_skipped()}")
         trace_name = str(args.trace)
     else:
         from .generator import default_workload
@@ -187,7 +189,18 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
     if args.trace and args.sessions:
         workload = replace(workload, sessions=workload.sessions[: args.sessions])
     if args.block_size and args.block_size != workload.block_size:
+        a, b = sorted((args.block_size, workload.block_size))
+        if b % a:
+            raise ConfigError("--block-size", args.block_size,
+                              f"the workload has blocks of {workload.block_size} tokens; re-blocking needs one "
+                              "to be a multiple of the other")
         workload = workload.reblock(args.block_size)
+    if not workload.num_requests():
+        where = f"trace {args.trace!r}" if args.trace else "the workload"
+        skipped = extra.get("skipped_traces")
+        raise ConfigError("--trace" if args.trace else "--sessions", args.trace or args.sessions,
+                          f"{where} holds no requests" + (f" ({skipped} trace file(s) skipped as bad)" if skipped
+                                                          else "") + ": nothing to replay")
     policies = tuple(p for p in args.policies.split(",") if p)
     from ..placement import make_placement
 
@@ -202,8 +215,6 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
     surface(args.surface)
     if args.split != "all" and not args.trace:
         raise ConfigError("--split", args.split, "splits a trace set; give --trace (the embedded workload is not split)")
-    if args.jobs is not None and args.jobs < 1:
-        raise ConfigError("--jobs", args.jobs, "must be >= 1")
     hbm_blocks = args.hbm_blocks
     if not (args.trace or hbm_blocks or args.hbm_fraction or getattr(args, "workload", "traces") == "apps"):
         # the embedded workload: a capacity sweep around what the profile's HBM holds
@@ -263,7 +274,7 @@ def command(args: argparse.Namespace) -> int:
     try:
         spec = build_spec(args, progress)
     except (KVTierError, FileNotFoundError) as e:  # a bad flag or trace: the message names it, no traceback
-        print(f"kvtier replay: {e}", file=sys.stderr)
+        print(f"kvtier replay: error: {e}", file=sys.stderr)
         return 2
     w = spec.workload
     progress(f"[replay] {spec.trace_name}: {len(w.sessions)} sessions, {w.num_requests()} requests, "
@@ -283,6 +294,12 @@ def command(args: argparse.Namespace) -> int:
             report = run_replay(spec, progress, on_point=ProgressBar(not args.quiet))
             rows = report["results"]
             print(format_summary(rows))
+            distinct = w.num_distinct_blocks()
+            roomy = sorted({r["hbm_blocks"] for r in rows if r["hbm_blocks"] >= distinct})
+            if roomy:
+                print(f"note: HBM of {', '.join(f'{c:,}' for c in roomy)} blocks holds every distinct block of the "
+                      f"workload ({distinct:,}): no placement can differ there; give a smaller --hbm-blocks or "
+                      "--hbm-fraction to compare policies")
     except OversizedRequestsError as e:
         print(str(e), file=sys.stderr)
         return 2
@@ -313,8 +330,12 @@ def _command_rounds(args: argparse.Namespace, progress) -> int:
                               observe_tokens=args.observe_tokens, output_tokens=args.output_tokens,
                               block_size=args.block_size or 16, seed=args.seed)
     if args.hbm_fraction or (args.hbm_blocks and len(args.hbm_blocks) > 1):
-        raise SystemExit("kvtier replay --workload rounds: give one --hbm-blocks N (no --hbm-fraction): "
-                         "the rounds replay searches the number of agents at one HBM capacity")
+        from ..errors import ConfigError
+
+        raise ConfigError("--hbm-fraction" if args.hbm_fraction else "--hbm-blocks",
+                          args.hbm_fraction or args.hbm_blocks,
+                          "--workload rounds takes one --hbm-blocks N (no --hbm-fraction): the rounds replay "
+                          "searches the number of agents at one HBM capacity")
     config = RoundsConfig(slo_round_s=args.round_slo_ms / 1e3, recompute_fraction=args.recompute_fraction,
                           diff_block_fraction=args.diff_block_fraction, max_batch_tokens=args.max_batch_tokens,
                           latency=args.round_latency, hbm_blocks=args.hbm_blocks[0] if args.hbm_blocks else None)

@@ -109,6 +109,14 @@ class LoadReport:
     def num_skipped(self) -> int:
         return len(self.skipped)
 
+    def describe_skipped(self, limit: int = 5) -> str:
+        """The skipped traces as ``source: message`` lines (the first ``limit``, then a count)."""
+        lines = [f"  {t.message}" if t.message.startswith(t.source) else f"  {t.source}: {t.message}"
+                 for t in self.skipped[:limit]]
+        if len(self.skipped) > limit:
+            lines.append(f"  ... and {len(self.skipped) - limit} more")
+        return "\n".join(lines)
+
     def skipped_by_kind(self) -> dict[str, int]:
         """Number of skipped traces per ``TraceError.kind``."""
         out: dict[str, int] = {}
@@ -187,15 +195,19 @@ def _wanted_member(name: str) -> bool:
 
 def _iter_blobs(path: Path, loader: _Loader) -> Iterator[tuple[str, bytes]]:
     """``(source name, bytes)`` of every trace file under ``path``, sorted by name."""
-    if path.is_dir():
+    if path.is_dir():  # trace files and tarballs of them, anywhere below
         files = sorted(
-            (p for p in path.rglob("*") if p.is_file() and _wanted_member(p.name)),
+            (p for p in path.rglob("*") if p.is_file() and (_wanted_member(p.name) or _is_tarball(p))),
             key=lambda p: p.relative_to(path).as_posix(),
         )
         if not files:
-            raise TraceError(str(path), "", "no .json or .jsonl trace files in this directory", kind="format")
+            raise TraceError(str(path), "", "no .json, .jsonl or tarball trace files in this directory",
+                             kind="format")
         for p in files:
-            yield str(p), p.read_bytes()
+            if _is_tarball(p):
+                yield from _iter_tar(p, loader)
+            else:
+                yield str(p), p.read_bytes()
     elif _is_tarball(path):
         yield from _iter_tar(path, loader)
     else:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import secrets
 import socket
@@ -54,6 +55,8 @@ import grpc
 from ..hints._gen import hints_pb2 as pb
 from ..hints._gen import hints_pb2_grpc as pb_grpc
 from .handles import AgentHandle, RequestHandle, SessionHandle, ToolCallHandle, current_scope
+
+_log = logging.getLogger("kvtier.sdk")
 
 SIGNAL_KINDS = frozenset(f.name for f in pb.Signal.DESCRIPTOR.oneofs_by_name["kind"].fields)
 COMMAND_KINDS = frozenset(f.name for f in pb.Command.DESCRIPTOR.oneofs_by_name["kind"].fields)
@@ -78,6 +81,56 @@ def _enum_prefixes() -> dict[str, dict[str, str]]:
 
 
 _ENUM_PREFIX = _enum_prefixes()
+
+
+def _field_types() -> dict[str, dict[str, tuple[type, ...]]]:
+    """kind -> {field name -> Python types emit accepts for it} (from the proto)."""
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    numeric = {F.TYPE_DOUBLE, F.TYPE_FLOAT}
+    integer = {F.TYPE_INT32, F.TYPE_INT64, F.TYPE_UINT32, F.TYPE_UINT64, F.TYPE_SINT32, F.TYPE_SINT64,
+               F.TYPE_FIXED32, F.TYPE_FIXED64, F.TYPE_SFIXED32, F.TYPE_SFIXED64}
+    out: dict[str, dict[str, tuple[type, ...]]] = {}
+    for holder in (pb.Signal, pb.Command):
+        for f in holder.DESCRIPTOR.oneofs_by_name["kind"].fields:
+            fields: dict[str, tuple[type, ...]] = {}
+            for sub in f.message_type.fields:
+                if sub.name in _KEY_FIELDS:
+                    fields[sub.name] = (bytes, bytearray, memoryview, list, tuple)
+                elif sub.enum_type is not None:
+                    fields[sub.name] = (str, int)
+                elif sub.type in numeric:
+                    fields[sub.name] = (int, float)
+                elif sub.type in integer:
+                    fields[sub.name] = (int,)
+                elif sub.type == F.TYPE_BOOL:
+                    fields[sub.name] = (bool,)
+                elif sub.type == F.TYPE_STRING:
+                    fields[sub.name] = (str,)
+                elif sub.type == F.TYPE_BYTES:
+                    fields[sub.name] = (bytes, bytearray)
+                else:
+                    fields[sub.name] = (object,)
+            out[f.name] = fields
+    return out
+
+
+_FIELD_TYPES = _field_types()
+
+
+def _check_fields(kind: str, fields: dict[str, Any]) -> None:
+    """Raise ``TypeError`` for a field ``kind`` does not have or a value of the wrong type
+    (a caller bug: such an event would only be dropped later)."""
+    spec = _FIELD_TYPES[kind]
+    for name, value in fields.items():
+        types = spec.get(name)
+        if types is None:
+            raise TypeError(f"hint event {kind!r} has no field {name!r}; its fields: {', '.join(spec)}")
+        if value is None:  # not given (protobuf leaves the field unset)
+            continue
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+            raise TypeError(f"hint event {kind!r}: field {name!r} takes {' or '.join(t.__name__ for t in types)}, "
+                            f"got {type(value).__name__} {value!r}")
 
 
 def pack_keys(keys: bytes | Iterable[int | bytes]) -> bytes:
@@ -124,6 +177,7 @@ class ClientStats:
     last_error: str
     rejected_by_reason: Mapping[str, int] = None  # type: ignore[assignment]
     reannounced_sessions: int = 0  # sessions announced again to a server that had lost them
+    failed_calls: int = 0  # Publish calls that failed (each retry counts)
 
     @property
     def num_dropped(self) -> int:
@@ -222,6 +276,7 @@ class _Emitter:
         self._refused: set[int] = set()  # event ids of the batch in flight that the server refused
         self._announce_needed = False  # the server may have lost the live state (a failed call, a new connection)
         self._reannounced = 0
+        self._failed_calls = 0
         self._was_ready = False
 
     # ----------------------------------------------------------- hot path
@@ -229,9 +284,11 @@ class _Emitter:
     def emit(self, kind: str, **fields: Any) -> bool:
         """Queue one event; ``False`` (and counted in ``drops["queue_full"]``) when
         the queue is full. Never blocks, never raises for server trouble;
-        raises ``ValueError`` for an unknown ``kind``."""
+        raises ``ValueError`` for an unknown ``kind`` and ``TypeError`` for a
+        field that ``kind`` does not have or a value of the wrong type."""
         if kind not in _KINDS:
             raise ValueError(f"unknown hint event kind {kind!r}; valid: {', '.join(sorted(_KINDS))}")
+        _check_fields(kind, fields)
         queue = self._queue
         if len(queue) >= self._max_queue:
             self._count_drop("queue_full", 1)
@@ -248,9 +305,13 @@ class _Emitter:
 
     def _count_drop(self, reason: str, n: int, error: str = "") -> None:
         with self._counts_lock:
+            first = self.drops[reason] == 0
             self.drops[reason] += n
             if error:
                 self._last_error = error
+        if first and reason not in ("closed",):
+            _log.warning("kvtier hints: dropping events (%s)%s; counted in stats().dropped, further drops of this "
+                         "reason are not logged", reason, f": {error}" if error else "")
 
     def stats(self) -> ClientStats:
         """Counters now (see :class:`ClientStats`)."""
@@ -259,7 +320,8 @@ class _Emitter:
             self._first_id += 1
             return ClientStats(emitted, self._accepted, self._duplicates, self._rejected, dict(self.drops),
                                len(self._queue), self._batches, self._reconnects, self._connected,
-                               self._last_error, dict(self._rejected_by_reason), self._reannounced)
+                               self._last_error, dict(self._rejected_by_reason), self._reannounced,
+                               self._failed_calls)
 
     # ----------------------------------------------------------- batches
 
@@ -346,6 +408,7 @@ class _Emitter:
     def _classify_failure(self, err: Any) -> str | None:
         """``None`` when the batch should be retried, else the drop reason."""
         code = err.code() if hasattr(err, "code") else None
+        self._failed_calls += 1
         with self._counts_lock:
             self._last_error = f"{code}: {err.details() if hasattr(err, 'details') else err}"
         if code in _RETRYABLE:
@@ -468,7 +531,7 @@ class HintClient(_Emitter):
         try:
             return self._publish(req, timeout=self._rpc_timeout_s, metadata=self._md)
         except grpc.RpcError as err:
-            if self._classify_failure(err) is None:
+            if (err.code() if hasattr(err, "code") else None) in _RETRYABLE:  # the server may be new after it
                 self._announce_needed = True
             raise
 
@@ -508,23 +571,31 @@ class HintClient(_Emitter):
         self._next_backoff_s = min(self._backoff[1], self._next_backoff_s * 2)
         self._stop.wait(delay)
 
-    def flush(self, timeout_s: float = 5.0) -> bool:
-        """Wait until everything queued so far was sent (or dropped); ``False`` on timeout."""
+    def _server_down(self) -> bool:
+        """The last call failed and none succeeded since (waiting for it would only wait out retries)."""
+        return not self._connected and bool(self._last_error)
+
+    def flush(self, timeout_s: float = 5.0, *, give_up_when_down: bool = False) -> bool:
+        """Wait until everything queued so far was sent (or dropped); ``False`` on timeout
+        (or, with ``give_up_when_down``, as soon as the server is found down)."""
         deadline = time.monotonic() + timeout_s
         with self._idle:
             while self._queue or self._in_flight:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._thread is None or not self._thread.is_alive():
                     return False
+                if give_up_when_down and self._server_down():
+                    return False
                 self._wake_event.set()
                 self._idle.wait(min(left, 0.05))
         return True
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Flush for up to ``timeout_s``, stop the thread, close the channel.
-        Events still queued are dropped as ``closed``."""
+        """Flush for up to ``timeout_s`` (not waiting out retries when the server is
+        down), stop the thread, close the channel. Events still queued are dropped
+        as ``closed``."""
         if self._thread is not None:
-            self.flush(timeout_s)
+            self.flush(timeout_s, give_up_when_down=True)
             self._closing_now = True
             self._stop.set()
             self._wake_event.set()
@@ -627,7 +698,7 @@ class AsyncHintClient(_Emitter):
         try:
             return await self._publish(req, timeout=self._rpc_timeout_s, metadata=self._md)
         except grpc.RpcError as err:
-            if self._classify_failure(err) is None:
+            if (err.code() if hasattr(err, "code") else None) in _RETRYABLE:  # the server may be new after it
                 self._announce_needed = True
             raise
 
@@ -668,20 +739,24 @@ class AsyncHintClient(_Emitter):
         if not self._closing:
             await asyncio.sleep(delay)
 
-    async def flush(self, timeout_s: float = 5.0) -> bool:
-        """Wait until everything queued so far was sent (or dropped); ``False`` on timeout."""
+    async def flush(self, timeout_s: float = 5.0, *, give_up_when_down: bool = False) -> bool:
+        """Wait until everything queued so far was sent (or dropped); ``False`` on timeout
+        (or, with ``give_up_when_down``, as soon as the server is found down)."""
         deadline = time.monotonic() + timeout_s
         while self._queue or self._in_flight:
             if time.monotonic() >= deadline or self._task is None or self._task.done():
+                return False
+            if give_up_when_down and not self._connected and self._last_error:
                 return False
             self._wake()
             await asyncio.sleep(0.002)
         return True
 
     async def close(self, timeout_s: float = 5.0) -> None:
-        """Flush for up to ``timeout_s``, stop the task, close the channel; leftovers drop as ``closed``."""
+        """Flush for up to ``timeout_s`` (not waiting out retries when the server is down),
+        stop the task, close the channel; leftovers drop as ``closed``."""
         if self._task is not None:
-            await self.flush(timeout_s)
+            await self.flush(timeout_s, give_up_when_down=True)
             self._closing = True
             self._wake()
             try:
