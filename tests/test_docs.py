@@ -5,6 +5,7 @@ its config file validates. A renamed flag or a stale example fails here."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import shlex
 import subprocess
@@ -23,10 +24,13 @@ DOCS = {"README.md": README, "integrations/vllm_ascend/README.md":
 
 
 def _help_texts() -> str:
+    """Every description and flag help of every command, unwrapped (as written)."""
     parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, type(parser._subparsers._group_actions[0])))
-    texts = [parser.format_help()]
-    texts += [p.format_help() for p in sub.choices.values()]
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    texts = []
+    for p in [parser, *sub.choices.values()]:
+        texts += [p.description or "", p.epilog or ""]
+        texts += [a.help or "" for a in p._actions]
     return "\n".join(texts)
 
 
