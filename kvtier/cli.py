@@ -167,6 +167,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (AttributeError, OSError, ValueError):
             pass
         return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception:  # not an input problem: a bug in kvtier, shown with its traceback
+        import traceback
+
+        traceback.print_exc()
+        print(f"kvtier {args.command}: internal error (a bug in kvtier {__version__}, not in your input; "
+              "please report it with the traceback above)", file=sys.stderr)
+        return 70
 
 
 if __name__ == "__main__":  # pragma: no cover

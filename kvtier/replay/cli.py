@@ -301,7 +301,7 @@ def command(args: argparse.Namespace) -> int:
                       f"workload ({distinct:,}): no placement can differ there; give a smaller --hbm-blocks or "
                       "--hbm-fraction to compare policies")
     except OversizedRequestsError as e:
-        print(str(e), file=sys.stderr)
+        print(f"kvtier replay: error: {e}", file=sys.stderr)
         return 2
     for cap, what in (report.get("skipped") or {}).items():
         print(f"skipped (--skip-oversized): {what['message']}")
