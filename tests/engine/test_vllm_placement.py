@@ -175,13 +175,21 @@ def test_a_prefetch_is_cancelled_when_the_tool_returns_before_it_starts(tmp_path
     assert eng.sched.counters["prefetch_cancelled"] == 1 and eng.sched.counters["prefetches"] == 0
 
 
+def _step_until(eng: _Engine, counter: str, timeout_s: float = 10.0) -> None:
+    """Scheduler steps until ``counter`` moves (hints arrive on another thread)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while eng.sched.counters[counter] == 0 and time.monotonic() < deadline:
+        eng.step()
+        time.sleep(0.02)
+
+
 def test_a_tool_call_announced_to_the_hosted_hint_server_starts_the_wait() -> None:
     """``hint_server`` in the extra config: the scheduler process serves the hint
     plane; a tool call the agent framework announces there starts that agent's
     wait (its requests carry only the session and agent ids), and the DAG says
     it is critical: the policy holds its HBM blocks."""
-    import time
-
     from kvtier.sdk import HintClient
 
     eng = _Engine(101, placement="kvtier", hint_server="127.0.0.1:0")
@@ -194,16 +202,10 @@ def test_a_tool_call_announced_to_the_hosted_hint_server_starts_the_wait() -> No
             eng.step()
             assert sched.placement.holds.held_blocks == 0  # no tool call yet
             with client.tool_call("bash", expected_s=20.0):
-                deadline = time.monotonic() + 10
-                while sched.counters["tool_waits"] == 0 and time.monotonic() < deadline:
-                    eng.step()  # each scheduler step polls the hosted server (at most every 50 ms)
-                    time.sleep(0.02)
+                _step_until(eng, "tool_waits")  # each step polls the hint server (at most every 50 ms)
                 assert sched.placement.holds.held_blocks == 4
         # the session ended: the policy retires its context in kvtier's DRAM tier (next victims there)
-        deadline = time.monotonic() + 10
-        while sched.counters["sessions_ended"] == 0 and time.monotonic() < deadline:
-            eng.step()
-            time.sleep(0.02)
+        _step_until(eng, "sessions_ended")
         assert sched.counters["retired_blocks"] == 4
         client.close()
     finally:
@@ -215,8 +217,6 @@ def test_a_separate_hint_server_is_followed_with_hint_watch() -> None:
     """``hint_watch``: the hint server runs elsewhere (``kvtier serve`` beside several
     engines); the connector follows its agents over gRPC (``HintService.Watch``)
     and acts on an announced tool call as with a hosted one."""
-    import time
-
     from kvtier.hints.server import BackgroundHintServer
     from kvtier.sdk import HintClient
 
@@ -229,15 +229,9 @@ def test_a_separate_hint_server_is_followed_with_hint_watch() -> None:
         with client.session("s"), client.agent("coder") as agent:
             eng.serve("r1", _ctx(1, 4), agent.tag({})["kv_transfer_params"])
             with client.tool_call("bash", expected_s=20.0):
-                deadline = time.monotonic() + 10
-                while sched.counters["tool_waits"] == 0 and time.monotonic() < deadline:
-                    eng.step()
-                    time.sleep(0.02)
+                _step_until(eng, "tool_waits")
                 assert sched.placement.holds.held_blocks == 4
-        deadline = time.monotonic() + 10
-        while sched.counters["sessions_ended"] == 0 and time.monotonic() < deadline:
-            eng.step()
-            time.sleep(0.02)
+        _step_until(eng, "sessions_ended")
         assert sched.counters["retired_blocks"] == 4
     finally:
         client.close()
