@@ -123,3 +123,10 @@ def test_the_last_prompt_token_is_never_offered(num_blocks: int) -> None:
     sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True] * num_blocks)}, {job.job_id: 1}))
     r2 = FakeRequest("r2", num_blocks, extra_tokens=0)
     assert sched.get_num_new_matched_tokens(r2, 0) == ((num_blocks - 1) * BS, num_blocks > 1)
+
+
+def test_ssd_stores_skipped_by_a_worker_are_counted() -> None:
+    sched, _ = _sched()
+    sched.update_connector_output(KVTierWorkerMetadata(skipped_blocks=3))
+    sched.update_connector_output(KVTierWorkerMetadata(skipped_blocks=2))
+    assert sched.counters["store_skipped_backpressure"] == 5

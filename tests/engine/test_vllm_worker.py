@@ -138,3 +138,55 @@ def test_a_prefetch_promotes_ssd_values_into_dram_slots(worker) -> None:
     plans, _, _, errors = _drain(w, {6}, {"r4"})
     assert plans == {6: [True, True]} and not errors
     assert _blocks_equal(caches, 1, 4) and _blocks_equal(caches, 2, 5)
+
+
+def test_a_slow_ssd_skips_stores_instead_of_queueing_without_limit(tmp_path) -> None:
+    """The SSD writer is slowed (each write sleeps) while stores keep coming: host
+    copies waiting for it never exceed ``ssd_write_queue_mib``; the stores past the
+    bound are reported failed (a later miss, never a wrong block) and counted, and
+    DRAM stores go on. Every queued write still lands."""
+    facts = EngineFacts("tiny", "bfloat16", BS, 2, HEADS, DIM, "split", "sha256")
+    block_bytes = 2 * 2 * BS * HEADS * DIM * 2  # layers x K/V x tokens x heads x dim x bf16
+    bound_blocks = 3
+    settings = ConnectorSettings.build({"dram_capacity_blocks": 64, "ssd_path": str(tmp_path),
+                                        "ssd_write_queue_mib": bound_blocks * block_bytes / (1 << 20)}, facts, env={})
+    layout = settings.config.layout.to_layout()
+    assert layout.bytes_per_block == block_bytes
+    w = KVTierWorker(settings, settings.config.namespace.to_namespace(layout), layout, NUM_BLOCKS)
+    gen = torch.Generator().manual_seed(1)
+    w.register_kv_caches({f"layers.{i}.attn": tuple(torch.randn(NUM_BLOCKS, BS, HEADS, DIM, generator=gen)
+                                                    .to(torch.bfloat16) for _ in range(2)) for i in range(2)})
+    slow_put = w._ssd.put_many
+
+    def put_many(items):  # a disk 100x slower than this machine's
+        time.sleep(0.05)
+        return slow_put(items)
+
+    w._ssd.put_many = put_many
+    try:
+        jobs = []
+        for j in range(20):  # 20 store jobs of 2 blocks, each to DRAM and SSD, in one burst
+            keys = (1000 + 2 * j, 1001 + 2 * j)
+            jobs.append(StoreJob(job_id=j + 1, req_id=f"r{j}", block_ids=(1, 2), keys=keys, parents=(None, keys[0]),
+                                 writes=(TierWrite(100 + j, "dram", (0, 1), (2 * j, 2 * j + 1)),
+                                         TierWrite(200 + j, "ssd", (0, 1), ()))))
+        w.wait_for_save(KVTierConnectorMetadata(stores=jobs))
+        plans, skipped = {}, 0
+        deadline = time.monotonic() + 30
+        while len(plans) < 40 and time.monotonic() < deadline:
+            w.get_finished(set())
+            meta = w.take_worker_meta()
+            if meta is not None:
+                plans.update({pid: oks for pid, (_, oks) in meta.plans.items()})
+                skipped += meta.skipped_blocks
+            time.sleep(0.01)
+        assert len(plans) == 40
+        assert all(all(plans[100 + j]) for j in range(20))  # DRAM never waits for the SSD
+        ssd_ok = [j for j in range(20) if all(plans[200 + j])]
+        ssd_skipped = [j for j in range(20) if not any(plans[200 + j])]
+        assert len(ssd_ok) + len(ssd_skipped) == 20 and ssd_skipped and ssd_ok
+        assert skipped == 2 * len(ssd_skipped)
+        assert w.ssd_queued_peak_bytes <= bound_blocks * block_bytes  # the bound held
+        assert w._ssd_queued_bytes == 0
+    finally:
+        w.shutdown()

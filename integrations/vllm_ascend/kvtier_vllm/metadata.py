@@ -91,6 +91,7 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     plans: dict[int, tuple[int, list[bool]]] = field(default_factory=dict)
     gathered: dict[int, int] = field(default_factory=dict)
     busy_us: int = 0  # CPU time of the workers' connector hooks and background threads (summed over ranks)
+    skipped_blocks: int = 0  # SSD stores skipped because the SSD writer fell behind (summed over ranks)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
@@ -104,4 +105,5 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
         gathered = dict(self.gathered)
         for job_id, n in other.gathered.items():
             gathered[job_id] = gathered.get(job_id, 0) + n
-        return KVTierWorkerMetadata(plans, gathered, self.busy_us + other.busy_us)
+        return KVTierWorkerMetadata(plans, gathered, self.busy_us + other.busy_us,
+                                    self.skipped_blocks + other.skipped_blocks)

@@ -236,6 +236,8 @@ class KVTierScheduler:
         if worker_meta is None:
             return
         self.counters["worker_cpu_us"] += worker_meta.busy_us
+        if worker_meta.skipped_blocks:
+            self.counters["store_skipped_backpressure"] += worker_meta.skipped_blocks
         for job_id, n in worker_meta.gathered.items():
             self._gather_reports[job_id] += n
             if self._gather_reports[job_id] >= self.world_size:

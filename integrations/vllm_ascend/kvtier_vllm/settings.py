@@ -31,6 +31,8 @@ EXTRA_KEYS: dict[str, str] = {
     "dram_capacity_blocks": "host-DRAM tier size in blocks (0 disables the tier)",
     "ssd_path": "directory of the SSD tier (LMDB); setting it enables the tier",
     "ssd_capacity_blocks": "SSD tier size in blocks",
+    "ssd_write_queue_mib": "host copies waiting for the SSD writer, at most (MiB, default 256): when the SSD falls "
+                           "behind, further SSD stores are skipped and counted (store_skipped_backpressure)",
     "policy": "eviction policy of the DRAM and SSD tiers (a registered kvtier policy name; default: the placement's)",
     "placement": "placement policy, the same object the replay runs (default kvtier; lru-dram for write-through LRU "
                  "with no agent actions; ttl, kvflow, tokencake, ...): see kvtier.placement",
@@ -78,6 +80,7 @@ class ConnectorSettings:
     eviction_set: bool = False  # the host tiers' eviction policy was set (else the placement's)
     hint_watch: str | None = None
     hint_watch_token: str | None = None
+    ssd_write_queue_bytes: int = 256 << 20
 
     @classmethod
     def build(
@@ -142,8 +145,11 @@ class ConnectorSettings:
         if watch and extra.get("hint_server"):
             raise ConfigError("kv_connector_extra_config.hint_watch", watch,
                               "give hint_server (host it here) or hint_watch (follow one elsewhere), not both")
+        queue_mib = extra.get("ssd_write_queue_mib", 256)
+        if isinstance(queue_mib, bool) or not isinstance(queue_mib, (int, float)) or not queue_mib > 0:
+            raise ConfigError("kv_connector_extra_config.ssd_write_queue_mib", queue_mib, "must be a number > 0")
         return cls(cfg, extra.get("stats_path"), extra.get("hint_server"), ssd_root, placement, hold, float(budget),
-                   eviction_set, watch, extra.get("hint_watch_token"))
+                   eviction_set, watch, extra.get("hint_watch_token"), int(queue_mib * (1 << 20)))
 
     def rank_ssd_path(self, tp_rank: int, tp_size: int) -> Path | None:
         """The LMDB directory of one TP rank (each rank stores its own shard)."""

@@ -15,6 +15,11 @@ worker is pinned to its cores), and on an accelerator the copies are ordered
 on the engine's stream (device to host into a staging buffer, then an event
 the background thread waits for).
 
+The host copies waiting for the SSD writer are bounded
+(``ssd_write_queue_mib``): when the SSD falls behind what the engine
+computes, further SSD stores are skipped (reported failed, so the scheduler
+never offers those blocks from SSD) and counted, never queued without limit.
+
 Must not decide what to store, load or evict (the scheduler side plans it),
 and must never leave unverified bytes in an engine block it reports as
 loaded: a block that fails (absent, corrupt, foreign, I/O error) and every
@@ -65,6 +70,7 @@ class _Results:
     gathered: list[tuple[int, str]] = field(default_factory=list)
     reads: list[_Read] = field(default_factory=list)
     busy_us: int = 0  # CPU time of the background threads
+    skipped_blocks: int = 0  # SSD stores skipped for backpressure
 
 
 class KVTierWorker:
@@ -88,6 +94,8 @@ class KVTierWorker:
         self._release: set[str] = set()
         self._load_errors: set[int] = set()
         self._meta: KVTierWorkerMetadata | None = None
+        self._ssd_queued_bytes = 0  # host bytes held by SSD writes not yet done (bounded)
+        self.ssd_queued_peak_bytes = 0
 
     # ------------------------------------------------------------ setup
 
@@ -190,7 +198,8 @@ class KVTierWorker:
         sending = {r for r in self._release if r not in self._gathers and r not in self._loads}
         self._release -= sending
         meta.busy_us = res.busy_us
-        self._meta = meta if (meta.plans or meta.gathered or meta.busy_us) else None
+        meta.skipped_blocks = res.skipped_blocks
+        self._meta = meta if (meta.plans or meta.gathered or meta.busy_us or meta.skipped_blocks) else None
         return sending, recving
 
     def add_hook_cpu_us(self, used_us: int) -> None:
@@ -231,12 +240,29 @@ class KVTierWorker:
                 self._pool_np[list(w.slots)] = host[list(w.rows)]
                 self._post_plan(w.plan_id, [True] * len(w.rows))
             else:
-                items = [(BlockKey(job.keys[r]), host[r], _key(job.parents[r])) for r in w.rows]
-                self._ssd_thread.submit(self._guarded, lambda w=w, items=items: self._write_ssd(w.plan_id, items),
+                nbytes = len(w.rows) * host.shape[1]
+                with self._lock:
+                    room = self._ssd_queued_bytes + nbytes <= self.settings.ssd_write_queue_bytes
+                    if room:
+                        self._ssd_queued_bytes += nbytes
+                        self.ssd_queued_peak_bytes = max(self.ssd_queued_peak_bytes, self._ssd_queued_bytes)
+                    else:
+                        self._results.skipped_blocks += len(w.rows)
+                if not room:  # the SSD is behind: skip (a later miss), never queue without limit
+                    self._post_plan(w.plan_id, [False] * len(w.rows))
+                    continue
+                rows = host[list(w.rows)]  # its own copy: the job's other rows can go
+                items = [(BlockKey(job.keys[r]), rows[i], _key(job.parents[r])) for i, r in enumerate(w.rows)]
+                self._ssd_thread.submit(self._guarded,
+                                        lambda w=w, items=items, n=nbytes: self._write_ssd(w.plan_id, items, n),
                                         lambda w=w: self._post_plan(w.plan_id, [False] * len(w.rows)))
 
-    def _write_ssd(self, plan_id: int, items: Sequence[tuple[BlockKey, Any, BlockKey | None]]) -> None:
-        n = self._ssd.put_many(items)
+    def _write_ssd(self, plan_id: int, items: Sequence[tuple[BlockKey, Any, BlockKey | None]], nbytes: int) -> None:
+        try:  # the queued bytes are given back however the write ends (an error reports the plan failed)
+            n = self._ssd.put_many(items)
+        finally:
+            with self._lock:
+                self._ssd_queued_bytes -= nbytes
         self._post_plan(plan_id, [i < n for i in range(len(items))])
 
     def _fail_store(self, job: StoreJob) -> None:
