@@ -33,7 +33,7 @@ import heapq
 import itertools
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,7 +207,6 @@ class EnginePlacement:
         self.links = LinkModel(prior=DEFAULT_LINKS)
         self.prefetches = PrefetchTracker(counters)
         self.criticalities: dict[AgentKey, float] = {}
-        self.parents: dict[AgentKey, str | None] = {}
         self.graph_reader: Callable[[AgentKey], tuple[float, str | None] | None] | None = None
         self._hashes: dict[BlockKey, Any] = {}  # kvtier key -> vLLM block hash, for waiting agents' contexts
         self._agent_hashes: OrderedDict[AgentKey, list[BlockKey]] = OrderedDict()  # least recently waiting first
@@ -281,13 +280,16 @@ class EnginePlacement:
         if self.holds is not None:
             self._releases.extend(k for k in self._agent_hashes.get(agent, ()) if self.holds.is_held(k))
 
-    def scheduled(self, req_ids: Sequence[str]) -> None:
-        """After vLLM allocated this step's requests: they no longer wait for HBM,
-        and holds let go of meanwhile can return to vLLM's free queue (a resumed
-        agent's blocks are referenced by its request by now)."""
-        for r in req_ids:
-            self._unscheduled.pop(r, None)
-        self._settle()
+    def scheduled(self, scheduled: Mapping[str, int]) -> None:
+        """After vLLM allocated this step's requests (``scheduled``: its request ids):
+        they no longer wait for HBM, and holds let go of meanwhile can return to
+        vLLM's free queue (a resumed agent's blocks are referenced by its request
+        by now). O(requests still waiting), not O(running), on the scheduler step."""
+        if self._unscheduled:
+            for r in [r for r in self._unscheduled if r in scheduled]:
+                del self._unscheduled[r]
+        if self._releases:
+            self._settle()
 
     def finished(self, req_id: str) -> None:
         self._unscheduled.pop(req_id, None)
@@ -449,16 +451,16 @@ class EnginePlacement:
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] += n
 
+    def _graph_fact(self, agent_key: AgentKey) -> tuple[float, str | None] | None:
+        return self.graph_reader(agent_key) if self.graph_reader is not None else None
+
     def criticality(self, agent_key: AgentKey) -> float:
-        """From the request's ``kvtier_criticality``, else the hosted hint server's
-        DAG, else 1.0 (an agent nobody said more about is its own critical path)."""
+        """From the request's ``kvtier_criticality``, else the hint server's DAG,
+        else 1.0 (an agent nobody said more about is its own critical path)."""
         if agent_key in self.criticalities:
             return self.criticalities[agent_key]
-        if self.graph_reader is not None:
-            got = self.graph_reader(agent_key)
-            if got is not None:
-                return got[0]
-        return 1.0
+        fact = self._graph_fact(agent_key)
+        return 1.0 if fact is None else fact[0]
 
     def hbm_pressure(self) -> float:
         cap = self.hbm_capacity_blocks
@@ -475,13 +477,8 @@ class EnginePlacement:
         return agent_key in self._waiting
 
     def parent_of(self, agent_key: AgentKey) -> str | None:
-        if agent_key in self.parents:
-            return self.parents[agent_key]
-        if self.graph_reader is not None:
-            got = self.graph_reader(agent_key)
-            if got is not None:
-                return got[1]
-        return None
+        fact = self._graph_fact(agent_key)
+        return None if fact is None else fact[1]
 
     def remaining_path_s(self, session: int) -> float:
         return 0.0

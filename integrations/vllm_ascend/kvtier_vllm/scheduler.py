@@ -211,7 +211,7 @@ class KVTierScheduler:
         """This step's loads, stores (blocks that become full in this step's
         forward), releases and SSD deletions. Resets the per-step state."""
         self.poll_hints()
-        self.placement.scheduled(list(scheduler_output.num_scheduled_tokens))  # allocated by now: holds may go
+        self.placement.scheduled(scheduler_output.num_scheduled_tokens)  # allocated by now: holds may go
         self.placement.tick()
         meta = KVTierConnectorMetadata(loads=self._loads, release=self._release)
         for plan in self.placement.take_promotions():
