@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import lmdb
@@ -89,3 +90,27 @@ def test_replay_cli_names_a_truncated_trace(tmp_path: Path, capsys) -> None:
     bad.write_text('{"id": "x", "block_size": 64, "requests": [{"t": 0, "type": "n", "in": 100')
     assert main(["replay", "--trace", str(bad), "--quiet"]) == 2
     assert "broken.json" in capsys.readouterr().err
+
+
+def test_replay_of_written_generator_traces_matches_the_embedded_workload_with_declared_prefix(
+        tmp_path: Path) -> None:
+    # The generator writes aiperf-valid "local" traces; --shared-prefix declared
+    # gives the same figures as the embedded workload, none (the default for
+    # files) gives the sessions private prefixes and so more prefill work.
+    import json
+
+    from kvtier.replay.generator import DEFAULT_CONFIG, generate_coding_sessions, write_traces
+
+    cfg = replace(DEFAULT_CONFIG, max_requests_per_agent=48)
+    write_traces(tmp_path / "gen", generate_coding_sessions(3, seed=0, config=cfg))
+    common = ["--policies", "lru", "--conc", "2", "--hbm-fraction", "0.2", "--quiet"]
+
+    def computed(*extra: str) -> int:
+        out = tmp_path / f"r{len(list(tmp_path.iterdir()))}.json"
+        assert main(["replay", *extra, *common, "--json", str(out)]) == 0
+        (row,) = [r for r in json.loads(out.read_text())["results"] if r["policy"] == "lru"]
+        return row["prefill_tokens_computed"]
+
+    embedded = computed("--sessions", "3")
+    assert computed("--trace", str(tmp_path / "gen"), "--shared-prefix", "declared") == embedded
+    assert computed("--trace", str(tmp_path / "gen")) > embedded

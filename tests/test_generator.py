@@ -51,7 +51,7 @@ def test_schema_matches_the_real_traces() -> None:
     requests += [r for e in subs for r in e["requests"]]
     assert {k for r in requests for k in r} == real_request_keys
     assert {r["type"] for r in requests} <= {"n", "s"} and {r["stop"] for r in requests} <= {"tool_use", "end_turn", ""}
-    assert all(t["block_size"] == 64 and t["hash_id_scope"] == "global" for t in traces)
+    assert all(t["block_size"] == 64 and t["hash_id_scope"] == "local" for t in traces)
     # Full blocks only, as in the real traces: len(hash_ids) == in // 64.
     assert all(len(r["hash_ids"]) == r["in"] // 64 for r in requests)
 
@@ -66,6 +66,30 @@ def test_written_traces_load_through_the_reader(tmp_path: Path) -> None:
     strip = lambda w: tuple(replace(s, source="") for s in w.sessions)  # noqa: E731
     assert strip(from_files) == strip(from_objects)
     assert [s.session_id for s in from_files.sessions] == [t["id"] for t in traces]
+    declared = load_trace(tmp_path / "gen", shared_prefix="declared")
+    assert strip(declared) == strip(load_trace_objects(traces, shared_prefix="declared"))
+    # Declared prefixes shared: fewer distinct blocks than with every session's prefix its own.
+    assert declared.num_distinct_blocks() < from_files.num_distinct_blocks()
+
+
+def test_declared_prefix_gives_the_sharing_the_old_global_scope_gave() -> None:
+    # Until this change the generator wrote hash_id_scope "global" (which aiperf
+    # rejects) to share the tools + system prefix across sessions. The same
+    # traces with scope "local" read with shared_prefix="declared" must give
+    # exactly that workload, so replay figures keep their meaning.
+    traces = generate_coding_sessions(12, seed=5, config=SMALL)
+    assert any(e["type"] == "subagent" for t in traces for e in t["requests"])
+    as_global = [{**t, "hash_id_scope": "global"} for t in traces]
+    declared = load_trace_objects(traces, shared_prefix="declared")
+    assert declared.sessions == load_trace_objects(as_global).sessions
+    private = load_trace_objects(traces)
+    roots = [s.root.requests[0].block_ids for s in private.sessions]
+    assert len({r[0] for r in roots}) == len(roots)  # no two sessions share a block
+    prefix = (SMALL.tool_tokens + SMALL.system_tokens) // SMALL.block_size
+    shared = {s.root.requests[0].block_ids[:prefix] for s in declared.sessions}
+    assert len(shared) == 1 and len(next(iter(shared))) == prefix
+    # the block after the declared prefix is each session's own
+    assert len({s.root.requests[0].block_ids[prefix] for s in declared.sessions}) == len(declared.sessions)
 
 
 def test_default_workload_is_small_and_shares_the_system_prefix() -> None:

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.errors import KVTierError
+from kvtier.errors import ConfigError, KVTierError
 from kvtier.replay import (
     Request,
     Session,
@@ -585,3 +585,70 @@ def test_derived_ids_are_pinned_across_processes() -> None:
     assert reblock(w, 32).sessions[0].root.requests[0].block_ids[:3] == (
         5494354158007679094, 4630606794518354596, 5562886563891668802
     )
+
+
+def _declaring(trace_id: str, tools: int, system: int, first_ids: list[int], sub_type: str = "Explore") -> dict:
+    t = _tiny_trace()
+    t["id"], t["tool_tokens"], t["system_tokens"] = trace_id, tools, system
+    t["requests"][0]["hash_ids"] = first_ids
+    t["requests"][0]["in"] = 64 * len(first_ids)
+    t["requests"][1].update(tool_tokens=64, system_tokens=64, subagent_type=sub_type)
+    t["requests"][1]["requests"][0].update(hash_ids=[50, 51], **{"in": 130})
+    return t
+
+
+def test_declared_prefix_is_keyed_by_kind_tools_and_system() -> None:
+    # Block size 64: tools of 128 tokens are blocks 0-1; a system prompt of 64
+    # more tokens is block 2. Raw ids differ per trace (they are local).
+    a = _declaring("a", 128, 64, [1, 2, 3, 9])
+    b = _declaring("b", 128, 64, [7, 8, 6, 5])      # same tools, same system: shares blocks 0-2
+    c = _declaring("c", 128, 100, [4, 3, 2, 1])     # same tools, other system: shares blocks 0-1
+    d = _declaring("d", 192, 0, [1, 2, 3, 4], "Plan")  # other tools: shares nothing
+    none = load_trace_objects([a, b, c, d])
+    first = [s.root.requests[0].block_ids for s in none.sessions]
+    assert len({ids[0] for ids in first}) == 4
+    w = load_trace_objects([a, b, c, d], shared_prefix="declared")
+    w.check_invariants()
+    ra, rb, rc, rd = (s.root.requests[0].block_ids for s in w.sessions)
+    assert ra[:3] == rb[:3] and ra[3] != rb[3]
+    assert rc[:2] == ra[:2] and rc[2] != ra[2]
+    assert not set(rd) & (set(ra) | set(rb) | set(rc))
+    # Later requests reuse the trace's own ids: r1 of "a" lists raw ids 1, 2, 3, 4.
+    assert w.sessions[0].root.requests[1].block_ids[:3] == ra[:3]
+    # Sub-agents: "Explore" (a, b, c) share their declared 128-token prefix (2 blocks of the
+    # 3-block r1); "Plan" (d) does not share with them; the root's ids are never a sub-agent's.
+    subs = [s.agents[1].requests[1].block_ids for s in w.sessions]
+    assert subs[0][:2] == subs[1][:2] == subs[2][:2] and subs[0][2] != subs[1][2]
+    assert subs[3][0] not in {subs[0][0], subs[0][1]}
+    assert not set(subs[0][:2]) & set(ra)
+
+
+def test_declared_prefix_read_from_files_and_rolled_back_with_a_skipped_trace(tmp_path: Path) -> None:
+    a = _declaring("a", 128, 64, [1, 2, 3, 9])
+    bad = _declaring("b", 128, 100, [7, 8, 6, 5])
+    bad["requests"][2]["in"] = "many"  # fails after its prefix was keyed (a new system-prompt key)
+    c = _declaring("c", 128, 100, [5, 6, 7, 8])
+    for name, t in (("a", a), ("b", bad), ("c", c)):
+        _write(tmp_path / f"{name}.json", t)
+    w, report = load_trace_with_report(tmp_path, skip_bad=True, shared_prefix="declared")
+    assert report.num_skipped == 1 and [s.session_id for s in w.sessions] == ["a", "c"]
+    ra, rc = (s.root.requests[0].block_ids for s in w.sessions)
+    assert ra[:2] == rc[:2] and ra[2] != rc[2]
+    # Dense ids with no gap and no collision: the skipped trace's ids were given back.
+    ids = {i for s in w.sessions for ag in s.agents for r in ag.requests for i in r.block_ids}
+    assert ids == set(range(len(ids)))
+    strip = lambda w: tuple(replace(s, source="") for s in w.sessions)  # noqa: E731
+    assert strip(w) == strip(load_trace_objects([a, c], shared_prefix="declared"))
+    with pytest.raises(ConfigError, match="shared_prefix"):
+        load_trace_objects([a], shared_prefix="global")
+
+
+def test_mooncake_partial_block_id_is_kept_apart(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 1100, "output_length": 1, "hash_ids": [1, 2, 3]}\n'
+                    '{"timestamp": 5, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}\n')
+    w = load_trace(path)
+    r0, r1 = (s.root.requests[0] for s in w.sessions)
+    assert r0.block_ids == r1.block_ids and r0.partial_block is not None and r1.partial_block is None
+    assert r0.partial_block not in r0.block_ids
+    assert all(s.root.requests[0].partial_block is None for s in w.reblock(1024).sessions)

@@ -58,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="AgentX/Weka JSON, Mooncake JSONL, or a directory or tarball of them "
                         "(default: the embedded workload)")
     p.add_argument("--skip-bad", action="store_true", help="skip (and count) malformed traces instead of failing")
+    p.add_argument("--shared-prefix", choices=("none", "declared"), default=None,
+                   help="none: each trace's block ids are its own (hash_id_scope local, as aiperf replays it); "
+                        "declared: the tools + system prefix traces declare (tool_tokens, system_tokens) is "
+                        "shared across sessions that declare the same sizes (default: none for --trace, "
+                        "declared for the embedded workload)")
     p.add_argument("--sessions", type=positive_int, metavar="N",
                    help="embedded workload: number of sessions (default 30); traces: replay only the first N")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
@@ -169,7 +174,8 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
         workload = app_workload(AppGenConfig(app=args.app, num_apps=args.apps, rate_per_s=args.rate, seed=args.seed))
         trace_name = f"apps({args.app}, {args.apps} apps at {args.rate}/s, seed={args.seed})"
     elif args.trace:
-        workload, report = load_trace_with_report(args.trace, skip_bad=args.skip_bad)
+        workload, report = load_trace_with_report(args.trace, skip_bad=args.skip_bad,
+                                                  shared_prefix=args.shared_prefix or "none")
         extra["skipped_traces"] = report.num_skipped
         if report.num_skipped and progress:
             kinds = ", ".join(f"{n} {k}" for k, n in sorted(report.skipped_by_kind().items()))
@@ -178,8 +184,11 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
     else:
         from .generator import default_workload
 
-        workload = default_workload(seed=args.seed, num_sessions=args.sessions or 30)
+        workload = default_workload(seed=args.seed, num_sessions=args.sessions or 30,
+                                    shared_prefix=args.shared_prefix or "declared")
         trace_name = f"embedded(seed={args.seed}, sessions={len(workload.sessions)})"
+    if args.shared_prefix and getattr(args, "workload", "traces") != "apps":
+        trace_name += f" (shared prefix: {args.shared_prefix})"
     if args.trace:
         from .run import split_workload
 

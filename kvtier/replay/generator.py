@@ -17,10 +17,15 @@ call p50 8 s vs after an ``end_turn`` p50 100 s, compaction back to the
 system prefix plus a summary once the context passes ~170k tokens (480k for
 the 40% of sessions on a long-context model).
 
-All sessions share the same leading ``hash_ids`` for tools + system prompt
-(``hash_id_scope: "global"``); sub-agents of one type share theirs. Private
-ids are unique within one call: do not load sessions generated with
-different seeds into one workload.
+Every trace is ``hash_id_scope: "local"`` and declares its tools + system
+prompt in ``tool_tokens`` / ``system_tokens`` (sub-agent entries their own),
+so aiperf's ``WekaTrace`` model accepts it. All sessions declare the same
+prefix, and sub-agents of one type the same as each other: loaded with
+``shared_prefix="declared"`` (what :func:`default_workload` and ``kvtier
+replay`` on the embedded workload do), they share those blocks across
+sessions, as every session of one deployment sends the same tools and
+system prompt; loaded with the default ``"none"``, or replayed by aiperf,
+each session's prefix is its own.
 
 >>> traces = generate_coding_sessions(2, seed=1, config=GeneratorConfig(max_requests_per_agent=3))
 >>> [len([r for r in t["requests"] if r["type"] != "subagent"]) <= 3 for t in traces]
@@ -132,15 +137,18 @@ def default_workload(
     *,
     max_requests_per_agent: int | None = 48,
     config: GeneratorConfig = DEFAULT_CONFIG,
+    shared_prefix: str = "declared",
 ) -> Workload:
     """A small generated workload, loaded through the trace reader.
 
     Defaults (40 sessions, at most 48 requests per agent) keep a replay of
-    several policies well under a minute on two cores.
+    several policies well under a minute on two cores. ``shared_prefix``:
+    as :func:`~kvtier.replay.readers.load_trace` (default ``"declared"``:
+    sessions share the tools + system prompt they declare).
     """
     cfg = replace(config, max_requests_per_agent=max_requests_per_agent)
     traces = generate_coding_sessions(num_sessions, seed, config=cfg)
-    return load_trace_objects(traces, name=f"generated-seed{seed}")
+    return load_trace_objects(traces, name=f"generated-seed{seed}", shared_prefix=shared_prefix)
 
 
 def write_traces(directory: str | Path, traces: Sequence[dict[str, Any]]) -> list[Path]:
@@ -404,7 +412,7 @@ class _SessionBuilder:
             "id": self.trace_id,
             "models": sorted(self.models),
             "block_size": self.cfg.block_size,
-            "hash_id_scope": "global",
+            "hash_id_scope": "local",
             "tool_tokens": self.cfg.tool_tokens,
             "system_tokens": self.cfg.system_tokens,
             "requests": self.entries,

@@ -25,7 +25,9 @@ Block ids: ``Request.block_ids`` are the ids of the *full* input blocks of the
 request at ``Workload.block_size`` tokens per block, in prompt order, so
 ``len(block_ids) <= input_tokens // block_size``. The tokens of a trailing
 partial block have no id (engines cache only full blocks); a trace that lists
-an id for it (Mooncake does) has that id dropped at load. Ids are plain
+an id for it (Mooncake does) has that id kept apart, in
+:attr:`Request.partial_block`, which nothing caches: only analysis that
+mirrors another tool's definition of a hit rate reads it. Ids are plain
 ``int`` values unique across the whole workload: two requests hold the same
 KV block exactly when they list the same id at the same position. A shared
 leading run of ids is a reusable prefix.
@@ -73,6 +75,9 @@ class Request:
     the time the trace sent it, from the start of its session (closed loop:
     informational, the replay paces by ``gap_s``; open loop: the send time).
     ``api_time_s`` is how long the recording server took, when known.
+    ``partial_block``: the id a trace listed for the trailing partial block
+    (Mooncake lists one), at the trace's own block size; ``None`` when none
+    was listed or the workload was re-blocked. Never cached or simulated.
     """
 
     index: int
@@ -87,6 +92,7 @@ class Request:
     model: str = ""
     kind: str = "n"
     api_time_s: float | None = None
+    partial_block: BlockId | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,7 +348,7 @@ class _Reblocker:
         prev_dst: tuple[BlockId, ...] = ()
         for r, (kept, src) in zip(agent.requests, _new_suffixes(agent)):
             prev_dst = self.map_ids(src, kept, prev_dst)
-            out.append(replace(r, block_ids=prev_dst))
+            out.append(replace(r, block_ids=prev_dst, partial_block=None))
         return replace(agent, requests=tuple(out))
 
 

@@ -28,12 +28,24 @@ AgentX / Weka (one JSON object per trace, closed loop):
   absolute when the start is over 1 s and the first nested ``t`` is not below
   it. A join request's ``gap_s`` counts from the last joined sub-agent's
   return.
-* ``hash_id_scope`` ``"local"`` (the default): ids are private to the trace
-  and its sub-agents; ``"global"``: ids are shared by every global-scope
-  trace of the same load (the synthetic generator uses it for a system
-  prompt shared across sessions). Either way ids are remapped to dense ints
-  in first-seen order, traces in sorted name order, so a load is
+* ``hash_id_scope`` ``"local"`` (the default, and the only scope aiperf
+  accepts): ids are private to the trace and its sub-agents; ``"global"``
+  (a kvtier extension that older generator output used): ids are shared by
+  every global-scope trace of the same load. Either way ids are remapped to
+  dense ints in first-seen order, traces in sorted name order, so a load is
   deterministic.
+* Shared prefix across traces (``shared_prefix="declared"``; the default
+  ``"none"`` shares nothing, as the ``local`` scope says and as aiperf
+  replays it: aiperf derives each trace's token content from (trace,
+  hash id), so no two trace files share KV there). A trace declares the
+  size of its tools and system prompt in ``tool_tokens`` /
+  ``system_tokens`` (a sub-agent entry its own); those lead the prompt of the
+  agent's first request. With ``"declared"``, those leading full blocks are
+  keyed across traces by agent kind and declared sizes (see
+  ``_WekaTrace._share_prefix``), so sessions that declare the same tools and
+  system prompt share their KV. The generator's sessions declare one
+  prefix, which is how its synthetic workload models the system prompt every
+  session of a deployment sends.
 
 Mooncake (JSONL, open loop): each line is a one-request session sent at
 ``timestamp`` ms; ``hash_ids`` are 512-token blocks shared by every line of
@@ -67,6 +79,7 @@ _TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.xz", ".txz", ".tar.bz2", ".tbz
 _TRACE_SUFFIXES = (".json", ".jsonl")
 _REQUEST_TYPES = ("n", "s", "subagent")
 _SCOPES = ("local", "global")
+SHARED_PREFIX_MODES = ("none", "declared")
 _TIME_TOL_S = 1.0
 _RECENT = 4  # previous requests of an agent whose ids a new request may extend
 
@@ -125,7 +138,9 @@ class LoadReport:
         return out
 
 
-def load_trace(path: str | Path, *, skip_bad: bool = False, block_size: int | None = None) -> Workload:
+def load_trace(
+    path: str | Path, *, skip_bad: bool = False, block_size: int | None = None, shared_prefix: str = "none"
+) -> Workload:
     """Load a trace file, a directory of trace files or a tarball of them.
 
     ``path``: an AgentX / Weka ``.json`` (one trace), a Mooncake ``.jsonl``,
@@ -134,21 +149,24 @@ def load_trace(path: str | Path, *, skip_bad: bool = False, block_size: int | No
     Files are read in sorted name order; a tarball is decompressed once, as a
     stream. ``block_size``: re-block every trace to it (default: the block
     size of the first trace). ``skip_bad``: skip and count bad traces instead
-    of raising :class:`TraceError`. Raises ``FileNotFoundError`` for a
-    missing path. See :func:`load_trace_with_report` for the counts.
+    of raising :class:`TraceError`. ``shared_prefix``: ``"none"`` (ids of a
+    ``local`` trace are its own, as the format and aiperf read them) or
+    ``"declared"`` (the tools + system prefix each agent declares is shared
+    across traces; see the module docstring). Raises ``FileNotFoundError``
+    for a missing path. See :func:`load_trace_with_report` for the counts.
     """
-    return load_trace_with_report(path, skip_bad=skip_bad, block_size=block_size)[0]
+    return load_trace_with_report(path, skip_bad=skip_bad, block_size=block_size, shared_prefix=shared_prefix)[0]
 
 
 def load_trace_with_report(
-    path: str | Path, *, skip_bad: bool = False, block_size: int | None = None
+    path: str | Path, *, skip_bad: bool = False, block_size: int | None = None, shared_prefix: str = "none"
 ) -> tuple[Workload, LoadReport]:
     """:func:`load_trace` plus the :class:`LoadReport` of what was skipped and how long it took."""
     started = time.perf_counter()
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"trace path {str(path)!r} does not exist")
-    loader = _Loader(skip_bad=skip_bad, block_size=block_size)
+    loader = _Loader(skip_bad=skip_bad, block_size=block_size, shared_prefix=shared_prefix)
     loader.load_blobs(_iter_blobs(path, loader))
     return loader.finish(_workload_name(path), str(path), started)
 
@@ -159,6 +177,7 @@ def load_trace_objects(
     name: str = "traces",
     skip_bad: bool = False,
     block_size: int | None = None,
+    shared_prefix: str = "none",
 ) -> Workload:
     """Load already-parsed AgentX / Weka trace objects (the generator's output).
 
@@ -166,7 +185,7 @@ def load_trace_objects(
     reported as ``name[i]``.
     """
     started = time.perf_counter()
-    loader = _Loader(skip_bad=skip_bad, block_size=block_size)
+    loader = _Loader(skip_bad=skip_bad, block_size=block_size, shared_prefix=shared_prefix)
     for i, obj in enumerate(traces):
         loader.load_weka_object(f"{name}[{i}]", obj, [])
     return loader.finish(name, name, started)[0]
@@ -471,11 +490,11 @@ class _IdMapper:
 
 def _full_blocks(
     ids: tuple[BlockId, ...], input_tokens: int, block_size: int, source: str, loc: str
-) -> tuple[BlockId, ...]:
-    """The ids of full blocks (drop a trailing partial block's id; reject too many ids)."""
+) -> tuple[tuple[BlockId, ...], BlockId | None]:
+    """The ids of full blocks and the id listed for a trailing partial block (or ``None``); reject too many ids."""
     full = input_tokens // block_size
     if len(ids) <= full:
-        return ids
+        return ids, None
     if len(ids) > -(-input_tokens // block_size):
         raise _fail(
             source,
@@ -484,7 +503,23 @@ def _full_blocks(
             f"{-(-input_tokens // block_size)} blocks of {block_size}",
             "value",
         )
-    return ids[:full]
+    return ids[:full], ids[full]
+
+
+def _leading_raw_ids(value: Any, arrays: list[bytes], count: int) -> list[Any]:
+    """The first ``count`` raw entries of a ``hash_ids`` value (a list or a lifted array), for prefix keying.
+
+    Malformed input yields what could be read; the mapper reports it later.
+    """
+    if isinstance(value, list):
+        return value[:count]
+    if isinstance(value, str) and value.startswith(_MARK) and arrays:
+        try:
+            text = arrays[int(value[len(_MARK) :])]
+            return json.loads(b"[" + b",".join(text.split(b",", count)[:count]) + b"]")
+        except (ValueError, IndexError, RecursionError):
+            return []
+    return []
 
 
 # ---------------------------------------------------------------------------
@@ -514,7 +549,8 @@ class _AgentDraft:
 class _WekaTrace:
     """Converts one validated AgentX / Weka trace object into a :class:`Session`."""
 
-    def __init__(self, source: str, obj: Any, arrays: list[bytes], namespace: dict[int, BlockId], counter: list[int]):
+    def __init__(self, source: str, obj: Any, arrays: list[bytes], namespace: dict[int, BlockId], counter: list[int],
+                 shared: _SharedPrefix | None = None):
         top = _Fields(source, obj, "")
         self.source = source
         self.block_size = top.count("block_size", required=False, positive=True) or DEFAULT_WEKA_BLOCK_SIZE
@@ -528,10 +564,21 @@ class _WekaTrace:
         self.trace_id = str(raw_id) if raw_id is not None else Path(source.rsplit(":", 1)[-1]).stem
         self.requests_value = top.array("requests")
         self.arrays, self.namespace, self.counter = arrays, namespace, counter
+        self.shared = shared if scope == "local" else None
+        self.root_prefix = self._declared(top, "main")
         self.drafts: list[_AgentDraft] = []
 
+    def _declared(self, f: _Fields, kind: str) -> tuple[str, int, int] | None:
+        """``(kind, tool_tokens, system_tokens)`` of an agent's declared prefix, when prefixes are shared."""
+        if self.shared is None:
+            return None
+        tools = f.count("tool_tokens", required=False) or 0
+        system = f.count("system_tokens", required=False) or 0
+        return (kind, tools, system) if tools + system >= self.block_size else None
+
     def session(self) -> Session:
-        self._agent(self.requests_value, "requests", _AgentDraft(ROOT_AGENT_ID, None, "main", None, ""), 0.0, 0.0)
+        root = _AgentDraft(ROOT_AGENT_ID, None, "main", None, "")
+        self._agent(self.requests_value, "requests", root, 0.0, 0.0, self.root_prefix)
         if not self.drafts[0].requests:
             raise _fail(self.source, "requests", "the trace has no API requests (type 'n' or 's')", "value")
         # A sub-agent without API requests does no work: drop it and its subtree.
@@ -543,11 +590,13 @@ class _WekaTrace:
                 agents.append(d.freeze())
         return Session(self.trace_id, tuple(agents), 0.0, self.source)
 
-    def _agent(self, entries: list[Any], loc: str, draft: _AgentDraft, t_offset: float, ready_s: float) -> float:
+    def _agent(self, entries: list[Any], loc: str, draft: _AgentDraft, t_offset: float, ready_s: float,
+               prefix: tuple[str, int, int] | None) -> float:
         """Fill ``draft`` (and its sub-agents) from ``entries``; return the absolute end time.
 
         ``t_offset``: absolute time of the entries' ``t = 0``; ``ready_s``:
-        absolute time the agent's dependency finished (its spawn).
+        absolute time the agent's dependency finished (its spawn);
+        ``prefix``: the agent's declared shared prefix (see :meth:`_share_prefix`).
         """
         self.drafts.append(draft)
         ids = _IdMapper(self.namespace, self.counter, self.arrays)
@@ -569,8 +618,11 @@ class _WekaTrace:
             sent = t_offset + f.seconds("t")
             input_tokens = f.count("in")
             output_tokens = f.count("out")
-            block_ids = _full_blocks(ids.map(f.get("hash_ids", True), self.source, f"{at}.hash_ids"),
-                                     input_tokens, self.block_size, self.source, at)
+            raw_ids = f.get("hash_ids", True)
+            if prefix is not None and not draft.requests:
+                self._share_prefix(raw_ids, input_tokens, prefix)
+            block_ids, partial = _full_blocks(ids.map(raw_ids, self.source, f"{at}.hash_ids"),
+                                              input_tokens, self.block_size, self.source, at)
             stop = f.text("stop")
             think = f.seconds("think_time", required=False)
             api = f.seconds("api_time", required=False)
@@ -589,10 +641,34 @@ class _WekaTrace:
                 cause, depends = ("tool" if prev_stop == "tool_use" else "user"), ()
             draft.requests.append(
                 Request(index, input_tokens, output_tokens, block_ids, gap, cause, stop, sent, depends,
-                        f.text("model"), kind, api)
+                        f.text("model"), kind, api, partial)
             )
             prev_sent, prev_end, prev_stop = sent, sent + (api or 0.0), stop
         return prev_end
+
+    def _share_prefix(self, raw_ids: Any, input_tokens: int, prefix: tuple[str, int, int]) -> None:
+        """Key an agent's declared tools + system blocks across traces (``shared_prefix="declared"``).
+
+        The first full blocks of the agent's first request that lie inside
+        its declared ``tool_tokens`` + ``system_tokens`` get ids shared by
+        every trace of the load whose agent of the same kind declares the
+        same counts: a block wholly inside the tools is keyed by ``(kind,
+        tool_tokens, index)``, one reaching into the system prompt by
+        ``(kind, tool_tokens, system_tokens, index)`` (tools come first in the
+        prompt, so equal tools with different system prompts share only the
+        tools). ``kind`` is ``main`` for the root agent and
+        ``subagent:<subagent_type>`` for a sub-agent. Raw ids already seen in
+        this trace keep their mapping.
+        """
+        kind, tools, system = prefix
+        bs = self.block_size
+        count = min((tools + system) // bs, input_tokens // bs)
+        assert self.shared is not None
+        ns = self.namespace
+        for i, h in enumerate(_leading_raw_ids(raw_ids, self.arrays, count)):
+            if type(h) is int and h not in ns:
+                key = (kind, tools, i) if i < tools // bs else (kind, tools, system, i)
+                ns[h] = self.shared.block(key, self.counter)
 
     def _subagent(
         self, f: _Fields, parent: _AgentDraft, parent_end: float, parent_sent: float, t_offset: float
@@ -609,8 +685,10 @@ class _WekaTrace:
         first_t = entries[0].get("t") if entries and isinstance(entries[0], dict) else None
         absolute = start > _TIME_TOL_S and type(first_t) in (int, float) and first_t >= start - _TIME_TOL_S
         spawn_after = len(parent.requests) - 1 if parent.requests else None
-        child = _AgentDraft(agent_id, parent.agent_id, f.text("subagent_type"), spawn_after, f.text("status"))
-        end = self._agent(entries, f"{f.loc}.requests", child, 0.0 if absolute else start, parent_end)
+        agent_type = f.text("subagent_type")
+        child = _AgentDraft(agent_id, parent.agent_id, agent_type, spawn_after, f.text("status"))
+        prefix = self._declared(f, f"subagent:{agent_type}")
+        end = self._agent(entries, f"{f.loc}.requests", child, 0.0 if absolute else start, parent_end, prefix)
         if duration_ms is not None and start + duration_ms / 1000.0 >= end:
             end = start + duration_ms / 1000.0
         return child, end
@@ -629,8 +707,9 @@ def _mooncake_line(source: str, lineno: int, obj: Any, mapper: _IdMapper, name: 
     raw = f.get("hash_ids", True)
     if not isinstance(raw, list):
         raise _fail(source, f"{loc}.hash_ids", f"expected an array of ints, got {_describe(raw)}", "type")
-    ids = _full_blocks(mapper.map(raw, source, f"{loc}.hash_ids"), input_tokens, MOONCAKE_BLOCK_SIZE, source, loc)
-    request = Request(0, input_tokens, output_tokens, ids, 0.0, "start", "", arrival)
+    ids, partial = _full_blocks(mapper.map(raw, source, f"{loc}.hash_ids"), input_tokens, MOONCAKE_BLOCK_SIZE,
+                                source, loc)
+    request = Request(0, input_tokens, output_tokens, ids, 0.0, "start", "", arrival, partial_block=partial)
     return Session(f"{name}:{lineno}", (Agent(ROOT_AGENT_ID, None, "request", (request,)),), arrival, source)
 
 
@@ -638,14 +717,40 @@ def _mooncake_line(source: str, lineno: int, obj: Any, mapper: _IdMapper, name: 
 # The loader
 
 
+class _SharedPrefix:
+    """Block ids of declared prefixes shared across the traces of one load, keyed as :meth:`_WekaTrace._share_prefix` says."""
+
+    __slots__ = ("ids", "added")
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple[Any, ...], BlockId] = {}
+        self.added: list[tuple[Any, ...]] = []  # keys added by the trace being loaded, for a rollback
+
+    def block(self, key: tuple[Any, ...], counter: list[int]) -> BlockId:
+        g = self.ids.get(key)
+        if g is None:
+            g = self.ids[key] = BlockId(counter[0])
+            counter[0] += 1
+            self.added.append(key)
+        return g
+
+    def rollback(self) -> None:
+        for key in self.added:
+            del self.ids[key]
+        self.added.clear()
+
+
 class _Loader:
     """Accumulates sessions from many traces; owns id namespaces and the skip report."""
 
-    def __init__(self, *, skip_bad: bool, block_size: int | None) -> None:
+    def __init__(self, *, skip_bad: bool, block_size: int | None, shared_prefix: str = "none") -> None:
         if block_size is not None and (type(block_size) is not int or block_size <= 0):
             raise ConfigError("block_size", block_size, "must be a positive int or None")
+        if shared_prefix not in SHARED_PREFIX_MODES:
+            raise ConfigError("shared_prefix", shared_prefix, f"must be one of {list(SHARED_PREFIX_MODES)}")
         self.skip_bad = skip_bad
         self.block_size = block_size
+        self.shared = _SharedPrefix() if shared_prefix == "declared" else None
         self.counter = [0]
         self.global_ns: dict[int, BlockId] = {}
         self.sessions: list[tuple[int, Session]] = []  # (native block size, session)
@@ -680,11 +785,15 @@ class _Loader:
             self._check_loop(source, open_loop=False)
             scope_ns = self.global_ns if isinstance(obj, dict) and obj.get("hash_id_scope") == "global" else {}
             counter_before = self.counter[0]
-            trace = _WekaTrace(source, obj, arrays, scope_ns, self.counter)
+            if self.shared is not None:
+                self.shared.added.clear()
             try:
+                trace = _WekaTrace(source, obj, arrays, scope_ns, self.counter, self.shared)
                 session = trace.session()
             except TraceError:
                 if scope_ns is not self.global_ns:
+                    if self.shared is not None:
+                        self.shared.rollback()
                     self.counter[0] = counter_before
                 raise
         except TraceError as e:
