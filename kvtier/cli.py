@@ -1,5 +1,5 @@
 """The ``kvtier`` command line: ``kvtier replay``, ``kvtier bench tiers|hints|shared``, ``kvtier inspect DIR``,
-``kvtier serve``.
+``kvtier serve``, ``kvtier analyze-trace PATH``.
 
 Owns: argument parsing and printing. Every subcommand has ``--help``; the
 work itself lives in the modules it calls (no logic here beyond wiring).
@@ -84,6 +84,36 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return command(args)
 
 
+def _cmd_analyze_trace(args: argparse.Namespace) -> int:
+    import json
+
+    from .errors import ConfigError
+    from .replay.analysis import analyze, format_report
+    from .replay.readers import load_trace_with_report
+
+    print(f"[analyze-trace] loading {args.path} ...", file=sys.stderr, flush=True)
+    try:
+        workload, loaded = load_trace_with_report(args.path, skip_bad=args.skip_bad, block_size=args.block_size,
+                                                  shared_prefix=args.shared_prefix)
+    except FileNotFoundError as e:
+        raise ConfigError("PATH", args.path, str(e)) from None
+    if loaded.num_skipped:
+        print(f"[analyze-trace] skipped {loaded.num_skipped} bad trace(s):\n{loaded.describe_skipped()}",
+              file=sys.stderr)
+    if not workload.num_requests():
+        raise ConfigError("PATH", args.path, "no requests to analyze (no trace loaded)")
+    report = analyze(workload)
+    report.update(path=str(args.path), shared_prefix=args.shared_prefix, skipped_traces=loaded.num_skipped,
+                  kvtier_version=__version__)
+    print(format_report(report))
+    if args.json:
+        clean = json.loads(json.dumps(report, default=str), parse_constant=lambda c: None)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(clean, f, indent=2, sort_keys=True, allow_nan=False)
+            f.write("\n")
+    return 0
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .inspect import inspect_dir
 
@@ -140,6 +170,25 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Binds 127.0.0.1:50051 by default.")
     add_serve_arguments(v)
     v.set_defaults(func=_cmd_serve)
+
+    a = sub.add_parser(
+        "analyze-trace", help="sizes and infinite-cache hit rates of a trace (no simulation)",
+        description="Load a trace (AgentX/Weka JSON, Mooncake JSONL, or a directory or tarball of them) and print "
+                    "request and session counts, input/output token percentiles and the hit rate of a cache that "
+                    "never evicts: token_hit_rate (input tokens reused, what kvtier's floor saves), block_hit_rate "
+                    "and request_mean_hit_rate (the mean per request of listed block ids seen before, partial "
+                    "trailing blocks included: aiperf analyze-trace's cache_hit_rate). See "
+                    "kvtier.replay.analysis for the definitions.")
+    a.add_argument("path", help="trace file, directory or tarball")
+    a.add_argument("--block-size", type=positive_int, metavar="TOKENS",
+                   help="re-block to this size first (default: the trace's own; ids listed for partial blocks "
+                        "are dropped when re-blocking)")
+    a.add_argument("--shared-prefix", choices=("none", "declared"), default="none",
+                   help="none (default): each AgentX trace's ids are its own; declared: the tools + system "
+                        "prefix traces declare is shared across sessions (as kvtier replay --shared-prefix)")
+    a.add_argument("--skip-bad", action="store_true", help="skip (and count) malformed traces instead of failing")
+    a.add_argument("--json", metavar="PATH", type=writable_file, help="also write the figures as JSON to PATH")
+    a.set_defaults(func=_cmd_analyze_trace)
 
     i = sub.add_parser("inspect", help="list and verify what an SSD tier directory holds",
                        description="List namespaces, layouts, codecs, block counts, bytes and ages of an SSD "

@@ -45,7 +45,14 @@ def test_recording_is_agentx_json_plus_hints_side_file(tmp_path):
     [trace_path] = [p for p in recorder.written if p.name.endswith("_rec-1.json")]
     trace = json.loads(trace_path.read_text())
     assert (trace["id"], trace["block_size"], trace["hash_id_scope"], trace["models"]) == ("rec-1", 16, "local", ["m"])
+    # only the fields aiperf's WekaTrace allows (tests/test_interop_aiperf.py validates with aiperf itself)
+    assert set(trace) == {"id", "models", "block_size", "hash_id_scope", "requests", "totals"}
+    assert trace["totals"] == {"parent_tokens": {"input": 130, "output": 18}, "subagent_tokens": {"input": 48, "output": 5},
+                               "combined_tokens": {"input": 178, "output": 23}, "subagent_count": 1,
+                               "tenant": "default", "recorded_by": "kvtier hints recorder"}
     r0, sub, r1 = trace["requests"]
+    assert r0["model"] == r1["model"] == sub["requests"][0]["model"] == "m" and sub["models"] == ["m"]
+    assert type(sub["duration_ms"]) is int
     assert (r0["type"], r0["in"], r0["out"], r0["hash_ids"], r0["stop"]) == ("n", 60, 10, [0, 1, 2], "tool_use")
     assert (sub["type"], sub["agent_id"], sub["subagent_type"]) == ("subagent", "kid", "coder")
     assert sub["status"] == "completed"

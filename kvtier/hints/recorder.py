@@ -24,7 +24,12 @@ Block keys become dense per-session ``hash_ids`` in first-seen order
 (``hash_id_scope: local``). A sub-agent becomes a ``subagent`` entry placed
 at its spawn among its parent's requests, with ``t`` = its end, ``duration_ms``
 and ``status``; a sub-agent still running when the parent's next request
-starts is recorded with status ``async`` (nobody joined it). The first root
+starts is recorded with status ``async`` (nobody joined it); its entry
+lists the ``models`` its requests used and an integral ``duration_ms``. Every
+request names its ``model`` (the session's when the request gave none). The
+trace holds only fields aiperf's ``WekaTrace`` model allows, so aiperf can
+replay a recording: tenant and recorder go into ``totals`` (a free-form
+summary there) beside the token sums the public traces keep. The first root
 agent is the trace's main agent; further root agents become async sub-agents
 of it. A session whose main agent made no request is not written
 (``num_sessions_empty``).
@@ -211,15 +216,14 @@ class TraceRecorder:
         ids: dict[bytes, int] = {}
         models: set[str] = set()
         background = {a.agent_id for a in roots[1:]}
-        entries = self._entries(main, draft.start_us, children, ids, models, forced_async=background)
+        entries = self._entries(main, draft.start_us, children, ids, models, background, draft.model)
         trace = {
             "id": draft.session_id,
-            "tenant": draft.tenant,
             "models": sorted(models | ({draft.model} if draft.model else set())),
             "block_size": self.block_size,
             "hash_id_scope": "local",
-            "recorded_by": "kvtier hints recorder",
             "requests": entries,
+            "totals": {**_totals(entries), "tenant": draft.tenant, "recorded_by": "kvtier hints recorder"},
         }
         folder = self.traces_dir / _safe(draft.tenant)
         folder.mkdir(parents=True, exist_ok=True)
@@ -230,7 +234,8 @@ class TraceRecorder:
         return path
 
     def _entries(self, agent: _AgentDraft, base_us: int, children: dict[str | None, list[_AgentDraft]],
-                 ids: dict[bytes, int], models: set[str], forced_async: set[str]) -> list[dict[str, Any]]:
+                 ids: dict[bytes, int], models: set[str], forced_async: set[str],
+                 default_model: str) -> list[dict[str, Any]]:
         reqs = sorted(agent.done, key=lambda r: r.start_us)
         kids = sorted(children.get(agent.agent_id, []), key=lambda a: a.spawn_us)
         timeline: list[tuple[int, int, Any]] = [(r.start_us, 0, r) for r in reqs] + [(k.spawn_us, 1, k) for k in kids]
@@ -239,7 +244,7 @@ class TraceRecorder:
         prev_end_us = agent.spawn_us if agent.parent_id is not None else base_us
         for at_us, what, item in timeline:
             if what == 0:
-                out.append(self._request(item, base_us, prev_end_us, ids, models))
+                out.append(self._request(item, base_us, prev_end_us, ids, models, default_model))
                 prev_end_us = item.end_us
                 continue
             child: _AgentDraft = item
@@ -248,19 +253,23 @@ class TraceRecorder:
             status = child.status
             if child.agent_id in forced_async or (next_parent is not None and end_us > next_parent):
                 status = "async"
+            child_models: set[str] = set()
+            nested = self._entries(child, child.spawn_us, children, ids, child_models, forced_async, default_model)
+            models |= child_models
             out.append({
                 "type": "subagent",
                 "t": max(0.0, (end_us - base_us) / 1e6),
                 "agent_id": child.agent_id,
                 "subagent_type": child.agent_type,
-                "duration_ms": max(0.0, (end_us - child.spawn_us) / 1e3),
+                "duration_ms": max(0, round((end_us - child.spawn_us) / 1e3)),
                 "status": status,
-                "requests": self._entries(child, child.spawn_us, children, ids, models, forced_async),
+                "requests": nested,
+                "models": sorted(child_models),
             })
         return out
 
     def _request(self, r: _Req, base_us: int, prev_end_us: int, ids: dict[bytes, int],
-                 models: set[str]) -> dict[str, Any]:
+                 models: set[str], default_model: str) -> dict[str, Any]:
         hash_ids = []
         for i in range(0, len(r.keys), KEY_BYTES):
             key = r.keys[i : i + KEY_BYTES]
@@ -268,11 +277,13 @@ class TraceRecorder:
             if hid is None:
                 hid = ids[key] = len(ids)
             hash_ids.append(hid)
-        if r.model:
-            models.add(r.model)
+        model = r.model or default_model
+        if model:
+            models.add(model)
         entry: dict[str, Any] = {
             "t": max(0.0, (r.start_us - base_us) / 1e6),
             "type": "n",
+            "model": model,
             "in": max(r.num_prompt_tokens, len(hash_ids) * self.block_size),
             "out": r.out,
             "hash_ids": hash_ids,
@@ -280,6 +291,25 @@ class TraceRecorder:
             "api_time": (r.end_us - r.start_us) / 1e6,
             "think_time": max(0.0, (r.start_us - prev_end_us) / 1e6),
         }
-        if r.model:
-            entry["model"] = r.model
         return entry
+
+
+def _totals(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Token sums of a trace, shaped like the public traces' ``totals`` (root requests vs sub-agents')."""
+    sums = {"parent": [0, 0], "subagent": [0, 0]}
+    count = 0
+
+    def walk(items: list[dict[str, Any]], who: str) -> None:
+        nonlocal count
+        for e in items:
+            if e["type"] == "subagent":
+                count += 1
+                walk(e["requests"], "subagent")
+            else:
+                sums[who][0] += e["in"]
+                sums[who][1] += e["out"]
+
+    walk(entries, "parent")
+    (p_in, p_out), (s_in, s_out) = sums["parent"], sums["subagent"]
+    return {"parent_tokens": {"input": p_in, "output": p_out}, "subagent_tokens": {"input": s_in, "output": s_out},
+            "combined_tokens": {"input": p_in + s_in, "output": p_out + s_out}, "subagent_count": count}
