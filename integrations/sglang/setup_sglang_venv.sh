@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Optional: a side environment in which tests/test_sglang_backend.py also runs
-# the backend against SGLang's real HiCacheStorage base class and backend
-# factory (sglang 0.5.23, CPU machine). Not needed for the main test suite.
+# A side environment in which tests/test_sglang_backend.py also runs the
+# backend against SGLang's real HiCacheStorage base class and backend factory
+# (sglang 0.5.23, CPU machine). scripts/test.sh builds it for the full suite
+# (CI), where the real-class test must pass (KVTIERTEST_REQUIRE_SGLANG=1).
 #
 # The side venv sees the main venv's packages (torch, kvtier, ...) through a
 # .pth file and adds only sglang (without its GPU dependency tree) plus the
