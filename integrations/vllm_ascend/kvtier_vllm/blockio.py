@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -100,6 +101,24 @@ class BlockIO:
             rows[:, p.offset : p.offset + p.nbytes].copy_(blocks.view(len(block_ids), -1).view(torch.uint8))
         return rows
 
+    def host_rows(self, n: int) -> torch.Tensor:
+        """Host rows for ``n`` blocks that a load reads into and :meth:`scatter` copies from
+        (ordinary pageable memory, as the worker uses for loads)."""
+        return torch.empty((n, self.bytes_per_block), dtype=torch.uint8)
+
+    def copy_out(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, Any]:
+        """The bytes of ``block_ids`` as host rows, and an event to wait on before reading them.
+
+        What the worker does for a store (``wait_for_save``) and what
+        ``bench/gpu_datapath.py`` measures: gather on the device, one copy to
+        the host queued on the engine's current stream, an event recorded
+        after it (``None`` on the CPU, where the rows are ready at once).
+        """
+        rows = self.gather(block_ids)
+        if rows.device.type != "cpu":
+            rows = rows.to("cpu", non_blocking=True)
+        return rows, device_event(self.device)
+
     def scatter(self, block_ids: Sequence[int], rows: torch.Tensor) -> None:
         """Write ``rows[i]`` (``bytes_per_block`` bytes each) into block ``block_ids[i]``."""
         n = len(block_ids)
@@ -113,3 +132,16 @@ class BlockIO:
             chunk = rows[:, p.offset : p.offset + p.nbytes].contiguous().view(p.tensor.dtype)
             blocks = chunk.view(n, *shape).movedim(0, p.block_dim)
             p.tensor.index_copy_(p.block_dim, ids, blocks)
+
+
+def device_event(device: torch.device) -> Any:
+    """An event recorded on the device's current stream (``None`` on the CPU)."""
+    if device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record()
+        return event
+    if device.type == "npu":  # pragma: no cover - needs Ascend hardware
+        event = torch.npu.Event()  # type: ignore[attr-defined]
+        event.record()
+        return event
+    return None

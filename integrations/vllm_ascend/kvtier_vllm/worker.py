@@ -141,7 +141,8 @@ class KVTierWorker:
                                     lambda pj=pj: self._post_plan(pj.plan_id, [False] * len(pj.keys)))
         for job in meta.loads:
             self._loads.add(job.req_id)
-            rows = torch.empty((len(job.keys), self.layout.bytes_per_block), dtype=torch.uint8)
+            rows = (self.io.host_rows(len(job.keys)) if self.io is not None else
+                    torch.empty((len(job.keys), self.layout.bytes_per_block), dtype=torch.uint8))
             runner = self._ssd_thread if "ssd" in job.tiers else self._copy
             runner.submit(self._guarded, lambda job=job, rows=rows: self._read(job, rows),
                           lambda job=job, rows=rows: self._post_read(job, rows, [False] * len(job.keys)))
@@ -158,10 +159,7 @@ class KVTierWorker:
         if not meta.stores or self.io is None:
             return
         for job in meta.stores:
-            rows = self.io.gather(job.block_ids)
-            if rows.device.type != "cpu":
-                rows = rows.to("cpu", non_blocking=True)
-            ready = _device_event(self.io.device)
+            rows, ready = self.io.copy_out(job.block_ids)
             fut = self._copy.submit(self._guarded, lambda job=job, rows=rows, ready=ready: self._write(job, rows, ready),
                                     lambda job=job: self._fail_store(job))
             self._gathers.setdefault(job.req_id, {})[job.job_id] = fut
@@ -308,16 +306,3 @@ class KVTierWorker:
 
 def _key(raw: int | None) -> BlockKey | None:
     return None if raw is None else BlockKey(raw)
-
-
-def _device_event(device: torch.device) -> Any:
-    """An event recorded on the device's current stream (None on CPU)."""
-    if device.type == "cuda":
-        event = torch.cuda.Event()
-        event.record()
-        return event
-    if device.type == "npu":  # pragma: no cover - needs Ascend hardware
-        event = torch.npu.Event()  # type: ignore[attr-defined]
-        event.record()
-        return event
-    return None
