@@ -10,7 +10,9 @@ output has, per phase, each prompt's generated token ids and per-token
 logprobs (``outputs``), vLLM's own TTFT and cached-token count per request
 (``requests``), the kvtier stats file after the phase, and vLLM's external prefix
 cache hit counters (``external_hits`` from kvtier, ``local_hits`` from its own
-prefix cache; cumulative).
+prefix cache; cumulative), and with ``"rss": true`` in a phase the resident
+memory of the process tree at its start, its peak (sampled every 20 ms until
+the connector is idle) and its end.
 """
 
 from __future__ import annotations
@@ -55,6 +57,42 @@ def _tree_cpu_s() -> float:
     return total
 
 
+class _RSSSampler:
+    """Peak resident memory of this process and its children (the engine core, the
+    workers) while a phase runs, sampled every 20 ms by a thread."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.start_mib = self.peak_mib = _tree_rss_mib()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak_mib = max(self.peak_mib, _tree_rss_mib())
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        end = _tree_rss_mib()
+        return {"start_mib": self.start_mib, "peak_mib": max(self.peak_mib, end), "end_mib": end}
+
+
+def _tree_rss_mib() -> float:
+    import psutil
+
+    me = psutil.Process()
+    total = 0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            total += proc.memory_info().rss
+        except psutil.Error:
+            continue
+    return total / (1 << 20)
+
+
 def _metric(llm, name: str) -> float:
     return sum(getattr(m, "value", 0) or 0 for m in llm.get_metrics() if m.name == name)
 
@@ -91,6 +129,7 @@ def main(spec_path: str, out_path: str | None) -> None:
             _wait_idle(stats_path)
             result.setdefault("resets", []).append(bool(llm.reset_prefix_cache()))
         t1, cpu1 = time.perf_counter(), _tree_cpu_s()
+        rss = _RSSSampler() if phase.get("rss") else None
         params = phase.get("kv_transfer_params")  # one dict (or None) per prompt: the SDK's hints
         sps = [sampling(p) for p in params] if params else sp
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]], sps, use_tqdm=False)
@@ -107,9 +146,11 @@ def main(spec_path: str, out_path: str | None) -> None:
                 "token_ids": list(c.token_ids),
                 "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in (c.logprobs or [])],
             })
-        return {"outputs": rows, "requests": timings, "gen_s": gen_s, "cpu_s": cpu_s, "stats": _wait_idle(stats_path),
+        stats = _wait_idle(stats_path, phase.get("idle_timeout_s", 30.0))
+        return {"outputs": rows, "requests": timings, "gen_s": gen_s, "cpu_s": cpu_s, "stats": stats,
                 "external_hits": _metric(llm, "vllm:external_prefix_cache_hits"),
-                "local_hits": _metric(llm, "vllm:prefix_cache_hits")}
+                "local_hits": _metric(llm, "vllm:prefix_cache_hits"),
+                "rss": rss.stop() if rss is not None else None}
 
     if out_path is None:  # serve phases from stdin until it closes
         print("KVTIER-READY", flush=True)

@@ -1,0 +1,82 @@
+"""Bounded host memory when the SSD falls behind (issue 22), in a real vLLM engine.
+
+A small Llama (8 layers, 256 KiB of KV per 32-token block) prefills 40
+distinct prompts of 30 blocks at full rate: about 300 MiB of KV that kvtier
+writes through to DRAM and SSD. The SSD writer is slowed 100x by fault
+injection (``slow_ssd_connector.py``: every ``put_many`` sleeps 99 times what
+it took). Host copies waiting for the SSD are bounded by
+``ssd_write_queue_mib`` (16 MiB here); stores past it are skipped and counted
+(``store_skipped_backpressure``), never queued.
+
+Measured: the resident memory of the engine's process tree, sampled every
+20 ms from the start of the batch until the connector is idle (after a
+warm-up batch), against the same batches through a do-nothing connector
+(``bench/null_connector.py``), which isolates kvtier's own memory from vLLM's
+connector path. The growth kvtier adds must stay within what it is
+configured to hold (the DRAM pool, the SSD write queue, one scheduler step's
+gathered rows) plus a margin for the allocator, while the stores it skipped
+add up to far more than that: an unbounded queue would have held them, and
+this test would fail.
+
+Outputs: the token ids equal a run without any connector, and token ids and
+logprobs equal the do-nothing connector's. (vLLM's connector path by itself
+moves a few bf16 logprobs by about 1e-3 on this model: measured here, 5 of 40
+prompts, the same with kvtier and with the do-nothing connector.)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from .engine_support import BLOCK_SIZE, ENGINE, SMALL_LLAMA, make_model, run_child
+
+pytestmark = pytest.mark.slow
+
+BLOCK_BYTES = 8 * 2 * BLOCK_SIZE * 4 * 64 * 2  # layers x K/V x tokens x KV heads x head dim x bf16 = 256 KiB
+PROMPTS = [[(i * 131 + j * 7) % 997 + 3 for j in range(30 * BLOCK_SIZE)] for i in range(40)]
+WARM_UP = [[(i * 17 + j * 5) % 991 + 3 for j in range(30 * BLOCK_SIZE)] for i in range(100, 110)]
+STEP_TOKENS = 1024  # max_num_batched_tokens: one step gathers at most 32 blocks (8 MiB)
+QUEUE_MIB = 16
+DRAM_BLOCKS = 64
+MARGIN_MIB = 48  # allocator and engine noise between two runs of the same batch
+
+
+def test_a_slow_ssd_keeps_host_memory_bounded_and_outputs_unchanged(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "model", config=SMALL_LLAMA)
+    # One sequence at a time: batches are then the same with and without the connector (whose stores
+    # delay block frees and so could change how vLLM batches), so bf16 outputs can be compared exactly.
+    engine = {**ENGINE, "max_num_batched_tokens": STEP_TOKENS, "max_num_seqs": 1}
+    phases = [{"prompts": WARM_UP}, {"prompts": PROMPTS, "rss": True, "idle_timeout_s": 120.0}]
+    spec = {"model": str(model), "engine": engine, "max_tokens": 4, "phases": phases}
+    here = Path(__file__).resolve().parent
+    path = os.pathsep.join([str(here), str(here.parents[1] / "bench"), os.environ.get("PYTHONPATH", "")])
+    env = {"PYTHONPATH": path.rstrip(os.pathsep), "KVTIERTEST_SSD_SLOWDOWN": "100"}
+    plain = run_child(tmp_path, "plain", {**spec, "kvtier": None})
+    null = run_child(tmp_path, "null", {**spec, "kvtier": {}, "connector_name": "NullConnector",
+                                        "connector_module_path": "null_connector"}, env=env)
+    kvtier = {"dram_capacity_blocks": DRAM_BLOCKS, "ssd_path": str(tmp_path / "ssd"), "ssd_write_queue_mib": QUEUE_MIB,
+              "stats_path": str(tmp_path / "slow.stats.json")}
+    slow = run_child(tmp_path, "slow", {**spec, "kvtier": kvtier, "connector_name": "SlowSSDConnector",
+                                        "connector_module_path": "slow_ssd_connector"}, env=env)
+
+    p, n, s = (r["phases"][1] for r in (plain, null, slow))
+    assert [o["token_ids"] for o in s["outputs"]] == [o["token_ids"] for o in p["outputs"]]
+    assert s["outputs"] == n["outputs"]  # token ids and logprobs
+    counters = s["stats"]["counters"]
+    assert s["stats"]["pending_plans"] == 0, "the slowed writer did not drain within the idle timeout"
+    skipped_mib = counters.get("store_skipped_backpressure", 0) * BLOCK_BYTES / (1 << 20)
+    stored_ssd_mib = counters.get("stored_blocks_ssd", 0) * BLOCK_BYTES / (1 << 20)
+    growth = {name: r["rss"]["peak_mib"] - r["rss"]["start_mib"] for name, r in (("null", n), ("slow", s))}
+    held_mib = (DRAM_BLOCKS * BLOCK_BYTES + QUEUE_MIB * (1 << 20)) / (1 << 20) + 2 * STEP_TOKENS // BLOCK_SIZE * 0.25
+    added = growth["slow"] - growth["null"]
+    print(f"slow SSD (100x): stored to SSD {stored_ssd_mib:.0f} MiB, skipped {skipped_mib:.0f} MiB "
+          f"({counters.get('store_skipped_backpressure', 0)} blocks); RSS growth {growth['slow']:.0f} MiB vs "
+          f"{growth['null']:.0f} MiB through a do-nothing connector: {added:+.0f} MiB, allowed {held_mib:.0f} + "
+          f"{MARGIN_MIB} MiB")
+    assert counters.get("stored_blocks_dram", 0) > 0 and stored_ssd_mib > 0
+    # The bound mattered: far more was skipped than kvtier may hold, so an unbounded queue would show here.
+    assert skipped_mib > 2 * (held_mib + MARGIN_MIB)
+    assert added <= held_mib + MARGIN_MIB
