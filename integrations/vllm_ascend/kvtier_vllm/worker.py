@@ -235,7 +235,7 @@ class KVTierWorker:
         for w in job.writes:
             if w.tier == "dram":
                 assert self._pool_np is not None
-                self._pool_np[list(w.slots)] = host[list(w.rows)]
+                _copy_rows(self._pool_np, w.slots, host, w.rows)
                 self._post_plan(w.plan_id, [True] * len(w.rows))
             else:
                 nbytes = len(w.rows) * host.shape[1]
@@ -274,7 +274,7 @@ class KVTierWorker:
         dram = [i for i, t in enumerate(job.tiers) if t == "dram"]
         ssd = [i for i, t in enumerate(job.tiers) if t == "ssd"]
         if dram and self._pool_np is not None:
-            host[dram] = self._pool_np[[job.slots[i] for i in dram]]
+            _copy_rows(host, dram, self._pool_np, [job.slots[i] for i in dram])
             for i in dram:
                 oks[i] = True
         if ssd and self._ssd is not None:
@@ -302,6 +302,25 @@ class KVTierWorker:
     def _post_gathered(self, job: StoreJob) -> None:
         with self._lock:
             self._results.gathered.append((job.job_id, job.req_id))
+
+
+def _copy_rows(dst: np.ndarray, dst_rows: Sequence[int], src: np.ndarray, src_rows: Sequence[int]) -> None:
+    """``dst[dst_rows[i]] = src[src_rows[i]]``, one copy per block: a single slice copy
+    when both are runs of adjacent rows (a fresh chain's usually are), else row by
+    row. Fancy indexing (``dst[a] = src[b]``) would copy every byte twice, through a
+    temporary. numpy, not torch: this runs on the worker's background threads."""
+    n = len(dst_rows)
+    if n > 1 and _is_run(dst_rows) and _is_run(src_rows):
+        d, s = dst_rows[0], src_rows[0]
+        dst[d : d + n] = src[s : s + n]
+        return
+    for d, s in zip(dst_rows, src_rows):
+        dst[d] = src[s]
+
+
+def _is_run(rows: Sequence[int]) -> bool:
+    first = rows[0]
+    return rows[-1] == first + len(rows) - 1 and list(rows) == list(range(first, first + len(rows)))
 
 
 def _key(raw: int | None) -> BlockKey | None:
