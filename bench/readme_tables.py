@@ -11,7 +11,7 @@ rewriting or checking every block between the markers
 
 in ``README.md`` and ``bench/RESULTS.md``. Must not run replays or benchmarks
 (the scripts that write ``bench/out/*.json`` do: ``bench/replay_results.py``,
-``bench/tune_kvtier.py``, ``bench/misc_results.py``); figures reach a
+``bench/tune_kvtier.py``, ``bench/misc_results.py``, ``bench/connector_path.py``); figures reach a
 document only through here, so a stale figure is a failed check
 (``tests/test_readme_tables.py``).
 
@@ -64,6 +64,7 @@ def _load_renderers() -> None:
     try:
         import replay_tables  # noqa: F401  (registers the replay tables)
         import misc_tables  # noqa: F401  (registers the rounds / shared tables)
+        import datapath_tables  # noqa: F401  (registers the connector byte-path table)
     finally:
         sys.path.pop(0)
 

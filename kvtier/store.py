@@ -685,19 +685,33 @@ class TieredStore:
         self._events.extend(events)
 
     def _reindex_ssd(self) -> None:
-        """Warm restart: drop unreadable values, then index every value already in the
-        SSD directory (values of other namespaces are left alone, unindexed)."""
-        self.counters["ssd_purged_unreadable_values"] = self._ssd.purge_unreadable()
-        count = 0
-        for entry in self._ssd.scan():
-            key, parent = entry[0], entry[1]
-            plan = self.manager.prepare_store("ssd", [key], parent)
-            if plan is None:
-                break  # capacity reached; the rest stays on disk unindexed
-            self.manager.complete_store(plan, True)
-            count += 1
+        """Warm restart (see :func:`reindex_ssd`)."""
+        count, purged = reindex_ssd(self._ssd, self.manager)
         self._pump_events()
+        self.counters["ssd_purged_unreadable_values"] = purged
         self.counters["ssd_reindexed_blocks"] = count
+
+
+def reindex_ssd(ssd: Any, manager: TierManager) -> tuple[int, int]:
+    """Warm restart of an SSD tier: the one re-index, used by :class:`TieredStore`
+    and by the vLLM connector's scheduler.
+
+    Deletes the values no reader can ever use (:meth:`SSDTier.purge_unreadable
+    <kvtier.tiers.ssd.SSDTier.purge_unreadable>`), then indexes in ``manager``'s
+    ``ssd`` tier every readable value of this namespace and layout, with its
+    parent link, until the tier's capacity (the rest stays on disk,
+    unindexed); values of other namespaces are left alone. Reads headers only.
+    Returns ``(indexed, purged)``; the manager's events are the caller's.
+    """
+    purged = ssd.purge_unreadable()
+    count = 0
+    for entry in ssd.scan():
+        plan = manager.prepare_store("ssd", [entry.key], entry.parent)
+        if plan is None:
+            break  # capacity reached
+        manager.complete_store(plan, True)
+        count += 1
+    return count, purged
 
 
 _PUT_LINKS = {t: f"put->{t}" for t in TIER_ORDER}  # mover link names, made once

@@ -37,7 +37,7 @@ import os
 import random
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -115,15 +115,47 @@ class _RoundPutter:
             self.store.put(kb, bb)
 
 
+def memcpy_baseline(blocks: list[torch.Tensor], outs: list[torch.Tensor]) -> Callable[[], None]:
+    """The DRAM baseline: a torch copy of each block into its own preallocated buffer."""
+
+    def memcpy() -> None:
+        for src, dst in zip(blocks, outs):
+            dst.copy_(src)
+
+    return memcpy
+
+
+def raw_file_baselines(blocks: list[torch.Tensor], outs: list[torch.Tensor],
+                       path: Path) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The SSD baselines: plain ``write`` + ``fsync`` of ``blocks`` to ``path`` in
+    batches of ``BATCH_BLOCKS`` (one fsync a batch, as an SSD put commits one
+    transaction a batch), and ``readinto`` of that file into ``outs`` (a warm
+    page cache once written)."""
+
+    def raw_write() -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for batch in _batches(blocks):
+                for b in batch:
+                    os.write(fd, b.numpy())
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def raw_read() -> None:
+        with open(path, "rb", buffering=0) as f:
+            for o in outs:
+                f.readinto(o.numpy())
+
+    return raw_write, raw_read
+
+
 def bench_memcpy_and_dram(block_bytes: int, total_bytes: int) -> dict[str, float]:
     n = max(BATCH_BLOCKS, total_bytes // block_bytes)
     blocks = bf16_blocks(n, block_bytes)
     outs = [torch.empty(block_bytes, dtype=torch.uint8) for _ in range(n)]
     nbytes = n * block_bytes
-
-    def memcpy() -> None:
-        for src, dst in zip(blocks, outs):
-            dst.copy_(src)
+    memcpy = memcpy_baseline(blocks, outs)
 
     # every round of fresh keys fits: this measures the put path itself (no eviction)
     store = _store(block_bytes, (REPEATS + 1) * n, "dram")
@@ -167,21 +199,7 @@ def bench_ssd(block_bytes: int, total_bytes: int, workdir: str) -> dict[str, flo
     nbytes = n * block_bytes
     path = Path(workdir) / f"raw_{block_bytes}.bin"
     outs = [torch.empty(block_bytes, dtype=torch.uint8) for _ in range(n)]
-
-    def raw_write() -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            for batch in _batches(blocks):
-                for b in batch:
-                    os.write(fd, b.numpy())
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def raw_read() -> None:
-        with open(path, "rb", buffering=0) as f:
-            for o in outs:
-                f.readinto(o.numpy())
+    raw_write, raw_read = raw_file_baselines(blocks, outs, path)
 
     out: dict[str, float] = {}
     for codec, suffix in (("raw", ""), ("auto", "_auto")):

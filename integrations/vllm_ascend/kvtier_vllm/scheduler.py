@@ -36,6 +36,7 @@ from kvtier.keys import BlockKey, Namespace, chain_foreign_keys
 from kvtier.manager import LoadPlan, StorePlan, TierManager, TierSpec
 from kvtier.placement import ToolWait, make_placement
 from kvtier.sdk.handles import request_criticality, request_tags, request_tool_wait_s
+from kvtier.store import reindex_ssd
 
 from . import ssdshare
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob, PromoteJob, StoreJob, TierWrite
@@ -532,20 +533,16 @@ class KVTierScheduler:
                 self.counters["ssd_deleted_blocks"] += 1
 
     def _reindex_ssd(self) -> None:
-        """Warm restart: index the blocks rank 0 already holds on SSD (headers only)."""
+        """Warm restart: index the blocks rank 0 already holds on SSD, with the
+        same re-index as ``TieredStore`` (:func:`kvtier.store.reindex_ssd`)."""
         cfg = self.settings.config
         path = self.settings.rank_ssd_path(0, self.namespace.tp_size)
         assert path is not None
-        count = 0
         tier = ssdshare.acquire(path, self.namespace, cfg.layout.to_layout(), cfg)
         try:
-            for entry in tier.scan():
-                plan = self.manager.prepare_store("ssd", [entry.key], entry.parent)
-                if plan is None:
-                    break
-                self.manager.complete_store(plan, True)
-                count += 1
+            count, purged = reindex_ssd(tier, self.manager)
         finally:
             ssdshare.release(tier)
         self.manager.take_events()
         self.counters["ssd_reindexed_blocks"] = count
+        self.counters["ssd_purged_unreadable_values"] = purged

@@ -1,0 +1,241 @@
+"""The vLLM connector's own byte path against memcpy and raw file I/O (issue 22).
+
+``kvtier bench tiers`` measures ``TieredStore``. The connector's worker moves
+bytes its own way between the engine's blocks, host rows, its DRAM slab pool
+and the SSD tier (the same ``SSDTier`` and the same re-index as
+``TieredStore``; the DRAM copies are numpy, so its background threads never
+start an OpenMP team beside a CPU engine's forward). This measures that path:
+a ``KVTierWorker`` built as vLLM builds it (no engine), over caches shaped like
+an engine's, timing the exact functions its threads run, each interleaved
+with its baseline in the same run:
+
+* ``dram_store``: ``_write`` of a store job to DRAM slots (host rows into the
+  pool) vs ``memcpy`` (a torch copy of each block into its own buffer, as in
+  ``kvtier bench tiers``);
+* ``dram_load``: ``_read`` of a load job from DRAM slots into host rows vs
+  ``memcpy``;
+* ``ssd_store``: ``_write_ssd`` (LMDB, ``sync``: one fsync'ed transaction per
+  16-block job) vs ``write`` + ``fsync`` of the same bytes per 16 blocks;
+* ``ssd_load``: ``_read`` of a load job from SSD (warm page cache, checksums
+  verified) vs ``readinto`` of the raw file;
+* ``end_to_end_store`` / ``end_to_end_load`` (no target): the whole worker
+  path a step sees, gather from the engine's blocks + the DRAM write on the
+  copy thread, and the DRAM read + the scatter into the engine's blocks.
+
+Targets (as for ``TieredStore``): DRAM >= 0.8x memcpy, SSD put >= 0.5x write +
+fsync, SSD get >= 0.6x warm read. Every loaded byte is compared with what was
+stored. Needs vLLM (the connector's metadata classes):
+
+    .venv-vllm/bin/python bench/connector_path.py [--json bench/out/connector-path.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from kvtier_vllm.metadata import KVTierConnectorMetadata, LoadJob, StoreJob, TierWrite
+from kvtier_vllm.settings import ConnectorSettings, EngineFacts
+from kvtier_vllm.worker import KVTierWorker
+
+from kvtier.benchmarks.common import gbps, interleaved_best_seconds
+from kvtier.benchmarks.tiers import BATCH_BLOCKS, TARGETS, memcpy_baseline, raw_file_baselines
+from kvtier.keys import BlockKey
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYER_BYTES = 2 * 16 * 8 * 128 * 2  # K/V x 16 tokens x 8 heads x 128 dim x bf16 = 64 KiB per layer per block
+
+
+def _wait(worker: KVTierWorker, plan_ids: set[int], recv: set[str] = frozenset(), timeout_s: float = 120) -> None:
+    """Step the worker as vLLM does until ``plan_ids`` and the loads of ``recv`` are reported ok."""
+    got: dict[int, list[bool]] = {}
+    received: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while not (plan_ids <= set(got) and recv <= received):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"worker did not report plans {sorted(plan_ids - set(got))[:5]}")
+        _, r = worker.get_finished(set())
+        received |= r
+        meta = worker.take_worker_meta()
+        if meta is not None:
+            got.update({pid: oks for pid, (_, oks) in meta.plans.items()})
+        time.sleep(0.0002)
+    bad = [pid for pid in plan_ids if not all(got[pid])]
+    if bad:
+        raise RuntimeError(f"plans failed: {bad[:5]}")
+
+
+def bench_size(block_bytes: int, total_bytes: int, repeats: int, workdir: Path) -> dict:
+    layers = block_bytes // LAYER_BYTES
+    n = max(BATCH_BLOCKS, total_bytes // block_bytes) // BATCH_BLOCKS * BATCH_BLOCKS
+    facts = EngineFacts("bench", "bfloat16", 16, layers, 8, 128, "fused", "sha256")
+    ssd_dir = Path(tempfile.mkdtemp(prefix=f"connector_{block_bytes}_", dir=workdir))
+    settings = ConnectorSettings.build({"dram_capacity_blocks": n, "ssd_path": str(ssd_dir), "ssd_capacity_blocks": n,
+                                        "kvtier": {"tiers": {"ssd": {"sync": True}}}}, facts, env={})
+    layout = settings.config.layout.to_layout()
+    assert layout.bytes_per_block == block_bytes, (layout.bytes_per_block, block_bytes)
+    engine_blocks = 2 * n  # stores read the first half, loads write the second
+    worker = KVTierWorker(settings, settings.config.namespace.to_namespace(layout), layout, engine_blocks)
+    gen = torch.Generator().manual_seed(3)
+    caches = {f"model.layers.{i}.self_attn": torch.randn((2, engine_blocks, 16, 8, 128), generator=gen)
+              .to(torch.bfloat16) for i in range(layers)}
+    worker.register_kv_caches(caches)
+    try:
+        return _measure(worker, caches, n, block_bytes, repeats, workdir)
+    finally:
+        worker.shutdown()
+
+
+def _measure(worker: KVTierWorker, caches: dict, n: int, block_bytes: int, repeats: int, workdir: Path) -> dict:
+    io = worker.io
+    assert io is not None
+    src_blocks = list(range(n))
+    dst_blocks = list(range(n, 2 * n))
+    keys = list(range(1_000_000, 1_000_000 + n))
+    batches = [list(range(i, i + BATCH_BLOCKS)) for i in range(0, n, BATCH_BLOCKS)]
+    rows = io.gather(src_blocks)  # host rows (CPU engine): what wait_for_save hands the copy thread
+    plan_ids = iter(range(1, 1 << 30))
+
+    def store_job(b: list[int], tier: str) -> StoreJob:
+        return StoreJob(job_id=next(plan_ids), req_id="bench", block_ids=tuple(src_blocks[i] for i in b),
+                        keys=tuple(keys[i] for i in b), parents=tuple(keys[i - 1] if i else None for i in b),
+                        writes=(TierWrite(next(plan_ids), tier, tuple(range(len(b))),
+                                          tuple(b) if tier == "dram" else ()),))
+
+    def load_job(b: list[int], tier: str) -> LoadJob:
+        return LoadJob("bench-load", next(plan_ids), tuple(keys[i] for i in b), (tier,) * len(b),
+                       tuple(b) if tier == "dram" else (0,) * len(b), tuple(dst_blocks[i] for i in b))
+
+    # tier parts: the functions the worker's threads run, called here on one thread
+    dram_jobs = [store_job(b, "dram") for b in batches]
+    job_rows = [rows[b[0]:b[-1] + 1] for b in batches]
+    out_rows = [io.host_rows(len(b)) for b in batches]
+
+    def dram_store() -> None:
+        for job, r in zip(dram_jobs, job_rows):
+            worker._write(job, r, None)
+
+    def dram_load() -> None:
+        for b, r in zip(batches, out_rows):
+            worker._read(load_job(b, "dram"), r)
+
+    def ssd_store() -> None:
+        for b, r in zip(batches, job_rows):
+            own = r.numpy()[list(range(len(b)))]  # as _write does: the SSD write owns a copy of its rows
+            items = [(BlockKey(keys[i]), own[j], BlockKey(keys[i - 1]) if i else None) for j, i in enumerate(b)]
+            worker._ssd_queued_bytes += own.nbytes  # what _write reserves before queueing it
+            worker._write_ssd(0, items, own.nbytes)
+
+    def ssd_load() -> None:
+        for b, r in zip(batches, out_rows):
+            worker._read(load_job(b, "ssd"), r)
+
+    blocks = list(rows)
+    outs = [torch.empty(block_bytes, dtype=torch.uint8) for _ in range(n)]
+    memcpy = memcpy_baseline(blocks, outs)
+    raw_write, raw_read = raw_file_baselines(blocks, outs, workdir / f"raw_{block_bytes}.bin")
+    memcpy()  # fault the baseline's buffers in
+    memcpy_s, dram_store_s, dram_load_s = interleaved_best_seconds([memcpy, dram_store, dram_load], repeats)
+    verified = torch.equal(torch.cat(out_rows), rows)
+    raw_write_s, ssd_store_s, raw_read_s, ssd_load_s = interleaved_best_seconds(
+        [raw_write, ssd_store, raw_read, ssd_load], repeats)
+    verified = verified and torch.equal(torch.cat(out_rows), rows)
+    worker._results = type(worker._results)()  # drop what the direct calls posted
+
+    # end to end, through the worker's public calls and threads: DRAM store, then load into other blocks
+    def e2e_store() -> None:
+        jobs = [store_job(b, "dram") for b in batches]
+        worker.wait_for_save(KVTierConnectorMetadata(stores=jobs))
+        _wait(worker, {w.plan_id for j in jobs for w in j.writes})
+
+    def e2e_load() -> None:
+        jobs = [load_job(b, "dram") for b in batches]
+        worker.start_load_kv(KVTierConnectorMetadata(loads=jobs))
+        _wait(worker, {j.plan_id for j in jobs}, {"bench-load"})
+
+    e2e_store_s, e2e_load_s = interleaved_best_seconds([e2e_store, e2e_load], repeats)
+    verified = verified and all(torch.equal(t[:, :n], t[:, n:]) for t in caches.values())
+    nbytes = n * block_bytes
+    row = {
+        "block_kib": block_bytes // 1024, "blocks": n, "verified": verified,
+        "memcpy_gbps": gbps(nbytes, memcpy_s),
+        "dram_store_gbps": gbps(nbytes, dram_store_s), "dram_load_gbps": gbps(nbytes, dram_load_s),
+        "raw_file_write_gbps": gbps(nbytes, raw_write_s), "ssd_store_gbps": gbps(nbytes, ssd_store_s),
+        "raw_file_read_gbps": gbps(nbytes, raw_read_s), "ssd_load_gbps": gbps(nbytes, ssd_load_s),
+        "end_to_end_store_gbps": gbps(nbytes, e2e_store_s), "end_to_end_load_gbps": gbps(nbytes, e2e_load_s),
+    }
+    row["dram_put_vs_memcpy"] = row["dram_store_gbps"] / row["memcpy_gbps"]
+    row["dram_get_vs_memcpy"] = row["dram_load_gbps"] / row["memcpy_gbps"]
+    row["ssd_put_vs_raw_write"] = row["ssd_store_gbps"] / row["raw_file_write_gbps"]
+    row["ssd_get_vs_raw_read"] = row["ssd_load_gbps"] / row["raw_file_read_gbps"]
+    row["end_to_end_store_vs_memcpy"] = row["end_to_end_store_gbps"] / row["memcpy_gbps"]
+    row["end_to_end_load_vs_memcpy"] = row["end_to_end_load_gbps"] / row["memcpy_gbps"]
+    return row
+
+
+COLUMNS = ("block_kib", "memcpy_gbps", "dram_store_gbps", "dram_put_vs_memcpy", "dram_load_gbps",
+           "dram_get_vs_memcpy", "raw_file_write_gbps", "ssd_store_gbps", "ssd_put_vs_raw_write",
+           "raw_file_read_gbps", "ssd_load_gbps", "ssd_get_vs_raw_read", "end_to_end_store_vs_memcpy",
+           "end_to_end_load_vs_memcpy", "verified")
+
+
+def run(sizes_kib: list[int], total_mib: int, repeats: int, progress=print) -> dict:
+    results = []
+    with tempfile.TemporaryDirectory(prefix="kvtier-connector-bench-") as tmp:
+        for kib in sizes_kib:
+            progress(f"[connector_path] block {kib} KiB ...")
+            results.append(bench_size(kib * 1024, total_mib << 20, repeats, Path(tmp)))
+    met = {k: all(r[k] >= v for r in results) for k, v in TARGETS.items()}
+    return {"results": results, "targets": TARGETS, "targets_met": met, "total_mib": total_mib, "repeats": repeats,
+            "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), **_source()}
+
+
+def _source() -> dict:
+    """The commit measured, and whether the code it measures had uncommitted changes."""
+    def git(*a: str) -> str | None:
+        try:
+            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    status = git("status", "--porcelain", "--", "kvtier", "integrations/vllm_ascend")
+    return {"commit": git("rev-parse", "HEAD"), "code_dirty": None if status is None else bool(status)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes-kib", default="256,1024,4096", help="block sizes in KiB, multiples of 64 "
+                                                                   "(default 256,1024,4096, as kvtier bench tiers)")
+    ap.add_argument("--total-mib", type=int, default=64, help="bytes moved per measurement (MiB, default 64)")
+    ap.add_argument("--repeats", type=int, default=7, help="interleaved rounds; the best is kept (default 7)")
+    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = ap.parse_args(argv)
+    try:
+        sizes = [int(x) for x in args.sizes_kib.split(",")]
+    except ValueError:
+        ap.error(f"--sizes-kib {args.sizes_kib!r}: expected comma-separated integers")
+    if any(s <= 0 or s * 1024 % LAYER_BYTES for s in sizes) or args.total_mib <= 0 or args.repeats <= 0:
+        ap.error("--sizes-kib must be positive multiples of 64; --total-mib and --repeats positive")
+    report = run(sizes, args.total_mib, args.repeats, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print("  ".join(f"{c:>12}" for c in ("block_kib", "memcpy", "dram_put", "x", "dram_get", "x", "raw_write",
+                                           "ssd_put", "x", "raw_read", "ssd_get", "x", "e2e_st x", "e2e_ld x")))
+    for r in report["results"]:
+        print("  ".join(f"{r[c]:>12.2f}" if isinstance(r[c], float) else f"{str(r[c]):>12}" for c in COLUMNS[:-1]))
+    print("(GB/s; x = ratio to the baseline on its left; e2e = gather/scatter + DRAM, vs memcpy; no target)")
+    print("targets met: " + ", ".join(f"{k}={'yes' if v else 'NO'}" for k, v in report["targets_met"].items()))
+    ok = all(r["verified"] for r in report["results"])
+    print(f"loaded bytes verified: {ok}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""README table of the vLLM connector's byte path, rendered from ``bench/out/connector-path.json``.
+
+Owns: the renderer of table ``connector-path`` (``bench/connector_path.py``:
+the connector worker's DRAM and SSD functions against memcpy and raw file I/O,
+and its whole store / load path against memcpy). Every figure is read from
+the JSON; ratios are computed there, in the same run as their baselines.
+
+Must not: run anything or write any file (``bench/readme_tables.py`` imports
+this module and rewrites the documents).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from readme_tables import md_table, table
+
+
+@table("connector-path", "connector-path.json")
+def connector_path(data: dict[str, Any]) -> str:
+    t = data["targets"]
+    commit = (data.get("commit") or "unknown")[:7] + (" (modified)" if data.get("code_dirty") else "")
+
+    def cell(r: dict[str, Any], gbps: str, ratio: str) -> str:
+        target = t.get(ratio)
+        mark = "" if target is None else (" ✓" if r[ratio] >= target else " ✗")
+        return f"{r[gbps]:.1f} GB/s ({r[ratio]:.2f}x{mark})"
+
+    rows = [[f"{r['block_kib']} KiB", f"{r['memcpy_gbps']:.1f}",
+             cell(r, "dram_store_gbps", "dram_put_vs_memcpy"), cell(r, "dram_load_gbps", "dram_get_vs_memcpy"),
+             f"{r['raw_file_write_gbps']:.2f}", cell(r, "ssd_store_gbps", "ssd_put_vs_raw_write"),
+             f"{r['raw_file_read_gbps']:.1f}", cell(r, "ssd_load_gbps", "ssd_get_vs_raw_read"),
+             f"{r['end_to_end_store_vs_memcpy']:.2f}x / {r['end_to_end_load_vs_memcpy']:.2f}x"]
+            for r in data["results"]]
+    verified = "every loaded byte verified" if all(r["verified"] for r in data["results"]) else "LOADED BYTES WRONG"
+    caption = (f"`bench/connector_path.py` ({data['total_mib']} MiB per measurement, best of {data['repeats']} "
+               f"interleaved rounds, {data.get('cpu_count', '?')} CPUs, {verified}; commit {commit}). Targets: DRAM "
+               f">= {t['dram_put_vs_memcpy']}x memcpy, SSD put >= {t['ssd_put_vs_raw_write']}x write + fsync, SSD get "
+               f">= {t['ssd_get_vs_raw_read']}x warm read:\n\n")
+    header = ["block", "memcpy GB/s", "DRAM store", "DRAM load", "write + fsync GB/s", "SSD store",
+              "warm read GB/s", "SSD load", "whole store / load path vs memcpy"]
+    return caption + md_table(header, rows)
