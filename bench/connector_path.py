@@ -9,18 +9,19 @@ a ``KVTierWorker`` built as vLLM builds it (no engine), over caches shaped like
 an engine's, timing the exact functions its threads run, each interleaved
 with its baseline in the same run:
 
-* ``dram_store``: ``_write`` of a store job to DRAM slots (host rows into the
-  pool) vs ``memcpy`` (a torch copy of each block into its own buffer, as in
+* ``dram_store``: ``_write_tiers`` of a store job to DRAM slots (staged rows
+  into the pool) vs ``memcpy`` (a torch copy of each block into its own buffer, as in
   ``kvtier bench tiers``);
-* ``dram_load``: ``_read`` of a load job from DRAM slots into host rows vs
-  ``memcpy``;
+* ``dram_load``: ``_read_tiers`` of a load job from DRAM slots into host rows
+  vs ``memcpy``;
 * ``ssd_store``: ``_write_ssd`` (LMDB, ``sync``: one fsync'ed transaction per
   16-block job) vs ``write`` + ``fsync`` of the same bytes per 16 blocks;
-* ``ssd_load``: ``_read`` of a load job from SSD (warm page cache, checksums
+* ``ssd_load``: ``_read_tiers`` of a load job from SSD (warm page cache, checksums
   verified) vs ``readinto`` of the raw file;
 * ``end_to_end_store`` / ``end_to_end_load`` (no target): the whole worker
-  path a step sees, gather from the engine's blocks + the DRAM write on the
-  copy thread, and the DRAM read + the scatter into the engine's blocks.
+  path a step sees, gather from the engine's blocks into the staging ring +
+  the DRAM write on the copy thread, and the DRAM read into the ring + the
+  scatter into the engine's blocks.
 
 Targets (as for ``TieredStore``): DRAM >= 0.8x memcpy, SSD put >= 0.5x write +
 fsync, SSD get >= 0.6x warm read. Every loaded byte is compared with what was
@@ -100,7 +101,7 @@ def _measure(worker: KVTierWorker, caches: dict, n: int, block_bytes: int, repea
     dst_blocks = list(range(n, 2 * n))
     keys = list(range(1_000_000, 1_000_000 + n))
     batches = [list(range(i, i + BATCH_BLOCKS)) for i in range(0, n, BATCH_BLOCKS)]
-    rows = io.gather(src_blocks)  # host rows (CPU engine): what wait_for_save hands the copy thread
+    rows = io.gather(src_blocks)  # host rows (CPU engine): what wait_for_save gathers into the staging ring
     plan_ids = iter(range(1, 1 << 30))
 
     def store_job(b: list[int], tier: str) -> StoreJob:
@@ -116,26 +117,26 @@ def _measure(worker: KVTierWorker, caches: dict, n: int, block_bytes: int, repea
     # tier parts: the functions the worker's threads run, called here on one thread
     dram_jobs = [store_job(b, "dram") for b in batches]
     job_rows = [rows[b[0]:b[-1] + 1] for b in batches]
-    out_rows = [io.host_rows(len(b)) for b in batches]
+    out_rows = [torch.empty((len(b), block_bytes), dtype=torch.uint8) for b in batches]
 
     def dram_store() -> None:
         for job, r in zip(dram_jobs, job_rows):
-            worker._write(job, r, None)
+            worker._write_tiers(job, r.numpy())
 
     def dram_load() -> None:
         for b, r in zip(batches, out_rows):
-            worker._read(load_job(b, "dram"), r)
+            assert all(worker._read_tiers(load_job(b, "dram"), r.numpy()))
 
     def ssd_store() -> None:
         for b, r in zip(batches, job_rows):
-            own = r.numpy()[list(range(len(b)))]  # as _write does: the SSD write owns a copy of its rows
+            own = r.numpy()[list(range(len(b)))]  # as _write_tiers does: the SSD write owns a copy of its rows
             items = [(BlockKey(keys[i]), own[j], BlockKey(keys[i - 1]) if i else None) for j, i in enumerate(b)]
-            worker._ssd_queued_bytes += own.nbytes  # what _write reserves before queueing it
-            worker._write_ssd(0, items, own.nbytes)
+            worker._ssd_queued_bytes += own.nbytes  # what _write_tiers reserves before queueing it
+            worker._write_ssd(TierWrite(0, "ssd", tuple(range(len(b))), ()), items, list(range(len(b))), own.nbytes)
 
     def ssd_load() -> None:
         for b, r in zip(batches, out_rows):
-            worker._read(load_job(b, "ssd"), r)
+            assert all(worker._read_tiers(load_job(b, "ssd"), r.numpy()))
 
     blocks = list(rows)
     outs = [torch.empty(block_bytes, dtype=torch.uint8) for _ in range(n)]

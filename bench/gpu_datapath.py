@@ -3,10 +3,12 @@
 Caches shaped like vLLM's for a real model (default: Llama-3.1-8B, 32 layers
 of ``[2, blocks, 16, 8, 128]`` bf16, 2 MiB per 16-token block) live on the
 device. N blocks are stored and loaded through kvtier's worker path, the
-functions ``KVTierWorker`` itself calls (``BlockIO.copy_out`` in
-``wait_for_save``; ``BlockIO.scatter`` from ``BlockIO.host_rows`` for a load
-finished in ``get_finished``; the tier reads on the host are not timed), and
-every loaded byte is compared with what was stored. Baseline, measured in the same run: one contiguous device buffer
+functions ``KVTierWorker`` itself calls (``BlockIO.copy_out`` into a run of
+its ``StagingRing``, pinned when an accelerator is present, in
+``wait_for_save``; ``BlockIO.scatter`` from a run for a load finished in
+``get_finished``, waiting on its event before the run is reused; the tier
+reads on the host are not timed), and every loaded byte is compared with what
+was stored. Baseline, measured in the same run: one contiguous device buffer
 of the same bytes copied to and from pinned host memory with
 ``copy_(non_blocking=True)`` (the transfer rate the link gives). Then a bf16
 matmul loop on the default stream is timed alone and while a thread keeps
@@ -37,6 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "integrations" / "vllm_ascend"))
 from kvtier_vllm.blockio import BlockIO  # noqa: E402  (no vLLM import)
+from kvtier_vllm.staging import StagingRing  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -80,27 +83,28 @@ def run(args: argparse.Namespace) -> dict:
     n = args.blocks
     if 2 * n > args.cache_blocks:
         raise SystemExit(f"--blocks {n}: needs --cache-blocks >= {2 * n} (stores from one half, loads into the other)")
+    nbytes = n * io.bytes_per_block
     src = list(range(0, 2 * n, 2))  # scattered, as a request's blocks are
     dst = list(range(1, 2 * n, 2))
-    nbytes = n * io.bytes_per_block
 
-    # kvtier's worker path
-    stored: dict[str, torch.Tensor] = {}
+    # kvtier's worker path, through a staging ring as the worker builds it
+    ring = StagingRing(2 * nbytes, io.bytes_per_block, pin=device.type != "cpu")
+    stored = ring.take(n)
+    loaded = ring.take(n)
+    assert stored is not None and loaded is not None and len(stored) == len(loaded) == n
 
     def store() -> None:
-        rows, ready = io.copy_out(src)
+        ready = io.copy_out(src, stored.rows)
         if ready is not None:
             ready.synchronize()  # what the worker's copy thread waits on before reading the rows
-        stored["rows"] = rows
-
-    loaded: dict[str, torch.Tensor] = {}
 
     def load() -> None:
-        io.scatter(dst, loaded["rows"])  # the engine thread's part of a load (get_finished)
+        done = io.scatter(dst, loaded.rows)  # the engine thread's part of a load (get_finished)
+        if done is not None:
+            done.synchronize()  # before the run is reused (the worker polls the event instead)
 
     store()
-    loaded["rows"] = io.host_rows(n)  # what the worker reads a load into (DRAM slots or SSD values)
-    loaded["rows"].copy_(stored["rows"])
+    loaded.rows.copy_(stored.rows)  # the tier read (DRAM slots or SSD values) into the load's run
     load()
     _sync(device)
     verified = all(torch.equal(t[:, src].cpu(), t[:, dst].cpu()) for t in caches.values())

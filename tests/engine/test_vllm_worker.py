@@ -190,3 +190,55 @@ def test_a_slow_ssd_skips_stores_instead_of_queueing_without_limit(tmp_path) -> 
         assert w._ssd_queued_bytes == 0
     finally:
         w.shutdown()
+
+
+def test_a_full_staging_ring_stores_and_loads_what_fits_and_counts_the_rest(tmp_path) -> None:
+    """Host staging is a fixed ring (``staging_mib``): a store job larger than what is
+    free gathers and stores its leading blocks only, a load reads its leading blocks
+    only (the rest is recomputed), the blocks left out are counted, and the engine's
+    thread never waits for room."""
+    facts = EngineFacts("tiny", "bfloat16", BS, 2, HEADS, DIM, "split", "sha256")
+    block_bytes = 2 * 2 * BS * HEADS * DIM * 2
+    settings = ConnectorSettings.build({"dram_capacity_blocks": 8, "staging_mib": 3 * block_bytes / (1 << 20)},
+                                       facts, env={})
+    layout = settings.config.layout.to_layout()
+    w = KVTierWorker(settings, settings.config.namespace.to_namespace(layout), layout, NUM_BLOCKS)
+    gen = torch.Generator().manual_seed(2)
+    caches = {f"layers.{i}.attn": tuple(torch.randn(NUM_BLOCKS, BS, HEADS, DIM, generator=gen).to(torch.bfloat16)
+                                        for _ in range(2)) for i in range(2)}
+    w.register_kv_caches(caches)
+    try:
+        assert w.ring is not None and w.ring.num_rows == 3
+        keys = (20, 21, 22, 23)
+        job = StoreJob(job_id=1, req_id="r1", block_ids=(0, 1, 2, 3), keys=keys, parents=(None, 20, 21, 22),
+                       writes=(TierWrite(1, "dram", (0, 1, 2, 3), (0, 1, 2, 3)),))
+        w.wait_for_save(KVTierConnectorMetadata(stores=[job]))
+        skipped_stores = skipped_loads = 0
+        plans: dict[int, list[bool]] = {}
+        received: set[str] = set()
+        deadline = time.monotonic() + 10
+
+        def step() -> None:
+            nonlocal skipped_stores, skipped_loads
+            received.update(w.get_finished(set())[1])
+            meta = w.take_worker_meta()
+            if meta is not None:
+                plans.update({pid: oks for pid, (_, oks) in meta.plans.items()})
+                skipped_stores += meta.staging_skipped_stores
+                skipped_loads += meta.staging_skipped_loads
+
+        while 1 not in plans and time.monotonic() < deadline:
+            step()
+            time.sleep(0.01)
+        assert plans[1] == [True, True, True, False] and skipped_stores == 1
+        load = LoadJob("r2", 2, keys[:3] + (24,), ("dram",) * 4, (0, 1, 2, 3), (4, 5, 6, 7))
+        w.start_load_kv(KVTierConnectorMetadata(loads=[load]))
+        while "r2" not in received and time.monotonic() < deadline:
+            step()
+            time.sleep(0.01)
+        assert plans[2] == [True, True, True, False] and skipped_loads == 1
+        assert all(_blocks_equal(caches, a, b) for a, b in ((0, 4), (1, 5), (2, 6)))
+        assert w.take_load_errors() == {7}
+        assert w.ring.rows_in_use == 0 and w.ring.peak_rows_in_use == 3
+    finally:
+        w.shutdown()

@@ -89,49 +89,53 @@ class BlockIO:
         self.bytes_per_block = offset
         self.device = parts[0].tensor.device
 
-    def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None,
+               non_blocking: bool = False) -> torch.Tensor:
         """Rows (``uint8 [len(block_ids), bytes_per_block]``, on the cache's device
-        unless ``out`` is given) holding the bytes of ``block_ids``."""
+        unless ``out`` is given) holding the bytes of ``block_ids``. Into host
+        ``out`` the copies go layer by layer (no device buffer of all the rows),
+        queued on the current stream when ``non_blocking`` (``out`` pinned)."""
         ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
         rows = out if out is not None else torch.empty(
             (len(block_ids), self.bytes_per_block), dtype=torch.uint8, device=self.device
         )
         for p in self._parts:
             blocks = p.tensor.index_select(p.block_dim, ids).movedim(p.block_dim, 0).contiguous()
-            rows[:, p.offset : p.offset + p.nbytes].copy_(blocks.view(len(block_ids), -1).view(torch.uint8))
+            rows[:, p.offset : p.offset + p.nbytes].copy_(blocks.view(len(block_ids), -1).view(torch.uint8),
+                                                          non_blocking=non_blocking)
         return rows
 
-    def host_rows(self, n: int) -> torch.Tensor:
-        """Host rows for ``n`` blocks that a load reads into and :meth:`scatter` copies from
-        (ordinary pageable memory, as the worker uses for loads)."""
-        return torch.empty((n, self.bytes_per_block), dtype=torch.uint8)
+    def copy_out(self, block_ids: Sequence[int], out: torch.Tensor) -> Any:
+        """Copy the bytes of ``block_ids`` into host rows ``out``; return an event
+        to wait on before reading them (``None`` on the CPU, where they are
+        ready at once).
 
-    def copy_out(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, Any]:
-        """The bytes of ``block_ids`` as host rows, and an event to wait on before reading them.
-
-        What the worker does for a store (``wait_for_save``) and what
-        ``bench/gpu_datapath.py`` measures: gather on the device, one copy to
-        the host queued on the engine's current stream, an event recorded
-        after it (``None`` on the CPU, where the rows are ready at once).
+        What the worker does for a store (``wait_for_save``, ``out`` a run of
+        its staging ring) and what ``bench/gpu_datapath.py`` measures: per
+        layer, a gather on the device and a copy into ``out`` queued on the
+        engine's current stream (not blocking when ``out`` is pinned), then an
+        event recorded after them.
         """
-        rows = self.gather(block_ids)
-        if rows.device.type != "cpu":
-            rows = rows.to("cpu", non_blocking=True)
-        return rows, device_event(self.device)
+        self.gather(block_ids, out=out, non_blocking=out.is_pinned())
+        return device_event(self.device)
 
-    def scatter(self, block_ids: Sequence[int], rows: torch.Tensor) -> None:
-        """Write ``rows[i]`` (``bytes_per_block`` bytes each) into block ``block_ids[i]``."""
+    def scatter(self, block_ids: Sequence[int], rows: torch.Tensor) -> Any:
+        """Write ``rows[i]`` (``bytes_per_block`` bytes each) into block ``block_ids[i]``;
+        return an event after which ``rows`` may be reused (``None`` on the CPU:
+        at once). From pinned host rows the copy to the device is queued on the
+        current stream, so the engine's thread does not wait for it."""
         n = len(block_ids)
         if rows.shape != (n, self.bytes_per_block):
             raise ValueError(f"rows have shape {tuple(rows.shape)}, expected ({n}, {self.bytes_per_block})")
         ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
-        rows = rows.to(self.device)
+        rows = rows.to(self.device, non_blocking=rows.is_pinned())  # pinned host rows: queued, not waited for
         for p in self._parts:
             shape = list(p.tensor.shape)
             del shape[p.block_dim]
             chunk = rows[:, p.offset : p.offset + p.nbytes].contiguous().view(p.tensor.dtype)
             blocks = chunk.view(n, *shape).movedim(0, p.block_dim)
             p.tensor.index_copy_(p.block_dim, ids, blocks)
+        return device_event(self.device)
 
 
 def device_event(device: torch.device) -> Any:

@@ -92,6 +92,8 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     gathered: dict[int, int] = field(default_factory=dict)
     busy_us: int = 0  # CPU time of the workers' connector hooks and background threads (summed over ranks)
     skipped_blocks: int = 0  # SSD stores skipped because the SSD writer fell behind (summed over ranks)
+    staging_skipped_stores: int = 0  # blocks not stored: the staging ring was full (summed over ranks)
+    staging_skipped_loads: int = 0  # blocks not loaded (recomputed): the staging ring was full
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
@@ -106,4 +108,6 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
         for job_id, n in other.gathered.items():
             gathered[job_id] = gathered.get(job_id, 0) + n
         return KVTierWorkerMetadata(plans, gathered, self.busy_us + other.busy_us,
-                                    self.skipped_blocks + other.skipped_blocks)
+                                    self.skipped_blocks + other.skipped_blocks,
+                                    self.staging_skipped_stores + other.staging_skipped_stores,
+                                    self.staging_skipped_loads + other.staging_skipped_loads)

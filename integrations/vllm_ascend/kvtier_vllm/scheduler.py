@@ -239,6 +239,10 @@ class KVTierScheduler:
         self.counters["worker_cpu_us"] += worker_meta.busy_us
         if worker_meta.skipped_blocks:
             self.counters["store_skipped_backpressure"] += worker_meta.skipped_blocks
+        if worker_meta.staging_skipped_stores:
+            self.counters["store_skipped_staging"] += worker_meta.staging_skipped_stores
+        if worker_meta.staging_skipped_loads:
+            self.counters["load_skipped_staging"] += worker_meta.staging_skipped_loads
         for job_id, n in worker_meta.gathered.items():
             self._gather_reports[job_id] += n
             if self._gather_reports[job_id] >= self.world_size:

@@ -33,6 +33,9 @@ EXTRA_KEYS: dict[str, str] = {
     "ssd_capacity_blocks": "SSD tier size in blocks",
     "ssd_write_queue_mib": "host copies waiting for the SSD writer, at most (MiB, default 256): when the SSD falls "
                            "behind, further SSD stores are skipped and counted (store_skipped_backpressure)",
+    "staging_mib": "host staging for blocks in flight between the engine's KV cache and the tiers (MiB, default "
+                   "1024; pinned when an accelerator is present): stores and loads that find it full are skipped "
+                   "and counted (store_skipped_staging, load_skipped_staging), never waited for",
     "policy": "eviction policy of the DRAM and SSD tiers (a registered kvtier policy name; default: the placement's)",
     "placement": "placement policy, the same object the replay runs (default kvtier; lru-dram for write-through LRU "
                  "with no agent actions; ttl, kvflow, tokencake, ...): see kvtier.placement",
@@ -81,6 +84,7 @@ class ConnectorSettings:
     hint_watch: str | None = None
     hint_watch_token: str | None = None
     ssd_write_queue_bytes: int = 256 << 20
+    staging_bytes: int = 1024 << 20
 
     @classmethod
     def build(
@@ -145,15 +149,23 @@ class ConnectorSettings:
         if watch and extra.get("hint_server"):
             raise ConfigError("kv_connector_extra_config.hint_watch", watch,
                               "give hint_server (host it here) or hint_watch (follow one elsewhere), not both")
-        queue_mib = extra.get("ssd_write_queue_mib", 256)
-        if isinstance(queue_mib, bool) or not isinstance(queue_mib, (int, float)) or not queue_mib > 0:
-            raise ConfigError("kv_connector_extra_config.ssd_write_queue_mib", queue_mib, "must be a number > 0")
+        queue_mib = _mib(extra, "ssd_write_queue_mib", 256)
+        staging_mib = _mib(extra, "staging_mib", 1024)
         return cls(cfg, extra.get("stats_path"), extra.get("hint_server"), ssd_root, placement, hold, float(budget),
-                   eviction_set, watch, extra.get("hint_watch_token"), int(queue_mib * (1 << 20)))
+                   eviction_set, watch, extra.get("hint_watch_token"), int(queue_mib * (1 << 20)),
+                   int(staging_mib * (1 << 20)))
 
     def rank_ssd_path(self, tp_rank: int, tp_size: int) -> Path | None:
         """The LMDB directory of one TP rank (each rank stores its own shard)."""
         return None if self.ssd_root is None else self.ssd_root / f"tp{tp_rank}-of-{tp_size}"
+
+
+def _mib(extra: Mapping[str, Any], key: str, default: float) -> float:
+    """A size in MiB from ``extra``: a number > 0, or a ``ConfigError`` naming the key."""
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"kv_connector_extra_config.{key}", value, "must be a number > 0 (MiB)")
+    return value
 
 
 def _check_placement(name: Any) -> None:

@@ -12,10 +12,16 @@ Every torch operation on engine blocks runs on the engine's own thread
 threads touch only host buffers, through numpy and LMDB. So the connector
 never starts an OpenMP team beside the forward on vLLM's CPU backend (whose
 worker is pinned to its cores), and on an accelerator the copies are ordered
-on the engine's stream (device to host into a staging buffer, then an event
-the background thread waits for).
+on the engine's stream: layer by layer from the device into a run of the
+staging ring (pinned, so not blocking), then an event the copy thread waits
+for; a load's run is copied to the device without blocking and reused once
+its event has passed.
 
-The host copies waiting for the SSD writer are bounded
+Host memory is fixed: every block in flight between the engine's blocks
+and the tiers sits in the staging ring (``staging_mib``,
+:mod:`~.staging`); a store or load that finds it full moves the blocks
+that fit and reports the rest failed (counted), never waiting on the
+engine's thread. The host copies waiting for the SSD writer are bounded
 (``ssd_write_queue_mib``): when the SSD falls behind what the engine
 computes, further SSD stores are skipped (reported failed, so the scheduler
 never offers those blocks from SSD) and counted, never queued without limit.
@@ -43,22 +49,24 @@ import torch
 
 from kvtier.keys import BlockKey, Namespace
 from kvtier.layout import KVLayout
-from kvtier.tiers.pool import TensorPool
+from kvtier.tiers.pool import TensorPool, accelerator_device
 
 from . import ssdshare
 from .blockio import BlockIO, KVCache
-from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob, PromoteJob, StoreJob
+from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob, PromoteJob, StoreJob, TierWrite
 from .settings import ConnectorSettings
+from .staging import Run, StagingRing
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class _Read:
-    """A load whose bytes are in host rows, waiting to be scattered by the engine thread."""
+    """A load whose bytes are in a staging run (``None``: the ring was full), waiting
+    to be scattered by the engine thread."""
 
     job: LoadJob
-    rows: torch.Tensor
+    run: Run | None
     oks: list[bool]
 
 
@@ -71,6 +79,8 @@ class _Results:
     reads: list[_Read] = field(default_factory=list)
     busy_us: int = 0  # CPU time of the background threads
     skipped_blocks: int = 0  # SSD stores skipped for backpressure
+    staging_skipped_stores: int = 0  # blocks not gathered: the staging ring was full
+    staging_skipped_loads: int = 0  # blocks not loaded: the staging ring was full
 
 
 class KVTierWorker:
@@ -96,6 +106,8 @@ class KVTierWorker:
         self._meta: KVTierWorkerMetadata | None = None
         self._ssd_queued_bytes = 0  # host bytes held by SSD writes not yet done (bounded)
         self.ssd_queued_peak_bytes = 0
+        self.ring: StagingRing | None = None
+        self._scattered: list[tuple[Any, Run]] = []  # (event, run): loads copied to the device, run still read
 
     # ------------------------------------------------------------ setup
 
@@ -111,6 +123,9 @@ class KVTierWorker:
             )
         self.io = io
         cfg = self.settings.config
+        on_device = io.device.type != "cpu"
+        self.ring = StagingRing(self.settings.staging_bytes, io.bytes_per_block,
+                                pin=on_device and accelerator_device() is not None)
         if cfg.dram.enabled:
             pin = cfg.dram.pin_memory if isinstance(cfg.dram.pin_memory, bool) else True
             self._pool = TensorPool(cfg.dram.capacity_blocks, io.bytes_per_block, torch.device("cpu"), pin_memory=pin)
@@ -141,11 +156,17 @@ class KVTierWorker:
                                     lambda pj=pj: self._post_plan(pj.plan_id, [False] * len(pj.keys)))
         for job in meta.loads:
             self._loads.add(job.req_id)
-            rows = (self.io.host_rows(len(job.keys)) if self.io is not None else
-                    torch.empty((len(job.keys), self.layout.bytes_per_block), dtype=torch.uint8))
-            runner = self._ssd_thread if "ssd" in job.tiers else self._copy
-            runner.submit(self._guarded, lambda job=job, rows=rows: self._read(job, rows),
-                          lambda job=job, rows=rows: self._post_read(job, rows, [False] * len(job.keys)))
+            run = self.ring.take(len(job.keys)) if self.ring is not None else None
+            got = len(run) if run is not None else 0
+            if got < len(job.keys):  # the ring is full: load what fits, the rest is recomputed
+                with self._lock:
+                    self._results.staging_skipped_loads += len(job.keys) - got
+            if run is None:
+                self._post_read(job, None, [False] * len(job.keys))
+                continue
+            runner = self._ssd_thread if "ssd" in job.tiers[:got] else self._copy
+            runner.submit(self._guarded, lambda job=job, run=run: self._read(job, run),
+                          lambda job=job, run=run: self._post_read(job, run, [False] * len(job.keys)))
 
     def handle_preemptions(self, meta: KVTierConnectorMetadata) -> None:
         """Before preempted requests' blocks are reused: finish reading them."""
@@ -158,15 +179,25 @@ class KVTierWorker:
         stream) and queue their writes to DRAM and SSD (not waited for)."""
         if not meta.stores or self.io is None:
             return
+        assert self.ring is not None
         for job in meta.stores:
-            rows, ready = self.io.copy_out(job.block_ids)
-            fut = self._copy.submit(self._guarded, lambda job=job, rows=rows, ready=ready: self._write(job, rows, ready),
-                                    lambda job=job: self._fail_store(job))
+            run = self.ring.take(len(job.block_ids))
+            got = len(run) if run is not None else 0
+            if got < len(job.block_ids):  # the ring is full: store what fits, never wait for room
+                with self._lock:
+                    self._results.staging_skipped_stores += len(job.block_ids) - got
+            if run is None:
+                self._fail_store(job, None)
+                continue
+            ready = self.io.copy_out(job.block_ids[:got], run.rows)
+            fut = self._copy.submit(self._guarded, lambda job=job, run=run, ready=ready: self._write(job, run, ready),
+                                    lambda job=job, run=run: self._fail_store(job, run))
             self._gathers.setdefault(job.req_id, {})[job.job_id] = fut
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(released requests whose blocks are no longer read, requests whose load finished).
         Scatters finished loads into the engine blocks first (engine thread)."""
+        self._reclaim_scattered()
         with self._lock:
             res, self._results = self._results, _Results()
         meta = KVTierWorkerMetadata()
@@ -182,12 +213,18 @@ class KVTierWorker:
         for read in res.reads:
             job = read.job
             num_ok = read.oks.index(False) if False in read.oks else len(read.oks)
-            if num_ok and self.io is not None:
+            done = None
+            if num_ok and self.io is not None and read.run is not None:
                 try:
-                    self.io.scatter(job.block_ids[:num_ok], read.rows[:num_ok])
+                    done = self.io.scatter(job.block_ids[:num_ok], read.run.rows[:num_ok])
                 except (RuntimeError, ValueError) as exc:  # a failed copy is a miss, never a crash
                     log.warning("kvtier: load into engine blocks failed: %s", exc)
                     num_ok, read.oks = 0, [False] * len(read.oks)
+            if read.run is not None:
+                if done is None:
+                    self.ring.give_back(read.run)  # type: ignore[union-attr]
+                else:  # the device copy may still read the run: give it back once the event passed
+                    self._scattered.append((done, read.run))
             if job.plan_id:  # per block: did the tier return verified bytes
                 meta.plans[job.plan_id] = (1, read.oks)
             self._load_errors.update(job.block_ids[num_ok:])
@@ -197,8 +234,23 @@ class KVTierWorker:
         self._release -= sending
         meta.busy_us = res.busy_us
         meta.skipped_blocks = res.skipped_blocks
-        self._meta = meta if (meta.plans or meta.gathered or meta.busy_us or meta.skipped_blocks) else None
+        meta.staging_skipped_stores = res.staging_skipped_stores
+        meta.staging_skipped_loads = res.staging_skipped_loads
+        self._meta = meta if (meta.plans or meta.gathered or meta.busy_us or meta.skipped_blocks
+                              or meta.staging_skipped_stores or meta.staging_skipped_loads) else None
         return sending, recving
+
+    def _reclaim_scattered(self) -> None:
+        """Give back the staging runs of loads whose copy to the device has finished."""
+        if not self._scattered:
+            return
+        still = []
+        for event, run in self._scattered:
+            if event.query():
+                self.ring.give_back(run)  # type: ignore[union-attr]
+            else:
+                still.append((event, run))
+        self._scattered = still
 
     def add_hook_cpu_us(self, used_us: int) -> None:
         """Engine-thread CPU time spent in the connector's worker hooks (reported with the transfers)."""
@@ -227,61 +279,83 @@ class KVTierWorker:
             with self._lock:
                 self._results.busy_us += int((time.thread_time() - start) * 1e6)
 
-    def _write(self, job: StoreJob, rows: torch.Tensor, ready: Any) -> None:
-        if ready is not None:
-            ready.synchronize()
-        self._post_gathered(job)  # the engine blocks are no longer read
-        host = rows.numpy()
+    def _write(self, job: StoreJob, run: Run, ready: Any) -> None:
+        """Copy thread: once the gather into ``run`` is done, write its rows to the tiers, then give it back."""
+        try:
+            if ready is not None:
+                ready.synchronize()
+            self._post_gathered(job)  # the engine blocks are no longer read
+            self._write_tiers(job, run.rows.numpy())
+        finally:
+            self.ring.give_back(run)  # type: ignore[union-attr]  # the SSD writes hold their own copies
+
+    def _write_tiers(self, job: StoreJob, host: np.ndarray) -> None:
+        """Write the gathered rows ``host`` (the first ``len(host)`` blocks of the job) to
+        each tier of the job; rows not gathered are reported failed."""
+        got = len(host)
         for w in job.writes:
+            pos = [i for i, r in enumerate(w.rows) if r < got]
             if w.tier == "dram":
                 assert self._pool_np is not None
-                _copy_rows(self._pool_np, w.slots, host, w.rows)
-                self._post_plan(w.plan_id, [True] * len(w.rows))
-            else:
-                nbytes = len(w.rows) * host.shape[1]
-                with self._lock:
-                    room = self._ssd_queued_bytes + nbytes <= self.settings.ssd_write_queue_bytes
-                    if room:
-                        self._ssd_queued_bytes += nbytes
-                        self.ssd_queued_peak_bytes = max(self.ssd_queued_peak_bytes, self._ssd_queued_bytes)
-                    else:
-                        self._results.skipped_blocks += len(w.rows)
-                if not room:  # the SSD is behind: skip (a later miss), never queue without limit
-                    self._post_plan(w.plan_id, [False] * len(w.rows))
-                    continue
-                rows = host[list(w.rows)]  # its own copy: the job's other rows can go
-                items = [(BlockKey(job.keys[r]), rows[i], _key(job.parents[r])) for i, r in enumerate(w.rows)]
-                self._ssd_thread.submit(self._guarded,
-                                        lambda w=w, items=items, n=nbytes: self._write_ssd(w.plan_id, items, n),
-                                        lambda w=w: self._post_plan(w.plan_id, [False] * len(w.rows)))
+                _copy_rows(self._pool_np, [w.slots[i] for i in pos], host, [w.rows[i] for i in pos])
+                self._post_plan(w.plan_id, [r < got for r in w.rows])
+                continue
+            nbytes = len(pos) * host.shape[1]
+            with self._lock:
+                room = self._ssd_queued_bytes + nbytes <= self.settings.ssd_write_queue_bytes
+                if room:
+                    self._ssd_queued_bytes += nbytes
+                    self.ssd_queued_peak_bytes = max(self.ssd_queued_peak_bytes, self._ssd_queued_bytes)
+                else:
+                    self._results.skipped_blocks += len(pos)
+            if not room:  # the SSD is behind: skip (a later miss), never queue without limit
+                self._post_plan(w.plan_id, [False] * len(w.rows))
+                continue
+            own = host[[w.rows[i] for i in pos]]  # its own copy: the staging run can go
+            items = [(BlockKey(job.keys[w.rows[i]]), own[j], _key(job.parents[w.rows[i]])) for j, i in enumerate(pos)]
+            self._ssd_thread.submit(
+                self._guarded, lambda w=w, items=items, pos=pos, n=nbytes: self._write_ssd(w, items, pos, n),
+                lambda w=w: self._post_plan(w.plan_id, [False] * len(w.rows)))
 
-    def _write_ssd(self, plan_id: int, items: Sequence[tuple[BlockKey, Any, BlockKey | None]], nbytes: int) -> None:
+    def _write_ssd(self, w: TierWrite, items: Sequence[tuple[BlockKey, Any, BlockKey | None]], pos: Sequence[int],
+                   nbytes: int) -> None:
+        """SSD thread: write ``items`` (rows ``pos`` of ``w``); the plan reports the leading run written."""
         try:  # the queued bytes are given back however the write ends (an error reports the plan failed)
             n = self._ssd.put_many(items)
         finally:
             with self._lock:
                 self._ssd_queued_bytes -= nbytes
-        self._post_plan(plan_id, [i < n for i in range(len(items))])
+        oks = [False] * len(w.rows)
+        for j in range(n):
+            oks[pos[j]] = True
+        self._post_plan(w.plan_id, oks)
 
-    def _fail_store(self, job: StoreJob) -> None:
+    def _fail_store(self, job: StoreJob, run: Run | None) -> None:
         self._post_gathered(job)
         for w in job.writes:
             self._post_plan(w.plan_id, [False] * len(w.rows))
+        if run is not None:
+            self.ring.give_back(run)  # type: ignore[union-attr]
 
-    def _read(self, job: LoadJob, rows: torch.Tensor) -> None:
-        host = rows.numpy()
+    def _read(self, job: LoadJob, run: Run) -> None:
+        """Copy or SSD thread: read the first ``len(run)`` blocks of the load into ``run``."""
+        self._post_read(job, run, self._read_tiers(job, run.rows.numpy()))
+
+    def _read_tiers(self, job: LoadJob, host: np.ndarray) -> list[bool]:
+        """Read the load's first ``len(host)`` blocks into ``host``; one ok per key of the job."""
+        got = len(host)
         oks = [False] * len(job.keys)
-        dram = [i for i, t in enumerate(job.tiers) if t == "dram"]
-        ssd = [i for i, t in enumerate(job.tiers) if t == "ssd"]
+        dram = [i for i, t in enumerate(job.tiers[:got]) if t == "dram"]
+        ssd = [i for i, t in enumerate(job.tiers[:got]) if t == "ssd"]
         if dram and self._pool_np is not None:
             _copy_rows(host, dram, self._pool_np, [job.slots[i] for i in dram])
             for i in dram:
                 oks[i] = True
         if ssd and self._ssd is not None:
-            got = self._ssd.get_many_into([BlockKey(job.keys[i]) for i in ssd], [host[i] for i in ssd])
-            for i, ok in zip(ssd, got):
-                oks[i] = ok
-        self._post_read(job, rows, oks)
+            got_ssd = self._ssd.get_many_into([BlockKey(job.keys[i]) for i in ssd], [host[i] for i in ssd])
+            for i, ok in zip(ssd, got_ssd):
+                oks[i] = bool(ok)
+        return oks
 
     def _promote(self, job: PromoteJob) -> None:
         """SSD -> DRAM (a prefetch): read verified values straight into the reserved slots."""
@@ -291,9 +365,9 @@ class KVTierWorker:
         oks = self._ssd.get_many_into([BlockKey(k) for k in job.keys], [self._pool_np[s] for s in job.slots])
         self._post_plan(job.plan_id, list(oks))
 
-    def _post_read(self, job: LoadJob, rows: torch.Tensor, oks: list[bool]) -> None:
+    def _post_read(self, job: LoadJob, run: Run | None, oks: list[bool]) -> None:
         with self._lock:
-            self._results.reads.append(_Read(job, rows, oks))
+            self._results.reads.append(_Read(job, run, oks))
 
     def _post_plan(self, plan_id: int, oks: Sequence[bool]) -> None:
         with self._lock:
