@@ -26,16 +26,26 @@ from kvtier.tiers.codec import HEADER_BYTES
 NUM_BLOCKS, BS, HEADS, DIM = 8, 32, 2, 32
 
 
-@pytest.fixture
-def worker(tmp_path):
+BLOCK_BYTES = 2 * 2 * BS * HEADS * DIM * 2  # layers x K/V x tokens x heads x dim x bf16
+
+
+def _build(extra: dict, seed: int) -> tuple[KVTierWorker, dict]:
+    """A worker over two layers of random (K, V) caches, registered as vLLM-Ascend does."""
     facts = EngineFacts("tiny", "bfloat16", BS, 2, HEADS, DIM, "split", "sha256")
-    settings = ConnectorSettings.build({"dram_capacity_blocks": 4, "ssd_path": str(tmp_path)}, facts, env={})
+    settings = ConnectorSettings.build(extra, facts, env={})
     layout = settings.config.layout.to_layout()
+    assert layout.bytes_per_block == BLOCK_BYTES
     w = KVTierWorker(settings, settings.config.namespace.to_namespace(layout), layout, NUM_BLOCKS)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     caches = {f"layers.{i}.attn": tuple(torch.randn(NUM_BLOCKS, BS, HEADS, DIM, generator=gen).to(torch.bfloat16)
                                         for _ in range(2)) for i in range(2)}
     w.register_kv_caches(caches)
+    return w, caches
+
+
+@pytest.fixture
+def worker(tmp_path):
+    w, caches = _build({"dram_capacity_blocks": 4, "ssd_path": str(tmp_path)}, seed=0)
     yield w, caches, tmp_path / "tp0-of-1"
     w.shutdown()
 
@@ -145,17 +155,10 @@ def test_a_slow_ssd_skips_stores_instead_of_queueing_without_limit(tmp_path) -> 
     copies waiting for it never exceed ``ssd_write_queue_mib``; the stores past the
     bound are reported failed (a later miss, never a wrong block) and counted, and
     DRAM stores go on. Every queued write still lands."""
-    facts = EngineFacts("tiny", "bfloat16", BS, 2, HEADS, DIM, "split", "sha256")
-    block_bytes = 2 * 2 * BS * HEADS * DIM * 2  # layers x K/V x tokens x heads x dim x bf16
     bound_blocks = 3
-    settings = ConnectorSettings.build({"dram_capacity_blocks": 64, "ssd_path": str(tmp_path),
-                                        "ssd_write_queue_mib": bound_blocks * block_bytes / (1 << 20)}, facts, env={})
-    layout = settings.config.layout.to_layout()
-    assert layout.bytes_per_block == block_bytes
-    w = KVTierWorker(settings, settings.config.namespace.to_namespace(layout), layout, NUM_BLOCKS)
-    gen = torch.Generator().manual_seed(1)
-    w.register_kv_caches({f"layers.{i}.attn": tuple(torch.randn(NUM_BLOCKS, BS, HEADS, DIM, generator=gen)
-                                                    .to(torch.bfloat16) for _ in range(2)) for i in range(2)})
+    block_bytes = BLOCK_BYTES
+    w, _ = _build({"dram_capacity_blocks": 64, "ssd_path": str(tmp_path),
+                   "ssd_write_queue_mib": bound_blocks * block_bytes / (1 << 20)}, seed=1)
     slow_put = w._ssd.put_many
 
     def put_many(items):  # a disk 100x slower than this machine's
@@ -197,16 +200,7 @@ def test_a_full_staging_ring_stores_and_loads_what_fits_and_counts_the_rest(tmp_
     free gathers and stores its leading blocks only, a load reads its leading blocks
     only (the rest is recomputed), the blocks left out are counted, and the engine's
     thread never waits for room."""
-    facts = EngineFacts("tiny", "bfloat16", BS, 2, HEADS, DIM, "split", "sha256")
-    block_bytes = 2 * 2 * BS * HEADS * DIM * 2
-    settings = ConnectorSettings.build({"dram_capacity_blocks": 8, "staging_mib": 3 * block_bytes / (1 << 20)},
-                                       facts, env={})
-    layout = settings.config.layout.to_layout()
-    w = KVTierWorker(settings, settings.config.namespace.to_namespace(layout), layout, NUM_BLOCKS)
-    gen = torch.Generator().manual_seed(2)
-    caches = {f"layers.{i}.attn": tuple(torch.randn(NUM_BLOCKS, BS, HEADS, DIM, generator=gen).to(torch.bfloat16)
-                                        for _ in range(2)) for i in range(2)}
-    w.register_kv_caches(caches)
+    w, caches = _build({"dram_capacity_blocks": 8, "staging_mib": 3 * BLOCK_BYTES / (1 << 20)}, seed=2)
     try:
         assert w.ring is not None and w.ring.num_rows == 3
         keys = (20, 21, 22, 23)
