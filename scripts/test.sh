@@ -17,11 +17,16 @@ VENV=${KVTIER_VENV:-.venv}
 # the AgentX client (tests/test_interop_aiperf.py). In CI a missing one fails
 # those tests (KVTIERTEST_REQUIRE_*=1) instead of skipping them.
 # They run as a step of their own, verbose, so the log shows each one PASSED.
+# The remote tier's tests (issue 23) run a real mooncake_master on loopback: the
+# full suite installs the remote extra and the three Debian libraries it needs
+# (scripts/install_mooncake_libs.sh) and requires them (KVTIERTEST_REQUIRE_MOONCAKE=1).
 if [ "$#" -eq 0 ]; then
+  bash scripts/install_mooncake_libs.sh
+  "$VENV/bin/python" -m pip install -q -e ".[remote]"
   KVTIER_VENV="$VENV" bash integrations/sglang/setup_sglang_venv.sh
   PYTHON="$PY" bash integrations/aiperf/setup_aiperf_venv.sh
   INTEROP=(tests/test_sglang_backend.py::test_real_sglang_backend tests/test_interop_aiperf.py)
-  "$VENV/bin/python" -m pytest -q -rs --deselect "${INTEROP[0]}" --ignore "${INTEROP[1]}"
+  KVTIERTEST_REQUIRE_MOONCAKE=1 "$VENV/bin/python" -m pytest -q -rs --deselect "${INTEROP[0]}" --ignore "${INTEROP[1]}"
   KVTIERTEST_REQUIRE_SGLANG=1 KVTIERTEST_REQUIRE_AIPERF=1 "$VENV/bin/python" -m pytest -v -s "${INTEROP[@]}"
 else
   "$VENV/bin/python" -m pytest -q "$@"

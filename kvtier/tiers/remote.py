@@ -1,0 +1,213 @@
+"""Remote tier: KV blocks in a distributed store that several engines share.
+
+Owns: :class:`RemoteTier`, the interface a shared store implements for
+kvtier (the shape of :class:`~kvtier.tiers.ssd.SSDTier`: ``put_many``,
+``get_many_into``, ``contains_many``, ``delete_many``, ``close``, so a store
+or connector can put it after DRAM and SSD), and :class:`MooncakeTier`, its
+implementation on Mooncake Store (``mooncake.store.MooncakeDistributedStore``,
+the store vLLM-Ascend and SGLang HiCache deployments run; PyPI
+``mooncake-transfer-engine-non-cuda`` on a machine without CUDA).
+
+Guarantees, the SSD tier's:
+
+* Each block is stored as the SSD tier's value (:mod:`kvtier.tiers.codec`): a
+  checksummed header bound to the block key, namespace and layout, then the
+  payload. A missing, truncated, bit-flipped, foreign or misplaced value is a
+  miss, counted by outcome in :attr:`MooncakeTier.counters`, never bytes.
+* A block is visible only once complete: Mooncake makes an object readable
+  when its put has finished, and a half-written value would fail its
+  checksum anyway.
+* Namespaces never collide: the object name carries the namespace digest
+  (model, dtype, layout, block size, TP/PP rank, tenant), and the header is
+  checked against it on every read.
+* A store that is down or unreachable makes reads misses and writes failures
+  (counted in ``remote_errors``); nothing raises into an engine's step.
+
+Must not decide what to store, load or evict (the manager and placement do),
+and must not import torch or an engine. The ``mooncake`` package is imported
+only when a :class:`MooncakeTier` is made.
+"""
+
+from __future__ import annotations
+
+import socket
+import urllib.parse
+from collections import Counter
+from typing import Any, Protocol, Sequence
+
+from ..errors import ConfigError, KVTierError
+from ..keys import BlockKey, Namespace
+from ..layout import KVLayout
+from .codec import ValueContext, check_codec, decode_into, encode_many
+
+OBJECT_PREFIX = "kvtier"
+CONNECT_TIMEOUT_S = 3.0
+
+
+class RemoteTier(Protocol):
+    """What kvtier needs from a store shared by engines (all calls batched, none raise for I/O)."""
+
+    def put_many(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]]) -> int:
+        """Store ``(key, raw block bytes, parent or None)``; how many leading items were stored."""
+
+    def get_many_into(self, keys: Sequence[BlockKey], outs: Sequence[Any]) -> list[bool]:
+        """Read and verify each key into its buffer; one ok per key (a miss leaves the buffer unspecified)."""
+
+    def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether each key has a value (not verified: a read may still miss)."""
+
+    def delete_many(self, keys: Sequence[BlockKey]) -> int:
+        """Remove the keys' values; how many were removed."""
+
+    def close(self) -> None:
+        """Release the connection (idempotent)."""
+
+
+class RemoteTierError(KVTierError):
+    """The remote store cannot be reached or set up; the message names the setting."""
+
+
+class MooncakeTier:
+    """Blocks of one namespace in a Mooncake Store.
+
+    ``master`` is the master's ``host:port`` (``mooncake_master --rpc_port``);
+    ``metadata_server`` its HTTP metadata URL
+    (``http://host:port/metadata``, ``--enable_http_metadata_server=1``).
+    This client contributes ``segment_bytes`` of its memory to the store and
+    uses a local transfer buffer of ``buffer_bytes``; ``protocol`` is
+    ``tcp`` (or ``rdma`` with ``devices``). ``codec`` is the SSD tier's
+    (``raw``, ``zstd``, ``bplane-zstd``, ``auto``).
+    """
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        layout: KVLayout,
+        *,
+        master: str,
+        metadata_server: str,
+        local_hostname: str = "127.0.0.1",
+        segment_bytes: int = 512 << 20,
+        buffer_bytes: int = 128 << 20,
+        protocol: str = "tcp",
+        devices: str = "",
+        codec: str = "raw",
+        zstd_level: int = 1,
+    ) -> None:
+        self.namespace = namespace
+        self.layout = layout
+        self.codec = check_codec(codec)
+        self.zstd_level = zstd_level
+        self._ctx = ValueContext.of(namespace, layout)
+        self._prefix = f"{OBJECT_PREFIX}/{namespace.digest.hex()}/"
+        self.counters: Counter[str] = Counter()
+        for name, value in (("tiers.remote.segment_bytes", segment_bytes), ("tiers.remote.buffer_bytes",
+                                                                              buffer_bytes)):
+            if type(value) is not int or value <= 0:
+                raise ConfigError(name, value, "must be a positive number of bytes")
+        # Mooncake's own setup retries an absent master for about 90 s; check first and fail in seconds
+        _check_reachable("tiers.remote.master", master, master)
+        _check_reachable("tiers.remote.metadata_server", metadata_server,
+                         urllib.parse.urlsplit(metadata_server).netloc if "://" in metadata_server else "")
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:  # the optional dependency
+            raise RemoteTierError(
+                f"tiers.remote: the Mooncake client is not installed ({e}); "
+                "pip install 'mooncake-transfer-engine-non-cuda' (CPU) or 'mooncake-transfer-engine'") from None
+        self._store: Any = MooncakeDistributedStore()
+        rc = self._store.setup(local_hostname, metadata_server, segment_bytes, buffer_bytes, protocol, devices,
+                               master)
+        if rc != 0:
+            self._store = None
+            raise RemoteTierError(f"tiers.remote: could not join the Mooncake store at master {master!r} "
+                                  f"(metadata {metadata_server!r}): setup returned {rc}")
+
+    # ------------------------------------------------------------------ names
+
+    def object_name(self, key: BlockKey) -> str:
+        """The store's name of ``key``'s value: ``kvtier/<namespace digest>/<key hex>``."""
+        return f"{self._prefix}{int(key):032x}"
+
+    # ------------------------------------------------------------------ RemoteTier
+
+    def put_many(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]]) -> int:
+        if not items or self._store is None:
+            return 0
+        values = encode_many(items, self._ctx, self.codec, self.zstd_level)
+        names = [self.object_name(k) for k, _, _ in items]
+        try:
+            rc = self._store.upsert_batch(names, values)
+        except (RuntimeError, ValueError, TypeError) as e:
+            return self._error("put", e)
+        if rc != 0:
+            self.counters["remote_errors"] += 1
+            self.counters["put_failed_blocks"] += len(items)
+            return 0
+        self.counters["put_blocks"] += len(items)
+        self.counters["put_bytes"] += sum(len(v) for v in values)
+        return len(items)
+
+    def get_many_into(self, keys: Sequence[BlockKey], outs: Sequence[Any]) -> list[bool]:
+        if not keys or self._store is None:
+            return [False] * len(keys)
+        try:
+            values = self._store.get_batch([self.object_name(k) for k in keys])
+        except (RuntimeError, ValueError, TypeError) as e:
+            self._error("get", e)
+            return [False] * len(keys)
+        oks = []
+        for key, value, out in zip(keys, values, outs):
+            if not value:
+                self.counters["missing"] += 1
+                oks.append(False)
+                continue
+            ok = decode_into(value, out, self._ctx, self.counters, key=key)
+            oks.append(ok)
+        oks += [False] * (len(keys) - len(oks))  # fewer values than keys: a store error
+        self.counters["get_hit_blocks"] += sum(oks)
+        return oks
+
+    def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        if not keys or self._store is None:
+            return [False] * len(keys)
+        try:
+            found = self._store.batch_is_exist([self.object_name(k) for k in keys])
+        except (RuntimeError, ValueError, TypeError) as e:
+            self._error("exists", e)
+            return [False] * len(keys)
+        return [r == 1 for r in found]
+
+    def delete_many(self, keys: Sequence[BlockKey]) -> int:
+        if not keys or self._store is None:
+            return 0
+        try:
+            codes = self._store.batch_remove([self.object_name(k) for k in keys], True)
+        except (RuntimeError, ValueError, TypeError) as e:
+            return self._error("remove", e)
+        return sum(1 for c in codes if c == 0)
+
+    def healthy(self) -> bool:
+        """True while the store answers (Mooncake's ``health_check`` is 0)."""
+        return self._store is not None and self._store.health_check() == 0
+
+    def close(self) -> None:
+        store, self._store = self._store, None
+        if store is not None:
+            store.close()
+
+    def _error(self, op: str, exc: BaseException) -> int:
+        self.counters["remote_errors"] += 1
+        self.counters[f"{op}_exceptions"] += 1
+        return 0
+
+
+def _check_reachable(setting: str, value: str, host_port: str) -> None:
+    """Raise :class:`RemoteTierError` naming ``setting`` unless ``host:port`` accepts a TCP connection."""
+    host, sep, port = host_port.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(setting, value, "expected host:port" + (" in an http:// URL" if "metadata" in setting else ""))
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise RemoteTierError(f"{setting}={value!r}: nothing answers at {host_port} ({e})") from None

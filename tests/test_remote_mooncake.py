@@ -1,0 +1,188 @@
+"""The remote tier on a real Mooncake Store: ``mooncake_master`` on loopback and
+kvtier's :class:`~kvtier.tiers.remote.MooncakeTier` clients over TCP.
+
+Needs ``mooncake-transfer-engine-non-cuda`` (which ships ``mooncake_master``)
+and, even over TCP, the Debian libraries libibverbs1, libnl-3-200 and
+libnl-route-3-200 (``scripts/test.sh`` installs all three for the full
+suite). Without them these tests skip, except with
+``KVTIERTEST_REQUIRE_MOONCAKE=1`` (CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.keys import BlockKey, Namespace
+from kvtier.layout import KVLayout
+from kvtier.tiers.codec import HEADER_BYTES
+
+LAYOUT = KVLayout(2, 2, 64, "bfloat16", 16)  # 16 KiB per block
+NS = Namespace("remote-test", "bfloat16", "fused", 16)
+
+
+def _master_binary() -> str | None:
+    found = shutil.which("mooncake_master") or str(Path(sys.executable).with_name("mooncake_master"))
+    return found if Path(found).exists() else None
+
+
+def _require() -> str:
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as e:
+        problem = f"mooncake client not importable ({e})"
+    else:
+        binary = _master_binary()
+        if binary is not None:
+            return binary
+        problem = "mooncake_master not found"
+    if os.environ.get("KVTIERTEST_REQUIRE_MOONCAKE") == "1":
+        pytest.fail(problem + " (scripts/test.sh installs mooncake-transfer-engine-non-cuda)")
+    pytest.skip(problem)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Master:
+    """A ``mooncake_master`` process with its HTTP metadata server, on free loopback ports."""
+
+    def __init__(self, binary: str, log: Path) -> None:
+        self.binary, self.log = binary, log
+        self.rpc, self.http, self.metrics = _free_port(), _free_port(), _free_port()
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Master:
+        self.proc = subprocess.Popen([self.binary, f"--rpc_port={self.rpc}", "--enable_http_metadata_server=1",
+                                      f"--http_metadata_server_port={self.http}", f"--metrics_port={self.metrics}",
+                                      "--metrics_host=127.0.0.1"],
+                                     stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.rpc), timeout=0.2).close()
+                socket.create_connection(("127.0.0.1", self.http), timeout=0.2).close()
+                return self
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError(f"mooncake_master did not listen; log: {self.log.read_text()[-2000:]}")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(10)
+            self.proc = None
+
+    def tier(self, namespace: Namespace = NS, **kw):
+        from kvtier.tiers.remote import MooncakeTier
+
+        return MooncakeTier(namespace, LAYOUT, master=f"127.0.0.1:{self.rpc}",
+                            metadata_server=f"http://127.0.0.1:{self.http}/metadata",
+                            segment_bytes=64 << 20, buffer_bytes=32 << 20, **kw)
+
+
+@pytest.fixture
+def master(tmp_path):
+    m = Master(_require(), tmp_path / "master.log").start()
+    yield m
+    m.kill()
+
+
+def _blocks(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, LAYOUT.bytes_per_block, dtype=np.uint8) for _ in range(n)]
+
+
+def test_blocks_round_trip_between_two_clients_and_misses_are_misses(master) -> None:
+    writer, reader = master.tier(), master.tier(codec="auto")
+    try:
+        keys = [BlockKey(1000 + i) for i in range(8)]
+        blocks = _blocks(8, seed=1)
+        assert writer.put_many([(k, b, keys[i - 1] if i else None) for i, (k, b) in enumerate(zip(keys, blocks))]) == 8
+        outs = [np.empty(LAYOUT.bytes_per_block, dtype=np.uint8) for _ in range(9)]
+        oks = reader.get_many_into(keys + [BlockKey(5)], outs)
+        assert oks == [True] * 8 + [False]  # the other client reads them; an absent key misses
+        assert all(np.array_equal(a, b) for a, b in zip(blocks, outs))
+        assert reader.contains_many([keys[0], BlockKey(5)]) == [True, False]
+        assert writer.delete_many(keys[:2]) == 2
+        assert reader.get_many_into(keys[:3], outs[:3]) == [False, False, True]
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_a_corrupt_or_misplaced_value_is_a_miss_and_tenants_never_meet(master) -> None:
+    a = master.tier()
+    b = master.tier(Namespace("remote-test", "bfloat16", "fused", 16, tenant="other"))
+    try:
+        keys = [BlockKey(7), BlockKey(8)]
+        blocks = _blocks(2, seed=2)
+        assert a.put_many([(keys[0], blocks[0], None), (keys[1], blocks[1], keys[0])]) == 2
+        out = [np.empty(LAYOUT.bytes_per_block, dtype=np.uint8) for _ in range(2)]
+        # tenant "other": the same keys are other objects there; nothing is found
+        assert b.get_many_into(keys, out) == [False, False]
+        raw = a._store.get(a.object_name(keys[0]))
+        flipped = bytearray(raw)
+        flipped[HEADER_BYTES + 100] ^= 0x10
+        assert a._store.upsert(a.object_name(keys[0]), bytes(flipped)) == 0
+        # a's valid value of key 8 copied under key 7's name, and into tenant "other"'s name of key 8
+        assert a._store.upsert(b.object_name(keys[1]), a._store.get(a.object_name(keys[1]))) == 0
+        assert a.get_many_into(keys, out) == [False, True]
+        assert b.get_many_into(keys, out) == [False, False]  # foreign namespace in the header: a miss
+        assert sum(a.counters[k] for k in a.counters if k not in ("put_blocks", "put_bytes", "get_hit_blocks",
+                                                                    "missing")) == 1
+        assert b.counters["missing"] >= 2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_dead_master_makes_misses_and_a_restarted_one_is_used_again(master) -> None:
+    """The master is killed: reads miss and writes fail at once, counted, nothing raises
+    (the blocks' bytes lived in the master's object map: they are gone). It comes back
+    on the same ports: the client reconnects by itself and new blocks hit again."""
+    t = master.tier()
+    try:
+        keys = [BlockKey(21), BlockKey(22)]
+        assert t.put_many([(k, b, None) for k, b in zip(keys, _blocks(2, seed=3))]) == 2
+        master.kill()
+        out = [np.empty(LAYOUT.bytes_per_block, dtype=np.uint8) for _ in range(2)]
+        start = time.monotonic()
+        assert t.get_many_into(keys, out) == [False, False]
+        assert t.put_many([(BlockKey(23), out[0], None)]) == 0
+        assert time.monotonic() - start < 10 and t.counters["remote_errors"] >= 1
+        master.start()
+        block = _blocks(1, seed=4)[0]
+        deadline = time.monotonic() + 30
+        while t.put_many([(BlockKey(24), block, None)]) != 1:
+            assert time.monotonic() < deadline, dict(t.counters)
+            time.sleep(0.5)
+        assert t.get_many_into([BlockKey(24)], out[:1]) == [True] and np.array_equal(out[0], block)
+    finally:
+        t.close()
+
+
+def test_setup_failure_names_the_setting(tmp_path) -> None:
+    _require()
+    from kvtier.tiers.remote import MooncakeTier, RemoteTierError
+
+    start = time.monotonic()
+    with pytest.raises(RemoteTierError, match="tiers.remote.master"):
+        MooncakeTier(NS, LAYOUT, master=f"127.0.0.1:{_free_port()}",
+                     metadata_server=f"http://127.0.0.1:{_free_port()}/metadata", segment_bytes=16 << 20,
+                     buffer_bytes=16 << 20)
+    assert time.monotonic() - start < 30  # not Mooncake's own minute-and-a-half of retries
+    with pytest.raises(ConfigError, match="tiers.remote.master"):
+        MooncakeTier(NS, LAYOUT, master="no-port", metadata_server="http://127.0.0.1:1/metadata")
