@@ -21,6 +21,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _bench_hints(args)
     if args.target == "shared":
         return _bench_shared(args)
+    if args.target == "remote":
+        return _bench_remote(args)
     from .benchmarks.common import print_table, write_json
 
     if args.target == "tiers":
@@ -70,6 +72,31 @@ def _bench_shared(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, report)
     return 0
+
+
+def _bench_remote(args: argparse.Namespace) -> int:
+    from .benchmarks import remote
+    from .benchmarks.common import print_table, write_json
+    from .errors import ConfigError
+
+    if args.master is not None and args.metadata_server is None:
+        raise ConfigError("--master", args.master, "needs --metadata-server as well (or neither: a local master)")
+    if args.metadata_server is not None and args.master is None:
+        raise ConfigError("--metadata-server", args.metadata_server, "needs --master as well (or neither)")
+    if args.master is not None:
+        from .tiers.remote import check_store
+
+        check_store(args.master, args.metadata_server)
+    report = remote.run(total_mib=args.total_mib, master=args.master, metadata_server=args.metadata_server,
+                        progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print_table(report["results"], ["block_kib", "mooncake_put_gbps", "remote_put_gbps", "put_vs_mooncake",
+                                    "mooncake_get_gbps", "remote_get_gbps", "get_vs_mooncake", "verified"])
+    print(f"targets met (>= {report['target']}x Mooncake's own batch calls): "
+          + ", ".join(f"{k}={'yes' if v else 'NO'}" for k, v in report["targets_met"].items()))
+    report["kvtier_version"] = __version__
+    if args.json:
+        write_json(args.json, report)
+    return 0 if all(r["verified"] for r in report["results"]) else 1
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -137,17 +164,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="run a benchmark (prints a table; --json writes figures)",
                        description="Benchmarks that compare kvtier against a baseline measured in the same run.")
-    b.add_argument("target", choices=["tiers", "hints", "shared"],
+    b.add_argument("target", choices=["tiers", "hints", "shared", "remote"],
                    help="tiers: DRAM/SSD put and get throughput vs memcpy and raw file I/O, and prefix lookup time; "
                         "hints: hint events/s from 1/4/16 client processes vs a raw gRPC echo, and SDK emit() latency; "
                         "shared: on real KV of a small seeded transformer in an all-gather round, bytes per agent "
                         "of master+mirror diffs vs full copies, fused vs dense reconstruct-then-copy restore "
-                        "throughput, bit-exact lossless restores")
+                        "throughput, bit-exact lossless restores; remote: the Mooncake remote tier's put and get vs "
+                        "Mooncake's own batch calls on the same bytes (starts a local mooncake_master unless "
+                        "--master is given)")
     b.add_argument("--json", metavar="PATH", type=writable_file, help="also write the figures as JSON to PATH")
     b.add_argument("--total-mib", type=positive_int, default=128,
                    help="bytes copied per DRAM measurement (MiB, default 128)")
     b.add_argument("--ssd-total-mib", type=positive_int, default=64,
                    help="bytes written per SSD measurement (MiB, default 64)")
+    b.add_argument("--master", metavar="HOST:PORT", help="remote: an existing mooncake_master's RPC address")
+    b.add_argument("--metadata-server", metavar="URL",
+                   help="remote: its HTTP metadata server (http://HOST:PORT/metadata)")
     b.add_argument("--events", type=positive_int, default=200_000,
                    help="hints: events sent per client-count run, split over the clients (default 200000)")
     b.add_argument("--agents", type=positive_int, default=6, help="shared: agents in the round (default 6)")

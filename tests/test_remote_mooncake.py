@@ -186,3 +186,18 @@ def test_setup_failure_names_the_setting(tmp_path) -> None:
     assert time.monotonic() - start < 30  # not Mooncake's own minute-and-a-half of retries
     with pytest.raises(ConfigError, match="tiers.remote.master"):
         MooncakeTier(NS, LAYOUT, master="no-port", metadata_server="http://127.0.0.1:1/metadata")
+
+
+def test_bench_remote_compares_with_mooncakes_own_calls(tmp_path, capsys) -> None:
+    _require()
+    import json
+
+    from kvtier.cli import main
+
+    out = tmp_path / "remote.json"
+    assert main(["bench", "remote", "--total-mib", "4", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["block_kib"] for r in report["results"]] == [256, 1024, 4096]
+    for r in report["results"]:
+        assert r["verified"] is True and r["put_vs_mooncake"] > 0 and r["get_vs_mooncake"] > 0
+    assert "targets met" in capsys.readouterr().out

@@ -105,10 +105,7 @@ class MooncakeTier:
                                                                               buffer_bytes)):
             if type(value) is not int or value <= 0:
                 raise ConfigError(name, value, "must be a positive number of bytes")
-        # Mooncake's own setup retries an absent master for about 90 s; check first and fail in seconds
-        _check_reachable("tiers.remote.master", master, master)
-        _check_reachable("tiers.remote.metadata_server", metadata_server,
-                         urllib.parse.urlsplit(metadata_server).netloc if "://" in metadata_server else "")
+        check_store(master, metadata_server)
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:  # the optional dependency
@@ -200,6 +197,15 @@ class MooncakeTier:
         self.counters["remote_errors"] += 1
         self.counters[f"{op}_exceptions"] += 1
         return 0
+
+
+def check_store(master: str, metadata_server: str) -> None:
+    """Raise a :class:`RemoteTierError` (or ``ConfigError`` for a malformed value) naming the
+    setting unless the master and its metadata server accept TCP connections. Mooncake's own
+    setup retries an absent master for about 90 s; this fails in seconds."""
+    _check_reachable("tiers.remote.master", master, master)
+    netloc = urllib.parse.urlsplit(metadata_server).netloc if "://" in metadata_server else ""
+    _check_reachable("tiers.remote.metadata_server", metadata_server, netloc)
 
 
 def _check_reachable(setting: str, value: str, host_port: str) -> None:

@@ -1,0 +1,159 @@
+"""``kvtier bench remote``: the remote tier against Mooncake Store's own calls, in the same run.
+
+For 256 KiB, 1 MiB and 4 MiB blocks, in batches of 16, through one client of
+a Mooncake Store (a ``mooncake_master`` started here on loopback unless
+``--master`` / ``--metadata-server`` name one):
+
+* ``mooncake_put_gbps`` / ``mooncake_get_gbps``: the client's own
+  ``upsert_batch`` of the raw block bytes and ``get_batch`` of them (the
+  baseline);
+* ``remote_put_gbps`` / ``remote_get_gbps``: :class:`~kvtier.tiers.remote.MooncakeTier`
+  ``put_many`` / ``get_many_into`` of the same blocks (the checksummed,
+  key-bound value format; every read verified into the caller's buffer).
+
+Each pair runs interleaved, best of ``repeats`` rounds. Target: >= 0.8x the
+baseline both ways. Must not be imported by ``import kvtier``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ..keys import Namespace, chain_foreign_keys
+from ..layout import KVLayout
+from .common import gbps, interleaved_best_seconds
+
+BLOCK_SIZES_BYTES = (256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
+BATCH_BLOCKS = 16
+TARGET = 0.8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalMaster:
+    """A ``mooncake_master`` with its HTTP metadata server on free loopback ports (stopped by :meth:`stop`)."""
+
+    def __init__(self, log: Path) -> None:
+        binary = shutil.which("mooncake_master") or str(Path(sys.executable).with_name("mooncake_master"))
+        if not Path(binary).exists():
+            raise SystemExit("kvtier bench remote: mooncake_master not found (pip install "
+                             "'kvtier[remote]'), or give --master and --metadata-server")
+        self.rpc, self.http, metrics = _free_port(), _free_port(), _free_port()
+        self._log = open(log, "ab")
+        self.proc = subprocess.Popen([binary, f"--rpc_port={self.rpc}", "--enable_http_metadata_server=1",
+                                      f"--http_metadata_server_port={self.http}", f"--metrics_port={metrics}",
+                                      "--metrics_host=127.0.0.1"], stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                for port in (self.rpc, self.http):
+                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    raise SystemExit(f"kvtier bench remote: mooncake_master did not start (log: {log})") from None
+                time.sleep(0.1)
+        self.master = f"127.0.0.1:{self.rpc}"
+        self.metadata_server = f"http://127.0.0.1:{self.http}/metadata"
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+        self._log.close()
+
+
+def _layout_for(block_bytes: int) -> KVLayout:
+    # 16 tokens x 2 (K,V) x 8 heads x 128 dim x 2 bytes = 64 KiB per layer
+    return KVLayout(block_bytes // (64 * 1024), 8, 128, "bfloat16", 16)
+
+
+def bench_size(block_bytes: int, total_bytes: int, repeats: int, master: str, metadata_server: str) -> dict[str, Any]:
+    from ..tiers.remote import MooncakeTier
+
+    n = max(BATCH_BLOCKS, total_bytes // block_bytes) // BATCH_BLOCKS * BATCH_BLOCKS
+    layout = _layout_for(block_bytes)
+    ns = Namespace("bench-remote", "bfloat16", "fused", 16)
+    segment = 4 * n * block_bytes + (64 << 20)
+    tier = MooncakeTier(ns, layout, master=master, metadata_server=metadata_server, segment_bytes=segment,
+                        buffer_bytes=2 * BATCH_BLOCKS * block_bytes + (16 << 20))
+    try:
+        rng = np.random.default_rng(block_bytes)
+        blocks = [rng.integers(0, 256, block_bytes, dtype=np.uint8) for _ in range(n)]
+        outs = [np.empty(block_bytes, dtype=np.uint8) for _ in range(n)]
+        keys = chain_foreign_keys(ns, range(n))
+        names = [f"bench-raw/{block_bytes}/{i}" for i in range(n)]
+        store = tier._store  # the same client: the baseline is Mooncake's own batch calls
+        batches = [range(i, i + BATCH_BLOCKS) for i in range(0, n, BATCH_BLOCKS)]
+
+        def check(rc: Any, what: str) -> None:
+            if rc != 0:
+                raise RuntimeError(f"mooncake {what} returned {rc}")
+
+        def raw_put() -> None:
+            for b in batches:
+                check(store.upsert_batch([names[i] for i in b], [blocks[i] for i in b]), "upsert_batch")
+
+        def raw_get() -> None:
+            for b in batches:
+                got = store.get_batch([names[i] for i in b])
+                if any(len(v) != block_bytes for v in got):
+                    raise RuntimeError("mooncake get_batch returned a short value")
+
+        def put() -> None:
+            for b in batches:
+                if tier.put_many([(keys[i], blocks[i], keys[i - 1] if i else None) for i in b]) != len(b):
+                    raise RuntimeError(f"remote put failed: {dict(tier.counters)}")
+
+        def get() -> None:
+            for b in batches:
+                if not all(tier.get_many_into([keys[i] for i in b], [outs[i] for i in b])):
+                    raise RuntimeError(f"remote get missed: {dict(tier.counters)}")
+
+        fns: list[Callable[[], None]] = [raw_put, put, raw_get, get]
+        raw_put_s, put_s, raw_get_s, get_s = interleaved_best_seconds(fns, repeats)
+        verified = all(np.array_equal(a, b) for a, b in zip(blocks, outs))
+        nbytes = n * block_bytes
+        row = {"block_kib": block_bytes // 1024, "blocks": n, "verified": verified,
+               "mooncake_put_gbps": gbps(nbytes, raw_put_s), "remote_put_gbps": gbps(nbytes, put_s),
+               "mooncake_get_gbps": gbps(nbytes, raw_get_s), "remote_get_gbps": gbps(nbytes, get_s)}
+        row["put_vs_mooncake"] = row["remote_put_gbps"] / row["mooncake_put_gbps"]
+        row["get_vs_mooncake"] = row["remote_get_gbps"] / row["mooncake_get_gbps"]
+        return row
+    finally:
+        tier.close()
+
+
+def run(total_mib: int = 64, repeats: int = 5, master: str | None = None, metadata_server: str | None = None,
+        sizes: tuple[int, ...] = BLOCK_SIZES_BYTES, progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every block size; returns ``{"results": [...], "target": ..., "targets_met": ...}``."""
+    local = None
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-remote-") as tmp:
+        if master is None:
+            local = LocalMaster(Path(tmp) / "master.log")
+            master, metadata_server = local.master, local.metadata_server
+        assert metadata_server is not None
+        try:
+            results = []
+            for size in sizes:
+                progress(f"[bench remote] block {size // 1024} KiB ...")
+                results.append(bench_size(size, total_mib << 20, repeats, master, metadata_server))
+        finally:
+            if local is not None:
+                local.stop()
+    met = {k: all(r[k] >= TARGET for r in results) for k in ("put_vs_mooncake", "get_vs_mooncake")}
+    return {"results": results, "target": TARGET, "targets_met": met, "master": "local" if local else master,
+            "total_mib": total_mib, "repeats": repeats}
