@@ -90,7 +90,8 @@ def _bench_remote(args: argparse.Namespace) -> int:
     report = remote.run(total_mib=args.total_mib, master=args.master, metadata_server=args.metadata_server,
                         progress=lambda m: print(m, file=sys.stderr, flush=True))
     print_table(report["results"], ["block_kib", "mooncake_put_gbps", "remote_put_gbps", "put_vs_mooncake",
-                                    "mooncake_get_gbps", "remote_get_gbps", "get_vs_mooncake", "verified"])
+                                    "mooncake_get_gbps", "remote_get_gbps", "get_vs_mooncake", "put_vs_zero_copy",
+                                    "get_vs_zero_copy", "verified"])
     print(f"targets met (>= {report['target']}x Mooncake's own batch calls): "
           + ", ".join(f"{k}={'yes' if v else 'NO'}" for k, v in report["targets_met"].items()))
     report["kvtier_version"] = __version__

@@ -4,9 +4,14 @@ For 256 KiB, 1 MiB and 4 MiB blocks, in batches of 16, through one client of
 a Mooncake Store (a ``mooncake_master`` started here on loopback unless
 ``--master`` / ``--metadata-server`` name one):
 
-* ``mooncake_put_gbps`` / ``mooncake_get_gbps``: the client's own
-  ``upsert_batch`` of the raw block bytes and ``get_batch`` of them (the
-  baseline);
+* ``mooncake_put_gbps`` / ``mooncake_get_gbps``: the client's own batch
+  put and get of the raw block bytes from and into Python buffers
+  (``upsert_batch``, ``get_batch``): the baseline of the target;
+* ``zero_copy_put_gbps`` / ``zero_copy_get_gbps``: its zero-copy calls from
+  and into a buffer registered with the store (``batch_upsert_from``,
+  ``batch_get_into``), for context: what kvtier's header, checksums and the
+  copy through its registered staging cost against the fastest path
+  (``*_vs_zero_copy``; no target);
 * ``remote_put_gbps`` / ``remote_get_gbps``: :class:`~kvtier.tiers.remote.MooncakeTier`
   ``put_many`` / ``get_many_into`` of the same blocks (the checksummed,
   key-bound value format; every read verified into the caller's buffer).
@@ -91,6 +96,10 @@ def bench_size(block_bytes: int, total_bytes: int, repeats: int, master: str, me
     tier = MooncakeTier(ns, layout, master=master, metadata_server=metadata_server, segment_bytes=segment,
                         buffer_bytes=2 * BATCH_BLOCKS * block_bytes + (16 << 20))
     try:
+        def check(rc: Any, what: str) -> None:
+            if rc != 0:
+                raise RuntimeError(f"mooncake {what} returned {rc}")
+
         rng = np.random.default_rng(block_bytes)
         blocks = [rng.integers(0, 256, block_bytes, dtype=np.uint8) for _ in range(n)]
         outs = [np.empty(block_bytes, dtype=np.uint8) for _ in range(n)]
@@ -98,20 +107,32 @@ def bench_size(block_bytes: int, total_bytes: int, repeats: int, master: str, me
         names = [f"bench-raw/{block_bytes}/{i}" for i in range(n)]
         store = tier._store  # the same client: the baseline is Mooncake's own batch calls
         batches = [range(i, i + BATCH_BLOCKS) for i in range(0, n, BATCH_BLOCKS)]
+        region = np.concatenate(blocks)  # the raw bytes in one buffer registered with the store
+        landing = np.empty_like(region)
+        for buf in (region, landing):
+            check(store.register_buffer(buf.ctypes.data, buf.nbytes), "register_buffer")
 
-        def check(rc: Any, what: str) -> None:
-            if rc != 0:
-                raise RuntimeError(f"mooncake {what} returned {rc}")
-
-        def raw_put() -> None:
+        def bytes_put() -> None:
             for b in batches:
                 check(store.upsert_batch([names[i] for i in b], [blocks[i] for i in b]), "upsert_batch")
 
+        def bytes_get() -> None:
+            for b in batches:
+                if any(len(v) != block_bytes for v in store.get_batch([names[i] for i in b])):
+                    raise RuntimeError("mooncake get_batch returned a short value")
+
+        def raw_put() -> None:
+            for b in batches:
+                codes = store.batch_upsert_from([names[i] for i in b], [region.ctypes.data + i * block_bytes for i in b],
+                                                [block_bytes] * len(b))
+                check(max(map(abs, codes)), "batch_upsert_from")
+
         def raw_get() -> None:
             for b in batches:
-                got = store.get_batch([names[i] for i in b])
-                if any(len(v) != block_bytes for v in got):
-                    raise RuntimeError("mooncake get_batch returned a short value")
+                got = store.batch_get_into([names[i] for i in b], [landing.ctypes.data + i * block_bytes for i in b],
+                                           [block_bytes] * len(b))
+                if any(g != block_bytes for g in got):
+                    raise RuntimeError(f"mooncake batch_get_into returned {got}")
 
         def put() -> None:
             for b in batches:
@@ -123,15 +144,20 @@ def bench_size(block_bytes: int, total_bytes: int, repeats: int, master: str, me
                 if not all(tier.get_many_into([keys[i] for i in b], [outs[i] for i in b])):
                     raise RuntimeError(f"remote get missed: {dict(tier.counters)}")
 
-        fns: list[Callable[[], None]] = [raw_put, put, raw_get, get]
-        raw_put_s, put_s, raw_get_s, get_s = interleaved_best_seconds(fns, repeats)
-        verified = all(np.array_equal(a, b) for a, b in zip(blocks, outs))
+        fns: list[Callable[[], None]] = [bytes_put, raw_put, put, bytes_get, raw_get, get]
+        bytes_put_s, raw_put_s, put_s, bytes_get_s, raw_get_s, get_s = interleaved_best_seconds(fns, repeats)
+        verified = all(np.array_equal(a, b) for a, b in zip(blocks, outs)) and np.array_equal(region, landing)
+        for buf in (region, landing):
+            store.unregister_buffer(buf.ctypes.data)
         nbytes = n * block_bytes
         row = {"block_kib": block_bytes // 1024, "blocks": n, "verified": verified,
-               "mooncake_put_gbps": gbps(nbytes, raw_put_s), "remote_put_gbps": gbps(nbytes, put_s),
-               "mooncake_get_gbps": gbps(nbytes, raw_get_s), "remote_get_gbps": gbps(nbytes, get_s)}
+               "mooncake_put_gbps": gbps(nbytes, bytes_put_s), "remote_put_gbps": gbps(nbytes, put_s),
+               "mooncake_get_gbps": gbps(nbytes, bytes_get_s), "remote_get_gbps": gbps(nbytes, get_s),
+               "zero_copy_put_gbps": gbps(nbytes, raw_put_s), "zero_copy_get_gbps": gbps(nbytes, raw_get_s)}
         row["put_vs_mooncake"] = row["remote_put_gbps"] / row["mooncake_put_gbps"]
         row["get_vs_mooncake"] = row["remote_get_gbps"] / row["mooncake_get_gbps"]
+        row["put_vs_zero_copy"] = row["remote_put_gbps"] / row["zero_copy_put_gbps"]
+        row["get_vs_zero_copy"] = row["remote_get_gbps"] / row["zero_copy_get_gbps"]
         return row
     finally:
         tier.close()

@@ -282,6 +282,27 @@ def encode_many(
     return values
 
 
+def encode_parts(
+    raw: object,
+    ctx: ValueContext,
+    codec: str = "auto",
+    parent: BlockKey | None = None,
+    zstd_level: int = 1,
+    min_ratio: float = 1.05,
+    *,
+    key: BlockKey,
+) -> list:
+    """:func:`encode` as pieces (the header, then the payload: for ``raw`` the caller's
+    own buffer, uncopied), for a store that writes one object from several buffers.
+    Pieces may be per-thread scratch: use them before the next encode in this thread."""
+    return _encode_parts(raw, ctx, codec, key, parent, zstd_level, min_ratio, _now_s())
+
+
+def value_bound(raw_len: int) -> int:
+    """The most bytes one encoded value of a ``raw_len``-byte block can take."""
+    return HEADER_BYTES + _payload_bound(raw_len)
+
+
 def _now_s() -> int:
     """Unix seconds as stored in ``stored_at_s`` (clamped to u32)."""
     return min(max(0, int(time.time())), 0xFFFFFFFF)

@@ -35,12 +35,16 @@ import urllib.parse
 from collections import Counter
 from typing import Any, Protocol, Sequence
 
+import numpy as np
+
 from ..errors import ConfigError, KVTierError
 from ..keys import BlockKey, Namespace
 from ..layout import KVLayout
-from .codec import ValueContext, check_codec, decode_into, encode_many
+from .codec import ValueContext, check_codec, decode_into, encode_parts, value_bound
 
 OBJECT_PREFIX = "kvtier"
+GET_SLOTS = 16  # values per batch through a registered staging buffer (one for puts, one for gets)
+OBJECT_NOT_FOUND = -704  # Mooncake's error code for an absent object
 CONNECT_TIMEOUT_S = 3.0
 
 
@@ -99,6 +103,9 @@ class MooncakeTier:
         self.codec = check_codec(codec)
         self.zstd_level = zstd_level
         self._ctx = ValueContext.of(namespace, layout)
+        self._slot_bytes = value_bound(layout.bytes_per_block)
+        self._get_staging: np.ndarray | None = None  # registered with the store on first use
+        self._put_staging: np.ndarray | None = None
         self._prefix = f"{OBJECT_PREFIX}/{namespace.digest.hex()}/"
         self.counters: Counter[str] = Counter()
         for name, value in (("tiers.remote.segment_bytes", segment_bytes), ("tiers.remote.buffer_bytes",
@@ -129,41 +136,83 @@ class MooncakeTier:
     # ------------------------------------------------------------------ RemoteTier
 
     def put_many(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]]) -> int:
-        if not items or self._store is None:
+        """Values are encoded ``GET_SLOTS`` at a time straight into a staging buffer registered
+        with the store and written from there in one batch; returns the leading run written."""
+        done = 0
+        for start in range(0, len(items), GET_SLOTS):
+            chunk = items[start:start + GET_SLOTS]
+            written = self._put_chunk(chunk)
+            done += written
+            if written < len(chunk):
+                break
+        self.counters["put_blocks"] += done
+        self.counters["put_failed_blocks"] += len(items) - done
+        return done
+
+    def _put_chunk(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]]) -> int:
+        staging = self._registered("_put_staging")
+        if staging is None:
             return 0
-        values = encode_many(items, self._ctx, self.codec, self.zstd_level)
-        names = [self.object_name(k) for k, _, _ in items]
+        slot, base = self._slot_bytes, staging.ctypes.data
+        sizes = []
+        for i, (key, raw, parent) in enumerate(items):
+            offset = i * slot
+            for part in encode_parts(raw, self._ctx, self.codec, parent, self.zstd_level, key=key):
+                n = len(part)
+                staging[offset:offset + n] = np.frombuffer(part, dtype=np.uint8)
+                offset += n
+            sizes.append(offset - i * slot)
         try:
-            rc = self._store.upsert_batch(names, values)
+            codes = self._store.batch_upsert_from([self.object_name(k) for k, _, _ in items],
+                                                  [base + i * slot for i in range(len(items))], sizes)
         except (RuntimeError, ValueError, TypeError) as e:
             return self._error("put", e)
-        if rc != 0:
+        written = next((i for i, c in enumerate(codes) if c != 0), len(codes))
+        if written < len(items):
             self.counters["remote_errors"] += 1
-            self.counters["put_failed_blocks"] += len(items)
-            return 0
-        self.counters["put_blocks"] += len(items)
-        self.counters["put_bytes"] += sum(len(v) for v in values)
-        return len(items)
+        self.counters["put_bytes"] += sum(sizes[:written])
+        return written
 
     def get_many_into(self, keys: Sequence[BlockKey], outs: Sequence[Any]) -> list[bool]:
-        if not keys or self._store is None:
+        """Values are read ``GET_SLOTS`` at a time straight into a staging buffer registered
+        with the store, then verified and decoded into ``outs``."""
+        oks: list[bool] = []
+        for start in range(0, len(keys), GET_SLOTS):
+            oks += self._get_chunk(keys[start:start + GET_SLOTS], outs[start:start + GET_SLOTS])
+        self.counters["get_hit_blocks"] += sum(oks)
+        return oks
+
+    def _get_chunk(self, keys: Sequence[BlockKey], outs: Sequence[Any]) -> list[bool]:
+        staging = self._registered("_get_staging")
+        if staging is None:
             return [False] * len(keys)
+        slot, base = self._slot_bytes, staging.ctypes.data
         try:
-            values = self._store.get_batch([self.object_name(k) for k in keys])
+            got = self._store.batch_get_into([self.object_name(k) for k in keys],
+                                             [base + i * slot for i in range(len(keys))], [slot] * len(keys))
         except (RuntimeError, ValueError, TypeError) as e:
             self._error("get", e)
             return [False] * len(keys)
         oks = []
-        for key, value, out in zip(keys, values, outs):
-            if not value:
-                self.counters["missing"] += 1
+        for i, (key, n, out) in enumerate(zip(keys, got, outs)):
+            if n <= 0:  # absent (Mooncake's OBJECT_NOT_FOUND), else a store error (e.g. -900: RPC failed)
+                self.counters["missing" if n == OBJECT_NOT_FOUND else "remote_errors"] += 1
                 oks.append(False)
                 continue
-            ok = decode_into(value, out, self._ctx, self.counters, key=key)
-            oks.append(ok)
-        oks += [False] * (len(keys) - len(oks))  # fewer values than keys: a store error
-        self.counters["get_hit_blocks"] += sum(oks)
-        return oks
+            oks.append(decode_into(staging[i * slot:i * slot + n], out, self._ctx, self.counters, key=key))
+        return oks + [False] * (len(keys) - len(oks))
+
+    def _registered(self, name: str) -> np.ndarray | None:
+        """The staging buffer ``name`` (``GET_SLOTS`` value-sized slots), registered with the
+        store for zero-copy transfers on first use."""
+        staging = getattr(self, name)
+        if staging is None and self._store is not None:
+            staging = np.empty(GET_SLOTS * self._slot_bytes, dtype=np.uint8)
+            if self._store.register_buffer(staging.ctypes.data, staging.nbytes) != 0:
+                self.counters["remote_errors"] += 1
+                return None
+            setattr(self, name, staging)
+        return staging
 
     def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
         if not keys or self._store is None:
@@ -191,6 +240,9 @@ class MooncakeTier:
     def close(self) -> None:
         store, self._store = self._store, None
         if store is not None:
+            for staging in (self._get_staging, self._put_staging):
+                if staging is not None:
+                    store.unregister_buffer(staging.ctypes.data)
             store.close()
 
     def _error(self, op: str, exc: BaseException) -> int:
