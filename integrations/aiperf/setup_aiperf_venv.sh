@@ -18,7 +18,7 @@ if [ ! -x "$SIDE/bin/python" ]; then
 fi
 if ! "$SIDE/bin/python" -m pip show aiperf 2>/dev/null | grep -qx "Version: $VERSION"; then
   "$SIDE/bin/python" -m pip install -q --upgrade pip
-  "$SIDE/bin/python" -m pip install -q "aiperf==$VERSION"
+  "$SIDE/bin/python" -m pip install -q --retries 10 --resume-retries 20 "aiperf==$VERSION"
 fi
 "$SIDE/bin/python" -c 'from aiperf.dataset.loader.weka_trace_models import WekaTrace'
 echo "aiperf side venv ready: $SIDE/bin/python"
