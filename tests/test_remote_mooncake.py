@@ -11,16 +11,12 @@ suite). Without them these tests skip, except with
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from kvtier.benchmarks.remote import LocalMaster, free_port, master_binary
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey, Namespace
 from kvtier.layout import KVLayout
@@ -30,72 +26,37 @@ LAYOUT = KVLayout(2, 2, 64, "bfloat16", 16)  # 16 KiB per block
 NS = Namespace("remote-test", "bfloat16", "fused", 16)
 
 
-def _master_binary() -> str | None:
-    found = shutil.which("mooncake_master") or str(Path(sys.executable).with_name("mooncake_master"))
-    return found if Path(found).exists() else None
-
-
-def _require() -> str:
+def _require() -> None:
     try:
         import mooncake.store  # noqa: F401
     except ImportError as e:
         problem = f"mooncake client not importable ({e})"
     else:
-        binary = _master_binary()
-        if binary is not None:
-            return binary
+        if master_binary() is not None:
+            return
         problem = "mooncake_master not found"
     if os.environ.get("KVTIERTEST_REQUIRE_MOONCAKE") == "1":
         pytest.fail(problem + " (scripts/test.sh installs mooncake-transfer-engine-non-cuda)")
     pytest.skip(problem)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Master:
-    """A ``mooncake_master`` process with its HTTP metadata server, on free loopback ports."""
-
-    def __init__(self, binary: str, log: Path) -> None:
-        self.binary, self.log = binary, log
-        self.rpc, self.http, self.metrics = _free_port(), _free_port(), _free_port()
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> Master:
-        self.proc = subprocess.Popen([self.binary, f"--rpc_port={self.rpc}", "--enable_http_metadata_server=1",
-                                      f"--http_metadata_server_port={self.http}", f"--metrics_port={self.metrics}",
-                                      "--metrics_host=127.0.0.1"],
-                                     stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.rpc), timeout=0.2).close()
-                socket.create_connection(("127.0.0.1", self.http), timeout=0.2).close()
-                return self
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError(f"mooncake_master did not listen; log: {self.log.read_text()[-2000:]}")
+class Master(LocalMaster):
+    """The bench's local master, handing out tiers of this test's layout."""
 
     def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(10)
-            self.proc = None
+        self.stop()
 
     def tier(self, namespace: Namespace = NS, **kw):
         from kvtier.tiers.remote import MooncakeTier
 
-        return MooncakeTier(namespace, LAYOUT, master=f"127.0.0.1:{self.rpc}",
-                            metadata_server=f"http://127.0.0.1:{self.http}/metadata",
+        return MooncakeTier(namespace, LAYOUT, master=self.master, metadata_server=self.metadata_server,
                             segment_bytes=64 << 20, buffer_bytes=32 << 20, **kw)
 
 
 @pytest.fixture
 def master(tmp_path):
-    m = Master(_require(), tmp_path / "master.log").start()
+    _require()
+    m = Master(tmp_path / "master.log").start()
     yield m
     m.kill()
 
@@ -180,8 +141,8 @@ def test_setup_failure_names_the_setting(tmp_path) -> None:
 
     start = time.monotonic()
     with pytest.raises(RemoteTierError, match="tiers.remote.master"):
-        MooncakeTier(NS, LAYOUT, master=f"127.0.0.1:{_free_port()}",
-                     metadata_server=f"http://127.0.0.1:{_free_port()}/metadata", segment_bytes=16 << 20,
+        MooncakeTier(NS, LAYOUT, master=f"127.0.0.1:{free_port()}",
+                     metadata_server=f"http://127.0.0.1:{free_port()}/metadata", segment_bytes=16 << 20,
                      buffer_bytes=16 << 20)
     assert time.monotonic() - start < 30  # not Mooncake's own minute-and-a-half of retries
     with pytest.raises(ConfigError, match="tiers.remote.master"):

@@ -35,6 +35,7 @@ import numpy as np
 
 from ..keys import Namespace, chain_foreign_keys
 from ..layout import KVLayout
+from ..tiers.remote import RemoteTierError
 from .common import gbps, interleaved_best_seconds
 
 BLOCK_SIZES_BYTES = (256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
@@ -42,43 +43,57 @@ BATCH_BLOCKS = 16
 TARGET = 0.8
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def master_binary() -> str | None:
+    """The ``mooncake_master`` on the PATH or beside this interpreter (the remote extra installs it), or None."""
+    found = shutil.which("mooncake_master") or str(Path(sys.executable).with_name("mooncake_master"))
+    return found if Path(found).exists() else None
+
+
 class LocalMaster:
-    """A ``mooncake_master`` with its HTTP metadata server on free loopback ports (stopped by :meth:`stop`)."""
+    """A ``mooncake_master`` with its HTTP metadata server on free loopback ports,
+    started by :meth:`start` and stopped by :meth:`stop`; a restart keeps the ports."""
 
     def __init__(self, log: Path) -> None:
-        binary = shutil.which("mooncake_master") or str(Path(sys.executable).with_name("mooncake_master"))
-        if not Path(binary).exists():
-            raise SystemExit("kvtier bench remote: mooncake_master not found (pip install "
-                             "'kvtier[remote]'), or give --master and --metadata-server")
-        self.rpc, self.http, metrics = _free_port(), _free_port(), _free_port()
-        self._log = open(log, "ab")
-        self.proc = subprocess.Popen([binary, f"--rpc_port={self.rpc}", "--enable_http_metadata_server=1",
-                                      f"--http_metadata_server_port={self.http}", f"--metrics_port={metrics}",
-                                      "--metrics_host=127.0.0.1"], stdout=self._log, stderr=subprocess.STDOUT)
+        self.binary = master_binary()
+        if self.binary is None:
+            raise RemoteTierError("mooncake_master not found (pip install 'kvtier[remote]'); "
+                                  "or give --master and --metadata-server")
+        self.log = log
+        self.rpc, self.http, self.metrics = free_port(), free_port(), free_port()
+        self.master = f"127.0.0.1:{self.rpc}"
+        self.metadata_server = f"http://127.0.0.1:{self.http}/metadata"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> LocalMaster:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [str(self.binary), f"--rpc_port={self.rpc}", "--enable_http_metadata_server=1",
+                 f"--http_metadata_server_port={self.http}", f"--metrics_port={self.metrics}",
+                 "--metrics_host=127.0.0.1"], stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 20
         while True:
             try:
                 for port in (self.rpc, self.http):
                     socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
+                return self
             except OSError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
                     self.stop()
-                    raise SystemExit(f"kvtier bench remote: mooncake_master did not start (log: {log})") from None
+                    raise RemoteTierError(f"mooncake_master did not start (log: {self.log})") from None
                 time.sleep(0.1)
-        self.master = f"127.0.0.1:{self.rpc}"
-        self.metadata_server = f"http://127.0.0.1:{self.http}/metadata"
 
     def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
-        self._log.close()
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(10)
+            self.proc = None
 
 
 def _layout_for(block_bytes: int) -> KVLayout:
@@ -169,7 +184,7 @@ def run(total_mib: int = 64, repeats: int = 5, master: str | None = None, metada
     local = None
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-remote-") as tmp:
         if master is None:
-            local = LocalMaster(Path(tmp) / "master.log")
+            local = LocalMaster(Path(tmp) / "master.log").start()
             master, metadata_server = local.master, local.metadata_server
         assert metadata_server is not None
         try:
