@@ -15,6 +15,10 @@ Rules it enforces:
 * Pinned, referenced and in-flight blocks are never victims: they are parked
   outside every policy's eviction order while held (``on_hold`` /
   ``on_unhold``), as vLLM keeps referenced blocks out of its free queue.
+  With ``hold_tiers`` the holds of :meth:`acquire` and :meth:`pin` protect
+  only the copies in those tiers (a running request needs its HBM copy; its
+  DRAM copy may go, making room for what HBM does not hold); in-flight loads
+  and moves protect their source in every tier.
 * Eviction is tail-first within a chain: a block with a child present (or
   pending) in the same tier is parked in that tier's policy too, so shared
   prefixes outlive the branches that use them and policies never scan past
@@ -139,10 +143,11 @@ class _Tier:
     """Slot pool, policy and residency of one tier."""
 
     __slots__ = ("name", "index", "capacity", "policy", "free_slots", "next_slot", "num_used", "num_ready",
-                 "num_reserved", "slots", "children", "before_insert", "insert_held", "insert_held_many")
+                 "num_reserved", "slots", "children", "before_insert", "insert_held", "insert_held_many", "holds")
 
-    def __init__(self, name: str, index: int, capacity: int, policy: EvictionPolicy) -> None:
+    def __init__(self, name: str, index: int, capacity: int, policy: EvictionPolicy, holds: bool = True) -> None:
         self.name = name
+        self.holds = holds  # acquire() and pin() protect this tier's copies
         self.index = index
         self.capacity = capacity
         self.policy = policy
@@ -205,7 +210,9 @@ class TierManager:
     ``record_events=False`` records no events; ``record_block_events=False``
     leaves out only ``BlockStored`` and ``BlockLoaded`` (one per block of every
     completed store and load), for an owner that needs removals and failures
-    (to free bytes) but publishes no per-block stream.
+    (to free bytes) but publishes no per-block stream. ``hold_tiers`` (default:
+    every tier) names the tiers whose copies :meth:`acquire` and :meth:`pin`
+    protect; elsewhere a held block's copy is evicted like an idle one.
 
     The index is a set of dicts keyed by block key (one field each: parent,
     child count, references, holds; per tier: slot, children resident there),
@@ -221,6 +228,7 @@ class TierManager:
         clock: Callable[[], float] = time.monotonic,
         record_events: bool = True,
         record_block_events: bool = True,
+        hold_tiers: Sequence[str] | None = None,
     ) -> None:
         if not tiers:
             raise ConfigError("tiers", [], "enable at least one tier")
@@ -234,12 +242,17 @@ class TierManager:
                 raise ConfigError(f"tiers.{spec.name}.capacity_blocks", spec.capacity_blocks, "must be an int >= 0")
         if pin_budget_blocks < 0:
             raise ConfigError("pin_budget_blocks", pin_budget_blocks, "must be >= 0")
+        if hold_tiers is not None:
+            for name in hold_tiers:
+                if name not in names:
+                    raise ConfigError("hold_tiers", name, f"not an enabled tier; enabled: {', '.join(names)}")
         ordered = sorted(tiers, key=lambda s: TIER_ORDER.index(s.name))
         self._tiers = [
             _Tier(
                 s.name, i, s.capacity_blocks,
                 make_policy(s.policy, s.capacity_blocks, f"tiers.{s.name}.policy") if isinstance(s.policy, str)
                 else s.policy,
+                hold_tiers is None or s.name in hold_tiers,
             )
             for i, s in enumerate(ordered)
         ]
@@ -747,7 +760,7 @@ class TierManager:
         for t in self._tiers:
             parked_keys = getattr(t.policy, "parked_keys", None)
             if parked_keys is not None:
-                want = {k for k in self._ready[t.index] if k in held or k in t.children}
+                want = {k for k in self._ready[t.index] if (t.holds and k in held) or k in t.children}
                 assert set(parked_keys()) == want, f"{t.name}: the policy's parked keys are out of date"
         for plan in self._plans.values():
             if isinstance(plan, StorePlan):
@@ -831,7 +844,7 @@ class TierManager:
         """One more child of ``parent`` is resident in ``t``: the first one parks it there
         (unless a hold parked it already)."""
         count = t.children[parent] = t.children.get(parent, 0) + 1
-        if count == 1 and parent not in self._held and parent in self._ready[t.index]:
+        if count == 1 and not (t.holds and parent in self._held) and parent in self._ready[t.index]:
             t.policy.on_hold(parent)
 
     def _set_pending(self, key: BlockKey, t: _Tier, slot: int) -> None:
@@ -849,7 +862,7 @@ class TierManager:
         if best is None or idx < best:
             self._fastest[key] = idx
         t.policy.on_insert(key)
-        if key in t.children or key in self._held:
+        if key in t.children or (t.holds and key in self._held):
             t.policy.on_hold(key)
         if self._record_blocks:
             self._events.append(BlockStored(key, t.name, self._parent[key]))
@@ -876,7 +889,7 @@ class TierManager:
                     fastest[key] = idx
         # a pending key is never parked: park each that has a child here or is held
         insert_held_many = t.insert_held_many
-        if fresh and insert_held_many is not None and rkeys[0] not in self._held:  # (most stores)
+        if fresh and insert_held_many is not None and not (t.holds and rkeys[0] in self._held):  # (most stores)
             t.policy.on_insert(rkeys[0])  # the tail, idle
             insert_held_many(rkeys[1:])  # the others, parked under their child
         else:
@@ -889,7 +902,7 @@ class TierManager:
     def _insert_parking(self, t: _Tier, rkeys: list[BlockKey], fresh: bool) -> None:
         """The policy calls of :meth:`_mark_ready_many` for ``rkeys`` (tail first):
         ``on_insert`` of each, parked at once where it is held or has a child in ``t``."""
-        held, children, policy = self._held, t.children, t.policy
+        held, children, policy = self._held if t.holds else set(), t.children, t.policy
         if fresh:  # every key but the tail (rkeys[0]) has its child here
             to_park = [rkeys[0] in held]
             to_park += itertools.repeat(True, len(rkeys) - 1)
@@ -970,7 +983,7 @@ class TierManager:
             else:
                 del t.children[parent]
                 # the parent is the chain's tail now: unparked, as the next to evict
-                if unpark_parent and parent not in self._held and parent in self._ready[idx]:
+                if unpark_parent and not (t.holds and parent in self._held) and parent in self._ready[idx]:
                     t.policy.on_unhold(parent, True)
         self._maybe_forget(key)
 
@@ -993,7 +1006,7 @@ class TierManager:
             return
         self._held.add(key)
         for t in self._tiers:
-            if key in self._ready[t.index] and key not in t.children:
+            if t.holds and key in self._ready[t.index] and key not in t.children:
                 t.policy.on_hold(key)
 
     def _maybe_unhold(self, key: BlockKey) -> None:
@@ -1002,7 +1015,7 @@ class TierManager:
             return
         self._held.discard(key)
         for t in self._tiers:
-            if key in self._ready[t.index] and key not in t.children:  # (a child there keeps it parked)
+            if t.holds and key in self._ready[t.index] and key not in t.children:  # (a child there keeps it parked)
                 t.policy.on_unhold(key)
 
     def _maybe_forget(self, key: BlockKey) -> None:
@@ -1035,8 +1048,14 @@ class TierManager:
     ) -> bool:
         refs, children = self._refs, t.children
 
-        def is_evictable(key: BlockKey) -> bool:  # held and interior blocks are parked: never offered
-            return key != protect and key not in refs and key not in children
+        if t.holds:
+            def is_evictable(key: BlockKey) -> bool:  # held and interior blocks are parked: never offered
+                return key != protect and key not in refs and key not in children
+        else:  # acquire() references do not protect this tier's copies; loads and moves do
+            holds = self._holds
+
+            def is_evictable(key: BlockKey) -> bool:
+                return key != protect and refs.get(key, 0) == holds.get(key, 0) and key not in children
 
         victim = t.policy.pop_victim(is_evictable, incoming)
         if victim is None:

@@ -9,14 +9,11 @@ so prefixes outlive their tails, as the manager's tail-first rule expects.
 
 from __future__ import annotations
 
-import heapq
 from bisect import bisect_right
-from typing import Hashable, Iterable, Sequence
+from typing import Hashable, Sequence
 
 from ..keys import BlockKey
-from ..policies.base import IsEvictable
-
-NEVER = float("inf")
+from ..policies.nextuse import NEVER, NextUsePolicy
 
 
 class NextUseOracle:
@@ -119,85 +116,8 @@ class DriftOracle:
         return self._depth.get(key, 0)
 
 
-class BeladyPolicy:
-    """Evicts the resident block with the farthest next use (a lazy max-heap)."""
+class BeladyPolicy(NextUsePolicy):
+    """Evicts the resident block with the farthest next use in the oracle's future."""
 
     name = "belady"
-
-    def __init__(self, oracle: NextUseOracle | DriftOracle) -> None:
-        self._oracle = oracle
-        self._next: dict[BlockKey, float] = {}  # resident key -> next use in its live heap entry
-        self._heap: list[tuple[float, int, BlockKey]] = []  # (-next use, -depth, key)
-        self._parked: dict[BlockKey, bool] = {}  # held keys (out of the order)
-
-    def _push(self, key: BlockKey) -> None:
-        nu = self._oracle.next_use(key)
-        self._next[key] = nu
-        heapq.heappush(self._heap, (-nu, -self._oracle.depth(key), key))
-
-    def before_insert(self, key: BlockKey) -> None:
-        pass
-
-    def on_insert(self, key: BlockKey) -> None:
-        self._push(key)
-
-    def on_access(self, key: BlockKey) -> None:
-        if key not in self._parked:  # a parked key is re-pushed when it unparks
-            self._push(key)
-
-    def on_access_many(self, keys: Iterable[BlockKey]) -> None:
-        for key in keys:
-            if key not in self._parked:
-                self._push(key)
-
-    def on_remove(self, key: BlockKey) -> None:
-        if self._parked.pop(key, False) is False:
-            del self._next[key]
-
-    def on_hold(self, key: BlockKey) -> None:
-        del self._next[key]  # its heap entry goes stale
-        self._parked[key] = True
-
-    def on_unhold(self, key: BlockKey, front: bool = False) -> None:
-        del self._parked[key]
-        self._push(key)
-
-    def parked_keys(self) -> Iterable[BlockKey]:
-        return self._parked.keys()
-
-    def pop_victim(self, is_evictable: IsEvictable, incoming: BlockKey | None = None) -> BlockKey | None:
-        heap, nxt, clock = self._heap, self._next, self._oracle.clock
-        skipped: list[tuple[float, int, BlockKey]] = []
-        refreshed: set[BlockKey] = set()
-        victim = None
-        while heap:
-            entry = heapq.heappop(heap)
-            neg_nu, _, key = entry
-            if nxt.get(key) != -neg_nu:
-                continue  # stale entry (re-pushed since, or removed)
-            if -neg_nu <= clock and key not in refreshed:  # its next use has passed: refresh once, retry
-                # Once only: a DriftOracle estimate can stay in the past (its session
-                # runs behind its recorded self), and refreshing the heap's top again
-                # and again would never end. An overdue use is imminent; the entry
-                # competes with the value it has.
-                refreshed.add(key)
-                self._push(key)
-                continue
-            if is_evictable(key):
-                victim = key
-                del nxt[key]
-                break
-            skipped.append(entry)
-        for entry in skipped:
-            heapq.heappush(heap, entry)
-        if len(heap) > 4 * len(nxt) + 64:  # drop stale entries now and then
-            self._heap = [e for e in heap if nxt.get(e[2]) == -e[0]]
-            heapq.heapify(self._heap)
-        return victim
-
-    def __len__(self) -> int:
-        return len(self._next) + len(self._parked)
-
-    def check_invariants(self) -> None:
-        live = {e[2] for e in self._heap if self._next.get(e[2]) == -e[0]}
-        assert live == set(self._next), "every resident key has a live heap entry"
+    to_front = None  # the oracle knows the future: no placement hint reorders it
