@@ -51,11 +51,12 @@ future: only predicted returns from the hint plane.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..agents.predictor import wait_pin_ttl_s
 from ..keys import BlockKey
 from .base import PlacementContext, PlacementPolicy, ToolWait
+from .nextuse import AgentNextUse
 
 AgentKey = tuple[int, str]
 
@@ -84,6 +85,8 @@ class AgentAware(PlacementPolicy):
     backoff_decisions = 8
     prefetch_causes: tuple[str, ...] = ("tool", "user", "subagent_join")
     demote_after_s: float | None = None  # a wait predicted at least this long demotes (write-through to SSD only)
+    next_use: bool = False  # order every tier it manages by predicted next use (kvtier.placement.nextuse)
+    next_use_trust = 0.0  # weight of the predicted wait in the next-use rank (0: by wait start alone)
 
     def __init__(self) -> None:
         self.rho = self.rho_bounds[0]
@@ -93,6 +96,14 @@ class AgentAware(PlacementPolicy):
         self._backoff = 0
         self._turns: dict[AgentKey, int] = {}  # agent -> requests finished (SSD admission gate)
         self._last_ctx: dict[AgentKey, tuple[BlockKey, ...]] = {}  # agent -> its latest context keys
+        self._est: AgentNextUse | None = None
+
+    def eviction_for(self, tier: str, clock: Callable[[], float] | None = None) -> object:
+        if not self.next_use or clock is None:
+            return self.eviction
+        if self._est is None:
+            self._est = AgentNextUse(clock, trust=self.next_use_trust)
+        return self._est.policy()
 
     # ---------------------------------------------------------------- knobs
 
@@ -118,7 +129,9 @@ class AgentAware(PlacementPolicy):
     def on_wait_start(self, ctx: PlacementContext, wait: ToolWait) -> None:
         agent = wait.agent_key
         self._turns[agent] = self._turns.get(agent, 0) + 1
-        if self.drop_dead:
+        if self._est is not None:
+            self._est.waiting(agent, wait.keys, None if wait.cause == "user" else wait.predicted_gap_s)
+        if self.drop_dead or self._est is not None:
             self._last_ctx[agent] = wait.keys
         if not wait.keys:
             return
@@ -147,9 +160,10 @@ class AgentAware(PlacementPolicy):
         if decision not in ("offload", "demote"):
             if critical and self._reserve(ctx, agent, keys, n_hbm, wait.predicted_gap_s):
                 decision = "reserve"
-            elif self.deprioritize_waiting:
-                ctx.deprioritize(keys)
-                if self.time:
+            elif self.deprioritize_waiting or self._est is not None:
+                if self.deprioritize_waiting:
+                    ctx.deprioritize(keys)
+                if self.time:  # back in time for the predicted return, from wherever it is by then
                     self._schedule_prefetch(ctx, agent, keys, wait,
                                             ctx.transfer_time_s(n_hbm, f"{self.swap_to}->hbm"))
         ctx.count(f"decision_{decision}")
@@ -158,6 +172,8 @@ class AgentAware(PlacementPolicy):
         # A prompt that leaves the agent's old context (compaction, a rewrite) does
         # not make the old tail dead: retiring it measured 0.9% more prefill
         # recomputed on the dev traces (agents come back to such branches).
+        if self._est is not None:
+            self._est.used(agent_key, keys)
         if self._timers.pop(agent_key, None) is not None:
             ctx.count("prefetch_cancelled")  # returned before the prefetch started: load on demand
         if self._reserved.pop(agent_key, None) is not None:
@@ -165,17 +181,21 @@ class AgentAware(PlacementPolicy):
 
     def on_agent_end(self, ctx: PlacementContext, agent_key: AgentKey, keys: Sequence[BlockKey]) -> None:
         self._turns.pop(agent_key, None)
-        if not self.drop_dead:
+        if not self.drop_dead and self._est is None:
             return
         parent = ctx.parent_of(agent_key)
         if parent is None:  # the root: its context dies with the session
             self._last_ctx[agent_key] = tuple(keys)
+            if self._est is not None:
+                self._est.ended(agent_key, keys)
             return
         # A sub-agent's own blocks start where its context left its parent's.
         inherited = self._last_ctx.get((agent_key[0], parent), ())
         fork = next((i for i, (a, b) in enumerate(zip(keys, inherited)) if a != b), min(len(keys), len(inherited)))
+        if self._est is not None:
+            self._est.ended(agent_key, keys, (agent_key[0], parent), fork)
         start = max(fork, ctx.private_start(keys))
-        if start < len(keys):
+        if self.drop_dead and start < len(keys):
             ctx.retire(keys[start:])
         self._last_ctx.pop(agent_key, None)
 
@@ -207,6 +227,8 @@ class AgentAware(PlacementPolicy):
         private = keys[ctx.private_start(keys):]
         if not private:
             return 0
+        if self._est is not None:  # the order by predicted next use has it already
+            return len(private)
         if demote:  # write-through copies are on SSD: first in line in HBM and in DRAM
             return ctx.deprioritize(private, ("hbm", "dram")) or 1
         if self.write_through:  # copies are below already: first in line for eviction
@@ -276,8 +298,13 @@ class KVTier(AgentAware):
     lower_tiers = ("dram", "ssd")
     drop_dead = True
     gate_ssd = False  # measured on the dev traces: gating first turns out of SSD cost recompute
-    deprioritize_waiting = True
     rho_bounds = (0.05, 0.30)
+    # Exclusive DRAM and the order by predicted next use: chosen on the tuning half
+    # (conc 16 at the conc-8 HBM, conc 8 at --hbm-fraction 0.25; bench/out/ablation-dev-tune*.json).
+    write_back_dram = "evict"
+    next_use = True
+    next_use_trust = 0.0  # every value computed within 2.5% of the others; 0 the least over both points
+    deprioritize_waiting = False  # the next-use order ranks waiting agents already
 
     prefetch_causes = ("tool",)  # user think time is not predictable: load on demand
     # Chosen on the tuning half of the dev traces only by bench/tune_kvtier.py (bench/out/tune-kvtier.json;
@@ -298,4 +325,28 @@ class KVTierTimeOnly(KVTier):
     space = False
 
 
-AGENT_POLICIES = (TokenCake, KVFlow, KVTier, KVTierSpaceOnly, KVTierTimeOnly)
+class KVTierInclusive(KVTier):
+    """Ablation: DRAM written through (inclusive), as before exclusive DRAM."""
+
+    name = "kvtier-inclusive"
+    write_back_dram = None
+
+
+class KVTierLRUOrder(KVTier):
+    """Ablation: every tier in LRU order, waiting agents' HBM copies first in line (as before the next-use order)."""
+
+    name = "kvtier-lru-order"
+    next_use = False
+    deprioritize_waiting = True
+
+
+class KVTierNoDead(KVTier):
+    """Ablation: no dead-KV retirement."""
+
+    name = "kvtier-no-dead"
+    drop_dead = False
+
+
+AGENT_POLICIES = (TokenCake, KVFlow, KVTier, KVTierSpaceOnly, KVTierTimeOnly, KVTierInclusive, KVTierLRUOrder,
+                  KVTierNoDead)
+

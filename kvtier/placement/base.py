@@ -125,8 +125,15 @@ class PlacementPolicy:
     write_through = True
     lower_tiers: tuple[str, ...] = ("dram", "ssd")  # tiers below HBM it uses, where enabled
     needs_oracle = False
+    # Exclusive DRAM: "evict" writes a block to DRAM when HBM evicts it (a victim
+    # cache), not as it is computed; DRAM copies of what HBM holds are the first to
+    # go, so the two tiers add up. Where the engine lets no connector copy a block
+    # out on eviction (Surface.hbm_victim_write), write-through as before.
+    write_back_dram: str | None = None
 
-    def eviction_for(self, tier: str) -> str:
+    def eviction_for(self, tier: str, clock: Callable[[], float] | None = None) -> object:
+        """The eviction policy of ``tier``: a registered name, or (given the host's
+        ``clock``) a policy object built over the placement's own estimate."""
         return self.eviction
 
     def on_wait_start(self, ctx: PlacementContext, wait: ToolWait) -> None:
@@ -295,3 +302,4 @@ def make_placement(name: str, setting: str = "--policies") -> PlacementPolicy:
         return _REGISTRY[name]()
     except KeyError:
         raise ConfigError(setting, name, f"unknown placement policy; valid: {', '.join(_REGISTRY)}") from None
+

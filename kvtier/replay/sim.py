@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 from ..agents import AgentGraph, GraphLimits
 from ..keys import BlockKey
 from ..manager import TierManager, TierSpec
+from ..policies import make_policy
 from ..transfer.linkmodel import LinkModel
 from .admission import admission_order
 from .belady import BeladyPolicy, DriftOracle, NextUseOracle
@@ -200,6 +201,27 @@ class _SessionRun:
             self.children_of.setdefault(a.parent_id or "", []).append(a)
 
 
+class _VictimLog:
+    """An HBM eviction policy that also tells the simulator what it evicted (the
+    victim cache writes those blocks down to DRAM)."""
+
+    def __init__(self, inner: Any, sim: "Simulator") -> None:
+        self._inner, self._sim = inner, sim
+        self.name = inner.name
+
+    def pop_victim(self, is_evictable: Any, incoming: BlockKey | None = None) -> BlockKey | None:
+        key = self._inner.pop_victim(is_evictable, incoming)
+        if key is not None:
+            self._sim._victims.append((key, self._sim.mgr.parent_of(key)))
+        return key
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+
 class Simulator:
     """Replays ``workload`` under ``policy`` on ``profile``; :meth:`run` returns a :class:`SimResult`.
 
@@ -226,8 +248,15 @@ class Simulator:
         self.oracle = oracle
         self.order_log = order_log
         self.progress = progress
+        # Exclusive DRAM (a victim cache): blocks go down to DRAM as HBM evicts them, and
+        # DRAM copies of what HBM holds are the first to go there (holds protect the HBM
+        # copy only), where the policy asks for it and the engine surface allows it.
+        self._victim_cache = (policy.write_back_dram == "evict" and self.surface.hbm_victim_write
+                              and "dram" in policy.lower_tiers and config.dram_blocks > 0)
+        self._victims: list[tuple[BlockKey, BlockKey | None]] = []  # HBM victims to write down
         self.mgr = TierManager(self._tier_specs(), pin_budget_blocks=config.hbm_blocks,
-                               clock=lambda: self.now, record_events=False)
+                               clock=lambda: self.now, record_events=False,
+                               hold_tiers=("hbm",) if self._victim_cache else None)
         self._pin_budget_blocks = int(config.hbm_blocks * config.pin_budget_fraction)
         self._pinned_blocks = 0
         self._pin_sizes: dict[BlockKey, int] = {}  # pinned chain tail -> blocks it protects
@@ -272,7 +301,11 @@ class Simulator:
     # ------------------------------------------------------------------ setup
 
     def _tier_specs(self) -> list[TierSpec]:
-        specs = [TierSpec("hbm", self.cfg.hbm_blocks, self._eviction("hbm"))]
+        hbm_policy = self._eviction("hbm")
+        if self._victim_cache:
+            hbm_policy = _VictimLog(make_policy(hbm_policy, self.cfg.hbm_blocks) if isinstance(hbm_policy, str)
+                                    else hbm_policy, self)
+        specs = [TierSpec("hbm", self.cfg.hbm_blocks, hbm_policy)]
         capacity = {"dram": self.cfg.dram_blocks, "ssd": self.cfg.ssd_blocks}
         for tier in ("dram", "ssd"):
             if tier in self.policy.lower_tiers and capacity[tier] > 0:
@@ -280,7 +313,9 @@ class Simulator:
         return specs
 
     def _eviction(self, tier: str) -> Any:
-        name = self.policy.eviction_for(tier)
+        name = self.policy.eviction_for(tier, lambda: self.now)
+        if tier == "hbm" and not isinstance(name, str) and not self.surface.hbm_demote:
+            return "lru"  # the engine keeps its own HBM order: no hint reorders it
         if name == "belady":
             if self.oracle is None:
                 raise ValueError("the belady policy needs a next-use oracle (run via replay.run_point)")
@@ -305,9 +340,15 @@ class Simulator:
             while self._events and self._events[0][0] <= self.now:
                 _, _, fn, args = heapq.heappop(self._events)
                 fn(*args)
+                if self._victims:
+                    self._write_victims()
             self._admit_waiting()
+            if self._victims:
+                self._write_victims()
             if self.prefilling or self.decoding:
                 self._step()
+                if self._victims:
+                    self._write_victims()
             elif self._events:
                 self.now = max(self.now, self._events[0][0])
             else:
@@ -432,6 +473,12 @@ class Simulator:
                 return
             self.waiting.pop()
             self.prefilling.append(run)
+            if self._victims:  # the slots it takes are reused once their old blocks are copied out
+                done = self._write_victims()
+                if done is not None:
+                    run.loads_pending += 1
+                    run.load_ready_s = max(run.load_ready_s, done)
+                    self._at(done, self._victims_out, run)
 
     def _admit(self, run: _Run) -> bool:
         mgr, keys, bs = self.mgr, run.keys, self.block_size
@@ -514,9 +561,13 @@ class Simulator:
             mgr.touch(store_plan.skipped, "hbm")
         if self._write_through_on:
             # A write-through store of this prompt refreshes the copies already
-            # below (so a chain's head stays at least as recent as its tail).
+            # below (so a chain's head stays at least as recent as its tail);
+            # exclusive DRAM: the DRAM copies of what now runs in HBM go first.
             for tier in self.lower:
-                mgr.touch(keys, tier)
+                if tier == "dram" and self._victim_cache:
+                    mgr.deprioritize(keys, tier)
+                else:
+                    mgr.touch(keys, tier)
         run.held, run.reserved, run.store_plan = tail, max(0, reserve), store_plan
         run.computed_keys = store_plan.keys if store_plan is not None else ()
         run.hit["hbm"] = used_tiers.count(hbm_idx) * bs
@@ -550,6 +601,8 @@ class Simulator:
 
     def _on_load_done(self, run: _Run, plan: Any) -> None:
         self.mgr.complete_move(plan, True)
+        if plan.src == "dram" and self._victim_cache:  # the copy read is in HBM now: first to go below
+            self.mgr.deprioritize(plan.keys, plan.src)
         run.loads_pending -= 1
         self._retail(run)
 
@@ -574,14 +627,40 @@ class Simulator:
             self.bytes_moved[link] = self.bytes_moved.get(link, 0) + nbytes
         return t
 
+    def _victims_out(self, run: _Run) -> None:
+        run.loads_pending -= 1
+
+    def _write_victims(self) -> float | None:
+        """Victim cache: HBM victims without a DRAM copy are written down (the engine
+        copies them out before it reuses their slots), those with one are refreshed
+        there. Returns when the copy is done (``None``: nothing to copy)."""
+        victims, self._victims = self._victims, []
+        mgr = self.mgr
+        plans = []
+        for key, parent in victims:
+            if mgr.contains(key, "hbm"):
+                continue
+            if mgr.contains(key, "dram"):
+                mgr.touch((key,), "dram")
+                continue
+            plan = mgr.prepare_store("dram", (key,), parent)
+            if plan is not None:
+                plans.append(plan)
+        if not plans:
+            return None
+        done = self._transfer("hbm", "dram", sum(len(p.keys) for p in plans))  # one copy for the lot
+        for plan in plans:
+            self._at(done, mgr.complete_store, plan, True)
+        return done
+
     def _write_through(self, keys: Sequence[BlockKey], parent: BlockKey | None,
                        agent_key: tuple[int, str] | None = None) -> None:
         """Copy freshly computed HBM blocks down to the lower tiers the policy admits them to
-        (modelled, async)."""
+        (modelled, async); with exclusive DRAM, not to DRAM (HBM's victims go there)."""
         if not self._write_through_on or not keys:
             return
         for tier in self.lower:
-            if not self.policy.admit_lower(self, tier, agent_key):
+            if (tier == "dram" and self._victim_cache) or not self.policy.admit_lower(self, tier, agent_key):
                 continue
             plan = self.mgr.prepare_store(tier, keys, parent)
             if plan is None or not plan.keys:

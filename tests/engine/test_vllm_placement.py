@@ -238,3 +238,22 @@ def test_a_separate_hint_server_is_followed_with_hint_watch() -> None:
         sched.shutdown()
         server.stop()
     assert sched.placement.holds.held_blocks == 0
+
+
+@pytest.mark.parametrize("policy", [None, "lru"])
+def test_host_tiers_evict_by_predicted_next_use(policy: str | None) -> None:
+    """kvtier orders the connector's DRAM by predicted next use, fed by the tool-wait
+    hints: an agent that just started a 5-minute tool call goes before one that has
+    waited 10 s on a 1-second one; plain LRU (the tiers' policy set) does the reverse."""
+    eng = _Engine(101, placement="kvtier", hbm_hold=False, **({"policy": policy} if policy else {}))
+    dram = eng.sched.manager._tier("dram")
+    eng.serve("a-1", _ctx(1, 4), _tag(1, 1.0))
+    quick = set(dram.slots)
+    eng.now += 10.0
+    eng.serve("b-1", _ctx(2, 4), _tag(2, 300.0))
+    slow = set(dram.slots) - quick
+    assert len(quick) == len(slow) == 4
+    eng.serve("other", _ctx(3, 4))  # untagged traffic needs 4 of the 8 DRAM blocks
+    kept = set(dram.slots)
+    assert kept >= (quick if policy is None else slow) and not kept & (slow if policy is None else quick)
+    eng.sched.manager.check_invariants()

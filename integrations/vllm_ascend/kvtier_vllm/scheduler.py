@@ -81,10 +81,11 @@ class KVTierScheduler:
         self.block_size = block_size
         self.world_size = world_size
         self.policy = make_placement(settings.placement, "kv_connector_extra_config.placement")
-        specs = [TierSpec(t, getattr(cfg, t).capacity_blocks,
-                          getattr(cfg, t).policy if settings.eviction_set or self.policy.eviction_for(t) == "lru"
-                          else self.policy.eviction_for(t))
-                 for t in cfg.enabled_tiers]
+        specs = []
+        for t in cfg.enabled_tiers:  # the placement's own order (e.g. kvtier's next use) unless one is set
+            order = self.policy.eviction_for(t, lambda: self.placement.now)  # (read once placement exists)
+            specs.append(TierSpec(t, getattr(cfg, t).capacity_blocks,
+                                  getattr(cfg, t).policy if settings.eviction_set or order == "lru" else order))
         # only removals are read (_pump_events: SSD deletes); no per-block stored/loaded events
         self.manager = TierManager(specs, pin_budget_blocks=cfg.pin_budget_blocks, record_block_events=False)
         self.counters: Counter[str] = Counter()
