@@ -9,18 +9,21 @@ the command line and wall time added). Must not format tables
 The dev Claude Code traces are split by the replay's fixed rule (sessions
 sorted by id; 1st, 3rd, ... = tuning half, 2nd, 4th, ... = evaluation half);
 both halves are run at ``--hbm-fraction 0.25``, conc 8, with the default DRAM
-(2x HBM) and no SSD, and with ``--ssd-blocks`` equal to 4x that half's HBM;
+(2x HBM) and no SSD, and with ``--ssd-blocks`` equal to 4x that half's HBM,
+and at the pressure point (conc 16, HBM held at that conc-8 size, default
+DRAM, no SSD: twice the sessions on the same memory);
 the evaluation half with SSD once more on the ``vllm`` engine surface
 (``--surface vllm``: only what the live vLLM connector carries out).
 The SLO capacity (largest conc meeting later-turn TTFT p99 <= 20 s and p50
 interactivity >= 30 tokens/s/user) is searched on the evaluation half at the
 HBM capacity that ``--hbm-fraction 0.25`` gives at conc 8.
-TokenCake-style applications (``--workload apps``) are run with FCFS
+The Mooncake conversation trace (open loop) is run for ``lru-dram`` and
+``kvtier`` at three HBM capacities. TokenCake-style applications (``--workload apps``) are run with FCFS
 admission for every policy, and again with each non-FCFS admission order for
 ``lru`` and the policy that proposed it (scheduling reported apart).
 
 Usage: ``python bench/replay_results.py [--only NAME,...] [--jobs N]``, then
-``python bench/readme_tables.py``. About 20 minutes on 2 cores in full.
+``python bench/readme_tables.py``. About 45 minutes on 2 cores in full.
 """
 
 from __future__ import annotations
@@ -37,8 +40,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
 DEV_TRACE = ROOT.parent / "shared" / "traces" / "weka_claude_code" / "weka_dev_120.tar.xz"
-DEV_POLICIES = "lru,lru-dram,arc,s3fifo,ttl,minwaste,tokencake,kvflow,kvtier,kvtier-space-only,kvtier-time-only," \
-               "belady-hbm"
+MOONCAKE_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_fast25" / "conversation_trace.jsonl"
+MOONCAKE_HBM = "3502,7004,14008"  # half, one and two H100s' worth of Llama-3.1-8B KV after weights
+ABLATIONS = "kvtier-space-only,kvtier-time-only,kvtier-inclusive,kvtier-lru-order,kvtier-no-dead"
+DEV_POLICIES = f"lru,lru-dram,arc,s3fifo,ttl,minwaste,tokencake,kvflow,kvtier,{ABLATIONS},belady-hbm"
+# the pressure point: twice the sessions on the same HBM (lru and minwaste, HBM-only or swap-only,
+# compute several times the bound there already at conc 8; belady-hbm is HBM-only too)
+PRESSURE_CONC = 16
+PRESSURE_POLICIES = f"lru-dram,arc,s3fifo,ttl,tokencake,kvflow,kvtier,{ABLATIONS}"
 APPS = ("mixed", "code-writer", "deep-research")
 APP_POLICIES = "lru,lru-dram,ttl,minwaste,tokencake,kvflow,kvtier,kvtier-space-only,kvtier-time-only"
 # scheduling apart from placement: the admission orders as their own rows, with the policies that proposed them
@@ -72,6 +81,9 @@ def commands() -> dict[str, list[str]]:
 
     for half in ("eval", "tune"):
         cmds[f"dev-{half}"] = dev(half, DEV_POLICIES)
+        cmds[f"dev-{half}-pressure"] = ["--trace", os.path.relpath(DEV_TRACE, ROOT), "--split", half, "--hbm-blocks",
+                                        str(_dev_hbm_blocks(half)), "--conc", str(PRESSURE_CONC), "--policies",
+                                        PRESSURE_POLICIES, "--skip-oversized"]
         cmds[f"dev-{half}-ssd"] = dev(half, DEV_POLICIES) + ["--ssd-blocks", str(4 * _dev_hbm_blocks(half))]
     # what the live vLLM connector can carry out of the same decisions (evaluation half, with SSD)
     cmds["dev-eval-ssd-vllm"] = dev("eval", LIVE_POLICIES) + ["--ssd-blocks", str(4 * _dev_hbm_blocks("eval")),
@@ -79,6 +91,9 @@ def commands() -> dict[str, list[str]]:
     cmds["slo-dev-eval"] = ["--trace", os.path.relpath(DEV_TRACE, ROOT), "--split", "eval", "--hbm-fraction",
                             str(DEV_FRACTION), "--conc", str(DEV_CONC), "--policies", SLO_POLICIES, "--skip-oversized",
                             "--slo-ttft-p99", str(SLO_TTFT_P99_S), "--slo-interactivity", str(SLO_INTERACTIVITY)]
+    # plain chat (open loop, no agents): what helps agents must not hurt it
+    cmds["mooncake"] = ["--trace", os.path.relpath(MOONCAKE_TRACE, ROOT), "--block-size", "64", "--time-scale", "4",
+                        "--hbm-blocks", MOONCAKE_HBM, "--policies", "lru-dram,kvtier"]
     for app in APPS:
         apps = ["--workload", "apps", "--app", app, "--apps", "80", "--rate", "1.0", "--hbm-blocks", "1000",
                 "--ssd-blocks", "8000"]
@@ -109,7 +124,8 @@ def run(name: str, args: list[str], jobs: int | None) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help="comma-separated names to run (default: all): default, dev-eval, dev-eval-ssd, "
-                                   "dev-tune, dev-tune-ssd, apps-APP[-ORDER] (APP: mixed, code-writer, "
+                                   "dev-eval-pressure, dev-tune, dev-tune-ssd, dev-tune-pressure, dev-eval-ssd-vllm, "
+                                   "slo-dev-eval, mooncake, apps-APP[-ORDER] (APP: mixed, code-writer, "
                                    "deep-research; ORDER: critical-first, oldest-app)")
     ap.add_argument("--jobs", type=int, help="worker processes per replay (default: the replay's own default)")
     args = ap.parse_args()

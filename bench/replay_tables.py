@@ -31,7 +31,8 @@ def policy_table(report: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return caption + md_table(list(SUMMARY_HEADER), body)
 
 
-for _name in ("dev-eval", "dev-eval-ssd", "dev-eval-ssd-vllm", "dev-tune", "dev-tune-ssd", "default"):
+for _name in ("dev-eval", "dev-eval-ssd", "dev-eval-ssd-vllm", "dev-tune", "dev-tune-ssd", "dev-eval-pressure",
+              "dev-tune-pressure", "default"):
     table(f"replay-{_name}", f"replay-{_name}.json")(lambda rep: policy_table(rep, main_point(rep["results"])))
 
 
@@ -44,17 +45,65 @@ def default_sweep(report: dict[str, Any]) -> str:
 
 @table("tune-kvtier", "tune-kvtier.json")
 def tune_kvtier(data: dict[str, Any]) -> str:
-    """The tuning half's search of KVTier.demote_after_s (bench/tune_kvtier.py)."""
+    """The tuning half's search of KVTier.next_use_trust (bench/tune_kvtier.py)."""
+    concs = data["concs"]
     body = []
     for r in data["rows"]:
-        v = "never" if r["demote_after_s"] is None else f"{r['demote_after_s']:g} s"
-        chosen = r["demote_after_s"] == data["chosen_demote_after_s"]
-        body.append([f"**{v}** (shipped)" if chosen else v, f"{r['prefill_tokens_computed'] / 1e6:.3f}",
-                     f"{r['ttft_p99_later_turns_s']:.1f}"])
-    caption = (f"Tuning half ({data['sessions']} sessions), HBM {data['hbm_blocks']:,}, DRAM {data['dram_blocks']:,}, "
-               f"SSD {data['ssd_blocks']:,} blocks, conc {data['conc']}:\n\n")
-    return caption + md_table(["demote a wait predicted at least", "prefill computed (M tok)",
-                               "later-turn TTFT p99 (s)"], body)
+        v = f"{r['next_use_trust']:g}"
+        chosen = r["next_use_trust"] == data["chosen_next_use_trust"]
+        body.append([f"**{v}** (shipped)" if chosen else v]
+                    + [f"{r[f'conc{c}_prefill_tokens_computed'] / 1e6:.2f}" for c in concs]
+                    + [f"{r[f'conc{c}_ttft_p99_later_turns_s']:.1f}" for c in concs])
+    caption = (f"Tuning half ({data['sessions']} sessions), HBM {data['hbm_blocks']:,}, DRAM {data['dram_blocks']:,} "
+               f"blocks, no SSD, conc {' and '.join(map(str, concs))}:\n\n")
+    return caption + md_table(["trust in the predicted wait"]
+                              + [f"prefill computed, conc {c} (M tok)" for c in concs]
+                              + [f"later-turn TTFT p99, conc {c} (s)" for c in concs], body)
+
+
+_ABLATIONS = ("kvtier", "kvtier-inclusive", "kvtier-lru-order", "kvtier-no-dead", "kvtier-space-only",
+              "kvtier-time-only")
+_ABLATION_POINTS = ("dev-tune", "dev-tune-pressure", "dev-eval", "dev-eval-pressure")
+
+
+@table("ablation", tuple(f"replay-{p}.json" for p in _ABLATION_POINTS))
+def ablation(data: dict[str, Any]) -> str:
+    """Each kvtier mechanism off in turn: computed over the bound and later-turn TTFT p99,
+    at both points of both halves."""
+    rows = {p: {r["policy"]: r for r in data[f"replay-{p}.json"]["results"]} for p in _ABLATION_POINTS}
+    body = []
+    for pol in (*_ABLATIONS, "lru-dram"):
+        body.append([pol] + [f"{rows[p][pol]['computed_over_bound']:.3f}x, {rows[p][pol]['ttft_p99_later_turns_s']:.1f} s"
+                             for p in _ABLATION_POINTS])
+    heads = []
+    for p in _ABLATION_POINTS:
+        r0 = data[f"replay-{p}.json"]["results"][0]
+        half = "tuning" if "tune" in p else "evaluation"
+        heads.append(f"{half} half, conc {r0['conc']}, HBM {r0['hbm_blocks']:,}")
+    caption = ("Prefill computed over the bound, and later-turn TTFT p99, with one mechanism off at a time "
+               "(rows: `kvtier-inclusive` writes DRAM through instead of keeping it exclusive; `kvtier-lru-order` "
+               "orders every tier by LRU instead of predicted next use; `kvtier-no-dead` keeps dead KV; "
+               "`kvtier-space-only` / `kvtier-time-only` drop the tool-wait prefetch / the critical-path reserve). "
+               "DRAM 2x HBM, no SSD; from the `dev-*` JSON of `bench/replay_results.py`.\n\n")
+    return caption + md_table(["policy", *heads], body)
+
+
+@table("mooncake", "replay-mooncake.json")
+def mooncake(report: dict[str, Any]) -> str:
+    """Plain chat, open loop: kvtier against lru-dram at each HBM capacity, with the bound."""
+    by = {}
+    for r in report["results"]:
+        by.setdefault(r["hbm_blocks"], {})[r["policy"]] = r
+    body = []
+    for hbm, rows in sorted(by.items()):
+        a, b = rows["lru-dram"], rows["kvtier"]
+        body.append([f"{hbm:,}", f"{a['prefill_tokens_computed'] / 1e6:.2f}M ({a['computed_over_bound']:.3f}x)",
+                     f"{b['prefill_tokens_computed'] / 1e6:.2f}M ({b['computed_over_bound']:.3f}x)",
+                     f"{b['prefill_tokens_computed'] / a['prefill_tokens_computed']:.3f}"])
+    w = report["workload"]
+    caption = (f"`{report['command']}`: {w['sessions']:,} single-request sessions, {w['distinct_blocks']:,} distinct "
+               f"blocks of {report['block_size']} tokens; DRAM 2x HBM, no SSD. Prefill computed (over the bound):\n\n")
+    return caption + md_table(["HBM blocks", "lru-dram", "kvtier", "kvtier / lru-dram"], body)
 
 
 _APPS = ("mixed", "code-writer", "deep-research")

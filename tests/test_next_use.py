@@ -87,7 +87,7 @@ def test_finished_agents_go_first_then_waits_by_their_start_and_busy_agents_last
     est.waiting(b, (3, 4), 2.0)  # b waits since t=1
     clock.t = 2.0
     est.waiting(c, (5, 6), 2.0)  # c since t=2
-    est.ended(d, (7, 8))  # d is done
+    est.ended(d, (7, 8))  # d is done (no other chain branches from its blocks)
     clock.t = 3.0
     assert mgr.evict("dram", 8) == (8, 7, 4, 3, 6, 5, 2, 1)  # deeper blocks first within an agent
     mgr.check_invariants()
@@ -135,9 +135,17 @@ def test_a_finished_sub_agent_hands_its_parents_prefix_back():
     parent, child = (0, "root"), (0, "sub")
     est.waiting(parent, (1, 2), 5.0)
     est.used(child, (1, 2, 3, 4))  # the sub-agent extends the parent's context
-    est.ended(child, (1, 2, 3, 4), heir=parent, inherited=2)
+    est.ended(child, (1, 2, 3, 4), 2, heir=parent, inherited=2)
     assert est.next_use(3) == est.next_use(4) == NEVER
     assert est.next_use(1) == est.next_use(2) == 5.0 * est.trust - 0.0
+
+
+def test_a_finished_agents_shared_prefix_is_not_dead():
+    clock = _Clock()
+    est = AgentNextUse(clock)
+    est.ended((0, "a"), (1, 2, 3, 4), dead_from=2)  # other chains branch from (1, 2)
+    assert est.next_use(3) == est.next_use(4) == NEVER
+    assert est.next_use(1) == est.next_use(2) == 0.0  # unclaimed: as LRU, by when it is pushed
 
 
 def test_the_estimate_forgets_blocks_no_tier_holds():

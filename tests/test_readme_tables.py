@@ -60,4 +60,4 @@ def test_the_shipped_kvtier_constant_is_the_one_tuned_on_the_tuning_half() -> No
 
     tuned = json.loads((ROOT / "bench" / "out" / "tune-kvtier.json").read_text())
     assert tuned["split"] == "tune"
-    assert KVTier.demote_after_s == tuned["chosen_demote_after_s"]
+    assert KVTier.next_use_trust == tuned["chosen_next_use_trust"]

@@ -20,24 +20,34 @@ and the transfer model through the :class:`PlacementContext`:
   next is brought back (prefetched, or refreshed to most recent) one
   transfer time before its predicted return.
 * ``kvtier`` — the project's default: everything above over all three tiers
-  with write-through, plus dead-KV retirement (when the hint plane says an
-  agent or a session ended, its private blocks become the next victims in
-  every tier — still readable until the room is needed), TokenCake's keep / offload rule
-  on the fitted transfer model (with write-through copies below, "offload"
-  costs no transfer: the HBM copy just goes first in line), and a prefetch
-  lead proportional to the transfer estimate (``0.05 s + 1.5 T``), for tool
-  waits only; a wait predicted at ``demote_after_s`` or longer *demotes* instead (the
-  write-through SSD copy stays, the HBM and DRAM copies go first in line:
-  DRAM is better spent on contexts due back soon; only with an SSD tier).
-  ``demote_after_s`` is tuned on the tuning half of the dev traces
-  (``bench/tune_kvtier.py``). Earlier sessions tried, on all dev traces
-  before the split existed, and left off: frequency-gated SSD admission
-  (``gate_ssd``: only contexts reused once go to SSD) and retiring the old
-  tail when a prompt leaves an agent's context. No discard decision: with write-through the
-  lower tiers already hold the copies, and reloading beats recomputing.
-* ``kvtier-space-only`` / ``kvtier-time-only`` — ablations of ``kvtier``:
-  the critical-path reserve without tool-wait offload and prefetch, and the
-  reverse.
+  with write-through to SSD, plus
+  - *exclusive DRAM*: a block goes down to DRAM when HBM evicts it (a victim
+    cache), not as it is computed, and the DRAM copy of what HBM holds is
+    the first to go (the simulator carries it out where the engine surface
+    has a victim write; vLLM's has none, so there it writes through);
+  - *the order by predicted next use* in every tier it manages
+    (:mod:`kvtier.placement.nextuse`): finished agents' blocks first,
+    waiting agents' by when their wait started (plus ``next_use_trust`` x
+    the predicted wait, tuned on the tuning half of the dev traces by
+    ``bench/tune_kvtier.py``), busy agents' last. With it, the tool-wait
+    offload and demote decisions need no reordering of their own;
+  - dead-KV retirement (when the hint plane says an agent or a session
+    ended, its private blocks become the next victims in every tier — still
+    readable until the room is needed);
+  - TokenCake's keep / offload rule on the fitted transfer model, and a
+    prefetch lead proportional to the transfer estimate (``0.05 s + 1.5
+    T``), for tool waits only. No discard decision: the lower tiers hold
+    copies, and reloading beats recomputing.
+  Earlier sessions tried, on all dev traces before the split existed, and
+  left off: frequency-gated SSD admission (``gate_ssd``) and retiring the
+  old tail when a prompt leaves an agent's context. ``demote_after_s`` (a
+  long wait gives up the HBM and DRAM copies first) applies without the
+  next-use order only.
+* ablations of ``kvtier`` (:data:`KVTIER_ABLATIONS`), one mechanism off
+  each: ``kvtier-space-only`` (no tool-wait offload and prefetch),
+  ``kvtier-time-only`` (no critical-path reserve), ``kvtier-inclusive``
+  (DRAM written through), ``kvtier-lru-order`` (LRU order, waiting agents'
+  HBM copies first in line, as before the next-use order), ``kvtier-no-dead``.
 
 Admission order (TokenCake's critical-first, kvtier's oldest-application-
 first) is the engine scheduler's, not a placement decision: it is the
@@ -186,15 +196,15 @@ class AgentAware(PlacementPolicy):
         parent = ctx.parent_of(agent_key)
         if parent is None:  # the root: its context dies with the session
             self._last_ctx[agent_key] = tuple(keys)
-            if self._est is not None:
-                self._est.ended(agent_key, keys)
+            if self._est is not None:  # what other chains branch from stays alive
+                self._est.ended(agent_key, keys, ctx.private_start(keys))
             return
         # A sub-agent's own blocks start where its context left its parent's.
         inherited = self._last_ctx.get((agent_key[0], parent), ())
         fork = next((i for i, (a, b) in enumerate(zip(keys, inherited)) if a != b), min(len(keys), len(inherited)))
-        if self._est is not None:
-            self._est.ended(agent_key, keys, (agent_key[0], parent), fork)
         start = max(fork, ctx.private_start(keys))
+        if self._est is not None:
+            self._est.ended(agent_key, keys, start, (agent_key[0], parent), fork)
         if self.drop_dead and start < len(keys):
             ctx.retire(keys[start:])
         self._last_ctx.pop(agent_key, None)
@@ -299,54 +309,36 @@ class KVTier(AgentAware):
     drop_dead = True
     gate_ssd = False  # measured on the dev traces: gating first turns out of SSD cost recompute
     rho_bounds = (0.05, 0.30)
-    # Exclusive DRAM and the order by predicted next use: chosen on the tuning half
-    # (conc 16 at the conc-8 HBM, conc 8 at --hbm-fraction 0.25; bench/out/ablation-dev-tune*.json).
+    # Exclusive DRAM and the order by predicted next use: kept for what they did on the tuning half
+    # (conc 8 at --hbm-fraction 0.25, and conc 16 on that HBM: the ablation table, bench/RESULTS.md).
     write_back_dram = "evict"
     next_use = True
-    next_use_trust = 0.0  # every value computed within 2.5% of the others; 0 the least over both points
+    # Chosen on the tuning half only by bench/tune_kvtier.py (bench/out/tune-kvtier.json; a test holds it).
+    next_use_trust = 1.0
     deprioritize_waiting = False  # the next-use order ranks waiting agents already
 
     prefetch_causes = ("tool",)  # user think time is not predictable: load on demand
-    # Chosen on the tuning half of the dev traces only by bench/tune_kvtier.py (bench/out/tune-kvtier.json;
-    # a test holds this value to it): every value computed the same prefill there, 5 s the lowest TTFT p99.
+    # Used only without the next-use order (kvtier-lru-order), which ranks a long wait itself. Chosen
+    # when kvtier had no next-use order, on the tuning half: every value computed the same prefill, 5 s
+    # the lowest TTFT p99 (the search was bench/tune_kvtier.py's before it tuned next_use_trust).
     demote_after_s = 5.0
 
     def lead_s(self, t_back_s: float) -> float:
         return 0.05 + 1.5 * t_back_s
 
 
-class KVTierSpaceOnly(KVTier):
-    name = "kvtier-space-only"
-    time = False
+def _ablation(name: str, doc: str, **switches: object) -> type[KVTier]:
+    """``kvtier`` with one mechanism switched off (a policy of its own, for the ablation table)."""
+    return type(name.title().replace("-", ""), (KVTier,), {"name": name, "__doc__": f"Ablation: {doc}.", **switches})
 
 
-class KVTierTimeOnly(KVTier):
-    name = "kvtier-time-only"
-    space = False
-
-
-class KVTierInclusive(KVTier):
-    """Ablation: DRAM written through (inclusive), as before exclusive DRAM."""
-
-    name = "kvtier-inclusive"
-    write_back_dram = None
-
-
-class KVTierLRUOrder(KVTier):
-    """Ablation: every tier in LRU order, waiting agents' HBM copies first in line (as before the next-use order)."""
-
-    name = "kvtier-lru-order"
-    next_use = False
-    deprioritize_waiting = True
-
-
-class KVTierNoDead(KVTier):
-    """Ablation: no dead-KV retirement."""
-
-    name = "kvtier-no-dead"
-    drop_dead = False
-
-
-AGENT_POLICIES = (TokenCake, KVFlow, KVTier, KVTierSpaceOnly, KVTierTimeOnly, KVTierInclusive, KVTierLRUOrder,
-                  KVTierNoDead)
-
+KVTIER_ABLATIONS = (
+    _ablation("kvtier-space-only", "no tool-wait prefetch or offload decision", time=False),
+    _ablation("kvtier-time-only", "no critical-path reserve", space=False),
+    _ablation("kvtier-inclusive", "DRAM written through (inclusive of HBM), as before exclusive DRAM",
+              write_back_dram=None),
+    _ablation("kvtier-lru-order", "every tier in LRU order, a waiting agent's HBM copies first in line (as "
+              "before the next-use order)", next_use=False, deprioritize_waiting=True),
+    _ablation("kvtier-no-dead", "no dead-KV retirement", drop_dead=False),
+)
+AGENT_POLICIES = (TokenCake, KVFlow, KVTier, *KVTIER_ABLATIONS)

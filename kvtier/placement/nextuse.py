@@ -92,10 +92,12 @@ class AgentNextUse:
         self._rank[agent] = -self._clock() + self.trust * predicted
         self._claim(agent, keys)
 
-    def ended(self, agent: AgentKey, keys: Sequence[BlockKey], heir: AgentKey | None = None,
+    def ended(self, agent: AgentKey, keys: Sequence[BlockKey], dead_from: int = 0, heir: AgentKey | None = None,
               inherited: int = 0) -> None:
-        """``agent`` will send nothing more: its blocks are never used again by it.
-        ``keys[:inherited]`` came from ``heir`` (a sub-agent's parent), which owns them again."""
+        """``agent`` will send nothing more: ``keys[dead_from:]`` (its own blocks, no
+        other chain branches from them) are never used again. ``keys[:inherited]``
+        came from ``heir`` (a sub-agent's parent), which owns them again; the rest
+        before ``dead_from`` is shared and ages as LRU would."""
         self._rank[agent] = NEVER
         if heir is not None and inherited and heir in self._serial:
             owner, serial = self._owner, self._serial[heir]
@@ -104,7 +106,7 @@ class AgentNextUse:
                 if claim is not None and claim[0] == agent:
                     owner[key] = (heir, serial, claim[2])
             self._refresh(keys[:inherited])
-        self._claim(agent, keys[inherited:])
+        self._claim(agent, keys[max(dead_from, inherited):])
 
     def _claim(self, agent: AgentKey, keys: Sequence[BlockKey]) -> None:
         serials = self._serial

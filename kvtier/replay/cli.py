@@ -24,10 +24,11 @@ coding-agent sessions (see kvtier.replay.generator) over four HBM capacities;
 --workload apps replays generated TokenCake-style applications. Policies: lru
 (vLLM prefix caching, HBM only), lru-dram (LMCache-style write-through to
 DRAM/SSD), arc, s3fifo, ttl (Continuum), minwaste (InferCept), tokencake
-(TokenCake), kvflow (KVFlow), kvtier (agent-aware: critical-path reserve,
-tool-wait offload with predictive prefetch, dead-KV retirement; ablations
-kvtier-space-only, kvtier-time-only), belady-hbm (offline optimum of HBM
-eviction, HBM only).
+(TokenCake), kvflow (KVFlow), kvtier (agent-aware: DRAM exclusive of HBM,
+every tier ordered by predicted next use, critical-path reserve, tool-wait
+prefetch, dead-KV retirement; ablations kvtier-space-only, kvtier-time-only,
+kvtier-inclusive, kvtier-lru-order, kvtier-no-dead), belady-hbm (offline
+optimum of HBM eviction, HBM only).
 
 Every result is judged against two references computed in the same run on the
 same requests: the floor (an unbounded cache) and the bound (Belady over HBM +
