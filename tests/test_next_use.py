@@ -184,8 +184,10 @@ def _three_agents() -> Workload:
 
 def _computed(policy: str, surface: str = "full") -> int:
     cfg = SimConfig(hbm_blocks=8, dram_blocks=8, conc=3, surface=surface)
-    res = Simulator(_three_agents(), cfg, make_placement(policy), PROFILE).run()
+    sim = Simulator(_three_agents(), cfg, make_placement(policy), PROFILE)
+    res = sim.run()
     assert len(res.records) == 12
+    sim.mgr.check_invariants()
     return sum(r.computed_tokens for r in res.records)
 
 
