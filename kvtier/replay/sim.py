@@ -18,6 +18,9 @@ Engine model, per request:
    are loaded (modelled transfer) or recomputed, as the policy chooses; HBM
    slots are reserved for the loaded, the computed and the decode blocks
    (evicting as the HBM policy chooses). If HBM cannot hold it, it waits.
+   With exclusive DRAM (a policy's ``write_back_dram``, on a surface with a
+   victim write) the blocks HBM evicted are copied down to DRAM first, and
+   the request waits for that copy too.
 3. *Prefill* in chunks sharing each step's token budget with decodes, after
    its loads arrived; the first token comes at the end of the last chunk.
 4. *Decode* one token per step; then its blocks are released (they stay
