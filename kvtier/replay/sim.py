@@ -17,10 +17,21 @@ Engine model, per request:
 2. *Admission*: the longest cached prefix is looked up; blocks in DRAM / SSD
    are loaded (modelled transfer) or recomputed, as the policy chooses; HBM
    slots are reserved for the loaded, the computed and the decode blocks
-   (evicting as the HBM policy chooses). If HBM cannot hold it, it waits.
+   (evicting as the HBM policy chooses). If HBM cannot hold it beside what
+   runs (running requests' blocks and reserves, held prefetches: shared
+   blocks once), it waits without evicting anything, as an engine checks its
+   free plus evictable blocks before it allocates.
    With exclusive DRAM (a policy's ``write_back_dram``, on a surface with a
-   victim write) the blocks HBM evicted are copied down to DRAM first, and
-   the request waits for that copy too.
+   victim write):
+
+   * the blocks HBM evicted are copied down to DRAM first, and the request
+     waits for that copy too;
+   * loads out of DRAM move the block (no DRAM copy stays behind);
+   * the victims take their DRAM slots once the copy and the request's loads
+     are done: victims and loads swap places, as a mover does through a
+     staging buffer (not bounded in the model);
+   * a request that wants victims still on their way lands them at once and
+     loads them after the copy (``victims_landed_early``).
 3. *Prefill* in chunks sharing each step's token budget with decodes, after
    its loads arrived; the first token comes at the end of the last chunk.
 4. *Decode* one token per step; then its blocks are released (they stay
@@ -257,6 +268,7 @@ class Simulator:
         self._victim_cache = (policy.write_back_dram == "evict" and self.surface.hbm_victim_write
                               and "dram" in policy.lower_tiers and config.dram_blocks > 0)
         self._victims: list[tuple[BlockKey, BlockKey | None]] = []  # HBM victims to write down
+        self._staged: dict[BlockKey, tuple[BlockKey | None, float]] = {}  # victims on their way: parent, lands at
         self.mgr = TierManager(self._tier_specs(), pin_budget_blocks=config.hbm_blocks,
                                clock=lambda: self.now, record_events=False,
                                hold_tiers=("hbm",) if self._victim_cache else None)
@@ -288,7 +300,8 @@ class Simulator:
         self.counters: dict[str, int] = {"admission_waits": 0, "oversized_requests": 0, "pins_refused": 0,
                                          "offloaded_blocks": 0, "discarded_blocks": 0, "dropped_blocks": 0,
                                          "prefetches": 0, "prefetch_on_time": 0, "prefetch_late": 0,
-                                         "prefetch_wasted": 0, "prefetched_blocks": 0, "skipped_requests": 0}
+                                         "prefetch_wasted": 0, "prefetched_blocks": 0, "skipped_requests": 0,
+                                         "victims_landed_early": 0}
         # The hint plane as the agent framework would feed it (tenant "replay"):
         # policies read criticality and predicted tool returns from it, as live.
         big = 1 << 40
@@ -477,7 +490,7 @@ class Simulator:
             self.waiting.pop()
             self.prefilling.append(run)
             if self._victims:  # the slots it takes are reused once their old blocks are copied out
-                done = self._write_victims()
+                done = self._write_victims(run.load_ready_s if run.loads_pending else None)
                 if done is not None:
                     run.loads_pending += 1
                     run.load_ready_s = max(run.load_ready_s, done)
@@ -505,6 +518,9 @@ class Simulator:
         limit = self.cfg.running_limit_blocks
         if limit is not None and (self.prefilling or self.decoding) and self.running_blocks() + need > limit:
             return False
+        if (self.prefilling or self.decoding) and not self._may_fit(run, need):
+            return False
+        lands = self._land_staged(keys) if self._staged else 0.0
         hit = mgr.lookup(keys)
         names = hit.tier_names
         tiers = hit.tier_indices
@@ -525,7 +541,7 @@ class Simulator:
             src_keys = list(compress(keys, map(src_idx.__eq__, used_tiers)))
             if not src_keys:
                 continue
-            plan = mgr.prepare_move(src_keys, names[src_idx], "hbm", keep_source=True)
+            plan = mgr.prepare_move(src_keys, names[src_idx], "hbm", keep_source=self._keep_source(names[src_idx]))
             if plan is not None:
                 moves.append(plan)
             if plan is None or len(plan.keys) < len(src_keys):
@@ -577,6 +593,9 @@ class Simulator:
         for plan in moves:
             run.hit[plan.src] += len(plan.keys) * bs
             done = self._transfer(plan.src, "hbm", len(plan.keys))
+            if plan.src == "dram" and lands > self.now:  # some of them are still on their way down
+                done = max(done, lands + self.profile.transfer_time_s(len(plan.keys) * self.bytes_per_block,
+                                                                      "dram->hbm"))
             run.loads_pending += 1
             run.load_ready_s = max(run.load_ready_s, done)
             self._at(done, self._on_load_done, run, plan)
@@ -586,6 +605,26 @@ class Simulator:
         run.prefill_left = run.computed_tokens
         run.ctx_tokens = req.input_tokens - run.computed_tokens
         return True
+
+    def _may_fit(self, run: _Run, need: int) -> bool:
+        """Whether ``run`` fits in HBM beside what cannot be evicted there: the
+        running requests' blocks and reserves, and arrived prefetches' holds.
+        An engine checks its free plus evictable blocks before it allocates, so
+        a request that cannot fit waits without evicting anything (trying would
+        push out blocks and then roll back). Shared blocks count once."""
+        others = [pf for pf in self._held_prefetches() if pf is not run.prefetch]
+        busy = self.running_blocks() + sum(len(pf.keys) for pf in others)
+        if busy + need <= self.cfg.hbm_blocks:  # fits even if nothing were shared (most calls)
+            return True
+        held = set(run.keys)
+        reserved = need - len(run.keys)
+        for r in itertools.chain(self.prefilling, self.decoding):
+            if not r.uncached:  # (served without caching: holds no HBM)
+                held.update(r.keys)
+                reserved += r.reserved
+        for pf in others:
+            held.update(pf.keys)
+        return len(held) + reserved <= self.cfg.hbm_blocks
 
     def _deepest_ready_hbm(self, keys: Sequence[BlockKey], n_used: int) -> BlockKey | None:
         if keys and self.mgr.contains(keys[-1], "hbm"):
@@ -604,12 +643,18 @@ class Simulator:
 
     def _on_load_done(self, run: _Run, plan: Any) -> None:
         self.mgr.complete_move(plan, True)
-        if plan.src == "dram" and self._victim_cache:  # the copy read is in HBM now: first to go below
+        if plan.keep_source and plan.src == "dram" and self._victim_cache:  # in HBM now: first to go below
             self.mgr.deprioritize(plan.keys, plan.src)
         run.loads_pending -= 1
         self._retail(run)
 
     # ------------------------------------------------------------------ mover
+
+    def _keep_source(self, src: str) -> bool:
+        """Whether a promotion out of ``src`` keeps its copy there. Exclusive DRAM
+        moves (a DRAM copy of what HBM holds would only fill DRAM, parked under
+        the suffix HBM writes back later); any other tier keeps its copy."""
+        return not (self._victim_cache and src == "dram")
 
     def _transfer(self, src: str, dst: str, num_blocks: int) -> float:
         """Queue a modelled copy on the link(s) from ``src`` to ``dst``; returns its finish time."""
@@ -633,28 +678,67 @@ class Simulator:
     def _victims_out(self, run: _Run) -> None:
         run.loads_pending -= 1
 
-    def _write_victims(self) -> float | None:
+    def _write_victims(self, after: float | None = None) -> float | None:
         """Victim cache: HBM victims without a DRAM copy are written down (the engine
         copies them out before it reuses their slots), those with one are refreshed
-        there. Returns when the copy is done (``None``: nothing to copy)."""
+        there. Returns when the copy is done (``None``: nothing to copy).
+
+        A victim takes its DRAM slot when its copy lands, or at ``after`` (when
+        the loads that made room for it in HBM have freed their DRAM slots): the
+        victims and the loads of one admission swap places, as a mover does
+        through its staging buffer, instead of evicting from a DRAM that the
+        loads are about to empty. Until it lands a victim is readable nowhere."""
         victims, self._victims = self._victims, []
         mgr = self.mgr
-        plans = []
+        todo = []
         for key, parent in victims:
             if mgr.contains(key, "hbm"):
                 continue
             if mgr.contains(key, "dram"):
                 mgr.touch((key,), "dram")
                 continue
-            plan = mgr.prepare_store("dram", (key,), parent)
-            if plan is not None:
-                plans.append(plan)
-        if not plans:
+            todo.append((key, parent))
+        if not todo:
             return None
-        done = self._transfer("hbm", "dram", sum(len(p.keys) for p in plans))  # one copy for the lot
-        for plan in plans:
-            self._at(done, mgr.complete_store, plan, True)
+        done = self._transfer("hbm", "dram", len(todo))  # one copy for the lot
+        lands = done if after is None else max(done, after)
+        self._staged.update((key, (parent, lands)) for key, parent in todo)
+        self._at(lands, self._store_victims, todo)
         return done
+
+    def _store_victims(self, todo: list[tuple[BlockKey, BlockKey | None]]) -> None:
+        staged = self._staged
+        for key, parent in todo:
+            if staged.pop(key, None) is None:
+                continue  # landed early (:meth:`_land_staged`)
+            self._store_victim(key, parent)
+
+    def _land_staged(self, keys: Sequence[BlockKey]) -> float:
+        """A request wants victims still on their way down (the first block its
+        cached prefix lacks is one): they take their DRAM slots now, so the
+        request finds them, and it loads them once they have landed. Returns
+        when the last of them lands (``0.0``: none were on their way)."""
+        mgr, staged = self.mgr, self._staged
+        n = mgr.lookup(keys).num_blocks
+        lands = 0.0
+        for key in keys[n:]:
+            entry = staged.pop(key, None)
+            if entry is None:
+                if not mgr.contains(key):
+                    break
+                continue
+            lands = max(lands, entry[1])
+            self._store_victim(key, entry[0])
+            self.counters["victims_landed_early"] += 1
+        return lands
+
+    def _store_victim(self, key: BlockKey, parent: BlockKey | None) -> None:
+        mgr = self.mgr
+        if mgr.contains(key, "hbm") or mgr.contains(key, "dram") or mgr.is_pending(key, "dram"):
+            return  # back in HBM, or stored again meanwhile
+        plan = mgr.prepare_store("dram", (key,), parent)
+        if plan is not None:
+            mgr.complete_store(plan, True)
 
     def _write_through(self, keys: Sequence[BlockKey], parent: BlockKey | None,
                        agent_key: tuple[int, str] | None = None) -> None:
@@ -926,13 +1010,15 @@ class Simulator:
             src_keys = list(compress(keys, map(src_idx.__eq__, tiers)))
             if not src_keys:
                 continue
-            plan = mgr.prepare_move(src_keys, names[src_idx], dst, keep_source=True)
+            plan = mgr.prepare_move(src_keys, names[src_idx], dst, keep_source=self._keep_source(names[src_idx]))
             if plan is None:
                 break
             plans.append(plan)
             done = max(done, self._transfer(names[src_idx], dst, len(plan.keys)))
         if not plans:
             return None
+        if self._victims:  # what made room in HBM lands in DRAM as the prefetch frees it
+            self._write_victims(done)
         pf = _Prefetch(plans, done, tuple(keys[: hit.num_blocks]))
         self._prefetches[agent_key] = pf
         self.counters["prefetches"] += 1
