@@ -255,3 +255,32 @@ def test_a_victim_on_its_way_down_is_found():
         fn(*args)
     assert mgr.ready_blocks("dram") == 2
     mgr.check_invariants()
+
+
+def test_a_queued_request_has_its_ssd_blocks_staged_into_dram():
+    """kvtier stages a queued request's SSD-only blocks into DRAM while others
+    compute; a request the admission pass took at once loads from SSD itself."""
+    from types import SimpleNamespace
+
+    cfg = SimConfig(hbm_blocks=8, dram_blocks=8, ssd_blocks=16, conc=1)
+    sim = Simulator(_three_agents(), cfg, make_placement("kvtier"), PROFILE)
+    mgr = sim.mgr
+    _stored(mgr, "ssd", (1, 2, 3, 4))
+    _stored(mgr, "dram", (1,))
+    _stored(mgr, "ssd", (9, 10))
+    queued, admitted = (1, 2, 3, 4), (9, 10)
+    sim.policy.on_wait_end(sim, (0, "root"), queued)  # the policy's hook asks for it
+    sim.stage(admitted)
+    sim.waiting.append(SimpleNamespace(keys=queued))  # left queued by the pass
+    sim._stage_queued()
+    assert sim.counters["staged_blocks"] == 3  # 2, 3, 4: block 1 is in DRAM already
+    while sim._events:
+        _, _, fn, args = sim._events.pop()
+        fn(*args)
+    assert mgr.lookup(queued).tiers == ("dram",) * 4
+    assert mgr.lookup(admitted).tiers == ("ssd", "ssd")
+    mgr.check_invariants()
+    # the ablation without time-based decisions does not stage
+    sim = Simulator(_three_agents(), cfg, make_placement("kvtier-space-only"), PROFILE)
+    sim.policy.on_wait_end(sim, (0, "root"), queued)
+    assert sim._to_stage == []

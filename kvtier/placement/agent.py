@@ -97,6 +97,7 @@ class AgentAware(PlacementPolicy):
     demote_after_s: float | None = None  # a wait predicted at least this long demotes (write-through to SSD only)
     next_use: bool = False  # order every tier it manages by predicted next use (kvtier.placement.nextuse)
     next_use_trust = 0.0  # weight of the predicted wait in the next-use rank (0: by wait start alone)
+    stage_queued = False  # promote a queued request's SSD blocks into DRAM when it arrives
 
     def __init__(self) -> None:
         self.rho = self.rho_bounds[0]
@@ -186,6 +187,8 @@ class AgentAware(PlacementPolicy):
             self._est.used(agent_key, keys)
         if self._timers.pop(agent_key, None) is not None:
             ctx.count("prefetch_cancelled")  # returned before the prefetch started: load on demand
+        if self.stage_queued and self.time:  # queued now: its SSD blocks come up while others compute
+            ctx.stage(keys)
         if self._reserved.pop(agent_key, None) is not None:
             ctx.unpin(keys)
 
@@ -314,8 +317,9 @@ class KVTier(AgentAware):
     write_back_dram = "evict"
     next_use = True
     # Chosen on the tuning half only by bench/tune_kvtier.py (bench/out/tune-kvtier.json; a test holds it).
-    next_use_trust = 1.0
+    next_use_trust = 0.5
     deprioritize_waiting = False  # the next-use order ranks waiting agents already
+    stage_queued = True
 
     prefetch_causes = ("tool",)  # user think time is not predictable: load on demand
     # Used only without the next-use order (kvtier-lru-order), which ranks a long wait itself. Chosen

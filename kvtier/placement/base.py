@@ -43,6 +43,7 @@ from typing import Callable, Protocol, Sequence
 
 from ..errors import ConfigError
 from ..keys import BlockKey
+from ..manager import MovePlan, TierManager
 
 
 class PlacementContext(Protocol):
@@ -83,6 +84,12 @@ class PlacementContext(Protocol):
 
     def prefetch(self, agent_key: tuple[int, str], keys: Sequence[BlockKey]) -> float | None: ...
 
+    def stage(self, keys: Sequence[BlockKey]) -> int:
+        """A request with the context ``keys`` is queued in the engine: promote the
+        SSD blocks of its cached prefix into DRAM now, while others compute, so
+        its load reads DRAM when it is admitted. Returns the blocks promoted."""
+        ...
+
     def drop(self, keys: Sequence[BlockKey]) -> int: ...
 
     def deprioritize(self, keys: Sequence[BlockKey], tiers: Sequence[str] = ("hbm",)) -> int: ...
@@ -104,6 +111,19 @@ class PlacementContext(Protocol):
     def parent_of(self, agent_key: tuple[int, str]) -> str | None: ...
 
     def remaining_path_s(self, session: int) -> float: ...
+
+
+def ssd_promotion(mgr: TierManager, keys: Sequence[BlockKey]) -> MovePlan | None:
+    """The move of the SSD-only blocks of ``keys``' cached prefix into DRAM, SSD
+    copy kept (``None``: none, or no SSD and DRAM tiers). How both
+    :class:`PlacementContext` implementations carry out ``stage`` (and the
+    live one its prefetch)."""
+    if "ssd" not in mgr.tier_names or "dram" not in mgr.tier_names:
+        return None
+    hit = mgr.lookup(keys)
+    ssd = hit.tier_names.index("ssd")
+    on_ssd = [k for k, t in zip(keys, hit.tier_indices) if t == ssd]
+    return mgr.prepare_move(on_ssd, "ssd", "dram", keep_source=True) if on_ssd else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,7 @@ from .admission import admission_order
 from .belady import BeladyPolicy, DriftOracle, NextUseOracle
 from .model import Agent, Request, Session, Workload
 from ..placement import PlacementPolicy, ToolWait
+from ..placement.base import ssd_promotion
 from ..placement.surface import surface
 
 @dataclass(frozen=True, slots=True)
@@ -269,6 +270,7 @@ class Simulator:
                               and "dram" in policy.lower_tiers and config.dram_blocks > 0)
         self._victims: list[tuple[BlockKey, BlockKey | None]] = []  # HBM victims to write down
         self._staged: dict[BlockKey, tuple[BlockKey | None, float]] = {}  # victims on their way: parent, lands at
+        self._to_stage: list[Sequence[BlockKey]] = []  # contexts of requests that arrived (see stage)
         self.mgr = TierManager(self._tier_specs(), pin_budget_blocks=config.hbm_blocks,
                                clock=lambda: self.now, record_events=False,
                                hold_tiers=("hbm",) if self._victim_cache else None)
@@ -301,7 +303,7 @@ class Simulator:
                                          "offloaded_blocks": 0, "discarded_blocks": 0, "dropped_blocks": 0,
                                          "prefetches": 0, "prefetch_on_time": 0, "prefetch_late": 0,
                                          "prefetch_wasted": 0, "prefetched_blocks": 0, "skipped_requests": 0,
-                                         "victims_landed_early": 0}
+                                         "victims_landed_early": 0, "staged_blocks": 0}
         # The hint plane as the agent framework would feed it (tenant "replay"):
         # policies read criticality and predicted tool returns from it, as live.
         big = 1 << 40
@@ -359,6 +361,8 @@ class Simulator:
                 if self._victims:
                     self._write_victims()
             self._admit_waiting()
+            if self._to_stage:
+                self._stage_queued()
             if self._victims:
                 self._write_victims()
             if self.prefilling or self.decoding:
@@ -1025,6 +1029,29 @@ class Simulator:
         self.counters["prefetched_blocks"] += sum(len(p.keys) for p in plans)
         self._at(done, self._prefetch_arrived, agent_key, pf)
         return done
+
+    def stage(self, keys: Sequence[BlockKey]) -> int:
+        """Promote the SSD blocks of ``keys``' cached prefix into DRAM for a queued
+        request (the SSD keeps its copy), once the engine's admission pass has
+        left it queued (one admitted at once loads straight from SSD); its
+        admission reads whatever has arrived by then from DRAM. Returns 0: the
+        promotion is decided after the pass."""
+        self._to_stage.append(keys)
+        return 0
+
+    def _stage_queued(self) -> None:
+        to_stage, self._to_stage = self._to_stage, []
+        queued = {id(r.keys) for r in self.waiting}
+        for keys in to_stage:
+            plan = ssd_promotion(self.mgr, keys) if id(keys) in queued else None
+            if plan is not None:
+                self._at(self._transfer("ssd", "dram", len(plan.keys)), self._staged_in, plan)
+                self.counters["staged_blocks"] += len(plan.keys)
+
+    def _staged_in(self, plan: Any) -> None:
+        self.mgr.complete_move(plan, True)
+        if self._victim_cache:  # admitted before they arrived: HBM has them, DRAM need not
+            self.mgr.deprioritize([k for k in plan.keys if self.mgr.contains(k, "hbm")], "dram")
 
     def _prefetch_arrived(self, agent_key: tuple[int, str], pf: _Prefetch) -> None:
         for plan in pf.plans:

@@ -132,6 +132,11 @@ def main(spec_path: str, out_path: str | None) -> None:
         rss = _RSSSampler() if phase.get("rss") else None
         params = phase.get("kv_transfer_params")  # one dict (or None) per prompt: the SDK's hints
         sps = [sampling(p) for p in params] if params else sp
+        if phase.get("max_tokens"):  # one per prompt
+            base = sps if isinstance(sps, list) else [sp] * len(phase["prompts"])
+            sps = [s.clone() for s in base]
+            for s, n in zip(sps, phase["max_tokens"]):
+                s.max_tokens = n
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]], sps, use_tqdm=False)
         gen_s, cpu_s = time.perf_counter() - t1, _tree_cpu_s() - cpu1
         rows, timings = [], []

@@ -12,7 +12,8 @@ through vLLM 0.32's public surface from the scheduler-side connector —
 * order, demote, retire and drop copies in kvtier's own DRAM and SSD tiers;
 * **prefetch** a waiting agent's SSD blocks into DRAM ahead of its predicted
   return (the worker reads LMDB into the DRAM slab), counted on time, late
-  or wasted (:class:`PrefetchTracker`);
+  or wasted (:class:`PrefetchTracker`); **stage** a queued request's SSD
+  blocks into DRAM the moment it arrives, before vLLM schedules it;
 * read pressure (vLLM's KV usage plus requests not yet scheduled), the
   agent's criticality (its ``kv_transfer_params`` or the hosted hint server)
   and timers (fired on scheduler steps).
@@ -39,6 +40,7 @@ from typing import Any
 
 from kvtier.keys import BlockKey
 from kvtier.manager import MovePlan, TierManager
+from kvtier.placement.base import ssd_promotion
 from kvtier.placement.surface import SURFACES
 from kvtier.transfer.linkmodel import LinkModel
 
@@ -218,6 +220,8 @@ class EnginePlacement:
         self._unscheduled: dict[str, int] = {}  # arrived, not yet scheduled: req id -> blocks it needs
         self._finishing_blocks = 0
         self._promotions: list[MovePlan] = []  # to send to the workers this step
+        self._arriving: str | None = None  # the request on_new_request is handling
+        self._to_stage: list[tuple[str, tuple[BlockKey, ...]]] = []  # arrived requests' contexts (see stage)
 
     # ------------------------------------------------------------ engine facts
 
@@ -238,6 +242,7 @@ class EnginePlacement:
     def arrived(self, req_id: str, agent: AgentKey | None, num_blocks: int) -> bool:
         """A request arrived; True when it ends its agent's wait."""
         self._unscheduled[req_id] = num_blocks
+        self._arriving = req_id  # (for stage, until the next arrival)
         if agent is None:
             return False
         started = self._waiting.pop(agent, None)
@@ -288,6 +293,8 @@ class EnginePlacement:
         if self._unscheduled:
             for r in [r for r in self._unscheduled if r in scheduled]:
                 del self._unscheduled[r]
+        if self._to_stage:
+            self._stage_unscheduled()
         if self._releases:
             self._settle()
 
@@ -418,20 +425,32 @@ class EnginePlacement:
     def prefetch(self, agent_key: AgentKey, keys: Sequence[BlockKey]) -> float | None:
         """Promote the SSD blocks of ``keys``' cached prefix into DRAM (the worker
         copies them); returns when they should be there."""
-        mgr = self.manager
-        if "ssd" not in mgr.tier_names or "dram" not in mgr.tier_names or agent_key in self.prefetches.by_agent:
+        if agent_key in self.prefetches.by_agent:
             return None
-        hit = mgr.lookup(keys)
-        ssd = hit.tier_names.index("ssd")
-        on_ssd = [k for k, t in zip(keys, hit.tier_indices) if t == ssd]
-        if not on_ssd:
-            return None
-        plan = mgr.prepare_move(on_ssd, "ssd", "dram", keep_source=True)
+        plan = ssd_promotion(self.manager, keys)
         if plan is None:
             return None
         self._promotions.append(plan)
         self.prefetches.started(agent_key, plan, self.now)
         return self.now + self.transfer_time_s(len(plan.keys), "ssd->dram")
+
+    def stage(self, keys: Sequence[BlockKey]) -> int:
+        """The request arriving now is queued: once vLLM's next scheduling pass
+        has left it unscheduled, its SSD blocks go into DRAM, so the load vLLM
+        asks for when it does schedule the request reads DRAM (whatever has not
+        arrived by then still comes from SSD; one scheduled at once loads
+        straight from SSD). Returns 0: the promotion is decided after the pass."""
+        if self._arriving is not None:
+            self._to_stage.append((self._arriving, tuple(keys)))
+        return 0
+
+    def _stage_unscheduled(self) -> None:
+        to_stage, self._to_stage = self._to_stage, []
+        for req_id, keys in to_stage:
+            plan = ssd_promotion(self.manager, keys) if req_id in self._unscheduled else None
+            if plan is not None:
+                self._promotions.append(plan)
+                self.counters["staged_blocks"] += len(plan.keys)
 
     def drop(self, keys: Sequence[BlockKey]) -> int:
         n = sum(self.manager.remove(keys, t) for t in self.manager.tier_names)
