@@ -75,6 +75,11 @@ def ablation(data: dict[str, Any]) -> str:
     for pol in (*_ABLATIONS, "lru-dram"):
         body.append([pol] + [f"{rows[p][pol]['computed_over_bound']:.3f}x, {rows[p][pol]['ttft_p99_later_turns_s']:.1f} s"
                              for p in _ABLATION_POINTS])
+    refs = [data[f"replay-{p}.json"]["results"][0] for p in _ABLATION_POINTS]
+    if all(r.get("floor_ttft_p99_later_turns_s") is not None for r in refs):  # (references with TTFT)
+        body.append(["bound"] + [f"1.000x, {r['bound_ttft_p99_later_turns_s']:.1f} s" for r in refs])
+        body.append(["floor (unbounded cache)"] + [f"{r['floor_prefill_tokens'] / r['bound_prefill_tokens']:.3f}x, "
+                                                   f"{r['floor_ttft_p99_later_turns_s']:.1f} s" for r in refs])
     heads = []
     for p in _ABLATION_POINTS:
         r0 = data[f"replay-{p}.json"]["results"][0]
@@ -152,7 +157,8 @@ def slo_dev_eval(report: dict[str, Any]) -> str:
         def fig(p: dict[str, Any] | None) -> str:
             return "-" if p is None else f"{p['ttft_p99_later_turns_s']:.1f} s, {p['interactivity_p50']:.0f} tok/s"
 
-        body.append([row["policy"], str(row["max_conc"]), fig(ok), "-" if over is None else f"conc {over}: "
+        name = "floor (unbounded cache)" if row["policy"] == "floor" else row["policy"]
+        body.append([name, str(row["max_conc"]), fig(ok), "-" if over is None else f"conc {over}: "
                      + fig(pts[over])])
     first = report["slo"][0]
     p0 = first["points"][0]
@@ -160,7 +166,8 @@ def slo_dev_eval(report: dict[str, Any]) -> str:
     caption = (f"`{report['command']}`: HBM {first['hbm_blocks']:,} blocks, DRAM {p0['dram_blocks']:,}, {ssd}; "
                f"evaluation half "
                f"({report['workload']['sessions']} sessions, so conc is at most that); SLO: later-turn TTFT p99 <= "
-               f"{first['slo_ttft_p99_s']:g} s and p50 interactivity >= {first['slo_interactivity']:g} tokens/s/user."
+               f"{first['slo_ttft_p99_s']:g} s and p50 interactivity >= {first['slo_interactivity']:g} tokens/s/user. "
+               "The floor is a cache that never evicts, under the same admission: no placement exceeds its capacity."
                "\n\n")
     return caption + md_table(["policy", "SLO capacity (conc)", "at that conc: TTFT p99 later, interactivity",
                                "first conc that misses"], body)

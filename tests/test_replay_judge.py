@@ -177,3 +177,29 @@ def test_cli_bad_flags_are_one_line_naming_them(args: list[str], says: str) -> N
     proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "replay", "--quiet", *args],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_the_floor_bounds_ttft_and_slo_capacity_no_placement_beats() -> None:
+    """The references report their later-turn TTFT p99 (the floor's is the wait
+    for HBM that no placement removes), and the SLO search reports the floor's
+    capacity next to the policies'."""
+    from kvtier.replay.run import slo_capacities
+
+    w = default_workload(seed=5, num_sessions=6, max_requests_per_agent=8)
+    spec = ReplaySpec(workload=w, profile=PROFILE, policies=("lru", "kvtier"), concs=(4,), hbm_fractions=(0.3,),
+                      skip_oversized=True)
+    cap = spec.capacities()[0]
+    report = run_replay(spec)
+    for row in report["results"]:
+        assert row["floor_ttft_p99_later_turns_s"] is not None and row["bound_ttft_p99_later_turns_s"] is not None
+        assert row["floor_ttft_p99_later_turns_s"] <= row["ttft_p99_later_turns_s"] * 1.0001, row["policy"]
+    slo = ReplaySpec(workload=w, profile=PROFILE, policies=("lru", "kvtier"), hbm_fractions=(0.3,),
+                     skip_oversized=True, slo_ttft_p99_s=report["results"][0]["ttft_p99_later_turns_s"],
+                     slo_max_conc=6)
+    rows = {r["policy"]: r for r in slo_capacities(slo, cap)}
+    assert set(rows) == {"lru", "kvtier", "floor"}
+    assert all(rows["floor"]["max_conc"] >= r["max_conc"] for r in rows.values())
+    no_refs = slo_capacities(ReplaySpec(workload=w, profile=PROFILE, policies=("lru",), hbm_fractions=(0.3,),
+                                        skip_oversized=True, slo_ttft_p99_s=1e9, slo_max_conc=2,
+                                        references=False), cap)
+    assert [r["policy"] for r in no_refs] == ["lru"]

@@ -162,6 +162,9 @@ def group_caption(r: dict[str, Any]) -> str:
                  f"{r['hbm_blocks'] + r.get('dram_blocks', 0) + r.get('ssd_blocks', 0):,} blocks as one tier, "
                  f"{est}) {r['bound_prefill_tokens'] / 1e6:.2f}M, LRU over that one tier "
                  f"{r['lru_one_tier_prefill_tokens'] / 1e6:.2f}M prefill tokens computed")
+        if r.get("floor_ttft_p99_later_turns_s") is not None:
+            text += (f"; later-turn TTFT p99 of the floor {r['floor_ttft_p99_later_turns_s']:.1f} s, of the bound "
+                     f"{r['bound_ttft_p99_later_turns_s']:.1f} s (the queue for HBM no placement removes)")
     if r.get("skipped_requests"):
         text += f"; {r['skipped_requests']:,} oversized requests skipped alike in every run"
     return text

@@ -27,6 +27,10 @@ requests' blocks fit in that HBM), since every policy runs requests only from
 HBM. Without that limit they would run more requests at once than any
 policy can, and requests prefilling the same new prefix at once each compute
 it: a "bound" above what a policy with less memory computes.
+
+Both also report their later-turn TTFT p99: with that admission, the floor's
+is the wait for HBM that no placement removes. The SLO capacity search adds
+the floor's own capacity for the same reason.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ DEFAULT_POLICIES = ("lru", "lru-dram", "arc", "s3fifo", "ttl", "minwaste", "toke
                     "belady-hbm")
 SPLITS = ("all", "tune", "eval")
 UNBOUNDED_BLOCKS = 1 << 40  # the floor's HBM: slots are taken lazily, so this costs nothing
+FLOOR = "floor"  # SLO capacity rows: the floor's own (see slo_capacities)
 
 Progress = Callable[[str], None]
 
@@ -225,9 +230,7 @@ def reference_point(spec: ReplaySpec, conc: int, hbm_blocks: int) -> dict[str, A
     total = cfg.hbm_blocks + cfg.dram_blocks + cfg.ssd_blocks
     start = time.perf_counter()
     # both cache in one large tier but run no more requests at once than the policies' HBM holds
-    floor = Simulator(spec.workload, replace(cfg, hbm_blocks=UNBOUNDED_BLOCKS, dram_blocks=0, ssd_blocks=0,
-                                             running_limit_blocks=cfg.hbm_blocks),
-                      make_placement("lru"), spec.profile).run()
+    floor = Simulator(spec.workload, floor_config(cfg), make_placement("lru"), spec.profile).run()
     one_tier = replace(cfg, hbm_blocks=total, dram_blocks=0, ssd_blocks=0, running_limit_blocks=cfg.hbm_blocks)
     order: list = []
     lru = Simulator(spec.workload, one_tier, make_placement("lru"), spec.profile, order_log=order).run()
@@ -239,18 +242,31 @@ def reference_point(spec: ReplaySpec, conc: int, hbm_blocks: int) -> dict[str, A
         recs = [r for r in res.records if r.measured] or res.records
         return sum(r.computed_tokens for r in recs)
 
+    def ttft_p99(res: Any) -> float | None:
+        return summarize(res, policy="", conc=conc, hbm_blocks=hbm_blocks,
+                         num_chips=spec.profile.num_chips)["ttft_p99_later_turns_s"]
+
     return {"conc": conc, "hbm_blocks": hbm_blocks, "total_blocks": total,
             "tiers_offered": list(tiers_offered(cfg)),
             "floor_prefill_tokens": computed(floor), "bound_prefill_tokens": computed(bound),
             "lru_one_tier_prefill_tokens": computed(lru), "bound_exact": exact,
+            # what no placement can beat under this admission: the queue for HBM alone
+            "floor_ttft_p99_later_turns_s": ttft_p99(floor), "bound_ttft_p99_later_turns_s": ttft_p99(bound),
             "wall_s": time.perf_counter() - start}
+
+
+def floor_config(cfg: SimConfig) -> SimConfig:
+    """The floor's engine: a cache that never evicts, running no more requests
+    at once than ``cfg``'s HBM holds (the same admission as every policy)."""
+    return replace(cfg, hbm_blocks=UNBOUNDED_BLOCKS, dram_blocks=0, ssd_blocks=0, running_limit_blocks=cfg.hbm_blocks)
 
 
 def with_references(row: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
     """``row`` with the references of its (conc, capacity) and its ratios to them."""
     c = row["prefill_tokens_computed"]
     out = dict(row)
-    for key in ("floor_prefill_tokens", "bound_prefill_tokens", "lru_one_tier_prefill_tokens", "bound_exact"):
+    for key in ("floor_prefill_tokens", "bound_prefill_tokens", "lru_one_tier_prefill_tokens", "bound_exact",
+                "floor_ttft_p99_later_turns_s", "bound_ttft_p99_later_turns_s"):
         out[key] = ref[key]
     out["computed_over_bound"] = c / ref["bound_prefill_tokens"] if ref["bound_prefill_tokens"] else None
     out["computed_over_floor"] = c / ref["floor_prefill_tokens"] if ref["floor_prefill_tokens"] else None
@@ -262,7 +278,10 @@ def run_point(spec: ReplaySpec, policy_name: str, conc: int, hbm_blocks: int,
     """Replay one (policy, conc, capacity) point; returns its ``results`` entry
     (without references: :func:`run_replay` adds them)."""
     cfg = sim_config(spec, conc, hbm_blocks)
-    policy = make_placement(policy_name)
+    if policy_name == FLOOR:  # the floor's engine, with LRU (it never evicts)
+        cfg, policy = floor_config(cfg), make_placement("lru")
+    else:
+        policy = make_placement(policy_name)
     label = f"{policy_name} conc={conc} hbm={hbm_blocks}"
     start = time.perf_counter()  # includes belady's recording pass
     oracle = None
@@ -433,14 +452,17 @@ def slo_capacity(spec: ReplaySpec, policy_name: str, hbm_blocks: int, ttft_p99_s
 def slo_capacities(spec: ReplaySpec, hbm_blocks: int,
                    on_point: Callable[[int, int, float], None] | None = None) -> list[dict[str, Any]]:
     """:func:`slo_capacity` of every policy of ``spec`` (its SLO fields), one
-    policy per worker process when ``spec.jobs > 1``; in policy order."""
+    policy per worker process when ``spec.jobs > 1``; in policy order, then (with
+    references) the floor's: an unbounded cache under the same admission, the
+    capacity no placement can exceed."""
     out: dict[str, dict[str, Any]] = {}
     start = time.perf_counter()
+    rows = list(spec.policies) + ([FLOOR] if spec.references else [])
 
     def done(task: tuple[str, str, int, int], result: dict[str, Any]) -> None:
         out[task[1]] = result
         if on_point is not None:
-            on_point(len(out), len(spec.policies), time.perf_counter() - start)
+            on_point(len(out), len(rows), time.perf_counter() - start)
 
-    run_points(spec, [("slo", pol, 0, hbm_blocks) for pol in spec.policies], done)
-    return [out[p] for p in spec.policies]
+    run_points(spec, [("slo", pol, 0, hbm_blocks) for pol in rows], done)
+    return [out[p] for p in rows]
