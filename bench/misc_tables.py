@@ -1,12 +1,16 @@
-"""README tables of the shared-context section, rendered from ``bench/out/rounds.json`` and ``shared.json``.
+"""README tables of the shared-context section, rendered from ``bench/out/rounds.json``, ``shared.json``
+and ``engine-shared.json``.
 
 Owns: the renderers of tables ``rounds`` (capacity ratio ``kvtier`` / ``lru``
 of ``kvtier replay --workload rounds`` by HBM KV capacity and output tokens),
 ``rounds-agents`` (the agents each strategy supports at the same points) and
 ``shared`` (``kvtier bench shared``: bytes per agent, restore speed,
-exactness). Every figure, and every workload parameter a caption names, is
-read from the JSON that ``bench/misc_results.py`` writes; ratios are computed
-here from the counts (kvtier agents / lru agents).
+exactness) and ``engine-shared`` (``bench/engine_shared_kv.py``: how alike a
+segment's blocks are at different offsets in real engine KV, per layer).
+Every figure, and every workload parameter a caption names, is read from the
+JSON that ``bench/misc_results.py`` (or, for ``engine-shared``,
+``bench/engine_shared_kv.py`` in the vLLM environment) writes; ratios are
+computed here from the counts (kvtier agents / lru agents).
 
 Must not: run anything or write any file; registration and document rewriting
 belong to ``bench/readme_tables.py``, which imports this module.
@@ -179,3 +183,21 @@ def shared(data: dict[str, Any]) -> str:
          ("yes, every tensor compared" if exact else "NO") + ("" if n == 1 else f", in all {n} runs" if exact else "")],
     ]
     return caption + md_table(["figure", "measured"], rows)
+
+
+# --- engine-shared.json ------------------------------------------------------------------------------------
+
+
+@table("engine-shared", "engine-shared.json")
+def engine_shared(data: dict[str, Any]) -> str:
+    """Per layer: how alike a shared segment's blocks are at different offsets, in real engine KV."""
+    caption = (f"`python bench/engine_shared_kv.py` ({data['engine']}, {data['model']}): {data['agents']} agents, "
+               f"the same {data['segment_blocks']}-block segment ({data['block_size']}-token blocks) after private "
+               f"prefixes of different lengths, agent 0's copy as the master. Bytes over the raw mirror bytes; "
+               f"zstd level 1 of the mirror alone for comparison. Full copies / (master + lossless diffs): "
+               f"**{data['lossless_ratio']:.2f}x**; full copies / (every copy zstd alone): "
+               f"{data['zstd_alone_ratio']:.2f}x.\n\n")
+    body = [[str(r["layer"]), f"{r['identical_blocks']:.0%}", f"{r['identical_bytes']:.0%}",
+             f"{r['diff_over_raw']:.3f}", f"{r['zstd_alone_over_raw']:.3f}"] for r in data["layers"]]
+    return caption + md_table(["layer", "mirror blocks identical", "mirror bytes identical",
+                               "lossless diff / raw", "zstd alone / raw"], body)
