@@ -88,8 +88,9 @@ def ablation(data: dict[str, Any]) -> str:
     caption = ("Prefill computed over the bound, and later-turn TTFT p99, with one mechanism off at a time "
                "(rows: `kvtier-inclusive` writes DRAM through instead of keeping it exclusive; `kvtier-lru-order` "
                "orders every tier by LRU instead of predicted next use; `kvtier-no-dead` keeps dead KV; "
-               "`kvtier-space-only` / `kvtier-time-only` drop the tool-wait prefetch / the critical-path reserve). "
-               "DRAM 2x HBM, no SSD; from the `dev-*` JSON of `bench/replay_results.py`.\n\n")
+               "`kvtier-space-only` / `kvtier-time-only` drop the tool-wait prefetch and queue staging / the critical-path "
+               "reserve; `bound` and `floor` are the references, the floor a cache that never evicts under the same "
+               "admission). DRAM 2x HBM, no SSD; from the `dev-*` JSON of `bench/replay_results.py`.\n\n")
     return caption + md_table(["policy", *heads], body)
 
 
