@@ -85,9 +85,11 @@ class PlacementContext(Protocol):
     def prefetch(self, agent_key: tuple[int, str], keys: Sequence[BlockKey]) -> float | None: ...
 
     def stage(self, keys: Sequence[BlockKey]) -> int:
-        """A request with the context ``keys`` is queued in the engine: promote the
-        SSD blocks of its cached prefix into DRAM now, while others compute, so
-        its load reads DRAM when it is admitted. Returns the blocks promoted."""
+        """The request arriving now (called from ``on_wait_end``) has the context
+        ``keys``: if the engine's scheduling pass leaves it queued, promote the
+        SSD blocks of its cached prefix into DRAM while others compute, so its
+        load reads DRAM when it is admitted. Returns the blocks promoted at once
+        (0 where that waits for the pass, as in both implementations)."""
         ...
 
     def drop(self, keys: Sequence[BlockKey]) -> int: ...

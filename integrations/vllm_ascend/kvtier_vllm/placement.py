@@ -242,7 +242,7 @@ class EnginePlacement:
     def arrived(self, req_id: str, agent: AgentKey | None, num_blocks: int) -> bool:
         """A request arrived; True when it ends its agent's wait."""
         self._unscheduled[req_id] = num_blocks
-        self._arriving = req_id  # (for stage, until the next arrival)
+        self._arriving = req_id  # (for stage, until wait_ended or the next arrival)
         if agent is None:
             return False
         started = self._waiting.pop(agent, None)
@@ -282,6 +282,7 @@ class EnginePlacement:
         """After the policy's ``on_wait_end``: the agent's hold (if any is left) goes
         back once its new request is allocated (the policy's own release, by key,
         misses a hold whose tail the new prompt does not repeat)."""
+        self._arriving = None  # (a stage asked for later has no arrival to go with)
         if self.holds is not None:
             self._releases.extend(k for k in self._agent_hashes.get(agent, ()) if self.holds.is_held(k))
 
