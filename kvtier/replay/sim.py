@@ -269,7 +269,7 @@ class Simulator:
         self._victim_cache = (policy.write_back_dram == "evict" and self.surface.hbm_victim_write
                               and "dram" in policy.lower_tiers and config.dram_blocks > 0)
         self._victims: list[tuple[BlockKey, BlockKey | None]] = []  # HBM victims to write down
-        self._staged: dict[BlockKey, tuple[BlockKey | None, float]] = {}  # victims on their way: parent, lands at
+        self._victims_on_way: dict[BlockKey, tuple[BlockKey | None, float]] = {}  # copying down: parent, lands at
         self._to_stage: list[Sequence[BlockKey]] = []  # contexts of requests that arrived (see stage)
         self.mgr = TierManager(self._tier_specs(), pin_budget_blocks=config.hbm_blocks,
                                clock=lambda: self.now, record_events=False,
@@ -524,7 +524,7 @@ class Simulator:
             return False
         if (self.prefilling or self.decoding) and not self._may_fit(run, need):
             return False
-        lands = self._land_staged(keys) if self._staged else 0.0
+        lands = self._land_victims(keys) if self._victims_on_way else 0.0
         hit = mgr.lookup(keys)
         names = hit.tier_names
         tiers = hit.tier_indices
@@ -706,27 +706,27 @@ class Simulator:
             return None
         done = self._transfer("hbm", "dram", len(todo))  # one copy for the lot
         lands = done if after is None else max(done, after)
-        self._staged.update((key, (parent, lands)) for key, parent in todo)
+        self._victims_on_way.update((key, (parent, lands)) for key, parent in todo)
         self._at(lands, self._store_victims, todo)
         return done
 
     def _store_victims(self, todo: list[tuple[BlockKey, BlockKey | None]]) -> None:
-        staged = self._staged
+        on_way = self._victims_on_way
         for key, parent in todo:
-            if staged.pop(key, None) is None:
-                continue  # landed early (:meth:`_land_staged`)
+            if on_way.pop(key, None) is None:
+                continue  # landed early (:meth:`_land_victims`)
             self._store_victim(key, parent)
 
-    def _land_staged(self, keys: Sequence[BlockKey]) -> float:
+    def _land_victims(self, keys: Sequence[BlockKey]) -> float:
         """A request wants victims still on their way down (the first block its
         cached prefix lacks is one): they take their DRAM slots now, so the
         request finds them, and it loads them once they have landed. Returns
         when the last of them lands (``0.0``: none were on their way)."""
-        mgr, staged = self.mgr, self._staged
+        mgr, on_way = self.mgr, self._victims_on_way
         n = mgr.lookup(keys).num_blocks
         lands = 0.0
         for key in keys[n:]:
-            entry = staged.pop(key, None)
+            entry = on_way.pop(key, None)
             if entry is None:
                 if not mgr.contains(key):
                     break
