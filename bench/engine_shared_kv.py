@@ -104,7 +104,6 @@ def measure(agents: int, segment_blocks: int, tmp: Path) -> dict:
     seen: set[int] = set()
     engine = ServedEngine(tmp, "engine", spec)
     try:
-        values = {}
         for a, phase in enumerate(phases):
             engine.run(phase)
             values = _read_values(ssd)

@@ -247,7 +247,7 @@ def test_a_victim_on_its_way_down_is_found():
     assert set(mgr.evict("hbm", 2)) == {3, 4}
     done = sim._write_victims()
     assert done is not None and not mgr.contains(3) and not mgr.contains(4)
-    assert sim._land_victims((1, 2, 3, 4)) == done
+    assert sim._land_victims((1, 2, 3, 4), 2) == done
     assert mgr.lookup((1, 2, 3, 4)).tiers == ("hbm", "hbm", "dram", "dram")
     assert sim.counters["victims_landed_early"] == 2
     while sim._events:  # the copy's own landing finds them there already

@@ -524,8 +524,11 @@ class Simulator:
             return False
         if (self.prefilling or self.decoding) and not self._may_fit(run, need):
             return False
-        lands = self._land_victims(keys) if self._victims_on_way else 0.0
         hit = mgr.lookup(keys)
+        lands = 0.0
+        if self._victims_on_way and hit.num_blocks < len(keys) and keys[hit.num_blocks] in self._victims_on_way:
+            lands = self._land_victims(keys, hit.num_blocks)
+            hit = mgr.lookup(keys)
         names = hit.tier_names
         tiers = hit.tier_indices
         n_used = hit.num_blocks
@@ -717,13 +720,12 @@ class Simulator:
                 continue  # landed early (:meth:`_land_victims`)
             self._store_victim(key, parent)
 
-    def _land_victims(self, keys: Sequence[BlockKey]) -> float:
-        """A request wants victims still on their way down (the first block its
-        cached prefix lacks is one): they take their DRAM slots now, so the
-        request finds them, and it loads them once they have landed. Returns
-        when the last of them lands (``0.0``: none were on their way)."""
+    def _land_victims(self, keys: Sequence[BlockKey], n: int) -> float:
+        """A request wants victims still on their way down (``keys[n]``, the first
+        block its cached prefix lacks, is one): they take their DRAM slots now,
+        so the request finds them, and it loads them once they have landed.
+        Returns when the last of them lands (``0.0``: none were on their way)."""
         mgr, on_way = self.mgr, self._victims_on_way
-        n = mgr.lookup(keys).num_blocks
         lands = 0.0
         for key in keys[n:]:
             entry = on_way.pop(key, None)
