@@ -309,6 +309,9 @@ class SSDTierConfig:
     sync: bool = False
     # threads that copy and verify the blocks of one large read (the caller's included)
     read_threads: int = 2
+    # threads that encode and write one put (the caller's included): the next
+    # groups encode while the caller copies the last into the transaction
+    write_threads: int = 2
     SECTION: ClassVar[str] = "tiers.ssd"
 
     def __post_init__(self) -> None:
@@ -319,6 +322,7 @@ class SSDTierConfig:
         if not 1 <= self.zstd_level <= 22:
             raise ConfigError("tiers.ssd.zstd_level", self.zstd_level, "must be in 1..22")
         _check_min("tiers.ssd.read_threads", self.read_threads, 1)
+        _check_min("tiers.ssd.write_threads", self.write_threads, 1)
         if self.enabled:
             if not self.path:
                 raise ConfigError("tiers.ssd.path", self.path, "required when tiers.ssd.enabled is true")

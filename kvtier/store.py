@@ -119,6 +119,7 @@ class TieredStore:
                 zstd_level=cfg.ssd.zstd_level,
                 sync=cfg.ssd.sync,
                 read_threads=cfg.ssd.read_threads,
+                write_threads=cfg.ssd.write_threads,
             )
         # removals and failures are always recorded (SSD deletes, removal counts,
         # explain_miss); the per-block stored/loaded events only for a KV-event feed

@@ -328,6 +328,7 @@ BAD_VALUES: list[tuple[dict[str, Any], str, object]] = [
     ({"pin_budget_blocks": -1}, "pin_budget_blocks", -1),
     ({"mover_threads": 0}, "mover_threads", 0),
     ({"tiers": {"ssd": {"read_threads": 0}}}, "tiers.ssd.read_threads", 0),
+    ({"tiers": {"ssd": {"write_threads": 0}}}, "tiers.ssd.write_threads", 0),
     ({"default_pin_ttl_s": -1.0}, "default_pin_ttl_s", -1.0),
     ({"default_pin_ttl_s": "soon"}, "default_pin_ttl_s", "soon"),
     ({"write_through": 1}, "write_through", 1),

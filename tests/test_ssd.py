@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kvtier.errors import ConfigError, ProtocolError, StorageError
 from kvtier.keys import BlockKey, Namespace
 from kvtier.layout import DTYPE_TO_BYTES, KVLayout
-from kvtier.tiers.codec import HEADER_BYTES, ValueContext, decode_into, encode, read_header
+from kvtier.tiers.codec import HEADER_BYTES, ValueContext, decode_into, encode, read_header, value_bound
 from kvtier.tiers.ssd import SSDTier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16", block_size=16)  # 16 KiB
@@ -198,6 +198,8 @@ def test_misuse_raises(tier_path: Path) -> None:
         SSDTier(tier_path, NS, LAYOUT, codec="lz4")
     with pytest.raises(ConfigError, match="tiers.ssd.map_size_bytes"):
         SSDTier(tier_path, NS, LAYOUT, map_size_bytes=0)
+    with pytest.raises(ConfigError, match="tiers.ssd.write_threads"):
+        SSDTier(tier_path, NS, LAYOUT, write_threads=0)
 
 
 # ------------------------------------------------------------------ corruption
@@ -365,6 +367,108 @@ def test_a_put_right_after_evicting_deletes_reuses_their_room(tier_path: Path) -
                 assert tier.delete_many([BlockKey(1000 * (round_ - 1) + i) for i in range(k)]) == k
             assert tier.put_many([(key, random_block(i), None) for i, key in enumerate(keys)]) == k, tier.last_error
         assert tier.stats["map_full"] == 0
+
+
+def _small_groups(monkeypatch: pytest.MonkeyPatch, blocks: int) -> list[str]:
+    """Puts encode ``blocks`` blocks per group from now on; returns the names of the
+    threads that encode each group, in the order the groups are encoded."""
+    import kvtier.tiers.ssd as ssd_mod
+    import threading
+
+    monkeypatch.setattr(ssd_mod, "WRITE_GROUP_BYTES", blocks * BPB)
+    names: list[str] = []
+    real = ssd_mod.encode_into
+
+    def encode_into(items, *args, **kwargs):
+        names.append(threading.current_thread().name)
+        return real(items, *args, **kwargs)
+
+    monkeypatch.setattr(ssd_mod, "encode_into", encode_into)
+    return names
+
+
+@pytest.mark.parametrize("codec", ["raw", "bplane-zstd"])
+@pytest.mark.parametrize("write_threads", [1, 2, 3])
+def test_a_put_of_many_groups_writes_every_block_once(
+    tier_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str, write_threads: int
+) -> None:
+    """A put longer than one group is encoded group by group (on the encoder threads
+    when there are any) into at most ``write_threads`` reused buffers, and commits
+    the same values as a put of one group."""
+    names = _small_groups(monkeypatch, 2)
+    blocks = {BlockKey(i): bf16_block(i) for i in range(1, 12)}  # 6 groups, the last of one block
+    with SSDTier(tier_path, NS, LAYOUT, codec=codec, write_threads=write_threads) as tier:
+        assert tier.put_many([(k, b, None) for k, b in blocks.items()]) == 11
+        assert len(names) == 6
+        assert names[0] == names[-1] if write_threads == 1 else all("kvtier-ssd-encode" in n for n in names)
+        assert len(tier._write_bufs) == min(write_threads, 6)
+        assert all(len(b) <= 2 * value_bound(BPB) for b in tier._write_bufs)
+        outs = [np.empty(BPB, dtype=np.uint8) for _ in blocks]
+        assert tier.get_many_into(list(blocks), outs) == [True] * 11
+        assert all(np.array_equal(o, b) for o, b in zip(outs, blocks.values()))
+        stored = tier.stats["bytes_written"]
+    one_group = tier_path.parent / "one-group"
+    monkeypatch.setattr("kvtier.tiers.ssd.WRITE_GROUP_BYTES", 16 * BPB)
+    with SSDTier(one_group, NS, LAYOUT, codec=codec, write_threads=write_threads) as tier:
+        assert tier.put_many([(k, b, None) for k, b in blocks.items()]) == 11
+        assert tier.stats["bytes_written"] == stored
+
+
+def test_a_put_that_fails_mid_way_commits_nothing(tier_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An encoder error in a later group (after earlier groups were copied into the
+    transaction) aborts the whole put: it raises, nothing of it is stored, and
+    the blocks stored before are intact."""
+    import kvtier.tiers.ssd as ssd_mod
+
+    monkeypatch.setattr(ssd_mod, "WRITE_GROUP_BYTES", 2 * BPB)
+    real = ssd_mod.encode_into
+
+    def encode_into(items, *args, **kwargs):
+        if any(k == BlockKey(107) for k, _, _ in items):
+            raise RuntimeError("injected encoder fault")
+        return real(items, *args, **kwargs)
+
+    with SSDTier(tier_path, NS, LAYOUT, write_threads=2) as tier:
+        assert tier.put_many([(BlockKey(1), bf16_block(1), None)]) == 1
+        monkeypatch.setattr(ssd_mod, "encode_into", encode_into)
+        with pytest.raises(RuntimeError, match="injected"):
+            tier.put_many([(BlockKey(100 + i), bf16_block(i), None) for i in range(10)])
+        assert [e.key for e in tier.scan()] == [BlockKey(1)]
+        assert tier.stats["puts"] == 1
+        monkeypatch.setattr(ssd_mod, "encode_into", real)
+        assert tier.put_many([(BlockKey(100 + i), bf16_block(i), None) for i in range(10)]) == 10
+
+
+def test_map_full_in_a_put_of_many_groups_keeps_the_prefix_that_fits(
+    tier_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The map fills in a later group of a pipelined put: the longest prefix that
+    fits is committed, exactly, and its stored bytes are counted."""
+    _small_groups(monkeypatch, 3)
+    blocks = {BlockKey(i): random_block(i) for i in range(1, 121)}
+    with SSDTier(tier_path, NS, LAYOUT, map_size_bytes=1 << 20, codec="raw", write_threads=2) as tier:
+        written = tier.put_many([(k, b, None) for k, b in blocks.items()])
+        assert 3 < written < 120 and tier.stats["map_full"] == 1
+        assert [e.key for e in tier.scan()] == list(blocks)[:written]
+        assert tier.stats["bytes_written"] == written * (HEADER_BYTES + BPB)
+
+
+def test_a_put_whose_encoder_was_shut_down_encodes_on_the_callers_thread(
+    tier_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = _small_groups(monkeypatch, 2)
+    blocks = {BlockKey(i): bf16_block(i) for i in range(1, 8)}
+    with SSDTier(tier_path, NS, LAYOUT, write_threads=2) as tier:
+        dead = ThreadPoolExecutor(1)
+        dead.shutdown()
+        monkeypatch.setattr(tier, "_encoder", lambda: dead)
+        assert tier.put_many([(k, b, None) for k, b in blocks.items()]) == 7
+        assert len(names) == 4 and not any("kvtier-ssd-encode" in n for n in names)
+        outs = [np.empty(BPB, dtype=np.uint8) for _ in blocks]
+        assert tier.get_many_into(list(blocks), outs) == [True] * 7
+        assert all(np.array_equal(o, b) for o, b in zip(outs, blocks.values()))
 
 
 def test_unwritable_directory_raises_storage_error(tmp_path: Path) -> None:

@@ -195,7 +195,8 @@ class _Scratch(threading.local):
     zstd contexts are not thread-safe and costly to build. Fresh multi-MiB
     allocations cost more than the work done in them here (page faults on
     this VM: splitting 4 MiB into new arrays takes 5 ms, into reused ones
-    0.85 ms), so plane buffers and the value arena are kept per thread.
+    0.85 ms), so plane buffers are kept per thread (the values themselves go
+    into the caller's buffer: :func:`encode_into`).
     """
 
     def __init__(self) -> None:
@@ -206,7 +207,6 @@ class _Scratch(threading.local):
         self.decompressor = zstandard.ZstdDecompressor()
         self.odd = np.empty(0, dtype=np.uint8)
         self.even = np.empty(0, dtype=np.uint8)
-        self.arena = bytearray()
 
     def level(self, level: int) -> zstandard.ZstdCompressor:
         c = self.by_level.get(level)
@@ -220,16 +220,9 @@ class _Scratch(threading.local):
             self.odd, self.even = np.empty(half, dtype=np.uint8), np.empty(half, dtype=np.uint8)
         return self.odd[:half], self.even[:half]
 
-    def arena_view(self, nbytes: int) -> memoryview:
-        if nbytes > _ARENA_KEEP_BYTES:
-            return memoryview(bytearray(nbytes))  # a one-off: do not keep it
-        if len(self.arena) < nbytes:
-            self.arena = bytearray(nbytes)  # replaced, never resized: old views stay valid
-        return memoryview(self.arena)
 
 
 _SCRATCH = _Scratch()
-_ARENA_KEEP_BYTES = 64 << 20
 
 
 def encode(
@@ -252,23 +245,26 @@ def encode(
     return b"".join(encode_parts(raw, ctx, codec, parent, zstd_level, min_ratio, key=key))
 
 
-def encode_many(
+def encode_into(
     items: Sequence[tuple[BlockKey, object, BlockKey | None]],
     ctx: ValueContext,
+    out: memoryview,
     codec: str = "auto",
     zstd_level: int = 1,
     min_ratio: float = 1.05,
 ) -> list[memoryview]:
     """:func:`encode` for ``(key, raw, parent)`` items (the shape of
-    :meth:`~kvtier.tiers.ssd.SSDTier.put_many`), back to back in a per-thread arena.
+    :meth:`~kvtier.tiers.ssd.SSDTier.put_many`), back to back in ``out``.
 
-    The returned views are valid until the next ``encode_many`` call in the
-    same thread (copy them, e.g. into an LMDB transaction, before that). Avoids
-    one fresh allocation per value, which costs more than the copy.
+    ``out`` must hold :func:`value_bound` of every item; the returned views
+    are slices of it. Reusing one ``out`` saves a fresh allocation per value,
+    which costs more here than the copy. Raises ``ValueError`` if ``out`` is
+    too small.
     """
     check_codec(codec)
-    bound = sum(HEADER_BYTES + _payload_bound(memoryview(raw).nbytes) for _, raw, _ in items)
-    arena = _SCRATCH.arena_view(bound)
+    bound = sum(value_bound(memoryview(raw).nbytes) for _, raw, _ in items)
+    if len(out) < bound:
+        raise ValueError(f"encode_into: output buffer of {len(out)} bytes, {bound} needed")
     values: list[memoryview] = []
     offset = 0
     stored_at_s = _now_s()
@@ -276,9 +272,9 @@ def encode_many(
         start = offset
         for part in _encode_parts(raw, ctx, codec, key, parent, zstd_level, min_ratio, stored_at_s):
             nbytes = len(part)
-            arena[offset : offset + nbytes] = part
+            out[offset : offset + nbytes] = part
             offset += nbytes
-        values.append(arena[start:offset])
+        values.append(out[start:offset])
     return values
 
 

@@ -64,7 +64,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import Callable, Iterator, NamedTuple, Sequence, TypeVar
 
@@ -80,8 +80,9 @@ from .codec import (
     check_codec,
     decode_into,
     decode_raw_batch,
-    encode_many,
+    encode_into,
     read_header,
+    value_bound,
 )
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,10 @@ PARALLEL_READ_MIN_BYTES = 1 << 20
 # blocks are handed out to read threads in chunks of about this many raw bytes:
 # fewer lookups between copies, and a late thread waits at most one chunk
 READ_CHUNK_BYTES = 512 << 10
+# a put is encoded in groups of about this many raw bytes, each into one of the
+# tier's ``write_threads`` reused buffers; the next groups encode on the tier's
+# encoder threads while the caller copies the last one into the transaction
+WRITE_GROUP_BYTES = 8 << 20
 _T = TypeVar("_T")
 
 STAT_NAMES: tuple[str, ...] = (
@@ -148,11 +153,14 @@ class SSDTier:
         readonly: bool = False,
         min_ratio: float = 1.05,
         read_threads: int = 2,
+        write_threads: int = 2,
     ) -> None:
         if not isinstance(map_size_bytes, int) or map_size_bytes <= 0:
             raise ConfigError("tiers.ssd.map_size_bytes", map_size_bytes, "must be a positive integer")
         if not isinstance(read_threads, int) or read_threads < 1:
             raise ConfigError("tiers.ssd.read_threads", read_threads, "must be an integer >= 1")
+        if not isinstance(write_threads, int) or write_threads < 1:
+            raise ConfigError("tiers.ssd.write_threads", write_threads, "must be an integer >= 1")
         self.path = os.fspath(path)
         self.namespace = namespace
         self.layout = layout
@@ -168,7 +176,12 @@ class SSDTier:
         self.read_threads = read_threads
         self._chunk_blocks = max(1, READ_CHUNK_BYTES // layout.bytes_per_block)
         self._read_pool: ThreadPoolExecutor | None = None  # made on the first large read
-        self._read_pool_lock = threading.Lock()
+        self._pool_lock = threading.Lock()
+        self.write_threads = write_threads
+        self._group_blocks = max(1, WRITE_GROUP_BYTES // layout.bytes_per_block)
+        self._put_lock = threading.Lock()  # one put at a time: it owns the write buffers
+        self._write_bufs: list[bytearray] = []
+        self._encode_pool: ThreadPoolExecutor | None = None  # made on the first put of several groups
         self._env: lmdb.Environment | None = _open_env(self.path, map_size_bytes, sync, readonly)
         self.map_size_bytes: int = self._env.info()["map_size"]
         if not readonly:
@@ -178,10 +191,12 @@ class SSDTier:
 
     def close(self) -> None:
         """Close the environment (idempotent). With ``sync=False``, flushes first."""
-        with self._read_pool_lock:
-            pool, self._read_pool = self._read_pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        with self._pool_lock:
+            pools = [self._read_pool, self._encode_pool]
+            self._read_pool = self._encode_pool = None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
         with self._gate.exclusive():  # a read in flight on another thread finishes first (its views map the file)
             if self._env is not None:
                 if not self.sync and not self.readonly:
@@ -211,20 +226,21 @@ class SSDTier:
 
         Returns how many were written: all, or on a full map the longest prefix
         that fits (possibly 0; ``stats["map_full"]`` and :attr:`last_error` say
-        so). Existing keys are overwritten. Encoding runs before the write lock
-        is taken, into a reused per-thread arena. Raises ``ValueError`` for a block that is not
-        ``layout.bytes_per_block`` long, ``ProtocolError`` when read-only.
-        Called by the mover; cost ≈ encode + one synced commit per call.
+        so). Existing keys are overwritten. The first ``WRITE_GROUP_BYTES`` are
+        encoded before LMDB's write lock is taken, the rest while the
+        transaction copies the groups before them (see Threading). Raises
+        ``ValueError`` for a block that is not ``layout.bytes_per_block`` long,
+        ``ProtocolError`` when read-only. Called by the mover; cost ≈ the
+        larger of encoding and copying, plus one synced commit per call.
         """
         self._writable_env()
         for _, buf, _ in items:
             self._check_block(buf)
-        values = encode_many(items, self._ctx, self.codec, self.zstd_level, self.min_ratio)
-        encoded = [(key_to_bytes(key), value) for (key, _, _), value in zip(items, values)]
-        num_written = self._write_prefix(encoded)
+        with self._put_lock:
+            num_written, stored_bytes = self._write_prefix(items)
         if num_written:
             self._stats["puts"] += num_written
-            self._stats["bytes_written"] += sum(len(v) for _, v in encoded[:num_written])
+            self._stats["bytes_written"] += stored_bytes
             self._stats["raw_bytes_written"] += num_written * self.layout.bytes_per_block
         return num_written
 
@@ -309,16 +325,17 @@ class SSDTier:
                 f"block has {nbytes} bytes, layout {self.layout.describe()} needs {self.layout.bytes_per_block}"
             )
 
-    def _write_prefix(self, encoded: list[tuple[bytes, memoryview]]) -> int:
-        """Commit the longest prefix of ``encoded`` that fits; returns its length."""
-        n = len(encoded)
+    def _write_prefix(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]]) -> tuple[int, int]:
+        """Commit the longest prefix of ``items`` that fits; returns its length and stored bytes."""
+        n = len(items)
         nudged = False
+        stored_bytes = 0
         while n > 0:
             try:
-                failed_at = self._write(encoded[:n])
+                failed_at, stored_bytes = self._write(items[:n])
             except lmdb.Error as exc:
                 self._note_write_error(exc)
-                return 0
+                return 0, 0
             if failed_at is None:
                 break
             if not nudged:  # LMDB reuses pages freed by txn N only from txn N+2: an eviction's
@@ -326,22 +343,73 @@ class SSDTier:
                 if self._nudge_with_headroom():
                     continue
             n = failed_at if failed_at < n else n // 2  # failed at commit: halve
-        if n < len(encoded):
-            self._note_map_full(n, len(encoded), "put_many")
-        return n
+        if n < len(items):
+            self._note_map_full(n, len(items), "put_many")
+        return n, stored_bytes if n else 0
 
-    def _write(self, encoded: list[tuple[bytes, memoryview]]) -> int | None:
-        """One write transaction: ``None`` if committed, else how many puts fit before
-        the map filled (``len(encoded)`` when the commit itself did not fit)."""
-        num_put = 0
+    def _write(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]]) -> tuple[int | None, int]:
+        """One write transaction of ``items``, encoded group by group (see Threading).
+
+        Returns ``(None, stored bytes)`` if committed, else how many puts fit
+        before the map filled (``len(items)`` when the commit itself did not
+        fit). No encoder writes into the tier's buffers once this returns."""
+        per = self._group_blocks
+        groups = [items[i : i + per] for i in range(0, len(items), per)]
+        bufs = self._buffers(min(len(items), per), min(len(groups), self.write_threads))
+        pool = self._encoder() if len(bufs) > 1 else None
+        pending: dict[int, Future[list[memoryview]] | None] = {}
+
+        def encode(g: int) -> list[memoryview]:
+            buf = memoryview(bufs[g % len(bufs)])
+            return encode_into(groups[g], self._ctx, buf, self.codec, self.zstd_level, self.min_ratio)
+
+        def start(g: int) -> None:
+            if pool is not None and g < len(groups):
+                try:
+                    pending[g] = pool.submit(encode, g)
+                except RuntimeError:  # close() on another thread shut the pool down: encode inline
+                    pending[g] = None
+
+        def take(g: int) -> list[memoryview]:
+            future = pending.pop(g, None)
+            return future.result() if future is not None else encode(g)
+
+        num_put = stored_bytes = 0
         try:
+            for g in range(len(bufs)):
+                start(g)
+            values = take(0)  # before the write lock
             with self._write_txn() as txn:
-                for key_bytes, value in encoded:
-                    txn.put(key_bytes, value)
-                    num_put += 1
+                for g, group in enumerate(groups):
+                    if g:
+                        values = take(g)
+                    for (key, _, _), value in zip(group, values):
+                        txn.put(key_to_bytes(key), value)
+                        num_put += 1
+                        stored_bytes += len(value)
+                    start(g + len(bufs))  # into the buffer just copied
         except lmdb.MapFullError:
-            return num_put
-        return None
+            return num_put, 0
+        finally:
+            wait([f for f in pending.values() if f is not None])
+        return None, stored_bytes
+
+    def _buffers(self, group_blocks: int, count: int) -> list[bytearray]:
+        """``count`` reused buffers, each big enough for ``group_blocks`` encoded blocks."""
+        nbytes = group_blocks * value_bound(self.layout.bytes_per_block)
+        bufs = self._write_bufs
+        for i in range(count):
+            if i == len(bufs):
+                bufs.append(bytearray(nbytes))
+            elif len(bufs[i]) < nbytes:
+                bufs[i] = bytearray(nbytes)
+        return bufs[:count]
+
+    def _encoder(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._encode_pool is None:
+                self._encode_pool = ThreadPoolExecutor(self.write_threads - 1, thread_name_prefix="kvtier-ssd-encode")
+            return self._encode_pool
 
     def _note_map_full(self, num_written: int, num_asked: int, op: str) -> None:
         self._stats["map_full"] += 1
@@ -447,7 +515,7 @@ class SSDTier:
             stats["bytes_read"] = stats.get("bytes_read", 0) + bytes_read
 
     def _pool(self) -> ThreadPoolExecutor:
-        with self._read_pool_lock:
+        with self._pool_lock:
             if self._read_pool is None:
                 self._read_pool = ThreadPoolExecutor(self.read_threads - 1, thread_name_prefix="kvtier-ssd-read")
             return self._read_pool

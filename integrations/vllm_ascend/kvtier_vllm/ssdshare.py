@@ -34,7 +34,7 @@ def acquire(path: Path, namespace: Namespace, layout: KVLayout, cfg: KVTierConfi
             path.mkdir(parents=True, exist_ok=True)
             tier = SSDTier(path, namespace, layout, map_size_bytes=cfg.ssd.map_size_bytes, codec=cfg.ssd.codec,
                            zstd_level=cfg.ssd.zstd_level, sync=cfg.ssd.sync,
-                           read_threads=cfg.ssd.read_threads)
+                           read_threads=cfg.ssd.read_threads, write_threads=cfg.ssd.write_threads)
             entry = _open[key] = [tier, 0]
         elif entry[0].namespace != namespace:
             raise ValueError(f"kvtier: SSD directory {str(path)!r} is already open for another namespace")
