@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> dict:
     gen = torch.Generator(device="cpu").manual_seed(0)
     caches = {f"model.layers.{i}.self_attn": torch.randn(shape, generator=gen).to(dtype).to(device)
               for i in range(args.layers)}
-    io = BlockIO(caches, num_blocks=args.cache_blocks)
+    io = BlockIO(caches, num_blocks=args.cache_blocks, side_stream=args.stream == "side",
+                 device_staging_bytes=args.device_staging_mib << 20)
     n = args.blocks
     if 2 * n > args.cache_blocks:
         raise SystemExit(f"--blocks {n}: needs --cache-blocks >= {2 * n} (stores from one half, loads into the other)")
@@ -154,6 +155,8 @@ def run(args: argparse.Namespace) -> dict:
         "cache_shape_per_layer": list(shape),
         "layers": args.layers,
         "dtype": args.dtype,
+        "stream": "side" if io.stream is not None else "engine",
+        "device_staging_bytes": io.device_staging_bytes,
         "blocks_moved": n,
         "bytes_per_block": io.bytes_per_block,
         "bytes_moved": nbytes,
@@ -189,10 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per figure, the best is kept (default 5)")
     ap.add_argument("--matmul", type=int, default=8192, help="matmul size M (M x M @ M x M; default 8192)")
     ap.add_argument("--matmul-iters", type=int, default=20, help="matmuls per timed run (default 20)")
+    ap.add_argument("--stream", choices=("side", "engine"), default="side",
+                    help="copy on a stream of kvtier's own (side, the connector's default) or on the default "
+                         "stream, where the matmuls run (engine); no streams on the CPU")
+    ap.add_argument("--device-staging-mib", type=int, default=64,
+                    help="device staging buffer between the caches and host rows (MiB, default 64, as the "
+                         "connector's device_staging_mib)")
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = ap.parse_args(argv)
     for name in ("layers", "cache_blocks", "blocks", "block_tokens", "kv_heads", "head_dim", "repeats", "matmul",
-                 "matmul_iters"):
+                 "matmul_iters", "device_staging_mib"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
     print(f"[gpu_datapath] device {args.device or _default_device()}: allocating {args.layers} layer caches ...",
@@ -201,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {r['device_name']} ({r['device']}), torch {r['torch']}; {r['layers']} layers "
           f"{r['cache_shape_per_layer']} {r['dtype']}; {r['blocks_moved']} blocks of "
           f"{r['bytes_per_block'] / (1 << 20):.2f} MiB = {r['bytes_moved'] / (1 << 20):.0f} MiB per operation; "
+          f"copies on the {r['stream']} stream, {r['device_staging_bytes'] >> 20} MiB device staging; "
           f"loaded bytes verified: {r['verified']}")
     print(f"{'':24}{'kvtier path':>14}{'pinned copy':>14}{'ratio':>8}")
     print(f"{'store (device->host)':24}{r['kvtier_store_gibps']:>10.2f} GiB/s{r['pinned_store_gibps']:>8.2f} GiB/s"

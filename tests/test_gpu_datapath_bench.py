@@ -25,7 +25,11 @@ def test_cpu_smoke_run(tmp_path: Path) -> None:
     for key in ("store_vs_pinned", "load_vs_pinned", "kvtier_store_gibps", "pinned_load_gibps", "matmul_alone_s"):
         assert r[key] > 0, key
     assert r["targets"]["checked"] is False  # the targets are for an accelerator
+    assert r["stream"] == "engine" and r["device_staging_bytes"] == 0  # the CPU has no streams, copies go straight
     assert "kvtier path" in proc.stdout and "slowdown" in proc.stdout
     bad = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--blocks", "40", "--cache-blocks", "64"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert bad.returncode != 0 and "--cache-blocks" in bad.stderr
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--device-staging-mib", "0"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert bad.returncode != 0 and "--device-staging-mib must be > 0" in bad.stderr

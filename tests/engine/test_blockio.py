@@ -68,3 +68,70 @@ def test_mixed_arrangements_are_an_error() -> None:
     caches = {"l0": torch.zeros(NUM_BLOCKS, 4), "l1": (torch.zeros(NUM_BLOCKS, 2), torch.zeros(NUM_BLOCKS, 2))}
     with pytest.raises(ValueError, match="mix"):
         BlockIO(caches, NUM_BLOCKS)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "kv-first", "ascend-split"])
+@pytest.mark.parametrize("chunk_blocks", [1, 2, 8])
+def test_chunked_staging_moves_the_same_bytes_as_the_straight_path(kind: str, chunk_blocks: int) -> None:
+    """The accelerator path (through a device staging buffer of ``chunk_blocks``
+    blocks, one contiguous copy per chunk), run on the CPU: the same rows out,
+    and the same blocks written back, as the straight path."""
+    straight = BlockIO(_caches(kind), NUM_BLOCKS)
+    caches = _caches(kind)
+    bpb = straight.bytes_per_block
+    io = BlockIO(caches, NUM_BLOCKS, device_staging_bytes=chunk_blocks * bpb + bpb // 2, chunked=True)
+    assert io.chunk_blocks == chunk_blocks and io.device_staging_bytes == chunk_blocks * bpb
+    assert straight.device_staging_bytes == 0
+    ids = [5, 0, 3, 1, 4]
+    want = straight.gather(ids)
+    out = torch.zeros_like(want)
+    assert io.copy_out(ids, out) is None  # the CPU: ready at once
+    assert torch.equal(out, want) and torch.equal(io.gather(ids), want)
+    rows = torch.stack([want[4], want[0], want[2]])  # blocks 4, 5, 3 into 0, 1, 2
+    assert io.scatter([0, 1, 2], rows) is None
+    assert torch.equal(io.gather([0, 1, 2]), rows)
+    assert torch.equal(io.gather([3, 4, 5]), straight.gather([3, 4, 5]))  # untouched
+
+
+class _FakeStream:
+    """Records what BlockIO asks of a stream (the CPU has none)."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: "_FakeStream") -> None:
+        self.log.append(f"{self.name} waits for {other.name}")
+
+    def wait_event(self, event: str) -> None:
+        self.log.append(f"{self.name} waits for {event}")
+
+    def record_event(self) -> str:
+        self.log.append(f"{self.name} records")
+        return f"event of {self.name}"
+
+    def __enter__(self) -> None:
+        self.log.append(f"{self.name} copies:")
+
+    def __exit__(self, *exc: object) -> None:
+        self.log.append("end")
+
+
+def test_side_stream_copies_are_ordered_by_events_without_host_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a side stream, a store's copies start after the engine's queued work and
+    hand back the side stream's event; a load's copies start after the engine's
+    queued work, and the engine's stream waits for them. Nothing synchronizes
+    the host. (The order on a real accelerator is the GPU benchmark's to show.)"""
+    log: list[str] = []
+    engine = _FakeStream("engine", log)
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: engine)
+    caches = _caches("ascend-split")
+    io = BlockIO(caches, NUM_BLOCKS)
+    want = io.gather([2, 3])
+    io.stream = _FakeStream("side", log)
+    out = torch.zeros_like(want)
+    assert io.copy_out([2, 3], out) == "event of side" and torch.equal(out, want)
+    assert log == ["side waits for engine", "side copies:", "side records", "end"]
+    log.clear()
+    assert io.scatter([0, 1], want) == "event of side"
+    assert log == ["side waits for engine", "side copies:", "side records", "end", "engine waits for event of side"]
+    assert torch.equal(io.gather([0, 1]), want)

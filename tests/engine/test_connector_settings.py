@@ -68,6 +68,10 @@ def test_placement_defaults_to_kvtier_and_takes_the_replay_names() -> None:
     ({"hbm_hold_budget_fraction": 1.5}, "hbm_hold_budget_fraction=1.5: must be a number in"),
     ({"hint_watch": "127.0.0.1:1", "hint_server": "127.0.0.1:0"}, "hint_watch='127.0.0.1:1': give hint_server"),
     ({"hint_watch": 5}, "hint_watch=5: must be host:port"),
+    ({"copy_threads": 0}, "copy_threads=0: must be an integer in 1..64"),
+    ({"device_staging_mib": 0}, "device_staging_mib=0: must be a number > 0"),
+    ({"side_stream": "yes"}, "side_stream='yes': must be true or false"),
+    ({"copy_threads": 2.5}, "copy_threads=2.5: must be an integer in 1..64"),
 ])
 def test_bad_placement_settings_name_the_key(extra: dict, match: str) -> None:
     with pytest.raises(ConfigError, match="kv_connector_extra_config." + match):

@@ -15,6 +15,18 @@ A block's row is the concatenation, layer by layer in registration order, of
 each tensor's slice at that block (block dimension moved to the front, made
 contiguous). Must not import vLLM, decide which blocks move, or do I/O.
 
+Streams. On an accelerator the copies run on a stream of their own (torch's
+device-agnostic ``torch.Stream``: CUDA, or an NPU through torch_npu), so they
+overlap the engine's compute instead of queueing behind it. Events order them,
+and the engine's thread never waits on the host: a store's copies start after
+the engine's queued work (the forward that wrote the blocks) and return an
+event that the worker's copy thread waits on before it reads the host rows; a
+load's copies start after the engine's queued work (blocks just handed to a
+request may still be read by it) and the engine's stream waits on their event
+before its next kernel, so the next forward reads the loaded blocks. With
+``side_stream=False``, or where the backend gives no stream, the copies queue
+on the engine's current stream, as before. On the CPU there are no streams.
+
 >>> import torch
 >>> caches = {"l0": torch.arange(4 * 3 * 2, dtype=torch.float32).view(4, 3, 2)}
 >>> io = BlockIO(caches, num_blocks=4)
@@ -27,11 +39,14 @@ True
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 KVCache = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]
 
@@ -60,14 +75,34 @@ def _block_dim(t: torch.Tensor, num_blocks: int, name: str) -> int:
     return dims[0]
 
 
+DEVICE_STAGING_BYTES = 64 << 20
+
+
 class BlockIO:
     """Gather and scatter whole blocks of registered KV caches.
 
     ``kv_caches`` maps layer names to a tensor (``fused``) or a tuple of K and
     V tensors (``split``); all layers must use the same arrangement.
+    ``side_stream``: copy on a stream of its own on an accelerator (see Streams).
+
+    Device staging. Between an accelerator and host rows the bytes pass
+    through one fixed device buffer of ``device_staging_bytes`` (rounded down
+    to whole blocks, at least one), allocated here, so that every transfer
+    over the link is one contiguous copy per chunk of blocks. A host row is
+    block-major (all layers of one block) while a cache is layer-major, and a
+    copy into or out of a column slice of pinned rows makes torch stage it
+    through pageable memory, which waits on the host. Per chunk, kernels on
+    the device gather the blocks' layers into the buffer (or spread them out
+    of it), and one copy moves the chunk. The buffer is accelerator memory
+    outside what vLLM profiles: keep it within the headroom that
+    ``gpu_memory_utilization`` leaves. On the CPU (``chunked`` false by
+    default) the copies go straight between the cache and the rows. Calls
+    come from one thread (the engine's), and all copies of one ``BlockIO`` are
+    queued on one stream, so the buffer is reused in order.
     """
 
-    def __init__(self, kv_caches: Mapping[str, KVCache], num_blocks: int) -> None:
+    def __init__(self, kv_caches: Mapping[str, KVCache], num_blocks: int, side_stream: bool = True,
+                 device_staging_bytes: int = DEVICE_STAGING_BYTES, chunked: bool | None = None) -> None:
         if not kv_caches:
             raise ValueError("no KV caches registered")
         kinds = {isinstance(v, (tuple, list)) for v in kv_caches.values()}
@@ -88,21 +123,35 @@ class BlockIO:
         self.num_layers = len(kv_caches)
         self.bytes_per_block = offset
         self.device = parts[0].tensor.device
+        self.stream: Any = make_side_stream(self.device) if side_stream else None
+        chunked = self.device.type != "cpu" if chunked is None else chunked
+        self.chunk_blocks = max(1, device_staging_bytes // offset)
+        self._staging = (torch.empty((self.chunk_blocks, offset), dtype=torch.uint8, device=self.device)
+                         if chunked else None)
+
+    @property
+    def device_staging_bytes(self) -> int:
+        """Bytes of the device staging buffer (0 on the straight, CPU path)."""
+        return 0 if self._staging is None else self._staging.numel()
 
     def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None,
                non_blocking: bool = False) -> torch.Tensor:
         """Rows (``uint8 [len(block_ids), bytes_per_block]``, on the cache's device
-        unless ``out`` is given) holding the bytes of ``block_ids``. Into host
-        ``out`` the copies go layer by layer (no device buffer of all the rows),
-        queued on the current stream when ``non_blocking`` (``out`` pinned)."""
-        ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
-        rows = out if out is not None else torch.empty(
-            (len(block_ids), self.bytes_per_block), dtype=torch.uint8, device=self.device
-        )
-        for p in self._parts:
-            blocks = p.tensor.index_select(p.block_dim, ids).movedim(p.block_dim, 0).contiguous()
-            rows[:, p.offset : p.offset + p.nbytes].copy_(blocks.view(len(block_ids), -1).view(torch.uint8),
-                                                          non_blocking=non_blocking)
+        unless ``out`` is given) holding the bytes of ``block_ids``, copied on
+        the current stream: chunk by chunk through the device staging buffer
+        (never a device buffer of all the rows), not waited for when
+        ``non_blocking`` (``out`` pinned)."""
+        ids = self._ids(block_ids)
+        n = len(block_ids)
+        rows = out if out is not None else torch.empty((n, self.bytes_per_block), dtype=torch.uint8,
+                                                       device=self.device)
+        if self._staging is None:
+            self._gather_into(rows, ids, non_blocking)
+            return rows
+        for i in range(0, n, self.chunk_blocks):
+            m = min(self.chunk_blocks, n - i)
+            self._gather_into(self._staging[:m], ids[i : i + m], False)
+            rows[i : i + m].copy_(self._staging[:m], non_blocking=non_blocking)  # one contiguous copy
         return rows
 
     def copy_out(self, block_ids: Sequence[int], out: torch.Tensor) -> Any:
@@ -111,41 +160,92 @@ class BlockIO:
         ready at once).
 
         What the worker does for a store (``wait_for_save``, ``out`` a run of
-        its staging ring) and what ``bench/gpu_datapath.py`` measures: per
-        layer, a gather on the device and a copy into ``out`` queued on the
-        engine's current stream (not blocking when ``out`` is pinned), then an
-        event recorded after them.
+        its staging ring) and what ``bench/gpu_datapath.py`` measures:
+        :meth:`gather` into ``out`` (not blocking when ``out`` is pinned), on
+        the side stream after the engine's queued work (or on the engine's
+        stream), then an event recorded after it.
         """
-        self.gather(block_ids, out=out, non_blocking=out.is_pinned())
-        return device_event(self.device)
+        if self.stream is None:
+            self.gather(block_ids, out=out, non_blocking=out.is_pinned())
+            return device_event(self.device)
+        self.stream.wait_stream(torch.accelerator.current_stream(self.device))  # the forward that wrote them
+        with self.stream:
+            self.gather(block_ids, out=out, non_blocking=out.is_pinned())
+            return self.stream.record_event()
 
     def scatter(self, block_ids: Sequence[int], rows: torch.Tensor) -> Any:
         """Write ``rows[i]`` (``bytes_per_block`` bytes each) into block ``block_ids[i]``;
         return an event after which ``rows`` may be reused (``None`` on the CPU:
-        at once). From pinned host rows the copy to the device is queued on the
-        current stream, so the engine's thread does not wait for it."""
+        at once). From pinned host rows the copy to the device is queued (on the
+        side stream after the engine's queued work, the engine's stream then
+        waiting for it; or on the engine's stream), so the engine's thread does
+        not wait for it."""
         n = len(block_ids)
         if rows.shape != (n, self.bytes_per_block):
             raise ValueError(f"rows have shape {tuple(rows.shape)}, expected ({n}, {self.bytes_per_block})")
-        ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
-        rows = rows.to(self.device, non_blocking=rows.is_pinned())  # pinned host rows: queued, not waited for
+        if self.stream is None:
+            self._scatter(block_ids, rows)
+            return device_event(self.device)
+        engine = torch.accelerator.current_stream(self.device)
+        self.stream.wait_stream(engine)  # the engine's queued work may still read these blocks' old bytes
+        with self.stream:
+            self._scatter(block_ids, rows)
+            done = self.stream.record_event()
+        engine.wait_event(done)  # the next forward reads the loaded bytes
+        return done
+
+    def _scatter(self, block_ids: Sequence[int], rows: torch.Tensor) -> None:
+        ids = self._ids(block_ids)
+        pinned = rows.device.type == "cpu" and rows.is_pinned()
+        if self._staging is None:
+            self._scatter_from(rows.to(self.device, non_blocking=pinned), ids)
+            return
+        for i in range(0, len(block_ids), self.chunk_blocks):
+            m = min(self.chunk_blocks, len(block_ids) - i)
+            self._staging[:m].copy_(rows[i : i + m], non_blocking=pinned)  # one contiguous copy
+            self._scatter_from(self._staging[:m], ids[i : i + m])
+
+    def _gather_into(self, rows: torch.Tensor, ids: torch.Tensor, non_blocking: bool) -> None:
+        """Each layer's bytes of blocks ``ids`` into its columns of ``rows``."""
+        n = len(ids)
+        for p in self._parts:
+            blocks = p.tensor.index_select(p.block_dim, ids).movedim(p.block_dim, 0).contiguous()
+            rows[:, p.offset : p.offset + p.nbytes].copy_(blocks.view(n, -1).view(torch.uint8),
+                                                          non_blocking=non_blocking)
+
+    def _scatter_from(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        """Each layer's columns of ``rows`` (on the cache's device) into blocks ``ids``."""
+        n = len(ids)
         for p in self._parts:
             shape = list(p.tensor.shape)
             del shape[p.block_dim]
             chunk = rows[:, p.offset : p.offset + p.nbytes].contiguous().view(p.tensor.dtype)
-            blocks = chunk.view(n, *shape).movedim(0, p.block_dim)
-            p.tensor.index_copy_(p.block_dim, ids, blocks)
-        return device_event(self.device)
+            p.tensor.index_copy_(p.block_dim, ids, chunk.view(n, *shape).movedim(0, p.block_dim))
+
+    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Block ids as a tensor on the cache's device; from pinned memory without a
+        wait on the host (a plain copy from pageable memory would synchronize the
+        stream, so the engine's thread would wait for its queued forward)."""
+        ids = torch.tensor(list(block_ids), dtype=torch.long)
+        if self.device.type == "cpu":
+            return ids
+        return ids.pin_memory().to(self.device, non_blocking=True)
 
 
 def device_event(device: torch.device) -> Any:
     """An event recorded on the device's current stream (``None`` on the CPU)."""
-    if device.type == "cuda":
-        event = torch.cuda.Event()
-        event.record()
-        return event
-    if device.type == "npu":  # pragma: no cover - needs Ascend hardware
-        event = torch.npu.Event()  # type: ignore[attr-defined]
-        event.record()
-        return event
-    return None
+    if device.type == "cpu":
+        return None
+    return torch.accelerator.current_stream(device).record_event()
+
+
+def make_side_stream(device: torch.device) -> Any:
+    """A new stream on ``device`` for kvtier's copies; ``None`` on the CPU, or
+    (logged) where the backend cannot make one: copies then use the engine's stream."""
+    if device.type == "cpu":
+        return None
+    try:
+        return torch.Stream(device=device)
+    except (RuntimeError, TypeError, ValueError) as exc:  # pragma: no cover - a backend without streams
+        log.warning("kvtier: no side stream on %s (%s); copies share the engine's stream", device, exc)
+        return None

@@ -36,6 +36,12 @@ EXTRA_KEYS: dict[str, str] = {
     "staging_mib": "host staging for blocks in flight between the engine's KV cache and the tiers (MiB, default "
                    "1024; pinned when an accelerator is present): stores and loads that find it full are skipped "
                    "and counted (store_skipped_staging, load_skipped_staging), never waited for",
+    "device_staging_mib": "accelerator buffer between the KV cache and host staging (MiB, default 64; not used on "
+                          "the CPU): blocks cross the link through it in chunks, one contiguous copy each. It is "
+                          "allocated at start, outside vLLM's profiled memory",
+    "side_stream": "false: queue the accelerator copies on the engine's stream instead of a stream of kvtier's own",
+    "copy_threads": "threads that share one DRAM copy of 32 MiB or more, the worker's own included (default 2; "
+                    "1 keeps every copy on one thread, leaving the other cores to a CPU engine's forward)",
     "policy": "eviction policy of the DRAM and SSD tiers (a registered kvtier policy name; default: the placement's)",
     "placement": "placement policy, the same object the replay runs (default kvtier; lru-dram for write-through LRU "
                  "with no agent actions; ttl, kvflow, tokencake, ...): see kvtier.placement",
@@ -85,6 +91,9 @@ class ConnectorSettings:
     hint_watch_token: str | None = None
     ssd_write_queue_bytes: int = 256 << 20
     staging_bytes: int = 1024 << 20
+    copy_threads: int = 2
+    device_staging_bytes: int = 64 << 20
+    side_stream: bool = True
 
     @classmethod
     def build(
@@ -151,9 +160,16 @@ class ConnectorSettings:
                               "give hint_server (host it here) or hint_watch (follow one elsewhere), not both")
         queue_mib = _mib(extra, "ssd_write_queue_mib", 256)
         staging_mib = _mib(extra, "staging_mib", 1024)
+        copy_threads = extra.get("copy_threads", 2)
+        if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or not 1 <= copy_threads <= 64:
+            raise ConfigError("kv_connector_extra_config.copy_threads", copy_threads, "must be an integer in 1..64")
+        device_staging_mib = _mib(extra, "device_staging_mib", 64)
+        side_stream = extra.get("side_stream", True)
+        if not isinstance(side_stream, bool):
+            raise ConfigError("kv_connector_extra_config.side_stream", side_stream, "must be true or false")
         return cls(cfg, extra.get("stats_path"), extra.get("hint_server"), ssd_root, placement, hold, float(budget),
                    eviction_set, watch, extra.get("hint_watch_token"), int(queue_mib * (1 << 20)),
-                   int(staging_mib * (1 << 20)))
+                   int(staging_mib * (1 << 20)), copy_threads, int(device_staging_mib * (1 << 20)), side_stream)
 
     def rank_ssd_path(self, tp_rank: int, tp_size: int) -> Path | None:
         """The LMDB directory of one TP rank (each rank stores its own shard)."""
