@@ -129,6 +129,13 @@ class KVTierScheduler:
         self._gpu_block_pool: Any = None
         self._stats_lock = threading.Lock()
         self._stats_dirty = True
+        self.recorder: Any = None
+        if settings.record_path:
+            from kvtier.replay.record import TraceRecorder
+
+            self.recorder = TraceRecorder(settings.record_path, block_size, namespace.model.split("|")[0],
+                                          max_bytes=settings.record_max_bytes)
+            log.info("kvtier: recording served requests as AgentX traces in %s", settings.record_path)
         if "ssd" in self.manager.tier_names:
             self._reindex_ssd()
 
@@ -153,6 +160,10 @@ class KVTierScheduler:
             crit = request_criticality(getattr(request, "kv_transfer_params", None))
             if crit is not None:
                 self.placement.criticalities[agent] = crit
+        if self.recorder is not None:
+            prompt = int(request.num_prompt_tokens)
+            self.recorder.arrived(request.request_id, st.session_id, st.agent_id, prompt,
+                                  self._keys(st)[: prompt // self.block_size])
         need = -(-int(request.num_tokens) // self.block_size)
         if self.placement.arrived(request.request_id, agent, need) and agent is not None:
             self.policy.on_wait_end(self.placement, agent, self._keys(st))
@@ -270,8 +281,11 @@ class KVTierScheduler:
         st = self._reqs.pop(request.request_id, None)
         self._matches.pop(request.request_id, None)
         self.placement.finished(request.request_id)
+        wait_s = request_tool_wait_s(getattr(request, "kv_transfer_params", None))
+        if self.recorder is not None:
+            self.recorder.finished(request.request_id, int(request.num_output_tokens), wait_s is not None)
         if st is not None:
-            self._agent_waits(st, request_tool_wait_s(getattr(request, "kv_transfer_params", None)))
+            self._agent_waits(st, wait_s)
         if st is None or not (st.pending_jobs or st.loading):
             return False
         self.counters["delayed_frees"] += 1
@@ -392,8 +406,14 @@ class KVTierScheduler:
                                  max(0.01, returns_s - now) if returns_s is not None else 10.0, 0)
 
     def shutdown(self) -> None:
-        """Give back every HBM hold; stop the hosted hint server or the watcher, if any."""
+        """Give back every HBM hold; stop the hosted hint server or the watcher, if any;
+        write the recording out."""
         self.placement.release_all()
+        if self.recorder is not None:
+            self.recorder.close()
+            self.counters.update(self.recorder.counters)
+            self._stats_dirty = True
+            self.write_stats()
         if self._watcher is not None:
             self._watcher.close()
             self._watcher = None
@@ -435,6 +455,8 @@ class KVTierScheduler:
                                "peak_blocks": holds.peak_blocks}
         sessions = Counter(st.session_id for st in self._reqs.values() if st.session_id)
         out["live_sessions"] = len(sessions)
+        if self.recorder is not None:
+            out["record"] = dict(self.recorder.counters)
         return out
 
     def write_stats(self) -> None:

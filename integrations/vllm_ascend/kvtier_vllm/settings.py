@@ -40,6 +40,10 @@ EXTRA_KEYS: dict[str, str] = {
                           "the CPU): blocks cross the link through it in chunks, one contiguous copy each. It is "
                           "allocated at start, outside vLLM's profiled memory",
     "side_stream": "false: queue the accelerator copies on the engine's stream instead of a stream of kvtier's own",
+    "record_path": "directory to record the served requests in, as AgentX traces that kvtier replay reads "
+                   "(no prompt text: lengths and anonymous block ids); off by default",
+    "record_max_mib": "recording stops (counted: record_skipped_full) once record_path holds this many MiB of "
+                      "traces (default 1024)",
     "copy_threads": "threads that share one DRAM copy of 32 MiB or more, the worker's own included (default 2; "
                     "1 keeps every copy on one thread, leaving the other cores to a CPU engine's forward)",
     "policy": "eviction policy of the DRAM and SSD tiers (a registered kvtier policy name; default: the placement's)",
@@ -94,6 +98,8 @@ class ConnectorSettings:
     copy_threads: int = 2
     device_staging_bytes: int = 64 << 20
     side_stream: bool = True
+    record_path: str | None = None
+    record_max_bytes: int = 1 << 30
 
     @classmethod
     def build(
@@ -167,9 +173,14 @@ class ConnectorSettings:
         side_stream = extra.get("side_stream", True)
         if not isinstance(side_stream, bool):
             raise ConfigError("kv_connector_extra_config.side_stream", side_stream, "must be true or false")
+        record_path = extra.get("record_path")
+        if record_path is not None and (not isinstance(record_path, str) or not record_path):
+            raise ConfigError("kv_connector_extra_config.record_path", record_path, "must be a directory path")
+        record_mib = _mib(extra, "record_max_mib", 1024)
         return cls(cfg, extra.get("stats_path"), extra.get("hint_server"), ssd_root, placement, hold, float(budget),
                    eviction_set, watch, extra.get("hint_watch_token"), int(queue_mib * (1 << 20)),
-                   int(staging_mib * (1 << 20)), copy_threads, int(device_staging_mib * (1 << 20)), side_stream)
+                   int(staging_mib * (1 << 20)), copy_threads, int(device_staging_mib * (1 << 20)), side_stream,
+                   record_path, int(record_mib * (1 << 20)))
 
     def rank_ssd_path(self, tp_rank: int, tp_size: int) -> Path | None:
         """The LMDB directory of one TP rank (each rank stores its own shard)."""
