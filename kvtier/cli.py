@@ -112,6 +112,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return command(args)
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from .replay.tune import command
+
+    return command(args)
+
+
 def _cmd_analyze_trace(args: argparse.Namespace) -> int:
     import json
 
@@ -162,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description=REPLAY_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_replay_arguments(r)
     r.set_defaults(func=_cmd_replay)
+
+    from .replay.tune import DESCRIPTION as TUNE_DESCRIPTION, add_arguments as add_tune_arguments
+
+    t = sub.add_parser("tune", help="search placement settings on recorded traffic; writes a config file",
+                       description=TUNE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_tune_arguments(t)
+    t.set_defaults(func=_cmd_tune)
 
     b = sub.add_parser("bench", help="run a benchmark (prints a table; --json writes figures)",
                        description="Benchmarks that compare kvtier against a baseline measured in the same run.")

@@ -118,6 +118,10 @@ def _check_opt_int(setting: str, value: object) -> int | None:
     return None if value is None else _check_int(setting, value)
 
 
+def _check_opt_float(setting: str, value: object) -> float | None:
+    return None if value is None else _check_float(setting, value)
+
+
 def _check_pin_memory(setting: str, value: object) -> PinMemory:
     if value == "auto" or isinstance(value, bool):
         return value  # type: ignore[return-value]
@@ -155,6 +159,10 @@ def _parse_opt_int(setting: str, text: str) -> int | None:
     return None if text.strip().lower() in ("", "auto", "none", "null") else _parse_int(setting, text)
 
 
+def _parse_opt_float(setting: str, text: str) -> float | None:
+    return None if text.strip().lower() in ("", "none", "null") else _parse_float(setting, text)
+
+
 def _parse_pin_memory(setting: str, text: str) -> PinMemory:
     return "auto" if text.strip().lower() == "auto" else _parse_bool(setting, text)
 
@@ -166,6 +174,7 @@ _KINDS: dict[str, _Kind] = {
     "bool": (_check_bool, _parse_bool),
     "str": (_check_str, lambda setting, text: text),
     "int | None": (_check_opt_int, _parse_opt_int),
+    "float | None": (_check_opt_float, _parse_opt_float),
     "PinMemory": (_check_pin_memory, _parse_pin_memory),
 }
 
@@ -384,6 +393,50 @@ def _dir_problem(target: Path) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
+class PlacementConfig:
+    """The placement policy the vLLM connector runs (unless its
+    ``kv_connector_extra_config.placement`` names another) and ``kvtier replay
+    --config`` replays, with its tunable constants (``None``: the policy's own;
+    meanings and ranges in :data:`kvtier.placement.params.KNOBS`). ``kvtier
+    tune`` writes this section."""
+
+    policy: str = "kvtier"
+    next_use_trust: float | None = None
+    rho_min: float | None = None
+    rho_max: float | None = None
+    critical_at: float | None = None
+    demote_after_s: float | None = None
+    prefetch_lead_factor: float | None = None
+    SECTION: ClassVar[str] = "placement"
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "placement.")
+        from .placement import make_placement
+
+        make_placement(self.policy, "placement.policy", self.params())  # names the bad setting, if any
+
+    def params(self) -> dict[str, float]:
+        """The constants set here (the rest stay the policy's own)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "policy" and getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class TunedConfig:
+    """Where a config written by ``kvtier tune`` came from: the recording, the
+    objective, the date and the held-out result. Read by people; nothing acts on it."""
+
+    trace: str = ""
+    objective: str = ""
+    date: str = ""
+    holdout: str = ""
+    SECTION: ClassVar[str] = "tuned"
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "tuned.")
+
+
+@dataclass(frozen=True, slots=True)
 class KVTierConfig:
     """The fully validated configuration. Build it with :func:`load_config`.
 
@@ -400,6 +453,8 @@ class KVTierConfig:
     hbm: HBMTierConfig = field(default_factory=HBMTierConfig)
     dram: DRAMTierConfig = field(default_factory=DRAMTierConfig)
     ssd: SSDTierConfig = field(default_factory=SSDTierConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    tuned: TunedConfig = field(default_factory=TunedConfig)
     pin_budget_blocks: int = 256
     default_pin_ttl_s: float = 30.0
     mover_threads: int = 2
@@ -451,10 +506,12 @@ class KVTierConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Every resolved setting as a nested dict in the file's layout
-        (``tiers`` holds ``hbm``/``dram``/``ssd``); ``load_config(overrides=...)``
-        of it gives back an equal config."""
+        (``tiers`` holds ``hbm``/``dram``/``ssd``; placement constants left to
+        the policy are omitted); ``load_config(overrides=...)`` of it gives
+        back an equal config."""
         data = asdict(self)
         data["tiers"] = {name: data.pop(name) for name in TIER_NAMES}
+        data["placement"] = {k: v for k, v in data["placement"].items() if v is not None}  # unset: the policy's own
         return data
 
     @classmethod
@@ -469,6 +526,8 @@ _SECTIONS: dict[str, type] = {
     "hbm": HBMTierConfig,
     "dram": DRAMTierConfig,
     "ssd": SSDTierConfig,
+    "placement": PlacementConfig,
+    "tuned": TunedConfig,
 }
 
 

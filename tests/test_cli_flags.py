@@ -34,6 +34,12 @@ LATER: dict[tuple[str, str], tuple[list[str], str, str]] = {
     ("replay", "--policies"): ([], "lru,lru-2q", "unknown placement policy"),
     ("replay", "--admission"): ([], "sjf", "unknown admission order"),
     ("replay", "--surface"): ([], "sglang", "unknown engine surface"),
+    ("replay", "--config"): ([], "/nonexistent/kvtier.yaml", "kvtier.yaml"),
+    ("tune", "--trace"): ([], "/nonexistent/recording", "does not exist"),
+    ("tune", "--policies"): ([], "kvtier,lru-2q", "unknown placement policy"),
+    ("tune", "--knobs"): ([], "next_use_trust,speed", "unknown knob"),
+    ("tune", "--holdout"): ([], "1.5", "--holdout"),
+    ("tune", "--profile"): ([], "tpu-v9:llama", "profile"),
     ("bench", "--master"): (["remote", "--metadata-server", "http://127.0.0.1:9/metadata"], "127.0.0.1:9",
                             "tiers.remote.master"),
     ("bench", "--metadata-server"): (["remote"], "http://127.0.0.1:9/metadata", "--metadata-server"),
@@ -47,6 +53,9 @@ LATER: dict[tuple[str, str], tuple[list[str], str, str]] = {
     ("serve", "--token"): (["--listen", "0.0.0.0:0", "--token", ""], "", "token"),
 }
 NO_VALUE = {"--help", "--version"}
+# tune needs a trace to start: one real AgentX trace file (CI has ../shared beside the checkout)
+TUNE_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "weka_claude_code" / \
+    "example_trace_0277_with_subagents.json"
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
@@ -100,9 +109,13 @@ def test_a_bad_value_is_one_line_naming_the_flag(command: str, flag: str, extra:
         argv.append(str(tmp_path))
     if command == "replay":
         argv += ["--quiet", "--sessions", "1", "--policies", "lru", "--no-references"]
+    if command == "tune":
+        argv += ["--quiet", "--trace", str(TUNE_TRACE), "--candidates", "1", "--rungs", "1"]
     argv += [*extra, f"{flag}={value}" if value.startswith("-") else flag, *([] if value.startswith("-") else [value])]
     if command == "replay" and flag not in ("--json", "--plot"):
         argv += ["--json", str(tmp_path / "out.json")]  # must not be written: the run must stop first
+    if command == "tune" and flag not in ("--json", "--plot", "--out"):
+        argv += ["--out", str(tmp_path / "out.yaml")]
     try:
         rc = main(argv)
     except SystemExit as done:

@@ -329,6 +329,12 @@ BAD_VALUES: list[tuple[dict[str, Any], str, object]] = [
     ({"mover_threads": 0}, "mover_threads", 0),
     ({"tiers": {"ssd": {"read_threads": 0}}}, "tiers.ssd.read_threads", 0),
     ({"tiers": {"ssd": {"write_threads": 0}}}, "tiers.ssd.write_threads", 0),
+    ({"placement": {"policy": "lru-3q"}}, "placement.policy", "lru-3q"),
+    ({"placement": {"next_use_trust": -1}}, "placement.next_use_trust", -1.0),
+    ({"placement": {"rho_max": "high"}}, "placement.rho_max", "high"),
+    ({"placement": {"rho_min": 0.4, "rho_max": 0.2}}, "placement.rho_min", 0.4),
+    ({"placement": {"policy": "lru-dram", "critical_at": 0.5}}, "placement.critical_at", 0.5),
+    ({"tuned": {"date": 20261201}}, "tuned.date", 20261201),
     ({"default_pin_ttl_s": -1.0}, "default_pin_ttl_s", -1.0),
     ({"default_pin_ttl_s": "soon"}, "default_pin_ttl_s", "soon"),
     ({"write_through": 1}, "write_through", 1),
@@ -611,3 +617,21 @@ def test_junk_settings_raise_only_config_error(sandbox: Path, tree: dict[str, An
         _load_text_quietly(suffix, yaml.safe_dump(tree))
     else:
         _load_text_quietly(suffix, to_toml({k: v for k, v in tree.items() if v is not None and not isinstance(v, list)}))
+
+
+def test_placement_section_sets_the_policy_and_its_constants(tmp_path: Path) -> None:
+    """A file's ``placement`` section (what ``kvtier tune`` writes) names the policy and
+    its constants; the environment can set one; unset constants stay the policy's own."""
+    from kvtier.placement import make_placement
+
+    path = write(tmp_path, "p.yaml", "placement:\n  policy: kvtier\n  next_use_trust: 2\n  rho_max: 0.4\n"
+                                     "tuned:\n  trace: rec/\n  objective: prefill\n")
+    cfg = load_config(path, env={"KVTIER_PLACEMENT__CRITICAL_AT": "0.6"})
+    assert cfg.placement.params() == {"next_use_trust": 2.0, "rho_max": 0.4, "critical_at": 0.6}
+    assert cfg.tuned.trace == "rec/" and cfg.tuned.objective == "prefill"
+    policy = make_placement(cfg.placement.policy, params=cfg.placement.params())
+    default = make_placement("kvtier")
+    assert (policy.next_use_trust, policy.rho_bounds, policy.critical_at) == (2.0, (0.05, 0.4), 0.6)
+    assert policy.lead_factor == default.lead_factor and default.next_use_trust == 0.5
+    assert load_config(env={}).placement.params() == {}
+

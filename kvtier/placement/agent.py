@@ -98,6 +98,7 @@ class AgentAware(PlacementPolicy):
     next_use: bool = False  # order every tier it manages by predicted next use (kvtier.placement.nextuse)
     next_use_trust = 0.0  # weight of the predicted wait in the next-use rank (0: by wait start alone)
     stage_queued = False  # promote a queued request's SSD blocks into DRAM when it arrives
+    lead_factor = 1.25  # a prefetch starts this many transfer times before the predicted return
 
     def __init__(self) -> None:
         self.rho = self.rho_bounds[0]
@@ -120,7 +121,7 @@ class AgentAware(PlacementPolicy):
 
     def lead_s(self, t_back_s: float) -> float:
         """How long before the predicted return the prefetch starts."""
-        return max(0.1, 1.25 * t_back_s)
+        return max(0.1, self.lead_factor * t_back_s)
 
     def worth_offloading(self, ctx: PlacementContext, wait_s: float, t_out_s: float, t_back_s: float,
                          critical: bool) -> str:
@@ -326,9 +327,10 @@ class KVTier(AgentAware):
     # when kvtier had no next-use order, on the tuning half: every value computed the same prefill, 5 s
     # the lowest TTFT p99 (the search was bench/tune_kvtier.py's before it tuned next_use_trust).
     demote_after_s = 5.0
+    lead_factor = 1.5
 
     def lead_s(self, t_back_s: float) -> float:
-        return 0.05 + 1.5 * t_back_s
+        return 0.05 + self.lead_factor * t_back_s
 
 
 def _ablation(name: str, doc: str, **switches: object) -> type[KVTier]:

@@ -39,7 +39,7 @@ Baselines:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from ..errors import ConfigError
 from ..keys import BlockKey
@@ -317,11 +317,19 @@ def placement_names() -> list[str]:
     return list(_REGISTRY)
 
 
-def make_placement(name: str, setting: str = "--policies") -> PlacementPolicy:
-    """A new policy object by name; an unknown name is a ``ConfigError`` naming ``setting``."""
+def make_placement(name: str, setting: str = "--policies", params: Mapping[str, Any] | None = None,
+                   params_setting: str = "placement") -> PlacementPolicy:
+    """A new policy object by name, with the tunable constants of ``params`` set
+    (:mod:`kvtier.placement.params`); an unknown name is a ``ConfigError``
+    naming ``setting``, a bad constant one naming ``<params_setting>.<knob>``."""
     _load_agent_policies()
     try:
-        return _REGISTRY[name]()
+        policy = _REGISTRY[name]()
     except KeyError:
         raise ConfigError(setting, name, f"unknown placement policy; valid: {', '.join(_REGISTRY)}") from None
+    if params:
+        from .params import apply_params
+
+        apply_params(policy, params, params_setting)
+    return policy
 

@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "declared for the embedded workload)")
     p.add_argument("--sessions", type=positive_int, metavar="N",
                    help="embedded workload: number of sessions (default 30); traces: replay only the first N")
+    p.add_argument("--config", metavar="FILE",
+                   help="a kvtier config file (e.g. one kvtier tune wrote): its placement section (policy and "
+                        "constants) is replayed as the policy named 'config', added to --policies")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help=f"comma-separated policies to compare (default: {','.join(DEFAULT_POLICIES)})")
     p.add_argument("--profile", default=None, metavar="HW:MODEL[:CHIPS]",
@@ -213,9 +216,21 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
                                                           else "") + ": nothing to replay")
     policies = tuple(p for p in args.policies.split(",") if p)
     from ..placement import make_placement
+    from .run import CONFIG
 
+    config_policy, config_params = None, {}
+    if getattr(args, "config", None):
+        from ..config import load_config
+
+        placement = load_config(args.config, env={}).placement
+        config_policy, config_params = placement.policy, placement.params()
+        if CONFIG not in policies:
+            policies = (*policies, CONFIG)
+    elif CONFIG in policies:
+        raise ConfigError("--policies", args.policies, "'config' replays a config file's policy: give --config FILE")
     for name in policies:
-        make_placement(name)  # unknown names fail before any work
+        if name != CONFIG:
+            make_placement(name)  # unknown names fail before any work
     from .admission import admission_order
     from .run import default_jobs
 
@@ -242,6 +257,7 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
         references=not args.no_references,
         jobs=args.jobs or default_jobs(),
         slo_ttft_p99_s=args.slo_ttft_p99, slo_interactivity=args.slo_interactivity,
+        config_policy=config_policy, config_params=config_params,
     )
 
 

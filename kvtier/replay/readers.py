@@ -566,6 +566,8 @@ class _WekaTrace:
         self.arrays, self.namespace, self.counter = arrays, namespace, counter
         self.shared = shared if scope == "local" else None
         self.root_prefix = self._declared(top, "main")
+        started = obj.get("start_unix_s")  # written by kvtier's recorder; used to order a recording by time
+        self.recorded_at_s = float(started) if type(started) in (int, float) else None
         self.drafts: list[_AgentDraft] = []
 
     def _declared(self, f: _Fields, kind: str) -> tuple[str, int, int] | None:
@@ -588,7 +590,7 @@ class _WekaTrace:
             if d.requests and (d.parent_id is None or d.parent_id in kept):
                 kept.add(d.agent_id)
                 agents.append(d.freeze())
-        return Session(self.trace_id, tuple(agents), 0.0, self.source)
+        return Session(self.trace_id, tuple(agents), 0.0, self.source, self.recorded_at_s)
 
     def _agent(self, entries: list[Any], loc: str, draft: _AgentDraft, t_offset: float, ready_s: float,
                prefix: tuple[str, int, int] | None) -> float:

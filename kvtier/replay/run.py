@@ -55,6 +55,7 @@ DEFAULT_POLICIES = ("lru", "lru-dram", "arc", "s3fifo", "ttl", "minwaste", "toke
 SPLITS = ("all", "tune", "eval")
 UNBOUNDED_BLOCKS = 1 << 40  # the floor's HBM: slots are taken lazily, so this costs nothing
 FLOOR = "floor"  # SLO capacity rows: the floor's own (see slo_capacities)
+CONFIG = "config"  # the policy of a config file (kvtier replay --config), with its constants
 
 Progress = Callable[[str], None]
 
@@ -93,6 +94,8 @@ class ReplaySpec:
     slo_ttft_p99_s: float | None = None  # SLO capacity search: later-turn TTFT p99 bound (s)
     slo_interactivity: float | None = None  # ... and p50 interactivity floor (tokens/s/user)
     slo_max_conc: int = 256
+    config_policy: str | None = None  # what the CONFIG policy name runs (a config file's placement section)
+    config_params: dict[str, float] = field(default_factory=dict)
 
     def working_set_blocks(self, conc: int | None = None) -> int:
         """Blocks that would make every reuse a hit: the distinct blocks of ``conc``
@@ -280,6 +283,10 @@ def run_point(spec: ReplaySpec, policy_name: str, conc: int, hbm_blocks: int,
     cfg = sim_config(spec, conc, hbm_blocks)
     if policy_name == FLOOR:  # the floor's engine, with LRU (it never evicts)
         cfg, policy = floor_config(cfg), make_placement("lru")
+    elif policy_name == CONFIG:
+        if spec.config_policy is None:
+            raise ValueError("policy 'config' needs ReplaySpec.config_policy (kvtier replay --config)")
+        policy = make_placement(spec.config_policy, "placement.policy", spec.config_params)
     else:
         policy = make_placement(policy_name)
     label = f"{policy_name} conc={conc} hbm={hbm_blocks}"

@@ -90,3 +90,18 @@ def test_untested_versions_fail_with_the_range(version: str) -> None:
     with pytest.raises(RuntimeError, match=r"tested with vllm>=0.32,<0.33.*allow_untested_vllm"):
         check_vllm_version(version)
     assert check_vllm_version(version, allow_untested=True) == version
+
+
+def test_a_config_files_placement_section_is_run_with_its_constants(tmp_path) -> None:
+    """The file ``kvtier tune`` writes: its policy and constants are what the connector
+    runs, unless ``placement`` names another policy (then the constants are not applied)."""
+    cfg = tmp_path / "tuned.yaml"
+    cfg.write_text("placement:\n  policy: kvflow\n  rho_max: 0.4\n  prefetch_lead_factor: 3\n")
+    s = ConnectorSettings.build({"config_file": str(cfg)}, FACTS, env={})
+    assert s.placement == "kvflow" and s.placement_params == {"rho_max": 0.4, "prefetch_lead_factor": 3.0}
+    other = ConnectorSettings.build({"config_file": str(cfg), "placement": "kvtier"}, FACTS, env={})
+    assert other.placement == "kvtier" and other.placement_params == {}
+    cfg.write_text("placement:\n  policy: kvtier\n  rho_max: 2\n")
+    with pytest.raises(ConfigError, match="placement.rho_max=2.0: must be in"):
+        ConnectorSettings.build({"config_file": str(cfg)}, FACTS, env={})
+

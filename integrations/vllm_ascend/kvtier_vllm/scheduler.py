@@ -80,7 +80,8 @@ class KVTierScheduler:
         self.namespace = namespace
         self.block_size = block_size
         self.world_size = world_size
-        self.policy = make_placement(settings.placement, "kv_connector_extra_config.placement")
+        self.policy = make_placement(settings.placement, "kv_connector_extra_config.placement",
+                                     settings.placement_params)
         specs = []
         for t in cfg.enabled_tiers:  # the placement's own order (e.g. kvtier's next use) unless one is set
             order = self.policy.eviction_for(t, lambda: self.placement.now)  # (read once placement exists)
@@ -443,6 +444,7 @@ class KVTierScheduler:
         """Counters (tokens and blocks), tier use and, when bound, free HBM blocks."""
         m = self.manager
         out: dict[str, Any] = {"counters": dict(self.counters), "placement": self.policy.name,
+                               "placement_params": dict(self.settings.placement_params),
                                "pending_plans": len(self._store_plans) + len(self._load_plans)
                                + len(self._promote_plans)}
         out["tiers"] = {t: {"capacity_blocks": m.capacity_blocks(t), "ready_blocks": m.ready_blocks(t)}

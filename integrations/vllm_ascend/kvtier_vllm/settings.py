@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +47,9 @@ EXTRA_KEYS: dict[str, str] = {
     "copy_threads": "threads that share one DRAM copy of 32 MiB or more, the worker's own included (default 2; "
                     "1 keeps every copy on one thread, leaving the other cores to a CPU engine's forward)",
     "policy": "eviction policy of the DRAM and SSD tiers (a registered kvtier policy name; default: the placement's)",
-    "placement": "placement policy, the same object the replay runs (default kvtier; lru-dram for write-through LRU "
-                 "with no agent actions; ttl, kvflow, tokencake, ...): see kvtier.placement",
+    "placement": "placement policy, the same object the replay runs (default: the config file's placement.policy, "
+                 "kvtier; lru-dram for write-through LRU with no agent actions; ttl, kvflow, tokencake, ...): see "
+                 "kvtier.placement. The file's placement constants apply when this names the file's policy",
     "hbm_hold": "false: never hold a waiting agent's HBM blocks (the placement decides everything else)",
     "hbm_hold_budget_fraction": "most of vLLM's HBM blocks held for waiting agents at once (default 0.5)",
     "tenant": "cache salt: tenants never share blocks",
@@ -100,6 +101,7 @@ class ConnectorSettings:
     side_stream: bool = True
     record_path: str | None = None
     record_max_bytes: int = 1 << 30
+    placement_params: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -148,8 +150,10 @@ class ConnectorSettings:
         overrides.update(put_tier=host_tiers[0], write_through=True)
         cfg = load_config(extra.get("config_file"), env=env, overrides=overrides)
         ssd_root = cfg.ssd.resolved_path() if cfg.ssd.enabled else None
-        placement = extra.get("placement", "kvtier")
-        _check_placement(placement)
+        placement = extra.get("placement", cfg.placement.policy)
+        # the config file's constants belong to its policy (kvtier tune writes both)
+        placement_params = cfg.placement.params() if placement == cfg.placement.policy else {}
+        _check_placement(placement, placement_params)
         hold = extra.get("hbm_hold", True)
         if not isinstance(hold, bool):
             raise ConfigError("kv_connector_extra_config.hbm_hold", hold, "must be true or false")
@@ -180,7 +184,7 @@ class ConnectorSettings:
         return cls(cfg, extra.get("stats_path"), extra.get("hint_server"), ssd_root, placement, hold, float(budget),
                    eviction_set, watch, extra.get("hint_watch_token"), int(queue_mib * (1 << 20)),
                    int(staging_mib * (1 << 20)), copy_threads, int(device_staging_mib * (1 << 20)), side_stream,
-                   record_path, int(record_mib * (1 << 20)))
+                   record_path, int(record_mib * (1 << 20)), placement_params)
 
     def rank_ssd_path(self, tp_rank: int, tp_size: int) -> Path | None:
         """The LMDB directory of one TP rank (each rank stores its own shard)."""
@@ -195,14 +199,14 @@ def _mib(extra: Mapping[str, Any], key: str, default: float) -> float:
     return value
 
 
-def _check_placement(name: Any) -> None:
+def _check_placement(name: Any, params: Mapping[str, float]) -> None:
     """A placement the connector can run live; a ``ConfigError`` naming the setting otherwise."""
     from kvtier.placement import make_placement
 
     setting = "kv_connector_extra_config.placement"
     if not isinstance(name, str):
         raise ConfigError(setting, name, "must be a placement policy name")
-    policy = make_placement(name, setting)
+    policy = make_placement(name, setting, params)
     if policy.needs_oracle:
         raise ConfigError(setting, name, "needs the future (an offline bound): replay only")
     if not policy.lower_tiers:
