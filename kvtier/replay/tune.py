@@ -338,7 +338,9 @@ def command(args: Any) -> int:
     print(f"wrote {args.out} (load it with kv_connector_extra_config config_file, or kvtier replay --config)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(_as_json(result, args), f, indent=2, default=str)
+            json.dump({**_as_json(result, args), "hbm_blocks": hbm, "dram_blocks": base.dram_blocks or 2 * hbm,
+                       "tune_sessions": len(tune_part.sessions), "holdout_sessions": len(held.sessions),
+                       "candidates": [c.describe() for c in cands]}, f, indent=2, default=str)
             f.write("\n")
     if args.plot:
         _plot(result, args.plot)
