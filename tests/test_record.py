@@ -133,3 +133,24 @@ def test_a_killed_recorder_leaves_whole_files(tmp_path: Path) -> None:
     for f in files:
         json.loads(f.read_text())
     assert load_trace(tmp_path).num_requests() > 0
+
+
+def test_out_of_order_finishes_and_requests_in_flight_at_close(tmp_path: Path) -> None:
+    """Overlapping untagged requests are written in arrival order once they finished;
+    one still in flight when the engine stops is left out; ids reused from the
+    previous request's shared prefix equal fresh ones (a chain that diverges)."""
+    rec = TraceRecorder(tmp_path, block_size=16)
+    rec.arrived("a", None, None, 64, [1, 2, 3, 4], now=1.0)
+    rec.arrived("b", None, None, 64, [1, 2, 9, 10], now=1.1)  # shares two blocks, then diverges
+    rec.arrived("c", None, None, 32, [7, 8], now=1.2)
+    rec.finished("b", 2, tool_wait=False, now=2.0)
+    rec.finished("a", 3, tool_wait=False, now=2.5)  # "c" never finishes
+    rec.close()
+    (f,) = _files(tmp_path)
+    reqs = json.loads(f.read_text())["requests"]
+    assert [r["in"] for r in reqs] == [64, 64] and [r["out"] for r in reqs] == [3, 2]
+    fresh = TraceRecorder(tmp_path / "check", block_size=16)
+    fresh._salt = rec._salt
+    assert reqs[1]["hash_ids"] == [fresh._anon(k) for k in (1, 2, 9, 10)]
+    assert reqs[0]["hash_ids"][:2] == reqs[1]["hash_ids"][:2] and reqs[0]["hash_ids"][2] != reqs[1]["hash_ids"][2]
+    fresh.close()

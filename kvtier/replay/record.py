@@ -73,6 +73,10 @@ class _Trace:
     last_seen: float = 0.0
     dirty: bool = False
     part: int = 0
+    last_keys: list[int] = field(default_factory=list)  # the latest request's block keys and their ids:
+    last_ids: list[int] = field(default_factory=list)  # the next turn repeats most of them
+    written: int = 0  # leading requests already serialized into ``chunks``
+    chunks: list[str] = field(default_factory=list)  # JSON of each finished request, in order
 
 
 class TraceRecorder:
@@ -111,9 +115,11 @@ class TraceRecorder:
 
     def arrived(self, req_id: str, session_id: str | None, agent_id: str | None, prompt_tokens: int,
                 block_keys: Sequence[int], now: float | None = None) -> None:
-        """A request arrived: ``block_keys`` are the keys of its prompt's full blocks."""
+        """A request arrived: ``block_keys`` are the keys of its prompt's full blocks
+        (a list is kept as given: the caller must not change it afterwards)."""
         full = int(prompt_tokens) // self.block_size  # engines key full blocks only
-        self._put(("arrived", req_id, session_id, agent_id, int(prompt_tokens), list(block_keys[:full]),
+        self._put(("arrived", req_id, session_id, agent_id, int(prompt_tokens), list(block_keys[:full])
+                   if not isinstance(block_keys, list) or len(block_keys) > full else block_keys,
                    time.time() if now is None else now))
 
     def finished(self, req_id: str, output_tokens: int, tool_wait: bool, now: float | None = None) -> None:
@@ -163,7 +169,7 @@ class TraceRecorder:
             trace = self._trace(session_id, agent_id, now)
             think = None if trace.last_end is None else max(0.0, now - trace.last_end)
             request = {"t": round(now - trace.first_arrival, 6), "type": "n", "model": self.model,
-                       "in": prompt_tokens, "out": 0, "hash_ids": [self._anon(k) for k in keys],
+                       "in": prompt_tokens, "out": 0, "hash_ids": self._ids(trace, keys),
                        "stop": "", "api_time": None, "think_time": None if think is None else round(think, 6),
                        "_arrival": now}
             trace.requests.append(request)
@@ -188,7 +194,8 @@ class TraceRecorder:
     def _trace(self, session_id: str | None, agent_id: str | None, now: float) -> _Trace:
         trace_id = UNTAGGED if session_id is None else f"{session_id}:{agent_id or 'main'}"
         trace = self._traces.get(trace_id)
-        if trace is not None and len(trace.requests) >= self.max_requests_per_file:
+        if (trace is not None and len(trace.requests) >= self.max_requests_per_file
+                and all(r["api_time"] is not None for r in trace.requests[trace.written:])):  # none in flight
             self._write(trace)
             del self._traces[trace_id]
             trace = _Trace(trace_id, self._file(trace_id, trace.part + 1), now, last_end=trace.last_end,
@@ -207,6 +214,22 @@ class TraceRecorder:
         digest = blake2b(trace_id.encode(), digest_size=4).hexdigest()
         return self.path / f"trace-{self._run}-{safe}-{digest}-p{part:04d}.json"
 
+    def _ids(self, trace: _Trace, keys: list[int]) -> list[int]:
+        """Anonymous ids of ``keys``, reusing those of the trace's previous request for
+        the prefix they share. Keys are chained (a key fixes every key before it), so
+        the shared prefix is found by a binary search on single keys."""
+        last = trace.last_keys
+        lo, hi = 0, min(len(keys), len(last))  # keys[:lo] == last[:lo]; find the largest such lo
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if keys[mid - 1] == last[mid - 1]:
+                lo = mid
+            else:
+                hi = mid - 1
+        ids = trace.last_ids[:lo] + [self._anon(k) for k in keys[lo:]]
+        trace.last_keys, trace.last_ids = keys, ids
+        return ids
+
     def _anon(self, key: int) -> int:
         digest = blake2b(int(key).to_bytes(16, "big"), key=self._salt, digest_size=8).digest()
         return int.from_bytes(digest, "big") >> (64 - _ID_BITS)
@@ -215,23 +238,32 @@ class TraceRecorder:
         now = time.time()
         for trace_id, trace in list(self._traces.items()):
             if trace.dirty or final:
-                self._write(trace)
+                self._write(trace, final)
             if final or now - trace.last_seen > self.idle_close_s:
                 del self._traces[trace_id]
 
-    def _write(self, trace: _Trace) -> None:
-        """Rewrite ``trace``'s file (finished requests only) through a rename."""
+    def _write(self, trace: _Trace, final: bool = False) -> None:
+        """Rewrite ``trace``'s file (finished requests only) through a rename;
+        ``final``: requests still in flight are dropped (the engine stops)."""
         trace.dirty = False
-        done = [{k: v for k, v in r.items() if k != "_arrival"} for r in trace.requests if r["api_time"] is not None]
-        if not done or self._stopped:
-            if self._stopped and done:
+        if final:
+            trace.requests[trace.written:] = [r for r in trace.requests[trace.written:] if r["api_time"] is not None]
+        # requests are serialized once, in order, as soon as they and every one before them finished
+        while trace.written < len(trace.requests) and trace.requests[trace.written]["api_time"] is not None:
+            r = trace.requests[trace.written]
+            trace.chunks.append(json.dumps({k: v for k, v in r.items() if k != "_arrival"}, separators=(",", ":")))
+            trace.requests[trace.written] = {"api_time": r["api_time"]}  # the ids now live in the chunk only
+            trace.written += 1
+        if not trace.chunks or self._stopped:
+            if self._stopped and trace.chunks:
                 self.counters["record_skipped_full"] += 1
             return
-        obj = {"id": trace.trace_id, "models": [self.model], "block_size": self.block_size,
-               "hash_id_scope": "global", "tool_tokens": 0, "system_tokens": 0,
-               "start_unix_s": round(trace.first_arrival, 6),
-               "kvtier_recording": {"run": self._run, "part": trace.part}, "requests": done}
-        data = json.dumps(obj, separators=(",", ":")).encode()
+        head = {"id": trace.trace_id, "models": [self.model], "block_size": self.block_size,
+                "hash_id_scope": "global", "tool_tokens": 0, "system_tokens": 0,
+                "start_unix_s": round(trace.first_arrival, 6),
+                "kvtier_recording": {"run": self._run, "part": trace.part}}
+        data = (json.dumps(head, separators=(",", ":"))[:-1] + ',"requests":[' + ",".join(trace.chunks)
+                + "]}").encode()
         old = trace.path.stat().st_size if trace.path.exists() else 0
         if self._bytes - old + len(data) > self.max_bytes:
             self._stopped = True
