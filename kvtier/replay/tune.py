@@ -389,7 +389,8 @@ def _summary(result: TuneResult, holdout: str | float) -> str:
         verdict = "no better than the defaults"
     lines = [f"best: {best.describe()} ({verdict}; objective: {_objective_word(result.objective)})",
              "  tuned vs defaults:",
-             f"    tuning part ({result.in_sample['sessions']} sessions): {_gain_text(result.in_sample, result.objective)}",
+             f"    tuning part ({result.in_sample['sessions']} sessions): "
+             f"{_gain_text(result.in_sample, result.objective)}",
              f"    held out, {where} ({result.holdout['sessions']} sessions): "
              f"{_gain_text(result.holdout, result.objective)}",
              f"  {sum(len(r) for r in result.rungs)} replays in {len(result.rungs)} rung(s), {result.elapsed_s:.0f} s"
@@ -419,7 +420,7 @@ def _write_config(path: str, result: TuneResult, trace: str, summary: str) -> No
 def _as_json(result: TuneResult, args: Any) -> dict[str, Any]:
     from .. import __version__
 
-    settings = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("func", "command", "out", "json", "plot", "quiet")}
     return {"trace": str(args.trace), "objective": result.objective, "settings": settings,
             "kvtier_version": __version__,
             "best": result.best.describe() if result.best else None,
@@ -429,12 +430,11 @@ def _as_json(result: TuneResult, args: Any) -> dict[str, Any]:
             "stopped_by_budget": result.stopped_by_budget, "elapsed_s": result.elapsed_s}
 
 
-def _plotted(entry: dict[str, Any], objective: str) -> float:
-    """What the plot shows of one evaluation: prefill per session (rungs replay
-    different numbers of sessions), the TTFT p99 itself, or the SLO capacity."""
-    if objective == "prefill":
-        return entry["value"] / entry["sessions"]
-    return -entry["value"] if objective == "slo-capacity" else entry["value"]
+def _plotted(entry: dict[str, Any], rung: list[dict[str, Any]]) -> float:
+    """What the plot shows of one evaluation: its value over the best of its rung
+    (rungs replay different sessions, so raw values do not compare across them)."""
+    best = min(e["value"] for e in rung)
+    return entry["value"] / best if best else 1.0
 
 
 def _plot(result: TuneResult, path: str) -> None:
@@ -449,16 +449,13 @@ def _plot(result: TuneResult, path: str) -> None:
     sessions = [r[0]["sessions"] for r in result.rungs]
     best = result.best.describe() if result.best else ""
     for name in {e["candidate"] for r in result.rungs for e in r}:
-        pts = [(ri, _plotted(e, result.objective)) for ri, r in enumerate(result.rungs) for e in r
-               if e["candidate"] == name]
+        pts = [(ri, _plotted(e, r)) for ri, r in enumerate(result.rungs) for e in r if e["candidate"] == name]
         style = {"color": "tab:red", "lw": 2.5, "zorder": 3, "label": f"best: {name}"} if name == best else (
             {"color": "tab:blue", "lw": 2, "label": f"defaults: {name}"} if "(defaults)" in name
             else {"color": "0.6", "lw": 1})
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", **style)
     ax.set_xticks(range(len(sessions)), [f"rung {i + 1}\n{n} sessions" for i, n in enumerate(sessions)])
-    ax.set_ylabel({"prefill": "prefill tokens computed per session\n(lower is better)",
-                   "ttft-p99": "later-turn TTFT p99, s (lower is better)",
-                   "slo-capacity": "SLO capacity, sessions (higher is better)"}[result.objective])
+    ax.set_ylabel(f"{_objective_word(result.objective)}\nover the rung's best (1 = best)")
     ax.set_title(f"kvtier tune: successive halving, {len(result.rungs[0])} candidates (gray: eliminated or tied)")
     ax.legend(fontsize=8)
     fig.tight_layout()
