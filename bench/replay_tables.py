@@ -3,11 +3,14 @@
 Owns: how a replay report (``bench/out/replay-*.json``, written by
 ``bench/replay_results.py``) reads as markdown: a caption with what every
 policy was given and the two references, then one row per policy with
-prefill computed vs ``lru`` and vs the bound. Must not run replays.
+prefill computed vs ``lru`` and vs the bound; and the ``kvtier tune`` runs on
+the dev traces (``bench/out/tune-dev*.json``, written by the commands their
+caption shows). Must not run replays.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from readme_tables import md_table, table
@@ -59,6 +62,37 @@ def tune_kvtier(data: dict[str, Any]) -> str:
     return caption + md_table(["trust in the predicted wait"]
                               + [f"prefill computed, conc {c} (M tok)" for c in concs]
                               + [f"later-turn TTFT p99, conc {c} (s)" for c in concs], body)
+
+
+_TUNE_DEV = ("tune-dev.json", "tune-dev-pressure.json")
+
+
+@table("tune-dev", _TUNE_DEV)
+def tune_dev(runs: dict[str, Any]) -> str:
+    """``kvtier tune`` on the dev traces at two points: the winner against the defaults on both halves."""
+    lines, body = [], []
+    for name in _TUNE_DEV:
+        data = runs[name]
+        st = data["settings"]
+        cap = (f"--hbm-blocks {st['hbm_blocks']}" if st.get("hbm_blocks") else f"--hbm-fraction {st['hbm_fraction']:g}")
+        point = f"conc {st['conc']}, HBM {data['hbm_blocks']:,} + DRAM {data['dram_blocks']:,}"
+        lines.append(f"- {point}: `kvtier tune --trace {Path(st['trace']).name} --holdout {st['holdout']} {cap} "
+                     f"--conc {st['conc']} --skip-oversized --candidates {st['candidates']} --rungs {st['rungs']}` "
+                     f"({sum(len(r) for r in data['rungs'])} replays, {data['elapsed_s'] / 60:.0f} min on 2 cores); "
+                     f"winner `{data['best']}`")
+        for part, where in (("in_sample", "tuning half"), ("holdout", "evaluation half (held out)")):
+            b, d = data[part]["best"], data[part]["default"]
+            row = [point, where]
+            for key, fmt, scale in (("prefill_tokens_computed", "{:.2f}M", 1e6),
+                                    ("ttft_p99_later_turns_s", "{:.1f} s", 1)):
+                change = f" ({b[key] / d[key] - 1:+.1%})" if d[key] else ""
+                row += [fmt.format(d[key] / scale), fmt.format(b[key] / scale) + change]
+            body.append(row)
+    caption = (f"{runs[_TUNE_DEV[0]]['tune_sessions']} sessions to tune on, "
+               f"{runs[_TUNE_DEV[0]]['holdout_sessions']} held out; no SSD; objective prefill computed.\n\n"
+               + "\n".join(lines) + "\n\n")
+    return caption + md_table(["point", "sessions", "prefill computed, defaults", "prefill computed, tuned",
+                               "later-turn TTFT p99, defaults", "later-turn TTFT p99, tuned"], body)
 
 
 _ABLATIONS = ("kvtier", "kvtier-inclusive", "kvtier-lru-order", "kvtier-no-dead", "kvtier-space-only",
