@@ -4,7 +4,8 @@ Usage: ``python engine_child.py SPEC.json OUT.json``, or ``--serve SPEC.json``
 to keep the engine up and run one phase per JSON line read from stdin (the
 phase's ``out`` names its result file; ``KVTIER-DONE`` is printed after each). The spec names the model
 directory, engine options, an optional kvtier ``kv_connector_extra_config``,
-and phases (prompts as token ids, optionally one ``kv_transfer_params`` dict per
+vLLM KV events (``kv_events``: ``KVEventsConfig`` fields), and phases (prompts as
+token ids, optionally one ``kv_transfer_params`` dict per
 prompt; ``reset_prefix_cache`` before a phase). The
 output has, per phase, each prompt's generated token ids and per-token
 logprobs (``outputs``), vLLM's own TTFT and cached-token count per request
@@ -112,6 +113,10 @@ def main(spec_path: str, out_path: str | None) -> None:
             kv_role="kv_both",
             kv_connector_extra_config=spec["kvtier"],
         )
+    if spec.get("kv_events") is not None:  # vLLM's KV event publisher (e.g. ZMQ on loopback)
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**spec["kv_events"])
     stats_path = (spec.get("kvtier") or {}).get("stats_path")
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], load_format=spec.get("load_format", "safetensors"), skip_tokenizer_init=True, seed=0,

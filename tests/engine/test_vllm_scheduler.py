@@ -130,3 +130,44 @@ def test_ssd_stores_skipped_by_a_worker_are_counted() -> None:
     sched.update_connector_output(KVTierWorkerMetadata(skipped_blocks=3))
     sched.update_connector_output(KVTierWorkerMetadata(skipped_blocks=2))
     assert sched.counters["store_skipped_backpressure"] == 5
+
+
+def test_kv_events_follow_the_dram_tier_and_forget_what_left_it() -> None:
+    """With vLLM's KV events on, a completed DRAM store becomes one "stored" event per
+    block (vLLM hash, parent hash, token ids), a failed one none; an eviction a
+    "removed" event; and the metadata kept for events is dropped once no tier
+    holds or is storing the block (bounded by the tiers' capacity)."""
+    facts = EngineFacts("tiny", "bfloat16", BS, 2, 2, 32, "fused", "sha256")
+    settings = ConnectorSettings.build({"dram_capacity_blocks": 4}, facts, env={})
+    ns = settings.config.namespace.to_namespace(settings.config.layout.to_layout())
+    sched = KVTierScheduler(settings, ns, BS, 1, kv_events=True)
+    kvm = FakeKVCacheManager()
+    sched.bind_kv_cache_manager(kvm)
+    r1 = FakeRequest("r1", 4)
+    r1.all_token_ids = list(range(r1.num_tokens))
+    kvm.blocks["r1"] = [10, 11, 12, 13, 14]
+    sched.on_new_request(r1)
+    (job,) = _step(sched, {"r1": r1.num_tokens}).stores
+    (write,) = job.writes
+    sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True, True, True, False])},
+                                                       {job.job_id: 1}))
+    events = sched.take_kv_events()
+    assert [e[:3] for e in events] == [("stored", "dram", r1.block_hashes[i]) for i in range(3)]
+    assert [e[3] for e in events] == [None, r1.block_hashes[0], r1.block_hashes[1]]
+    assert events[1][4] == list(range(BS, 2 * BS))
+    assert len(sched._event_meta) == 3  # the failed 4th block is forgotten
+    r2 = FakeRequest("r2", 4)
+    r2.block_hashes = [bytes([100 + i]) * 32 for i in range(4)]  # other content: evicts r1's blocks
+    r2.all_token_ids = list(range(1000, 1000 + r2.num_tokens))
+    kvm.blocks["r2"] = [20, 21, 22, 23, 24]
+    sched.on_new_request(r2)
+    (job2,) = _step(sched, {"r2": r2.num_tokens}).stores
+    (write2,) = job2.writes
+    sched.update_connector_output(KVTierWorkerMetadata({write2.plan_id: (1, [True] * len(write2.rows))},
+                                                       {job2.job_id: 1}))
+    events = sched.take_kv_events()
+    removed = {e[2] for e in events if e[0] == "removed"}
+    stored = [e[2] for e in events if e[0] == "stored"]
+    assert removed and removed <= set(r1.block_hashes[:3]) and stored == r2.block_hashes[:len(stored)]
+    assert len(sched._event_meta) <= 4 and not removed & {k[0] for k in sched._event_meta.values()}
+    assert _sched()[0].take_kv_events() == []  # off by default: nothing is kept

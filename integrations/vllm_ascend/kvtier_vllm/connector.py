@@ -20,6 +20,9 @@ What vLLM 0.32 lets a connector do (and what this one does):
   hints, and let the placement policy hold a waiting agent's HBM blocks
   through the block pool's public ``touch`` / ``free_blocks`` (see
   :mod:`.placement`; vLLM's free queue itself is never reordered).
+* ``take_events``: with vLLM's KV events enabled, blocks stored into and
+  removed from kvtier's DRAM (medium ``CPU``) and SSD (``STORAGE``), so a
+  KV-aware router that subscribes to vLLM's events sees kvtier's tiers.
 """
 
 from __future__ import annotations
@@ -28,16 +31,19 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.config import VllmConfig
+from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput
 
@@ -61,6 +67,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _TIER_SOURCE = {"dram": CacheHitSource.HOST, "ssd": CacheHitSource.DISK}
+_TIER_MEDIUM = {"dram": MEDIUM_CPU, "ssd": MEDIUM_STORAGE}  # vLLM's medium names (its own offloading uses these)
 
 
 @dataclass
@@ -163,7 +170,9 @@ class KVTierConnector(KVConnectorBase_V1):
                 log.info("kvtier: setting kv_load_failure_policy=recompute (failed loads are recomputed)")
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             world = vllm_config.parallel_config.world_size
-            self._sched = KVTierScheduler(settings, namespace, facts.block_size, world)
+            events_cfg = getattr(vllm_config, "kv_events_config", None)
+            kv_events = bool(events_cfg is not None and getattr(events_cfg, "enable_kv_cache_events", False))
+            self._sched = KVTierScheduler(settings, namespace, facts.block_size, world, kv_events=kv_events)
             self._sched.write_stats()
         else:
             layout: KVLayout = settings.config.layout.to_layout()
@@ -278,6 +287,26 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_work()
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """Scheduler, each step: KV cache events of kvtier's tiers for vLLM's publisher
+        (only with ``--kv-events-config`` enabled): ``BlockStored`` / ``BlockRemoved``
+        with medium ``CPU`` (DRAM) or ``STORAGE`` (SSD), in vLLM's own block hashes."""
+        if self._sched is None or not self._sched.kv_events:
+            return ()
+        out: list[KVCacheEvent] = []
+        for kind, tier, block_hash, *rest in self._sched.take_kv_events():
+            medium = _TIER_MEDIUM[tier]
+            if kind == "removed":
+                out.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(block_hash)], medium=medium,
+                                        group_idx=0, locality="LOCAL", ownership="kvtier"))
+                continue
+            parent, token_ids = rest
+            out.append(BlockStored(block_hashes=[maybe_convert_block_hash(block_hash)],
+                                   parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+                                   token_ids=token_ids, block_size=len(token_ids), lora_id=None, medium=medium,
+                                   lora_name=None, group_idx=0, locality="LOCAL", ownership="kvtier"))
+        return out
 
     def reset_cache(self) -> bool | None:
         return self._sched.reset() if self._sched is not None else None

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.events import BlockRemoved
+from kvtier.events import BlockRemoved, BlockStored, StoreFailed
 from kvtier.keys import BlockKey, Namespace, chain_foreign_keys
 from kvtier.manager import LoadPlan, StorePlan, TierManager, TierSpec
 from kvtier.placement import ToolWait, make_placement
@@ -74,7 +74,8 @@ class KVTierScheduler:
     readable only when all of them reported it stored.
     """
 
-    def __init__(self, settings: ConnectorSettings, namespace: Namespace, block_size: int, world_size: int) -> None:
+    def __init__(self, settings: ConnectorSettings, namespace: Namespace, block_size: int, world_size: int,
+                 kv_events: bool = False) -> None:
         cfg = settings.config
         self.settings = settings
         self.namespace = namespace
@@ -87,8 +88,13 @@ class KVTierScheduler:
             order = self.policy.eviction_for(t, lambda: self.placement.now)  # (read once placement exists)
             specs.append(TierSpec(t, getattr(cfg, t).capacity_blocks,
                                   getattr(cfg, t).policy if settings.eviction_set or order == "lru" else order))
-        # only removals are read (_pump_events: SSD deletes); no per-block stored/loaded events
-        self.manager = TierManager(specs, pin_budget_blocks=cfg.pin_budget_blocks, record_block_events=False)
+        # removals are always read (_pump_events: SSD deletes); per-block stored events only for a KV-event feed
+        self.manager = TierManager(specs, pin_budget_blocks=cfg.pin_budget_blocks, record_block_events=kv_events)
+        # KV cache events of kvtier's tiers for vLLM's publisher (take_kv_events); with them on, what a
+        # BlockStored needs of each planned block: (vLLM hash, parent vLLM hash, token ids), while it is stored
+        self.kv_events = kv_events
+        self._event_meta: dict[BlockKey, tuple[Any, Any, list[int]]] = {}
+        self._kv_events: list[tuple[Any, ...]] = []
         self.counters: Counter[str] = Counter()
         self._reqs: dict[str, _Req] = {}
         self._matches: dict[str, _Match] = {}
@@ -501,6 +507,8 @@ class KVTierScheduler:
         st.num_planned_blocks = upto
         new = keys[start:upto]
         parent = keys[start - 1] if start else None
+        if self.kv_events:
+            self._note_event_meta(st, keys, start, upto)
         plans = []
         for tier in self.manager.tier_names:
             plan = self.manager.prepare_store(tier, new, parent)
@@ -556,10 +564,52 @@ class KVTierScheduler:
                 st.loading = False
 
     def _pump_events(self) -> None:
+        stored: list[tuple[Any, ...]] = []
         for event in self.manager.take_events():
             if isinstance(event, BlockRemoved) and event.tier == "ssd":
                 self._ssd_deletes.append(int(event.key))
                 self.counters["ssd_deleted_blocks"] += 1
+            if self.kv_events and isinstance(event, (BlockStored, BlockRemoved)):
+                self._kv_event(event, stored)
+            elif self.kv_events and isinstance(event, StoreFailed):
+                self._forget_if_gone(event.key)
+        if stored:
+            self._kv_events += _parents_first(stored)
+
+    def _note_event_meta(self, st: _Req, keys: list[BlockKey], start: int, upto: int) -> None:
+        """Remember what a KV event of blocks ``start:upto`` of ``st`` says (no prompt
+        text leaves the engine: vLLM's own events carry these token ids too)."""
+        hashes, tokens, bs = st.request.block_hashes, st.request.all_token_ids, self.block_size
+        for i in range(start, upto):
+            if keys[i] not in self._event_meta:
+                self._event_meta[keys[i]] = (hashes[i], hashes[i - 1] if i else None,
+                                             list(tokens[i * bs : (i + 1) * bs]))
+
+    def _kv_event(self, event: BlockStored | BlockRemoved, stored: list[tuple[Any, ...]]) -> None:
+        """One manager event of the DRAM or SSD tier as a KV cache event for vLLM:
+        ``("stored", tier, hash, parent hash, token ids)`` (into ``stored``, ordered
+        parents first by the caller) or ``("removed", tier, hash)``. Blocks without
+        a vLLM hash (re-indexed from an earlier run's SSD) have none."""
+        meta = self._event_meta.get(event.key)
+        if meta is None or event.tier not in ("dram", "ssd"):
+            return
+        if isinstance(event, BlockStored):
+            stored.append(("stored", event.tier, *meta))
+            return
+        self._kv_events.append(("removed", event.tier, meta[0]))
+        self._forget_if_gone(event.key)
+
+    def _forget_if_gone(self, key: BlockKey) -> None:
+        """Drop a block's event metadata once no tier holds it or is storing it."""
+        m = self.manager
+        if not m.tiers_of(key) and not any(m.is_pending(key, t) for t in m.tier_names):
+            self._event_meta.pop(key, None)
+
+    def take_kv_events(self) -> list[tuple[Any, ...]]:
+        """KV cache events since the last call (see :meth:`_kv_event`); empty unless ``kv_events``."""
+        self._pump_events()
+        events, self._kv_events = self._kv_events, []
+        return events
 
     def _reindex_ssd(self) -> None:
         """Warm restart: index the blocks rank 0 already holds on SSD, with the
@@ -575,3 +625,24 @@ class KVTierScheduler:
         self.manager.take_events()
         self.counters["ssd_reindexed_blocks"] = count
         self.counters["ssd_purged_unreadable_values"] = purged
+
+
+def _parents_first(stored: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """``("stored", tier, hash, parent, ...)`` events reordered so that a block comes
+    after its parent when both are in the list (the manager reports a chain tail
+    first; a router indexing by parent needs the parent first). O(n)."""
+    present = {(e[1], e[2]) for e in stored}
+    children: dict[tuple[str, Any], list[tuple[Any, ...]]] = {}
+    roots = []
+    for e in stored:
+        if (e[1], e[3]) in present:
+            children.setdefault((e[1], e[3]), []).append(e)
+        else:
+            roots.append(e)
+    out, todo = [], roots[::-1]
+    while todo:
+        e = todo.pop()
+        out.append(e)
+        todo.extend(children.pop((e[1], e[2]), [])[::-1])
+    return out + [e for kids in children.values() for e in kids]  # a cycle cannot happen; kept, not lost
+
