@@ -43,7 +43,6 @@ from .model import Workload
 from .run import CONFIG, ReplaySpec, run_point, slo_capacity, split_workload
 
 OBJECTIVES = ("prefill", "ttft-p99", "slo-capacity")
-TUNABLE_POLICIES = ("kvtier", "kvflow", "tokencake")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,13 +93,14 @@ def split_for_tuning(workload: Workload, holdout: str | float) -> tuple[Workload
 
 def candidates(policies: tuple[str, ...], knobs: tuple[str, ...], n: int, seed: int) -> list[Candidate]:
     """The policies' defaults, then up to ``n`` in all sampled from the knob grids (no repeats)."""
-    for p in policies:
-        make_placement(p, "--policies")
+    from ..placement.agent import AgentAware
+
+    # the policies with tunable constants: the agent-aware ones (what apply_params accepts)
+    tunable = [p for p in policies if isinstance(make_placement(p, "--policies"), AgentAware)]
     bad = [k for k in knobs if k not in KNOBS]
     if bad:
         raise ConfigError("--knobs", ",".join(bad), f"unknown knob; valid: {', '.join(KNOBS)}")
     out = [Candidate(p) for p in policies]
-    tunable = [p for p in policies if p in TUNABLE_POLICIES or p.startswith("kvtier-")]
     rng = random.Random(seed)
     space = math.prod(len(KNOBS[k].grid) for k in knobs) * len(tunable) if knobs else 0
     seen = set(out)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.config import VllmConfig
-from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -47,6 +47,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput
 
+from kvtier.kvevents.wire import TIER_TO_MEDIUM
 from kvtier.layout import KVLayout
 
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
@@ -67,7 +68,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _TIER_SOURCE = {"dram": CacheHitSource.HOST, "ssd": CacheHitSource.DISK}
-_TIER_MEDIUM = {"dram": MEDIUM_CPU, "ssd": MEDIUM_STORAGE}  # vLLM's medium names (its own offloading uses these)
 
 
 @dataclass
@@ -296,7 +296,7 @@ class KVTierConnector(KVConnectorBase_V1):
             return ()
         out: list[KVCacheEvent] = []
         for kind, tier, block_hash, *rest in self._sched.take_kv_events():
-            medium = _TIER_MEDIUM[tier]
+            medium = TIER_TO_MEDIUM[tier]  # vLLM's medium names, as kvtier's own KV-event publisher uses
             if kind == "removed":
                 out.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(block_hash)], medium=medium,
                                         group_idx=0, locality="LOCAL", ownership="kvtier"))
