@@ -118,6 +118,12 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     return command(args)
 
 
+def _cmd_route(args: argparse.Namespace) -> int:
+    from .routing import command
+
+    return command(args)
+
+
 def _cmd_analyze_trace(args: argparse.Namespace) -> int:
     import json
 
@@ -235,6 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--skip-bad", action="store_true", help="skip (and count) malformed traces instead of failing")
     a.add_argument("--json", metavar="PATH", type=writable_file, help="also write the figures as JSON to PATH")
     a.set_defaults(func=_cmd_analyze_trace)
+
+    from .routing import DESCRIPTION as ROUTE_DESCRIPTION, add_arguments as add_route_arguments
+
+    o = sub.add_parser("route", help="KV-aware routing service: which engine holds the longest prefix of a request",
+                       description=ROUTE_DESCRIPTION)
+    add_route_arguments(o)
+    o.set_defaults(func=_cmd_route)
 
     i = sub.add_parser("inspect", help="list and verify what an SSD tier directory holds",
                        description="List namespaces, layouts, codecs, block counts, bytes and ages of an SSD "

@@ -53,6 +53,7 @@ if [ "$#" -eq 0 ] && [ "${KVTIERTEST_SKIP_ENGINE:-0}" != "1" ]; then
     # built against other torch releases; they fail to import beside torch 2.13 and vLLM does not need them here
     "$VLLM_VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
   fi
-  "$VLLM_VENV/bin/python" -m pip install -q -e ".[test]"
+  # the remote extra: two engines share blocks through a real mooncake_master (tests/engine/test_vllm_remote.py)
+  "$VLLM_VENV/bin/python" -m pip install -q $PIP_PATIENT -e ".[test,remote]"
   KVTIERTEST_REQUIRE_VLLM=1 "$VLLM_VENV/bin/python" -m pytest -q tests/engine
 fi

@@ -76,18 +76,29 @@ class KVEventSubscriber:
         out.append((seq, decode_batch(payload)))
         self._expected = seq + 1
 
-    def _fill(self, upto: int, out: list[tuple[int, KVEventBatch]]) -> None:
-        """Deliver ``[expected, upto)`` from the replay socket; skip what it lacks."""
+    def catch_up(self) -> list[tuple[int, KVEventBatch]]:
+        """Batches the publisher still buffers from the expected sequence number on,
+        through the replay socket, in order: what a subscriber that joins late
+        missed (live messages it already has are not delivered twice). Nothing
+        without a replay socket or a ``start_seq``."""
+        out: list[tuple[int, KVEventBatch]] = []
+        if self._replay is not None and self._expected is not None:
+            self._fill(None, out)
+        return out
+
+    def _fill(self, upto: int | None, out: list[tuple[int, KVEventBatch]]) -> None:
+        """Deliver ``[expected, upto)`` (everything buffered for ``None``) from the
+        replay socket; skip what it lacks."""
         if self._replay is not None:
             for seq, payload in self._request_replay(self._expected):
-                if seq < self._expected or seq >= upto:
+                if seq < self._expected or (upto is not None and seq >= upto):
                     continue  # already delivered, or will arrive live
                 if seq > self._expected:
                     self.stats["lost_batches"] += seq - self._expected
                 out.append((seq, decode_batch(payload)))
                 self._expected = seq + 1
                 self.stats["replayed"] += 1
-        if self._expected < upto:
+        if upto is not None and self._expected < upto:
             self.stats["lost_batches"] += upto - self._expected
             self._expected = upto
 

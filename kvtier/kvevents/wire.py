@@ -39,8 +39,10 @@ ExternalBlockHash = Union[bytes, int]  # noqa: UP007 - a runtime alias, also on 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
-TIER_TO_MEDIUM: Mapping[str, str] = {"hbm": MEDIUM_GPU, "dram": MEDIUM_CPU, "ssd": MEDIUM_STORAGE}
-"""Default ``medium`` of each kvtier tier (vLLM's own medium names)."""
+TIER_TO_MEDIUM: Mapping[str, str] = {"hbm": MEDIUM_GPU, "dram": MEDIUM_CPU, "ssd": MEDIUM_STORAGE,
+                                     "remote": MEDIUM_STORAGE}
+"""Default ``medium`` of each kvtier tier (vLLM's own medium names; the remote tier,
+a store shared by engines, is ``STORAGE`` with locality ``REMOTE``)."""
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """Sequence frame that ends a replay reply."""

@@ -81,12 +81,12 @@ class ServedEngine:
     """An engine child kept up between phases (``engine_child.py --serve``), so
     that two configurations can alternate round by round."""
 
-    def __init__(self, tmp: Path, name: str, spec: dict[str, Any]) -> None:
+    def __init__(self, tmp: Path, name: str, spec: dict[str, Any], env: dict[str, str] | None = None) -> None:
         self.tmp, self.name, self.count = tmp, name, 0
         spec_path = tmp / f"{name}.spec.json"
         spec_path.write_text(json.dumps({**spec, "phases": []}))
         self.log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 - open while the engine runs; close() closes it
-        env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", **(env or {})}
         self.proc = subprocess.Popen([sys.executable, str(CHILD), "--serve", str(spec_path)], env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
         self._wait("KVTIER-READY")

@@ -74,6 +74,12 @@ def test_placement_defaults_to_kvtier_and_takes_the_replay_names() -> None:
     ({"record_path": 3}, "record_path=3: must be a directory path"),
     ({"record_max_mib": -1}, "record_max_mib=-1: must be a number > 0"),
     ({"copy_threads": 2.5}, "copy_threads=2.5: must be an integer in 1..64"),
+    ({"remote_master": "nohost"}, "remote_master='nohost': must be host:port"),
+    ({"remote_segment_mib": 64}, "remote_segment_mib=64: needs remote_master"),
+    ({"remote_master": "h:1", "remote_metadata_server": "h:2"}, "remote_metadata_server='h:2': must be an http"),
+    ({"remote_master": "h:1", "remote_codec": "lz4"}, "remote_codec='lz4': must be one of"),
+    ({"remote_master": "h:1", "remote_lookup_wait_ms": -1}, "remote_lookup_wait_ms=-1: must be a number"),
+    ({"remote_master": "h:1", "remote_write_queue_mib": 0}, "remote_write_queue_mib=0: must be a number > 0"),
 ])
 def test_bad_placement_settings_name_the_key(extra: dict, match: str) -> None:
     with pytest.raises(ConfigError, match="kv_connector_extra_config." + match):
@@ -105,3 +111,19 @@ def test_a_config_files_placement_section_is_run_with_its_constants(tmp_path) ->
     with pytest.raises(ConfigError, match="placement.rho_max=2.0: must be in"):
         ConnectorSettings.build({"config_file": str(cfg)}, FACTS, env={})
 
+
+
+def test_remote_settings_and_their_defaults() -> None:
+    assert ConnectorSettings.build({}, FACTS, env={}).remote is None
+    r = ConnectorSettings.build({"remote_master": "10.0.0.5:50051", "remote_segment_mib": 64}, FACTS, env={}).remote
+    assert r is not None and r.metadata_server == "http://10.0.0.5:8080/metadata"
+    assert (r.segment_bytes, r.write_queue_bytes, r.codec, r.lookup_wait_s) == (64 << 20, 256 << 20, "raw", 0.005)
+
+
+def test_remote_tier_refuses_per_process_block_hashes() -> None:
+    """With a non-cryptographic hash and no PYTHONHASHSEED, vLLM seeds block hashes per
+    process: engines would never find each other's blocks, so the setting is refused."""
+    xx = EngineFacts("tiny", "bfloat16", 32, 2, 2, 32, "fused", "xxhash")
+    with pytest.raises(ConfigError, match="remote_master.*PYTHONHASHSEED"):
+        ConnectorSettings.build({"remote_master": "h:1"}, xx, env={})
+    assert ConnectorSettings.build({"remote_master": "h:1"}, xx, env={"PYTHONHASHSEED": "0"}).remote is not None

@@ -196,7 +196,7 @@ def test_a_slow_ssd_skips_stores_instead_of_queueing_without_limit(tmp_path) -> 
         assert len(ssd_ok) + len(ssd_skipped) == 20 and ssd_skipped and ssd_ok
         assert skipped == 2 * len(ssd_skipped)
         assert w.ssd_queued_peak_bytes <= bound_blocks * block_bytes  # the bound held
-        assert w._ssd_queued_bytes == 0
+        assert w._writers["ssd"].queued_bytes == 0
     finally:
         w.shutdown()
 

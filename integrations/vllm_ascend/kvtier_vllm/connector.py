@@ -21,7 +21,8 @@ What vLLM 0.32 lets a connector do (and what this one does):
   through the block pool's public ``touch`` / ``free_blocks`` (see
   :mod:`.placement`; vLLM's free queue itself is never reordered).
 * ``take_events``: with vLLM's KV events enabled, blocks stored into and
-  removed from kvtier's DRAM (medium ``CPU``) and SSD (``STORAGE``), so a
+  removed from kvtier's DRAM (medium ``CPU``) and SSD (``STORAGE``), and
+  blocks written to the remote store (``STORAGE``, locality ``REMOTE``), so a
   KV-aware router that subscribes to vLLM's events sees kvtier's tiers.
 """
 
@@ -67,7 +68,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_TIER_SOURCE = {"dram": CacheHitSource.HOST, "ssd": CacheHitSource.DISK}
+# vLLM names no source for a store shared by engines; its fallback covers "uninstrumented connector or remote store"
+_TIER_SOURCE = {"dram": CacheHitSource.HOST, "ssd": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
 @dataclass
@@ -291,21 +293,25 @@ class KVTierConnector(KVConnectorBase_V1):
     def take_events(self) -> Iterable[KVCacheEvent]:
         """Scheduler, each step: KV cache events of kvtier's tiers for vLLM's publisher
         (only with ``--kv-events-config`` enabled): ``BlockStored`` / ``BlockRemoved``
-        with medium ``CPU`` (DRAM) or ``STORAGE`` (SSD), in vLLM's own block hashes."""
+        with medium ``CPU`` (DRAM) or ``STORAGE`` (SSD), locality ``LOCAL``; blocks
+        written to the remote store shared by engines are ``STORAGE`` with locality
+        ``REMOTE`` (stores only: the store evicts on its own and tells no engine).
+        In vLLM's own block hashes."""
         if self._sched is None or not self._sched.kv_events:
             return ()
         out: list[KVCacheEvent] = []
         for kind, tier, block_hash, *rest in self._sched.take_kv_events():
             medium = TIER_TO_MEDIUM[tier]  # vLLM's medium names, as kvtier's own KV-event publisher uses
+            locality = "REMOTE" if tier == "remote" else "LOCAL"
             if kind == "removed":
                 out.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(block_hash)], medium=medium,
-                                        group_idx=0, locality="LOCAL", ownership="kvtier"))
+                                        group_idx=0, locality=locality, ownership="kvtier"))
                 continue
             parent, token_ids = rest
             out.append(BlockStored(block_hashes=[maybe_convert_block_hash(block_hash)],
                                    parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
                                    token_ids=token_ids, block_size=len(token_ids), lora_id=None, medium=medium,
-                                   lora_name=None, group_idx=0, locality="LOCAL", ownership="kvtier"))
+                                   lora_name=None, group_idx=0, locality=locality, ownership="kvtier"))
         return out
 
     def reset_cache(self) -> bool | None:

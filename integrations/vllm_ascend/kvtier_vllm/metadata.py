@@ -9,6 +9,7 @@ objects. Must not decide anything.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
@@ -18,8 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 class LoadJob:
     """Fill engine blocks ``block_ids`` of request ``req_id`` from kvtier.
 
-    ``keys[i]`` is read from ``tiers[i]`` (``slots[i]`` for DRAM) into
-    ``block_ids[i]``. ``block_ids`` beyond ``len(keys)`` had no readable block
+    ``keys[i]`` is read from ``tiers[i]`` (``dram``, ``ssd`` or ``remote``;
+    ``slots[i]`` for DRAM) into ``block_ids[i]``; remote blocks come last. ``block_ids`` beyond ``len(keys)`` had no readable block
     when planned and always fail.
     """
 
@@ -94,6 +95,8 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     skipped_blocks: int = 0  # SSD stores skipped because the SSD writer fell behind (summed over ranks)
     staging_skipped_stores: int = 0  # blocks not stored: the staging ring was full (summed over ranks)
     staging_skipped_loads: int = 0  # blocks not loaded (recomputed): the staging ring was full
+    remote_skipped_blocks: int = 0  # remote stores skipped because the remote writer fell behind
+    remote_outcomes: dict[str, int] = field(default_factory=dict)  # the store clients' failed reads, by outcome
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
@@ -110,4 +113,6 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
         return KVTierWorkerMetadata(plans, gathered, self.busy_us + other.busy_us,
                                     self.skipped_blocks + other.skipped_blocks,
                                     self.staging_skipped_stores + other.staging_skipped_stores,
-                                    self.staging_skipped_loads + other.staging_skipped_loads)
+                                    self.staging_skipped_loads + other.staging_skipped_loads,
+                                    self.remote_skipped_blocks + other.remote_skipped_blocks,
+                                    dict(Counter(self.remote_outcomes) + Counter(other.remote_outcomes)))

@@ -9,12 +9,17 @@ session / agent ids and hints a request carries in ``kv_transfer_params``,
 the placement policy (a :mod:`kvtier.placement` object, the one the replay
 runs) with its live context (:class:`~.placement.EnginePlacement`: HBM holds
 through vLLM's block pool, SSD -> DRAM prefetch), and the counters behind
-:meth:`KVTierScheduler.stats`.
+:meth:`KVTierScheduler.stats`. With a remote tier (a Mooncake Store shared by
+engines): which of a request's blocks past the local hits the store holds,
+asked on a lookup thread, and the remote writes of every new block.
 
 Must not touch tensors or do I/O on the scheduler's hot path: lookups read
 the in-memory index only, so a slow SSD never stalls a scheduling step (the
-SSD directory is scanned once, at start, to re-index a warm restart). Must
-not trust a block until every worker reported its store ok.
+SSD directory is scanned once, at start, to re-index a warm restart). The
+remote store is asked off the step, on a thread: a step waits at most
+``remote_lookup_wait_ms`` for the answer, then tells vLLM to ask again
+later (the request waits; nothing else does). Must not trust a block until
+every worker reported its store ok.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +45,7 @@ from kvtier.placement import ToolWait, make_placement
 from kvtier.sdk.handles import request_criticality, request_tags, request_tool_wait_s
 from kvtier.store import reindex_ssd
 
-from . import ssdshare
+from . import remoteshare, ssdshare
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob, PromoteJob, StoreJob, TierWrite
 from .placement import EnginePlacement
 from .settings import ConnectorSettings
@@ -61,10 +68,28 @@ class _Req:
 
 @dataclass(frozen=True, slots=True)
 class _Match:
-    """A lookup answered by get_num_new_matched_tokens, used by update_state_after_alloc."""
+    """A lookup answered by get_num_new_matched_tokens, used by update_state_after_alloc:
+    ``num_blocks`` from DRAM / SSD, then ``num_remote`` from the remote tier."""
 
     start_block: int
     num_blocks: int
+    num_remote: int = 0
+
+
+@dataclass(slots=True)
+class _RemoteLookup:
+    """A question to the remote store in flight: which of blocks ``lo:hi`` it holds."""
+
+    lo: int
+    hi: int
+    future: Future[list[bool]]
+    started_s: float
+
+
+REMOTE_LOOKUP_GIVE_UP_S = 2.0  # a store that has not answered by then counts as a miss (remote_lookup_timeouts)
+REMOTE_KNOWN_MAX = 1 << 20  # keys remembered as in the remote store (not written again)
+REMOTE_FAILED_TTL_S = 60.0  # a key whose remote load failed is not offered again for this long
+REMOTE_FAILED_MAX = 1 << 16
 
 
 class KVTierScheduler:
@@ -99,7 +124,7 @@ class KVTierScheduler:
         self._reqs: dict[str, _Req] = {}
         self._matches: dict[str, _Match] = {}
         self._loads: list[LoadJob] = []
-        self._load_plans: dict[int, tuple[str, LoadPlan]] = {}
+        self._load_plans: dict[int, tuple[str, LoadPlan | None, tuple[BlockKey, ...]]] = {}  # + its remote keys
         self._store_plans: dict[int, StorePlan] = {}
         self._job_to_req: dict[int, str] = {}
         self._reports: dict[int, tuple[int, list[bool]]] = {}
@@ -145,6 +170,19 @@ class KVTierScheduler:
             log.info("kvtier: recording served requests as AgentX traces in %s", settings.record_path)
         if "ssd" in self.manager.tier_names:
             self._reindex_ssd()
+        self._remote: Any = None
+        self._remote_pool: ThreadPoolExecutor | None = None
+        self._remote_lookups: dict[str, _RemoteLookup] = {}
+        self._remote_known: OrderedDict[BlockKey, None] = OrderedDict()  # in the store: not written again
+        # keys whose remote load failed (corrupt, foreign, gone) -> until when they are not offered: vLLM
+        # reschedules a failed load, and the store would answer "present" again
+        self._remote_failed: OrderedDict[BlockKey, float] = OrderedDict()
+        # remote writes in flight: plan id -> (keys, their KV-event metadata); ids < 0, apart from the manager's
+        self._remote_stores: dict[int, tuple[list[BlockKey], list[Any]]] = {}
+        self._remote_ids = itertools.count(-1, -1)
+        if settings.remote is not None:
+            self._remote = remoteshare.acquire(settings.remote, namespace, cfg.layout.to_layout())
+            self._remote_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote-lookup")
 
     # ------------------------------------------------------------ engine hooks
 
@@ -191,13 +229,57 @@ class KVTierScheduler:
         if max_blocks <= start:
             return 0, False
         hit = self.manager.lookup(keys[start:max_blocks])
-        if hit.num_blocks == 0:
+        remote = 0
+        if self._remote is not None and start + hit.num_blocks < max_blocks:
+            got = self._remote_hit(request.request_id, keys, start + hit.num_blocks, max_blocks)
+            if got is None:
+                return None, False  # the store has not answered yet: vLLM asks again next step
+            remote = got
+        if hit.num_blocks + remote == 0:
             return 0, False
-        self._matches[request.request_id] = _Match(start, hit.num_blocks)
-        return hit.num_blocks * self.block_size, True
+        self._matches[request.request_id] = _Match(start, hit.num_blocks, remote)
+        return (hit.num_blocks + remote) * self.block_size, True
+
+    def _remote_hit(self, req_id: str, keys: list[BlockKey], lo: int, hi: int) -> int | None:
+        """How many of blocks ``lo:hi`` the remote store holds, as a leading run;
+        ``None`` while its answer is still out. The question goes to the lookup
+        thread; this step waits at most ``remote_lookup_wait_ms`` for it."""
+        assert self._remote_pool is not None and self.settings.remote is not None
+        q = self._remote_lookups.get(req_id)
+        wait = 0.0
+        if q is None or (q.lo, q.hi) != (lo, hi):
+            q = self._remote_lookups[req_id] = _RemoteLookup(
+                lo, hi, self._remote_pool.submit(self._remote.contains_many, keys[lo:hi]), time.monotonic())
+            self.counters["remote_lookups"] += 1
+            wait = self.settings.remote.lookup_wait_s
+        try:
+            found = q.future.result(timeout=wait)
+        except FutureTimeout:
+            if time.monotonic() - q.started_s < REMOTE_LOOKUP_GIVE_UP_S:
+                self.counters["remote_lookup_deferred"] += 1
+                return None
+            self.counters["remote_lookup_timeouts"] += 1
+            found = []
+        except Exception as exc:  # the store's client failing is a miss, never a failed step
+            log.warning("kvtier: remote lookup failed: %s", exc)
+            self.counters["remote_errors"] += 1
+            found = []
+        del self._remote_lookups[req_id]
+        n = found.index(False) if False in found else len(found)
+        if self._remote_failed:
+            now = time.monotonic()
+            for i, key in enumerate(keys[lo : lo + n]):
+                until = self._remote_failed.get(key)
+                if until is not None and until > now:
+                    n = i
+                    self.counters["remote_lookup_failed_skips"] += 1
+                    break
+        for key in keys[lo + n : lo + len(found)]:  # gone from the store (evicted, or the master restarted)
+            self._remote_known.pop(key, None)
+        return n
 
     def hit_sources(self, request: Any) -> dict[str, int]:
-        """Tokens of ``request``'s planned load per tier (``dram`` / ``ssd``)."""
+        """Tokens of ``request``'s planned load per tier (``dram`` / ``ssd`` / ``remote``)."""
         out: Counter[str] = Counter()
         for job in self._loads:
             if job.req_id == request.request_id:
@@ -214,13 +296,19 @@ class KVTierScheduler:
         n = num_external_tokens // self.block_size
         keys = self._keys(st)[match.start_block : match.start_block + n]
         targets = tuple(block_ids[match.start_block : match.start_block + n])
-        plan = self.manager.prepare_load(keys)
-        if plan is None:  # cannot happen within one step; the worker fails every block
+        local = min(n, match.num_blocks)
+        plan = self.manager.prepare_load(keys[:local]) if local else None
+        got = len(plan.keys) if plan is not None else 0
+        remote = tuple(keys[local:]) if got == local else ()  # the remote run must follow the local one
+        if got + len(remote) == 0:  # cannot happen within one step; the worker fails every block
             job = LoadJob(request.request_id, 0, (), (), (), targets)
         else:
-            slots = tuple(s if t != "ssd" else 0 for s, t in zip(plan.slots, plan.tiers))
-            job = LoadJob(request.request_id, plan.plan_id, plan.keys, plan.tiers, slots, targets)
-            self._load_plans[plan.plan_id] = (request.request_id, plan)
+            tiers = (plan.tiers if plan is not None else ()) + ("remote",) * len(remote)
+            slots = tuple(s if t != "ssd" else 0 for s, t in zip(plan.slots, plan.tiers)) if plan is not None else ()
+            plan_id = plan.plan_id if plan is not None else next(self._remote_ids)
+            job = LoadJob(request.request_id, plan_id, (plan.keys if plan is not None else ()) + remote, tiers,
+                          slots + (0,) * len(remote), targets)
+            self._load_plans[plan_id] = (request.request_id, plan, remote)
         st.loading = True
         self._loads.append(job)
         self.counters["load_planned_tokens"] += n * self.block_size
@@ -258,6 +346,10 @@ class KVTierScheduler:
         self.counters["worker_cpu_us"] += worker_meta.busy_us
         if worker_meta.skipped_blocks:
             self.counters["store_skipped_backpressure"] += worker_meta.skipped_blocks
+        if worker_meta.remote_skipped_blocks:
+            self.counters["store_skipped_backpressure_remote"] += worker_meta.remote_skipped_blocks
+        for outcome, n in worker_meta.remote_outcomes.items():  # the workers' store clients: why reads missed
+            self.counters[outcome if outcome.startswith("remote_") else f"remote_{outcome}"] += n
         if worker_meta.staging_skipped_stores:
             self.counters["store_skipped_staging"] += worker_meta.staging_skipped_stores
         if worker_meta.staging_skipped_loads:
@@ -287,6 +379,7 @@ class KVTierScheduler:
         them for a store, or writes them for a load."""
         st = self._reqs.pop(request.request_id, None)
         self._matches.pop(request.request_id, None)
+        self._remote_lookups.pop(request.request_id, None)
         self.placement.finished(request.request_id)
         wait_s = request_tool_wait_s(getattr(request, "kv_transfer_params", None))
         if self.recorder is not None:
@@ -427,17 +520,23 @@ class KVTierScheduler:
         if self._hints is not None:
             self._hints.stop()
             self._hints = None
+        if self._remote is not None:
+            assert self._remote_pool is not None
+            self._remote_pool.shutdown(wait=True)
+            remoteshare.release(self._remote)
+            self._remote = None
 
     def has_pending_work(self) -> bool:
         """Whether plans are still out (so the engine keeps stepping to collect them)."""
         return bool(self._store_plans or self._load_plans or self._release or self._job_to_req
-                    or self._promote_plans)
+                    or self._promote_plans or self._remote_stores)
 
     def reset(self) -> bool:
         """Drop every stored block (vLLM calls this on ``reset_prefix_cache(reset_connector=True)``,
         e.g. after a weight update, when stored KV is stale); SSD values are deleted by the
         workers next step. False when a block could not be dropped (a load or store in flight)."""
         self.placement.release_all()  # stale KV must go, waiting agents or not
+        self._remote_known.clear()  # the shared store is other engines' too: this engine only forgets it
         for tier in self.manager.tier_names:
             self.manager.evict(tier, self.manager.capacity_blocks(tier))
         self._pump_events()
@@ -452,7 +551,7 @@ class KVTierScheduler:
         out: dict[str, Any] = {"counters": dict(self.counters), "placement": self.policy.name,
                                "placement_params": dict(self.settings.placement_params),
                                "pending_plans": len(self._store_plans) + len(self._load_plans)
-                               + len(self._promote_plans)}
+                               + len(self._promote_plans) + len(self._remote_stores)}
         out["tiers"] = {t: {"capacity_blocks": m.capacity_blocks(t), "ready_blocks": m.ready_blocks(t)}
                         for t in m.tier_names}
         if self._gpu_block_pool is not None:
@@ -465,6 +564,9 @@ class KVTierScheduler:
         out["live_sessions"] = len(sessions)
         if self.recorder is not None:
             out["record"] = dict(self.recorder.counters)
+        if self._remote is not None:  # the store client's own outcomes (shared with rank 0's worker in one process)
+            out["remote"] = {"master": self.settings.remote.master, "counters": dict(self._remote.counters),
+                             "known_blocks": len(self._remote_known)}
         return out
 
     def write_stats(self) -> None:
@@ -509,20 +611,27 @@ class KVTierScheduler:
         parent = keys[start - 1] if start else None
         if self.kv_events:
             self._note_event_meta(st, keys, start, upto)
-        plans = []
+        plans: list[tuple[int, str, Sequence[BlockKey], Sequence[int]]] = []  # (plan id, tier, keys, slots)
         for tier in self.manager.tier_names:
             plan = self.manager.prepare_store(tier, new, parent)
             if plan is not None and plan.keys:
-                plans.append(plan)
+                plans.append((plan.plan_id, plan.tier, plan.keys, plan.slots))
                 self._store_plans[plan.plan_id] = plan
         self._pump_events()
+        if self._remote is not None:
+            remote = [k for k in new if k not in self._remote_known]
+            if remote:
+                pid = next(self._remote_ids)
+                meta = [self._event_meta.get(k) for k in remote] if self.kv_events else []
+                self._remote_stores[pid] = (remote, meta)
+                plans.append((pid, "remote", remote, (0,) * len(remote)))
         if not plans:
             return None
         index = {k: i for i, k in enumerate(new)}
-        rows = sorted({index[k] for p in plans for k in p.keys})
+        rows = sorted({index[k] for p in plans for k in p[2]})
         pos = {r: j for j, r in enumerate(rows)}
         block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
-        writes = tuple(TierWrite(p.plan_id, p.tier, tuple(pos[index[k]] for k in p.keys), p.slots) for p in plans)
+        writes = tuple(TierWrite(pid, tier, tuple(pos[index[k]] for k in ks), slots) for pid, tier, ks, slots in plans)
         chain = [parent, *new]
         job = StoreJob(
             job_id=next(self._job_ids), req_id=req_id,
@@ -542,19 +651,59 @@ class KVTierScheduler:
             good = sum(oks)
             self.counters[f"stored_blocks_{plan.tier}"] += good
             self.counters[f"store_failed_blocks_{plan.tier}"] += len(oks) - good
+        elif plan_id in self._remote_stores:
+            self._remote_stored(*self._remote_stores.pop(plan_id), oks)
         elif plan_id in self._promote_plans:
             self.placement.promotion_done(self._promote_plans.pop(plan_id), oks, None)
         elif plan_id in self._load_plans:
-            req_id, plan = self._load_plans.pop(plan_id)
-            self.manager.complete_load(plan, oks)
+            req_id, plan, remote = self._load_plans.pop(plan_id)
+            local = len(plan.keys) if plan is not None else 0
+            if plan is not None:
+                self.manager.complete_load(plan, oks[:local])
             num_ok = oks.index(False) if False in oks else len(oks)
-            for tier in plan.tiers[:num_ok]:
+            for tier in (plan.tiers if plan is not None else ())[:num_ok]:
                 self.counters[f"hit_tokens_{tier}"] += self.block_size
+            if num_ok > local:
+                self.counters["hit_tokens_remote"] += (num_ok - local) * self.block_size
+                self._remember_remote(remote[: num_ok - local])
+            if len(oks) > num_ok >= local and remote:
+                self.counters["remote_load_failed_blocks"] += len(oks) - num_ok
+                bad = remote[num_ok - local]  # the blocks after it failed with it
+                self._remote_known.pop(bad, None)
+                self._remote_failed[bad] = time.monotonic() + REMOTE_FAILED_TTL_S
+                self._remote_failed.move_to_end(bad)
+                while len(self._remote_failed) > REMOTE_FAILED_MAX:
+                    self._remote_failed.popitem(last=False)
             self.counters["hit_tokens"] += num_ok * self.block_size
             self.counters["load_failed_blocks"] += len(oks) - num_ok
             st = self._reqs.get(req_id)
             if st is not None:
                 st.loading = False
+
+    def _remote_stored(self, keys: list[BlockKey], meta: list[Any], oks: list[bool]) -> None:
+        """Every worker reported a remote write: count it, remember the keys written
+        (not written again) and, with KV events on, publish them (medium STORAGE,
+        locality REMOTE). A failed write makes this engine forget what it knew of
+        the store (it may have restarted empty)."""
+        good = [k for k, ok in zip(keys, oks) if ok]
+        self.counters["stored_blocks_remote"] += len(good)
+        self.counters["store_failed_blocks_remote"] += len(keys) - len(good)
+        if len(good) < len(keys):
+            self._remote_known.clear()
+        self._remember_remote(good)
+        for key in good:  # a fresh, complete value: offer it again
+            self._remote_failed.pop(key, None)
+        if self.kv_events:
+            stored = [("stored", "remote", *m) for m, ok in zip(meta, oks) if ok and m is not None]
+            self._kv_events += _parents_first(stored)
+
+    def _remember_remote(self, keys: Iterable[BlockKey]) -> None:
+        known = self._remote_known
+        for key in keys:
+            known[key] = None
+            known.move_to_end(key)
+        while len(known) > REMOTE_KNOWN_MAX:
+            known.popitem(last=False)
 
     def load_finished(self, req_ids: Iterable[str]) -> None:
         """The engine reports these requests' asynchronous loads as done."""

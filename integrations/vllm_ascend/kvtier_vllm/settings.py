@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import KVTierConfig, load_config
+from kvtier.config import SSD_CODECS, KVTierConfig, load_config
 from kvtier.errors import ConfigError
 
 EXTRA_KEYS: dict[str, str] = {
@@ -59,6 +59,18 @@ EXTRA_KEYS: dict[str, str] = {
     "hint_watch": "host:port or unix:PATH of a separate hint server (kvtier serve): follow its agents' tool calls, "
                   "criticality and ends (HintService.Watch) when the server does not run in this process",
     "hint_watch_token": "bearer token for hint_watch (the server's auth; the view is of that token's tenant)",
+    "remote_master": "host:port of a Mooncake Store master (mooncake_master --rpc_port): turns on the remote tier, "
+                     "a store engines share, read and written after DRAM and SSD; off by default",
+    "remote_metadata_server": "the store's HTTP metadata server (default http://<master host>:8080/metadata, "
+                              "mooncake_master --enable_http_metadata_server=1)",
+    "remote_segment_mib": "memory this engine contributes to the shared store (MiB, default 512)",
+    "remote_write_queue_mib": "host copies waiting for the remote writer, at most (MiB, default 256): when the store "
+                              "falls behind, further remote stores are skipped and counted "
+                              "(store_skipped_backpressure_remote)",
+    "remote_codec": "value codec in the shared store: raw (default), zstd, bplane-zstd or auto",
+    "remote_lookup_wait_ms": "how long a scheduling step waits for the store's answer about a new request's blocks "
+                             "(default 5); a slower answer is taken up by a later step (the request waits, "
+                             "nothing else does)",
     "allow_untested_vllm": "true: start on a vLLM outside the tested range (see kvtier_vllm.version)",
 }
 """Every key the connector reads from ``kv_connector_extra_config``."""
@@ -78,6 +90,45 @@ class EngineFacts:
     hash_algo: str
     tp_rank: int = 0
     tp_size: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteSettings:
+    """Where the remote tier (a Mooncake Store shared by engines) is, and its bounds."""
+
+    master: str
+    metadata_server: str
+    segment_bytes: int = 512 << 20
+    write_queue_bytes: int = 256 << 20
+    codec: str = "raw"
+    lookup_wait_s: float = 0.005
+
+    @classmethod
+    def build(cls, extra: Mapping[str, Any]) -> RemoteSettings | None:
+        """The ``remote_*`` keys of ``extra``; ``None`` without ``remote_master``."""
+        master = extra.get("remote_master")
+        others = sorted(k for k in extra if k.startswith("remote_") and k != "remote_master")
+        if master is None:
+            if others:
+                raise ConfigError(f"kv_connector_extra_config.{others[0]}", extra[others[0]],
+                                  "needs remote_master (the remote tier is off without it)")
+            return None
+        host, sep, port = master.rpartition(":") if isinstance(master, str) else ("", "", "")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError("kv_connector_extra_config.remote_master", master, "must be host:port")
+        meta = extra.get("remote_metadata_server", f"http://{host}:8080/metadata")
+        if not isinstance(meta, str) or not meta.startswith(("http://", "https://")):
+            raise ConfigError("kv_connector_extra_config.remote_metadata_server", meta,
+                              "must be an http://host:port/metadata URL")
+        codec = extra.get("remote_codec", "raw")
+        if codec not in SSD_CODECS:
+            raise ConfigError("kv_connector_extra_config.remote_codec", codec, f"must be one of {', '.join(SSD_CODECS)}")
+        wait_ms = extra.get("remote_lookup_wait_ms", 5)
+        if isinstance(wait_ms, bool) or not isinstance(wait_ms, (int, float)) or not 0 <= wait_ms <= 1000:
+            raise ConfigError("kv_connector_extra_config.remote_lookup_wait_ms", wait_ms,
+                              "must be a number of milliseconds in [0, 1000]")
+        return cls(master, meta, int(_mib(extra, "remote_segment_mib", 512) * (1 << 20)),
+                   int(_mib(extra, "remote_write_queue_mib", 256) * (1 << 20)), codec, wait_ms / 1000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +153,7 @@ class ConnectorSettings:
     record_path: str | None = None
     record_max_bytes: int = 1 << 30
     placement_params: Mapping[str, float] = field(default_factory=dict)
+    remote: RemoteSettings | None = None
 
     @classmethod
     def build(
@@ -181,10 +233,16 @@ class ConnectorSettings:
         if record_path is not None and (not isinstance(record_path, str) or not record_path):
             raise ConfigError("kv_connector_extra_config.record_path", record_path, "must be a directory path")
         record_mib = _mib(extra, "record_max_mib", 1024)
+        remote = RemoteSettings.build(extra)
+        if remote is not None and facts.hash_algo.startswith("xxhash") and not env.get("PYTHONHASHSEED"):
+            # vLLM then seeds its block hashes per process: no two engines name a block alike
+            raise ConfigError("kv_connector_extra_config.remote_master", remote.master,
+                              f"engines share blocks only under equal block hashes; with prefix_caching_hash_algo="
+                              f"{facts.hash_algo} set PYTHONHASHSEED to one value on every engine, or use sha256")
         return cls(cfg, extra.get("stats_path"), extra.get("hint_server"), ssd_root, placement, hold, float(budget),
                    eviction_set, watch, extra.get("hint_watch_token"), int(queue_mib * (1 << 20)),
                    int(staging_mib * (1 << 20)), copy_threads, int(device_staging_mib * (1 << 20)), side_stream,
-                   record_path, int(record_mib * (1 << 20)), placement_params)
+                   record_path, int(record_mib * (1 << 20)), placement_params, remote)
 
     def rank_ssd_path(self, tp_rank: int, tp_size: int) -> Path | None:
         """The LMDB directory of one TP rank (each rank stores its own shard)."""

@@ -1,11 +1,13 @@
 """Worker side of the kvtier connector: the bytes.
 
 Owns: the registered engine KV caches (through :class:`~.blockio.BlockIO`),
-this rank's DRAM slab pool and SSD (LMDB) tier, and two background threads
-that move host bytes for the scheduler's plans: ``copy`` (DRAM slots) and
-``ssd`` (LMDB reads, writes, deletes). Reports per-block results, store jobs
-whose engine blocks it finished reading, finished loads and the engine block
-ids whose load failed.
+this rank's DRAM slab pool, SSD (LMDB) tier and remote-tier client (a
+Mooncake Store shared by engines, :mod:`~.remoteshare`), and background
+threads that move host bytes for the scheduler's plans: ``copy`` (DRAM
+slots), ``ssd`` (LMDB reads, writes, deletes) and ``remote`` (the shared
+store's reads and writes). Reports per-block results, store jobs whose
+engine blocks it finished reading, finished loads and the engine block ids
+whose load failed.
 
 Every torch operation on engine blocks runs on the engine's own thread
 (gather in ``wait_for_save``, scatter in ``get_finished``); the background
@@ -24,7 +26,8 @@ that fit and reports the rest failed (counted), never waiting on the
 engine's thread. The host copies waiting for the SSD writer are bounded
 (``ssd_write_queue_mib``): when the SSD falls behind what the engine
 computes, further SSD stores are skipped (reported failed, so the scheduler
-never offers those blocks from SSD) and counted, never queued without limit.
+never offers those blocks from SSD) and counted, never queued without limit;
+the remote writer has a bound of its own (``remote_write_queue_mib``).
 
 Must not decide what to store, load or evict (the scheduler side plans it),
 and must never leave unverified bytes in an engine block it reports as
@@ -51,7 +54,7 @@ from kvtier.keys import BlockKey, Namespace
 from kvtier.layout import KVLayout
 from kvtier.tiers.pool import TensorPool, accelerator_device
 
-from . import ssdshare
+from . import remoteshare, ssdshare
 from .blockio import BlockIO, KVCache
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob, PromoteJob, StoreJob, TierWrite
 from .settings import ConnectorSettings
@@ -79,8 +82,21 @@ class _Results:
     reads: list[_Read] = field(default_factory=list)
     busy_us: int = 0  # CPU time of the background threads
     skipped_blocks: int = 0  # SSD stores skipped for backpressure
+    remote_skipped_blocks: int = 0  # remote stores skipped for backpressure
     staging_skipped_stores: int = 0  # blocks not gathered: the staging ring was full
     staging_skipped_loads: int = 0  # blocks not loaded: the staging ring was full
+
+
+class _Writer:
+    """A slow tier's writes (SSD or remote): one thread, and a bound on the host
+    copies queued for it (``queued_bytes``; changed under the worker's lock)."""
+
+    def __init__(self, tier: Any, thread: ThreadPoolExecutor, bound_bytes: int) -> None:
+        self.tier = tier
+        self.thread = thread
+        self.bound_bytes = bound_bytes
+        self.queued_bytes = 0
+        self.peak_bytes = 0
 
 
 class KVTierWorker:
@@ -95,8 +111,11 @@ class KVTierWorker:
         self._pool: TensorPool | None = None
         self._pool_np: np.ndarray | None = None
         self._ssd: Any = None
+        self._remote: Any = None
+        self._remote_reported: dict[str, int] = {}  # the store client's failure counters as last reported
         self._copy = ThreadPoolExecutor(1, thread_name_prefix="kvtier-copy")
         self._ssd_thread = ThreadPoolExecutor(1, thread_name_prefix="kvtier-ssd")
+        self._writers: dict[str, _Writer] = {}  # "ssd" / "remote": their writer threads and queue bounds
         # takes half of each large DRAM copy (copy_threads - 1 threads; none at 1)
         self._copy_helper = (ThreadPoolExecutor(settings.copy_threads - 1, thread_name_prefix="kvtier-copy-helper")
                              if settings.copy_threads > 1 else None)
@@ -107,8 +126,6 @@ class KVTierWorker:
         self._release: set[str] = set()
         self._load_errors: set[int] = set()
         self._meta: KVTierWorkerMetadata | None = None
-        self._ssd_queued_bytes = 0  # host bytes held by SSD writes not yet done (bounded)
-        self.ssd_queued_peak_bytes = 0
         self.ring: StagingRing | None = None
         self._scattered: list[tuple[Any, Run]] = []  # (event, run): loads copied to the device, run still read
 
@@ -138,16 +155,34 @@ class KVTierWorker:
             path = self.settings.rank_ssd_path(self.namespace.tp_rank, self.namespace.tp_size)
             assert path is not None
             self._ssd = ssdshare.acquire(path, self.namespace, self.layout, cfg)
+            # SSD reads, deletes and promotions share the one LMDB thread with the writes
+            self._writers["ssd"] = _Writer(self._ssd, self._ssd_thread, self.settings.ssd_write_queue_bytes)
+        if self.settings.remote is not None:
+            self._remote = remoteshare.acquire(self.settings.remote, self.namespace, self.layout)
+            self._writers["remote"] = _Writer(self._remote, ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote"),
+                                              self.settings.remote.write_queue_bytes)
+
+    @property
+    def ssd_queued_peak_bytes(self) -> int:
+        """Most host bytes ever queued for the SSD writer (bounded by ``ssd_write_queue_mib``)."""
+        writer = self._writers.get("ssd")
+        return writer.peak_bytes if writer is not None else 0
 
     def shutdown(self) -> None:
-        """Finish queued jobs, then close the SSD tier."""
+        """Finish queued jobs, then close the SSD tier and leave the remote store."""
         self._copy.shutdown(wait=True)
         self._ssd_thread.shutdown(wait=True)
+        remote = self._writers.get("remote")
+        if remote is not None:
+            remote.thread.shutdown(wait=True)
         if self._copy_helper is not None:
             self._copy_helper.shutdown(wait=True)
         if self._ssd is not None:
             ssdshare.release(self._ssd)
             self._ssd = None
+        if self._remote is not None:
+            remoteshare.release(self._remote)
+            self._remote = None
 
     # ------------------------------------------------------------ per step
 
@@ -170,7 +205,7 @@ class KVTierWorker:
             if run is None:
                 self._post_read(job, None, [False] * len(job.keys))
                 continue
-            runner = self._ssd_thread if "ssd" in job.tiers[:got] else self._copy
+            runner = self._ssd_thread if "ssd" in job.tiers[:got] else self._copy  # remote reads: _read hands on
             runner.submit(self._guarded, lambda job=job, run=run: self._read(job, run),
                           lambda job=job, run=run: self._post_read(job, run, [False] * len(job.keys)))
 
@@ -240,11 +275,25 @@ class KVTierWorker:
         self._release -= sending
         meta.busy_us = res.busy_us
         meta.skipped_blocks = res.skipped_blocks
+        meta.remote_skipped_blocks = res.remote_skipped_blocks
+        meta.remote_outcomes = self._remote_outcomes()
         meta.staging_skipped_stores = res.staging_skipped_stores
         meta.staging_skipped_loads = res.staging_skipped_loads
         self._meta = meta if (meta.plans or meta.gathered or meta.busy_us or meta.skipped_blocks
-                              or meta.staging_skipped_stores or meta.staging_skipped_loads) else None
+                              or meta.remote_skipped_blocks or meta.remote_outcomes or meta.staging_skipped_stores or meta.staging_skipped_loads) else None
         return sending, recving
+
+    REMOTE_OUTCOMES = ("missing", "remote_errors", "checksum_failures", "decode_failures", "mismatches",
+                       "key_mismatches")
+
+    def _remote_outcomes(self) -> dict[str, int]:
+        """Failed reads and errors of this rank's store client since the last report, by outcome."""
+        if self._remote is None:
+            return {}
+        now = {k: self._remote.counters[k] for k in self.REMOTE_OUTCOMES}  # a snapshot (another thread counts)
+        out = {k: v - self._remote_reported.get(k, 0) for k, v in now.items() if v != self._remote_reported.get(k, 0)}
+        self._remote_reported = now
+        return out
 
     def _reclaim_scattered(self) -> None:
         """Give back the staging runs of loads whose copy to the device has finished."""
@@ -307,31 +356,38 @@ class KVTierWorker:
                            self.settings.copy_threads)
                 self._post_plan(w.plan_id, [r < got for r in w.rows])
                 continue
+            writer = self._writers.get(w.tier)
+            if writer is None:  # a tier this rank does not have: nothing stored
+                self._post_plan(w.plan_id, [False] * len(w.rows))
+                continue
             nbytes = len(pos) * host.shape[1]
             with self._lock:
-                room = self._ssd_queued_bytes + nbytes <= self.settings.ssd_write_queue_bytes
+                room = writer.queued_bytes + nbytes <= writer.bound_bytes
                 if room:
-                    self._ssd_queued_bytes += nbytes
-                    self.ssd_queued_peak_bytes = max(self.ssd_queued_peak_bytes, self._ssd_queued_bytes)
-                else:
+                    writer.queued_bytes += nbytes
+                    writer.peak_bytes = max(writer.peak_bytes, writer.queued_bytes)
+                elif w.tier == "ssd":
                     self._results.skipped_blocks += len(pos)
-            if not room:  # the SSD is behind: skip (a later miss), never queue without limit
+                else:
+                    self._results.remote_skipped_blocks += len(pos)
+            if not room:  # the tier is behind: skip (a later miss), never queue without limit
                 self._post_plan(w.plan_id, [False] * len(w.rows))
                 continue
             own = host[[w.rows[i] for i in pos]]  # its own copy: the staging run can go
             items = [(BlockKey(job.keys[w.rows[i]]), own[j], _key(job.parents[w.rows[i]])) for j, i in enumerate(pos)]
-            self._ssd_thread.submit(
-                self._guarded, lambda w=w, items=items, pos=pos, n=nbytes: self._write_ssd(w, items, pos, n),
+            writer.thread.submit(
+                self._guarded, lambda w=w, wr=writer, items=items, pos=pos, n=nbytes: self._write_slow(wr, w, items,
+                                                                                                      pos, n),
                 lambda w=w: self._post_plan(w.plan_id, [False] * len(w.rows)))
 
-    def _write_ssd(self, w: TierWrite, items: Sequence[tuple[BlockKey, Any, BlockKey | None]], pos: Sequence[int],
-                   nbytes: int) -> None:
-        """SSD thread: write ``items`` (rows ``pos`` of ``w``); the plan reports the leading run written."""
+    def _write_slow(self, writer: _Writer, w: TierWrite, items: Sequence[tuple[BlockKey, Any, BlockKey | None]],
+                    pos: Sequence[int], nbytes: int) -> None:
+        """SSD or remote thread: write ``items`` (rows ``pos`` of ``w``); the plan reports the leading run written."""
         try:  # the queued bytes are given back however the write ends (an error reports the plan failed)
-            n = self._ssd.put_many(items)
+            n = writer.tier.put_many(items)
         finally:
             with self._lock:
-                self._ssd_queued_bytes -= nbytes
+                writer.queued_bytes -= nbytes
         oks = [False] * len(w.rows)
         for j in range(n):
             oks[pos[j]] = True
@@ -345,8 +401,25 @@ class KVTierWorker:
             self.ring.give_back(run)  # type: ignore[union-attr]
 
     def _read(self, job: LoadJob, run: Run) -> None:
-        """Copy or SSD thread: read the first ``len(run)`` blocks of the load into ``run``."""
-        self._post_read(job, run, self._read_tiers(job, run.rows.numpy()))
+        """Copy or SSD thread: read the first ``len(run)`` blocks of the load into ``run``;
+        blocks from the remote tier (the tail of the load) are read next on the remote thread."""
+        host = run.rows.numpy()
+        oks = self._read_tiers(job, host)
+        remote = [i for i, t in enumerate(job.tiers[:len(host)]) if t == "remote"]
+        if not remote or self._remote is None or not all(oks[:remote[0]]):  # a failed block fails all after it
+            self._post_read(job, run, oks)
+            return
+        self._writers["remote"].thread.submit(
+            self._guarded, lambda: self._read_remote(job, run, oks, remote),
+            lambda: self._post_read(job, run, [False] * len(job.keys)))
+
+    def _read_remote(self, job: LoadJob, run: Run, oks: list[bool], rows: Sequence[int]) -> None:
+        """Remote thread: read and verify the load's remote blocks ``rows`` into ``run``."""
+        host = run.rows.numpy()
+        got = self._remote.get_many_into([BlockKey(job.keys[i]) for i in rows], [host[i] for i in rows])
+        for i, ok in zip(rows, got):
+            oks[i] = bool(ok)
+        self._post_read(job, run, oks)
 
     def _read_tiers(self, job: LoadJob, host: np.ndarray) -> list[bool]:
         """Read the load's first ``len(host)`` blocks into ``host``; one ok per key of the job."""

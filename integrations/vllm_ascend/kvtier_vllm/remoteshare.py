@@ -1,0 +1,53 @@
+"""One remote-tier client (:class:`~kvtier.tiers.remote.MooncakeTier`) per store,
+namespace and process.
+
+Owns: a process-wide, reference-counted table of open clients. vLLM may run
+the scheduler and a worker in one process (in-process engine core, ``uni``
+executor); both halves of the connector then use rank 0's client (the
+scheduler to ask which blocks the store has, the worker to move bytes)
+instead of joining the store twice. Must not decide anything about the
+blocks, and imports ``mooncake`` only when a client is opened.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from kvtier.keys import Namespace
+from kvtier.layout import KVLayout
+
+from .settings import RemoteSettings
+
+_lock = threading.Lock()
+_open: dict[tuple[str, str, Namespace], list[Any]] = {}  # (master, metadata, namespace) -> [tier, references]
+
+
+def acquire(remote: RemoteSettings, namespace: Namespace, layout: KVLayout) -> Any:
+    """The client of ``namespace`` in the store ``remote`` names (joined on first
+    use); pair with :func:`release`. Raises :class:`~kvtier.tiers.remote.RemoteTierError`
+    naming the setting when the store cannot be reached."""
+    from kvtier.tiers.remote import MooncakeTier
+
+    key = (remote.master, remote.metadata_server, namespace)
+    with _lock:
+        entry = _open.get(key)
+        if entry is None:
+            tier = MooncakeTier(namespace, layout, master=remote.master, metadata_server=remote.metadata_server,
+                                segment_bytes=remote.segment_bytes, buffer_bytes=min(remote.segment_bytes, 128 << 20),
+                                codec=remote.codec)
+            entry = _open[key] = [tier, 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def release(tier: Any) -> None:
+    """Drop one reference; the last one leaves the store."""
+    with _lock:
+        for key, entry in list(_open.items()):
+            if entry[0] is tier:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _open[key]
+                    tier.close()
+                return
