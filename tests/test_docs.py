@@ -45,7 +45,7 @@ def _commands(text: str) -> list[str]:
                     line = line[len(".venv/bin/"):]
                 if line.startswith("kvtier "):
                     found.append(line.split(" && ")[0].split(" | ")[0])
-    found += [c for c in re.findall(r"`(kvtier (?:replay|serve|bench|inspect)[^`]*)`", text)
+    found += [c for c in re.findall(r"`(kvtier (?:replay|serve|bench|inspect|route)[^`]*)`", text)
               if "..." not in c and "DIR" not in c.split()[2:3]]
     return sorted(set(found))
 
