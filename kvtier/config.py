@@ -342,6 +342,44 @@ class SSDTierConfig:
         return Path(self.path).expanduser().resolve()
 
 
+@dataclass(frozen=True, slots=True)
+class RemoteTierConfig:
+    """A store several engines share (Mooncake Store): read after the other
+    tiers miss, written through on every put. Not a tier of the manager (no
+    capacity of its own: the store evicts on its own). ``master`` is the
+    master's ``host:port``; ``metadata_server`` its HTTP metadata URL (default
+    ``http://<master host>:8080/metadata``). This client contributes
+    ``segment_bytes`` of its memory to the store."""
+
+    enabled: bool = False
+    master: str = ""
+    metadata_server: str = ""
+    segment_bytes: int = 512 << 20
+    buffer_bytes: int = 128 << 20
+    codec: str = "raw"
+    zstd_level: int = 1
+    SECTION: ClassVar[str] = "tiers.remote"
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "tiers.remote.")
+        _check_min("tiers.remote.segment_bytes", self.segment_bytes, 1 << 20)
+        _check_min("tiers.remote.buffer_bytes", self.buffer_bytes, 1 << 20)
+        _check_choice("tiers.remote.codec", self.codec, SSD_CODECS)
+        if not 1 <= self.zstd_level <= 22:
+            raise ConfigError("tiers.remote.zstd_level", self.zstd_level, "must be in 1..22")
+        if self.enabled:
+            host, sep, port = self.master.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ConfigError("tiers.remote.master", self.master, "required host:port when tiers.remote.enabled")
+            if self.metadata_server and not self.metadata_server.startswith(("http://", "https://")):
+                raise ConfigError("tiers.remote.metadata_server", self.metadata_server,
+                                  "must be an http://host:port/metadata URL")
+
+    def resolved_metadata_server(self) -> str:
+        """``metadata_server``, or Mooncake's default port on the master's host."""
+        return self.metadata_server or f"http://{self.master.rpartition(':')[0]}:8080/metadata"
+
+
 def _check_dir_creatable(setting: str, path: str) -> None:
     """Raise unless ``path`` is a writable directory or can be created as one."""
     try:
@@ -453,6 +491,7 @@ class KVTierConfig:
     hbm: HBMTierConfig = field(default_factory=HBMTierConfig)
     dram: DRAMTierConfig = field(default_factory=DRAMTierConfig)
     ssd: SSDTierConfig = field(default_factory=SSDTierConfig)
+    remote: RemoteTierConfig = field(default_factory=RemoteTierConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     tuned: TunedConfig = field(default_factory=TunedConfig)
     pin_budget_blocks: int = 256
@@ -506,11 +545,11 @@ class KVTierConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Every resolved setting as a nested dict in the file's layout
-        (``tiers`` holds ``hbm``/``dram``/``ssd``; placement constants left to
+        (``tiers`` holds ``hbm``/``dram``/``ssd``/``remote``; placement constants left to
         the policy are omitted); ``load_config(overrides=...)`` of it gives
         back an equal config."""
         data = asdict(self)
-        data["tiers"] = {name: data.pop(name) for name in TIER_NAMES}
+        data["tiers"] = {name: data.pop(name) for name in (*TIER_NAMES, "remote")}
         data["placement"] = {k: v for k, v in data["placement"].items() if v is not None}  # unset: the policy's own
         return data
 
@@ -526,13 +565,14 @@ _SECTIONS: dict[str, type] = {
     "hbm": HBMTierConfig,
     "dram": DRAMTierConfig,
     "ssd": SSDTierConfig,
+    "remote": RemoteTierConfig,
     "placement": PlacementConfig,
     "tuned": TunedConfig,
 }
 
 
 def _section_path(name: str) -> tuple[str, ...]:
-    return ("tiers", name) if name in TIER_NAMES else (name,)
+    return ("tiers", name) if name in (*TIER_NAMES, "remote") else (name,)
 
 
 def _build_schema() -> tuple[dict[tuple[str, ...], str], set[tuple[str, ...]]]:

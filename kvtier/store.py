@@ -5,7 +5,12 @@ bytes (tensor pools, the LMDB tier) through the asynchronous
 :class:`~kvtier.transfer.TransferEngine`, under one lock. It turns manager
 plans into transfer jobs, completes them, deletes SSD values the manager
 evicted, re-indexes an SSD directory on a warm restart, and keeps hit and
-miss counters. Must not make policy decisions (the manager's policies do)
+miss counters. With ``tiers.remote`` on, a store several engines share
+(:class:`~kvtier.tiers.remote.MooncakeTier`) comes after every local tier:
+each put is written through to it, a get reads the blocks past the local
+hits from it (and promotes them into the put tier), and
+:meth:`TieredStore.readable_prefix` counts them. It is not a tier of the
+manager: the store evicts on its own. Must not make policy decisions (the manager's policies do)
 and must never return bytes that did not verify: a failed load is a miss.
 
 Deadlines. ``get(..., timeout_s=)`` never blocks its caller much past the
@@ -99,6 +104,14 @@ class TieredStore:
         specs: list[TierSpec] = []
         self._pools: dict[str, TensorPool] = {}
         self._ssd: Any = None
+        self._remote: Any = None
+        if cfg.remote.enabled:  # first: a store that cannot be reached fails before anything is opened
+            from .tiers.remote import MooncakeTier
+
+            r = cfg.remote
+            self._remote = MooncakeTier(self.namespace, self.layout, master=r.master,
+                                        metadata_server=r.resolved_metadata_server(), segment_bytes=r.segment_bytes,
+                                        buffer_bytes=r.buffer_bytes, codec=r.codec, zstd_level=r.zstd_level)
         if cfg.hbm.enabled:
             specs.append(TierSpec("hbm", cfg.hbm.capacity_blocks, cfg.hbm.policy))
             self._pools["hbm"] = TensorPool(cfg.hbm.capacity_blocks, bpb, resolve_device(cfg.hbm.device))
@@ -170,6 +183,10 @@ class TieredStore:
             self._done_store(plan, oks)
             if plan.tier == self.config.put_tier:
                 stored_all = len(plan.keys) == len(keys) and all(oks)
+        if self._remote is not None and keys:
+            srcs = self._check_blocks(blocks)
+            self._mover.run_inline("put->remote", len(keys), len(keys) * self.layout.bytes_per_block,
+                                   self._remote_put_fn(keys, srcs, parent))
         if stored_all:
             return len(keys)
         with self._lock:
@@ -179,6 +196,10 @@ class TieredStore:
         """Like :meth:`put`, on the mover's threads; the future resolves when every
         tier's write finished. The caller must keep ``blocks`` unchanged until then."""
         futures = [self._mover.submit(self._store_job(p, srcs)) for p, srcs in self._prepare_puts(keys, blocks, parent)]
+        if self._remote is not None and keys:
+            futures.append(self._mover.submit(self._job("put->remote", len(keys),
+                                                        self._remote_put_fn(keys, self._check_blocks(blocks), parent),
+                                                        lambda oks: None)))
         done: Future[int] = Future()
 
         def finish(_: object = None) -> None:
@@ -216,12 +237,35 @@ class TieredStore:
         by_key = dict(zip(keys, srcs))
         return [(p, [by_key[k] for k in p.keys]) for p in plans]
 
+    def _remote_put_fn(self, keys: Sequence[BlockKey], srcs: list[torch.Tensor],
+                       parent: BlockKey | None) -> Callable[[], Sequence[bool]]:
+        """The write-through of a put to the remote tier (a failure is counted, never raised)."""
+        def run() -> Sequence[bool]:
+            chain = [parent, *keys[:-1]]
+            n = self._remote.put_many([(k, _host_buffer(t), p) for k, t, p in zip(keys, srcs, chain)])
+            self.counters["remote_put_blocks"] += n
+            self.counters["remote_put_failed_blocks"] += len(keys) - n
+            return [i < n for i in range(len(keys))]
+
+        return run
+
     # ------------------------------------------------------------------ get
 
     def contains_prefix(self, keys: Sequence[BlockKey]) -> PrefixHit:
-        """Longest readable prefix of ``keys`` and the fastest tier of each block."""
+        """Longest readable prefix of ``keys`` in the local tiers and the fastest tier of each block."""
         with self._lock:
             return self.manager.lookup(keys)
+
+    def readable_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading ``keys`` a :meth:`get` could load now: the local tiers'
+        run, continued by the remote tier's (asked over the network; a value may
+        still fail to verify there, and then it is a miss)."""
+        with self._lock:
+            n = self.manager.lookup(keys).num_blocks
+        if self._remote is None or n == len(keys):
+            return n
+        found = self._remote.contains_many(list(keys[n:]))
+        return n + (found.index(False) if False in found else len(found))
 
     def get(
         self, keys: Sequence[BlockKey], outs: Sequence[Any], *, promote: bool = True, timeout_s: float | None = None
@@ -245,11 +289,14 @@ class TieredStore:
             self._supersede_prefetches(keys)
             plan = self.manager.prepare_load(keys)
         self.counters["get_blocks_requested"] += len(keys)
-        if plan is None:
+        if plan is None and self._remote is None:
             self.counters["get_blocks_missed"] += len(keys)
             self._log_miss(keys, 0)
             return 0
-        if deadline is None:
+        if plan is None:
+            oks = []
+            plan = LoadPlan(0, (), (), ())
+        elif deadline is None:
             oks = self._read(plan, dsts)
             with self._lock:
                 self.manager.complete_load(plan, oks)
@@ -258,6 +305,10 @@ class TieredStore:
             oks = self._read_by(plan, dsts, deadline)
         n = oks.index(False) if False in oks else len(oks)
         tiers_read = plan.tiers[:n]
+        if self._remote is not None and n < len(keys) and (deadline is None or time.perf_counter() < deadline):
+            got = self._read_remote(keys[n:], dsts[n:])
+            tiers_read += ("remote",) * got
+            n += got
         if n and tiers_read.count(tiers_read[0]) == n:  # one tier (the common case): no Counter
             self.counters[f"hit_blocks_{tiers_read[0]}"] += n
         else:
@@ -267,8 +318,9 @@ class TieredStore:
         self.counters["get_blocks_missed"] += len(keys) - n
         if n < len(keys):
             self._log_miss(keys, n)
-        if promote and "ssd" in tiers_read and "dram" in self.manager.tier_names:
-            first = tiers_read.index("ssd")
+        slow = [t for t in ("ssd", "remote") if t in tiers_read]
+        if promote and slow and "dram" in self.manager.tier_names:
+            first = min(tiers_read.index(t) for t in slow)
             parent = keys[first - 1] if first else self.manager.parent_of(keys[0])
             sub = list(keys[first:n])
             with self._lock:
@@ -385,7 +437,7 @@ class TieredStore:
     # ------------------------------------------------------------ stats, events
 
     def stats(self) -> dict[str, Any]:
-        """Per-tier capacity and use, hit/miss counters, transfer links, SSD counters."""
+        """Per-tier capacity and use, hit/miss counters, transfer links, SSD and remote counters."""
         with self._lock:
             m = self.manager
             out: dict[str, Any] = {
@@ -405,6 +457,8 @@ class TieredStore:
             if self._ssd is not None:
                 out["ssd"] = dict(self._ssd.stats)
                 out["ssd_last_error"] = self._ssd.last_error
+            if self._remote is not None:  # the store client's outcomes: put/get blocks, misses by cause, errors
+                out["remote"] = dict(self._remote.counters)
             return out
 
     def take_events(self) -> list[Event]:
@@ -425,6 +479,8 @@ class TieredStore:
         self._mover.close()
         if self._ssd is not None:
             self._ssd.close()
+        if self._remote is not None:
+            self._remote.close()
 
     def __enter__(self) -> "TieredStore":
         return self
@@ -576,6 +632,22 @@ class TieredStore:
             for i, ok in zip(idx, res):
                 oks[i] = ok
         return oks
+
+    def _read_remote(self, keys: Sequence[BlockKey], dsts: list[torch.Tensor]) -> int:
+        """Read ``keys`` from the remote tier into ``dsts``; the leading run that verified."""
+        def run() -> Sequence[bool]:
+            bufs = host_buffers(dsts, self.layout.bytes_per_block)
+            if bufs is not None:
+                return self._remote.get_many_into(list(keys), bufs)
+            hosts = [torch.empty(self.layout.bytes_per_block, dtype=torch.uint8) for _ in dsts]
+            oks = self._remote.get_many_into(list(keys), [h.numpy() for h in hosts])
+            n = oks.index(False) if False in oks else len(oks)
+            for host, dst in zip(hosts[:n], dsts[:n]):
+                dst.copy_(host)
+            return oks
+
+        oks = self._mover.run_inline("remote->caller", len(keys), len(keys) * self.layout.bytes_per_block, run)
+        return oks.index(False) if False in oks else len(oks)
 
     def _read_tier(
         self, tier: str, keys: Sequence[BlockKey], slots: Sequence[int], dsts: list[torch.Tensor]

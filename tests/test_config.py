@@ -21,6 +21,7 @@ from kvtier.config import (
     KVTierConfig,
     LayoutConfig,
     NamespaceConfig,
+    RemoteTierConfig,
     SSDTierConfig,
     auto_map_size_bytes,
     env_var_name,
@@ -197,7 +198,7 @@ def test_to_dict_round_trips_through_files_and_overrides(tmp_path: Path, suffix:
     ssd = str(tmp_path / "ssd")
     cfg = load_config(write(tmp_path, "c.yaml", EXAMPLE_YAML.replace("{ssd}", ssd)), env={})
     data = cfg.to_dict()
-    assert set(data["tiers"]) == {"hbm", "dram", "ssd"}
+    assert set(data["tiers"]) == {"hbm", "dram", "ssd", "remote"}
     text = to_toml(data) if suffix == ".toml" else yaml.safe_dump(data)
     assert load_config(write(tmp_path, "out" + suffix, text), env={}) == cfg
     assert load_config(env={}, overrides=data) == cfg
@@ -490,7 +491,7 @@ def test_ssd_mkdir_failure_is_a_config_error(tmp_path: Path, monkeypatch: pytest
         ({"pin_budget": 1}, "pin_budget", ["layout", "namespace", "tiers", "pin_budget_blocks", "put_tier"]),
         ({"layout": {"num_layer": 2}}, "layout.num_layer", names(LayoutConfig)),
         ({"namespace": {"salt": "x"}}, "namespace.salt", names(NamespaceConfig)),
-        ({"tiers": {"nvme": {}}}, "tiers.nvme", ["hbm", "dram", "ssd"]),
+        ({"tiers": {"nvme": {}}}, "tiers.nvme", ["dram", "hbm", "remote", "ssd"]),
         ({"tiers": {"dram": {"capcity_blocks": 5}}}, "tiers.dram.capcity_blocks", names(DRAMTierConfig)),
         ({"tiers": {"ssd": {"level": 5}}}, "tiers.ssd.level", names(SSDTierConfig)),
         ({"hbm": {"enabled": True}}, "hbm", ["tiers"]),  # tiers belong under "tiers"
@@ -558,10 +559,11 @@ _scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(
 _keys = st.sampled_from(_SETTING_KEYS) | st.text(max_size=6)
 _trees = st.recursive(_scalars, lambda inner: st.dictionaries(_keys, inner, max_size=5) | st.lists(inner, max_size=3), max_leaves=20)
 _LEAF_PATHS = [
-    *((f,) for f in names(KVTierConfig) if f not in ("layout", "namespace", "hbm", "dram", "ssd")),
+    *((f,) for f in names(KVTierConfig) if f not in ("layout", "namespace", "hbm", "dram", "ssd", "remote")),
     *(("layout", f) for f in names(LayoutConfig)),
     *(("namespace", f) for f in names(NamespaceConfig)),
-    *(("tiers", tier, f) for tier, cls in [("hbm", HBMTierConfig), ("dram", DRAMTierConfig), ("ssd", SSDTierConfig)] for f in names(cls)),
+    *(("tiers", tier, f) for tier, cls in [("hbm", HBMTierConfig), ("dram", DRAMTierConfig), ("ssd", SSDTierConfig),
+                                           ("remote", RemoteTierConfig)] for f in names(cls)),
 ]
 _near_values = _scalars | st.sampled_from(["auto", "lru", "raw", "zstd", "cuda:0", "hbm", "ssd", "mla", "int8", "x/y"])
 

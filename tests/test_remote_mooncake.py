@@ -162,3 +162,85 @@ def test_bench_remote_compares_with_mooncakes_own_calls(tmp_path, capsys) -> Non
     for r in report["results"]:
         assert r["verified"] is True and r["put_vs_mooncake"] > 0 and r["get_vs_mooncake"] > 0
     assert "targets met" in capsys.readouterr().out
+
+
+def _store(master, tenant: str = "", dram_blocks: int = 16):
+    from kvtier.config import load_config
+    from kvtier.store import TieredStore
+
+    return TieredStore(load_config(env={}, overrides={
+        "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "block_size": 16},
+        "namespace": {"model": "remote-store-test", "tenant": tenant},
+        "tiers": {"hbm": {"enabled": False}, "dram": {"capacity_blocks": dram_blocks},
+                  "remote": {"enabled": True, "master": master.master, "metadata_server": master.metadata_server,
+                             "segment_bytes": 32 << 20, "buffer_bytes": 16 << 20}},
+        "put_tier": "dram"}))
+
+
+def test_tiered_stores_share_blocks_through_the_remote_tier(master) -> None:
+    """Two TieredStores (two engines' SGLang backends) on one store: what one puts, the
+    other reads past its own (empty) tiers and promotes into DRAM; another tenant finds
+    nothing; an altered value is a miss."""
+    import torch
+
+    a, b, other = _store(master), _store(master), _store(master, tenant="other")
+    try:
+        bpb = a.layout.bytes_per_block
+        keys = a.keys_for(list(range(8 * 16)))
+        blocks = [torch.randint(0, 256, (bpb,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+                  for i in range(8)]
+        assert a.put(keys, blocks) == 8 and a.stats()["counters"]["remote_put_blocks"] == 8
+        assert b.contains_prefix(keys).num_blocks == 0 and b.readable_prefix(keys) == 8
+        outs = [torch.empty(bpb, dtype=torch.uint8) for _ in keys]
+        assert b.get(keys, outs) == 8 and all(torch.equal(x, y) for x, y in zip(outs, blocks))
+        assert b.stats()["counters"]["hit_blocks_remote"] == 8
+        assert b.contains_prefix(keys).num_blocks == 8  # promoted into B's DRAM
+        assert b.get(keys, outs) == 8 and b.stats()["counters"]["hit_blocks_dram"] == 8
+        # another tenant: same tokens, other keys and namespace; nothing is found
+        okeys = other.keys_for(list(range(8 * 16)))
+        assert other.readable_prefix(okeys) == 0 and other.get(okeys, outs) == 0
+        # an altered value in the store: a miss (counted by cause), never bytes
+        more = a.keys_for(list(range(1000, 1000 + 4 * 16)))
+        assert a.put(more, blocks[:4]) == 4
+        name = a._remote.object_name(more[0])
+        raw = bytearray(a._remote._store.get(name))
+        raw[HEADER_BYTES + 7] ^= 0x01
+        assert a._remote._store.upsert(name, bytes(raw)) == 0
+        assert b.readable_prefix(more) == 4  # present, not yet verified
+        assert b.get(more, outs[:4]) == 0
+        assert b.stats()["remote"]["checksum_failures"] == 1
+    finally:
+        for s in (a, b, other):
+            s.close()
+
+
+def test_sglang_backends_of_two_engines_share_pages(master, tmp_path) -> None:
+    """SGLang's HiCache storage calls through kvtier's backend on two engines: pages one
+    engine wrote are found (batch_exists) and read (batch_get_v1) by the other."""
+    import torch
+    from test_sglang_backend import PAGE, MHAHostPool, StorageConfig, fill_random, slots  # tests/ is on sys.path
+
+    from kvtier_sglang import KVTierHiCacheStorage
+
+    def backend(pool):
+        extra = {"backend_name": "kvtier", "module_path": "kvtier_sglang", "class_name": "KVTierHiCacheStorage",
+                 "interface_v1": 1, "kvtier": {"tiers": {"dram": {"capacity_blocks": 16}, "remote": {
+                     "enabled": True, "master": master.master, "metadata_server": master.metadata_server,
+                     "segment_bytes": 32 << 20, "buffer_bytes": 16 << 20}}}}
+        b = KVTierHiCacheStorage(StorageConfig(extra_config=extra), {})
+        b.register_mem_pool_host(pool)
+        return b
+
+    pool_a, pool_b = MHAHostPool("layer_first"), MHAHostPool("layer_first")
+    fill_random(pool_a, seed=3)
+    a, b = backend(pool_a), backend(pool_b)
+    try:
+        assert a.batch_set_v1(["p0", "p1", "p2"], slots([0, 1, 2])) == [True, True, True]
+        assert b.batch_exists(["p0", "p1", "p2", "p3"]) == 3
+        assert b.batch_get_v1(["p0", "p1", "p2"], slots([4, 5, 6])) == [True, True, True]
+        for src, dst in zip((0, 1, 2), (4, 5, 6)):
+            assert torch.equal(pool_b.get_data_page(dst * PAGE), pool_a.get_data_page(src * PAGE))
+        assert b.kvtier_stats()["counters"]["hit_blocks_remote"] == 3
+    finally:
+        a.close()
+        b.close()

@@ -29,6 +29,10 @@ Defaults under SGLang: ``tiers.hbm.enabled=false`` (SGLang owns device and
 host memory; kvtier is its L3), ``put_tier=dram``, and ``write_through=true``
 when the SSD tier is enabled, so every page also lands on disk and survives a
 restart. Each rank uses its own subdirectory of ``tiers.ssd.path``.
+
+Shared by engines: with ``tiers.remote`` on (a Mooncake Store), every page is
+also written there, and ``batch_exists`` / the gets continue past the local
+tiers into it, so an engine finds pages another engine wrote.
 """
 
 from __future__ import annotations
@@ -177,12 +181,13 @@ class KVTierHiCacheStorage(_HiCacheStorageBase):
     def exists(self, key: str) -> bool:
         """Whether page ``key`` is readable in some tier. Side-effect free."""
         store = self._require_store()
-        return store.contains_prefix([self.kvtier_key(key)]).num_blocks == 1
+        return store.readable_prefix([self.kvtier_key(key)]) == 1
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """Number of leading ``keys`` readable in some tier (SGLang's hit query,
-        called on the prefetch thread). Side-effect free."""
-        return self._require_store().contains_prefix(self._keys(keys)).num_blocks
+        """Number of leading ``keys`` readable in some tier, the remote tier shared
+        by engines included (SGLang's hit query, called on the prefetch thread).
+        Side-effect free."""
+        return self._require_store().readable_prefix(self._keys(keys))
 
     # ------------------------------------------------------------ generic path
 
