@@ -131,8 +131,10 @@ def _measure(worker: KVTierWorker, caches: dict, n: int, block_bytes: int, repea
         for b, r in zip(batches, job_rows):
             own = r.numpy()[list(range(len(b)))]  # as _write_tiers does: the SSD write owns a copy of its rows
             items = [(BlockKey(keys[i]), own[j], BlockKey(keys[i - 1]) if i else None) for j, i in enumerate(b)]
-            worker._ssd_queued_bytes += own.nbytes  # what _write_tiers reserves before queueing it
-            worker._write_ssd(TierWrite(0, "ssd", tuple(range(len(b))), ()), items, list(range(len(b))), own.nbytes)
+            writer = worker._writers["ssd"]
+            writer.queued_bytes += own.nbytes  # what _write_tiers reserves before queueing it
+            worker._write_slow(writer, TierWrite(0, "ssd", tuple(range(len(b))), ()), items, list(range(len(b))),
+                               own.nbytes)
 
     def ssd_load() -> None:
         for b, r in zip(batches, out_rows):
