@@ -38,6 +38,11 @@ offered the same tiers and capacities; the "tiers used" column says which it
 uses. Admission order (--admission) is the engine scheduler's, applied alike
 to every policy. A request larger than HBM stops the run (rc 2) unless
 --skip-oversized.
+
+--engines N (with --routing, --remote-blocks, --remote-gbps) replays a fleet
+of N modelled engines sharing the sessions, optionally with a remote tier
+they share, to size a fleet: MODELLED figures per policy (prefill computed,
+TTFT, bytes on the remote links); no floor/bound references there.
 """
 
 
@@ -123,7 +128,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write a PNG: prefill computed / bound and later-turn TTFT p99 per policy over the swept "
                         "HBM capacity or conc (bars when nothing is swept)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_fleet_arguments(p)
     add_rounds_arguments(p)
+
+
+def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of a fleet of engines (kvtier.replay.fleet): results are MODELLED, for sizing a fleet."""
+    from ..cliargs import nonnegative_int, positive_float, positive_int
+    from .fleet import DEFAULT_REMOTE_GBPS, ROUTINGS
+
+    f = p.add_argument_group("a fleet of engines (kvtier.replay.fleet; every figure is modelled)")
+    f.add_argument("--engines", type=positive_int, default=1, metavar="N",
+                   help="engines serving the sessions (default 1: one engine, as without this flag); HBM, DRAM and "
+                        "SSD flags are per engine (--hbm-fraction: of one engine's share, conc/N sessions), --conc "
+                        "counts the live sessions of the whole fleet; with N > 1 or a remote tier no floor/bound "
+                        "references are run, and belady-hbm is left out of the default --policies")
+    f.add_argument("--routing", choices=ROUTINGS, default="round-robin",
+                   help="which engine a ready request goes to: round-robin (the next engine in turn, per request; "
+                        "default), session (sticky: every request of a session to the engine of its first, sessions "
+                        "assigned round-robin), kv-aware (the engine holding the longest cached prefix of it in "
+                        "its HBM/DRAM/SSD plus the remote tier; ties: least running+waiting requests, then lowest "
+                        "index)")
+    f.add_argument("--remote-blocks", type=nonnegative_int, default=0, metavar="B",
+                   help="capacity in blocks of a remote tier shared by all engines (LRU; default 0: none): every "
+                        "computed block is written through to it, and a request's blocks missing from its engine "
+                        "but held there are loaded instead of recomputed")
+    f.add_argument("--remote-gbps", type=positive_float, default=DEFAULT_REMOTE_GBPS, metavar="GB_S",
+                   help=f"bandwidth of each engine's link to the remote tier, GB/s each way (default "
+                        f"{DEFAULT_REMOTE_GBPS:g}: an assumed 100 Gb/s NIC per engine; transfer time = bytes / "
+                        "bandwidth, no latency term)")
 
 
 def add_rounds_arguments(p: argparse.ArgumentParser) -> None:
@@ -164,6 +197,7 @@ def add_rounds_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_spec(args: argparse.Namespace, progress=None) -> Any:
     from ..errors import ConfigError
+    from .fleet import DEFAULT_REMOTE_GBPS
     from .profiles import DEFAULT_PROFILE, load_profile_overrides, parse_profile
     from .readers import load_trace_with_report
     from .run import ReplaySpec
@@ -238,6 +272,14 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
     from ..placement.surface import surface
 
     surface(args.surface)
+    fleet = args.engines > 1 or args.remote_blocks > 0
+    if args.routing != "round-robin" and args.engines == 1:
+        raise ConfigError("--routing", args.routing, "routes requests over a fleet: give --engines N > 1 as well")
+    if args.remote_gbps != DEFAULT_REMOTE_GBPS and not args.remote_blocks:
+        raise ConfigError("--remote-gbps", args.remote_gbps,
+                          "is the link to a remote tier: give --remote-blocks B > 0 as well")
+    if fleet:
+        policies = _check_fleet(args, policies, workload)
     if args.split != "all" and not args.trace:
         raise ConfigError("--split", args.split, "splits a trace set; give --trace (the embedded workload is not split)")
     hbm_blocks = args.hbm_blocks
@@ -254,11 +296,38 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
         time_scale=args.time_scale,
         trace_name=trace_name, extra=extra,
         skip_oversized=args.skip_oversized, admission=args.admission, surface=args.surface,
-        references=not args.no_references,
+        references=not args.no_references and not fleet,
         jobs=args.jobs or default_jobs(),
         slo_ttft_p99_s=args.slo_ttft_p99, slo_interactivity=args.slo_interactivity,
         config_policy=config_policy, config_params=config_params,
+        engines=args.engines, routing=args.routing, remote_blocks=args.remote_blocks, remote_gbps=args.remote_gbps,
     )
+
+
+def _check_fleet(args: argparse.Namespace, policies: tuple[str, ...], workload: Any) -> tuple[str, ...]:
+    """Refuse what a fleet replay does not model, naming the flag; returns the
+    policies to run (the default list without the offline ones, belady-hbm)."""
+    from ..errors import ConfigError
+    from ..placement import make_placement
+    from .run import CONFIG
+
+    flag = "--engines" if args.engines > 1 else "--remote-blocks"
+    value = args.engines if args.engines > 1 else args.remote_blocks
+    if getattr(args, "workload", "traces") != "traces":
+        raise ConfigError(flag, value, f"a fleet replays --workload traces only, not {args.workload}")
+    if workload.open_loop:
+        raise ConfigError(flag, value, "a fleet replays closed-loop agent sessions only, not an open-loop trace")
+    if args.slo_ttft_p99 is not None or args.slo_interactivity is not None:
+        raise ConfigError(flag, value, "the SLO capacity search (--slo-ttft-p99, --slo-interactivity) runs on one "
+                                       "engine; give --engines 1 and no --remote-blocks, or no SLO flags")
+    oracle = [name for name in policies if name != CONFIG and make_placement(name).needs_oracle]
+    if oracle and args.policies == _default_policies():
+        return tuple(name for name in policies if name not in oracle)
+    if oracle:
+        raise ConfigError("--policies", ",".join(policies),
+                          f"{', '.join(oracle)} need(s) one engine's recorded future; a fleet replay "
+                          f"({flag} {value}) cannot run it: leave it out of --policies")
+    return policies
 
 
 class ProgressBar:
@@ -296,6 +365,10 @@ def command(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     if getattr(args, "workload", "traces") == "rounds":
+        if args.engines > 1 or args.remote_blocks > 0:
+            print(f"kvtier replay: error: {'--engines' if args.engines > 1 else '--remote-blocks'}: a fleet replays "
+                  "--workload traces only, not rounds", file=sys.stderr)
+            return 2
         return _command_rounds(args, progress)
     try:
         spec = build_spec(args, progress)

@@ -206,6 +206,8 @@ def format_summary(rows: Sequence[dict[str, Any]]) -> str:
     points, prefill computed / bound per policy and point; then, for one point
     (the only one, else the middle of the sweep), its caption and one line per
     policy. ``--full`` prints every figure of every point."""
+    if rows and "engines" in rows[0]:
+        return format_fleet_summary(rows)
     groups = list(group_by_point(rows).values())
     parts = []
     if len(groups) > 1:
@@ -214,6 +216,39 @@ def format_summary(rows: Sequence[dict[str, Any]]) -> str:
                                  *_fixed(header, body)]))
     grp = main_point(rows)
     parts.append("\n".join([group_caption(grp[0]) + ":", *_fixed(SUMMARY_HEADER, summary_rows(grp))]))
+    return "\n\n".join(parts)
+
+
+FLEET_HEADER = ("policy", "routing", "remote", "computed", "vs lru", "TTFT p50 (s)", "TTFT p99 (s)",
+                "TTFT p99 later (s)", "remote written GB", "remote read GB")
+
+
+def format_fleet_summary(rows: Sequence[dict[str, Any]]) -> str:
+    """A fleet replay (rows with ``engines``): per (capacity, conc) group, its
+    caption and one line per policy with the routing, the remote tier and the
+    bytes on the engines' remote links (written, read). Modelled figures."""
+    parts = []
+    for grp in group_by_point(rows).values():
+        r0 = grp[0]
+        remote = (f"remote tier {r0['remote_blocks']:,} blocks shared, {r0['remote_gbps']:g} GB/s per engine link"
+                  if r0["remote"] else "no remote tier")
+        ssd = f"SSD {r0['ssd_blocks']:,}" if r0.get("ssd_blocks") else "SSD off"
+        caption = (f"MODELLED fleet: {r0['engines']} engines, each HBM {r0['hbm_blocks']:,} + DRAM "
+                   f"{r0.get('dram_blocks', 0):,} blocks, {ssd}; {r0['conc']} live sessions over the fleet; "
+                   f"routing {r0['routing']}; {remote}; admission {r0.get('admission', 'fcfs')}")
+        if r0.get("skipped_requests"):
+            caption += f"; {r0['skipped_requests']:,} oversized requests skipped alike in every run"
+        caption += ":"
+        lru = next((r for r in grp if r["policy"] == "lru"), None)
+        body = []
+        for r in grp:
+            c = r["prefill_tokens_computed"]
+            vs_lru = f"{c / lru['prefill_tokens_computed']:.3f}x" if lru and lru["prefill_tokens_computed"] else "-"
+            body.append([r["policy"], r["routing"], "on" if r["remote"] else "off", f"{c / 1e6:.2f}M", vs_lru,
+                         _cell("x", r["ttft_p50_s"]), _cell("x", r["ttft_p99_s"]),
+                         _cell("x", r["ttft_p99_later_turns_s"]), f"{r['remote_bytes_written'] / 1e9:.1f}",
+                         f"{r['remote_bytes_read'] / 1e9:.1f}"])
+        parts.append("\n".join([caption, *_fixed(FLEET_HEADER, body)]))
     return "\n\n".join(parts)
 
 

@@ -1,7 +1,8 @@
 """Orchestration of ``kvtier replay``: points, sweeps, references, SLO capacity search, the JSON report.
 
 Owns: turning a :class:`ReplaySpec` into simulator runs (one per policy,
-concurrency and HBM capacity, in worker processes when ``jobs > 1``), the
+concurrency and HBM capacity, in worker processes when ``jobs > 1``; on a
+fleet of engines, :mod:`kvtier.replay.fleet`, when the spec asks for one), the
 capacity check for requests larger than HBM, the tuning / evaluation split
 of a trace set, Belady's two-pass oracle, the two references every result
 is judged against, and the report dictionary. Must not parse command lines
@@ -45,6 +46,7 @@ from typing import Any, Callable, Iterable
 from .. import __version__
 from ..errors import ConfigError, KVTierError
 from .belady import DriftOracle, NextUseOracle
+from .fleet import DEFAULT_REMOTE_GBPS
 from .model import Session, Workload
 from ..placement import make_placement
 from .report import summarize
@@ -67,7 +69,9 @@ class ReplaySpec:
     HBM capacity: ``hbm_blocks`` if set, else ``hbm_fraction`` of the
     working set (:meth:`working_set_blocks`), else what the profile's HBM
     holds after the weights. DRAM defaults to twice the HBM blocks; SSD is
-    off unless set.
+    off unless set. A fleet (``engines > 1`` or ``remote_blocks > 0``) gives
+    every engine these capacities, and ``hbm_fraction`` is of one engine's
+    share: the working set of ``conc / engines`` sessions.
     """
 
     workload: Workload
@@ -96,6 +100,17 @@ class ReplaySpec:
     slo_max_conc: int = 256
     config_policy: str | None = None  # what the CONFIG policy name runs (a config file's placement section)
     config_params: dict[str, float] = field(default_factory=dict)
+    # a fleet (kvtier.replay.fleet): engines, routing, the shared remote tier; capacities are per engine
+    engines: int = 1
+    routing: str = "round-robin"
+    remote_blocks: int = 0
+    remote_gbps: float = DEFAULT_REMOTE_GBPS
+
+    @property
+    def fleet(self) -> bool:
+        """Whether points run on a :class:`~kvtier.replay.fleet.FleetSimulator` (several
+        engines or a remote tier) rather than one :class:`Simulator`."""
+        return self.engines > 1 or self.remote_blocks > 0
 
     def working_set_blocks(self, conc: int | None = None) -> int:
         """Blocks that would make every reuse a hit: the distinct blocks of ``conc``
@@ -114,7 +129,9 @@ class ReplaySpec:
         if self.hbm_blocks:
             return list(self.hbm_blocks)
         if self.hbm_fractions:
-            working_set = self.working_set_blocks(conc)
+            # a fleet: each engine's share, conc / engines sessions of mean footprint
+            conc = conc if conc is not None else max(self.concs)
+            working_set = self.working_set_blocks(conc / self.engines if self.engines > 1 else conc)
             return [max(1, int(f * working_set)) for f in self.hbm_fractions]
         return [self.profile.hbm_kv_capacity_blocks(self.workload.block_size)]
 
@@ -276,6 +293,23 @@ def with_references(row: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _placement(spec: ReplaySpec, policy_name: str) -> Any:
+    if policy_name == CONFIG:
+        return make_placement(spec.config_policy, "placement.policy", spec.config_params)
+    return make_placement(policy_name)
+
+
+def fleet_fields(spec: ReplaySpec, result: Any) -> dict[str, Any]:
+    """A fleet point's own figures (modelled): engines, routing, the remote tier and its links' bytes."""
+    remote = spec.remote_blocks > 0
+    return {"engines": spec.engines, "routing": spec.routing, "remote": remote, "remote_blocks": spec.remote_blocks,
+            "remote_gbps": spec.remote_gbps if remote else None,
+            "remote_bytes_written": result.bytes_moved.get("hbm->remote", 0),
+            "remote_bytes_read": result.bytes_moved.get("remote->hbm", 0),
+            "prefill_tokens_hit_remote": result.counters.get("remote_hit_blocks", 0) * spec.workload.block_size,
+            "handed_over": result.counters.get("handed_over", 0), "modelled": True}
+
+
 def run_point(spec: ReplaySpec, policy_name: str, conc: int, hbm_blocks: int,
               progress: Progress | None = None) -> dict[str, Any]:
     """Replay one (policy, conc, capacity) point; returns its ``results`` entry
@@ -303,13 +337,22 @@ def run_point(spec: ReplaySpec, policy_name: str, conc: int, hbm_blocks: int,
         if progress is not None:
             progress(f"[replay] {label}: {done}/{total} requests")
 
-    sim = Simulator(spec.workload, cfg, policy, spec.profile, oracle=oracle, progress=tick)
-    result = sim.run()
+    if spec.fleet:
+        from .fleet import FleetConfig, FleetSimulator
+
+        fleet = FleetSimulator(spec.workload, cfg, lambda: _placement(spec, policy_name), spec.profile,
+                               FleetConfig(spec.engines, spec.routing, spec.remote_blocks, spec.remote_gbps))
+        result, tiers_used = fleet.run(), list(fleet.engines[0].mgr.tier_names) + (["remote"] if fleet.remote else [])
+    else:
+        sim = Simulator(spec.workload, cfg, policy, spec.profile, oracle=oracle, progress=tick)
+        result, tiers_used = sim.run(), list(sim.mgr.tier_names)
     wall = time.perf_counter() - start
     row = summarize(result, policy=policy_name, conc=conc, hbm_blocks=hbm_blocks, num_chips=spec.profile.num_chips)
     row["dram_blocks"], row["ssd_blocks"] = cfg.dram_blocks, cfg.ssd_blocks
-    row["tiers_offered"] = list(tiers_offered(cfg))
-    row["tiers_used"] = list(sim.mgr.tier_names)
+    row["tiers_offered"] = list(tiers_offered(cfg)) + (["remote"] if spec.remote_blocks > 0 else [])
+    row["tiers_used"] = tiers_used
+    if spec.fleet:
+        row |= fleet_fields(spec, result)
     row["admission"] = cfg.admission
     row["surface"] = cfg.surface
     row["skipped_requests"] = result.counters.get("skipped_requests", 0)
@@ -413,6 +456,9 @@ def report_header(spec: ReplaySpec) -> dict[str, Any]:
         "admission": spec.admission,
         "surface": spec.surface,
         "skip_oversized": spec.skip_oversized,
+        **({"fleet": {"engines": spec.engines, "routing": spec.routing, "remote_blocks": spec.remote_blocks,
+                      "remote_gbps": spec.remote_gbps, "capacities": "per engine", "conc": "whole fleet",
+                      "modelled": True}} if spec.fleet else {}),
         **spec.extra,
     }
 

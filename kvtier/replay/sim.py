@@ -346,30 +346,11 @@ class Simulator:
         heapq.heappush(self._events, (t, next(self._seq), fn, args))
 
     def run(self) -> SimResult:
-        if self.w.open_loop:  # every session (one request each) starts at its recorded arrival
-            self._next_session = len(self._sessions)
-            for idx, session in enumerate(self._sessions):
-                arrival = session.root.requests[0].arrival_s if session.root.requests else 0.0
-                self._at(arrival * self.cfg.time_scale, self._start_session, idx)
-        else:
-            for _ in range(min(self.cfg.conc, len(self._sessions))):
-                self._start_next_session()
+        self._start_sessions()
         while True:
-            while self._events and self._events[0][0] <= self.now:
-                _, _, fn, args = heapq.heappop(self._events)
-                fn(*args)
-                if self._victims:
-                    self._write_victims()
-            self._admit_waiting()
-            if self._to_stage:
-                self._stage_queued()
-            if self._victims:
-                self._write_victims()
-            if self.prefilling or self.decoding:
-                self._step()
-                if self._victims:
-                    self._write_victims()
-            elif self._events:
+            if self._advance():
+                continue
+            if self._events:
                 self.now = max(self.now, self._events[0][0])
             else:
                 break
@@ -382,6 +363,47 @@ class Simulator:
                                f"a policy holds HBM nobody can free")
         return SimResult(self.records, self.session_latency_s, self.now, self.cfg.warmup_s,
                          dict(self.bytes_moved), self.block_touches, dict(self.counters))
+
+    def _start_sessions(self) -> None:
+        """The first sessions: every one at its arrival (open loop), else ``conc`` of them."""
+        if self.w.open_loop:  # every session (one request each) starts at its recorded arrival
+            self._next_session = len(self._sessions)
+            for idx, session in enumerate(self._sessions):
+                arrival = session.root.requests[0].arrival_s if session.root.requests else 0.0
+                self._at(arrival * self.cfg.time_scale, self._start_session, idx)
+        else:
+            for _ in range(min(self.cfg.conc, len(self._sessions))):
+                self._start_next_session()
+
+    def _advance(self) -> bool:
+        """One pass of the engine at ``self.now``: the events due, admission, queue
+        staging, then one batch step when requests run. Returns whether it stepped
+        (when not, the caller moves the clock to the next event). Called by
+        :meth:`run` in a loop, and by a fleet (:mod:`kvtier.replay.fleet`) per engine."""
+        self._pop_due()
+        self._admit_waiting()
+        if self._to_stage:
+            self._stage_queued()
+        if self._victims:
+            self._write_victims()
+        if self.prefilling or self.decoding:
+            self._step()
+            if self._victims:
+                self._write_victims()
+            return True
+        return False
+
+    def _pop_due(self) -> None:
+        """Run every event due by ``self.now``, in (time, sequence) order."""
+        while self._events and self._events[0][0] <= self.now:
+            _, _, fn, args = heapq.heappop(self._events)
+            fn(*args)
+            if self._victims:
+                self._write_victims()
+
+    def _next_event_s(self) -> float | None:
+        """When the next event is due (``None``: none); a decode-only step fast-forwards no further."""
+        return self._events[0][0] if self._events else None
 
     # --------------------------------------------------------------- sessions
 
@@ -606,12 +628,19 @@ class Simulator:
             run.loads_pending += 1
             run.load_ready_s = max(run.load_ready_s, done)
             self._at(done, self._on_load_done, run, plan)
+        self._load_beyond(run, n_used, hit.num_blocks)
         hit_tokens = sum(run.hit.values())
         # vLLM recomputes at least the last token of a fully cached prompt
         run.computed_tokens = max(1, req.input_tokens - hit_tokens)
         run.prefill_left = run.computed_tokens
         run.ctx_tokens = req.input_tokens - run.computed_tokens
         return True
+
+    def _load_beyond(self, run: _Run, n_used: int, n_cached: int) -> None:
+        """Admission uses ``run.keys[:n_used]`` of the ``n_cached`` blocks this engine's
+        tiers hold (fewer when the policy recomputes rather than loads); the rest is
+        computed. A fleet engine loads what a shared remote tier holds after a full
+        local prefix (adds its tokens to ``run.hit``); one engine alone has nothing beyond."""
 
     def _may_fit(self, run: _Run, need: int) -> bool:
         """Whether ``run`` fits in HBM beside what cannot be evicted there: the
@@ -789,8 +818,9 @@ class Simulator:
         steps = 1
         if not chunks:  # decode only: fast-forward to the next finish or event
             steps = min(r.decode_left for r in self.decoding)
-            if self._events:
-                steps = min(steps, max(1, math.ceil((self._events[0][0] - self.now) / dt)))
+            next_s = self._next_event_s()
+            if next_s is not None:
+                steps = min(steps, max(1, math.ceil((next_s - self.now) / dt)))
             steps = max(1, steps)
         self.now += dt * steps
         for run in self.decoding:
