@@ -160,3 +160,22 @@ def test_fleet_cli_reports_each_point_modelled(tmp_path: Path, capsys) -> None:
             assert key in row
     out = capsys.readouterr().out
     assert "MODELLED fleet: 2 engines" in out and "remote written GB" in out
+
+
+@pytest.mark.parametrize("policy", ["ttl", "tokencake", "kvtier"])
+def test_an_agent_moved_to_another_engine_leaves_no_wait_prefetch_or_hold_behind(policy: str) -> None:
+    # round-robin moves almost every next turn to another engine: the engine of the last
+    # turn ends the agent's wait (its policy unpins, its prefetch is dropped)
+    w = default_workload(seed=2, num_sessions=6, max_requests_per_agent=15)
+    cfg = SimConfig(hbm_blocks=3500, dram_blocks=7000, ssd_blocks=14000, conc=6)
+    sim = FleetSimulator(w, cfg, lambda: make_placement(policy), PROFILE,
+                         FleetConfig(engines=3, routing="round-robin", remote_blocks=5000))
+    res = sim.run()
+    assert len(res.records) + res.counters.get("skipped_requests", 0) == w.num_requests()
+    assert res.counters["handed_over"] > 0
+    for engine in sim.engines:
+        assert not engine._waiting_agents and not engine._prefetches
+        assert not engine.waiting and not engine.prefilling and not engine.decoding
+        assert engine.mgr.num_pinned() == 0
+        engine.mgr.check_invariants()
+    assert len(sim.remote) <= 5000

@@ -152,6 +152,8 @@ class _Engine(Simulator):
         return len(self.prefilling) + len(self.decoding) + len(self.waiting)
 
     def busy(self) -> bool:
+        """Whether a pass at its own clock has work: requests running, admittable ones
+        waiting, or staging / victim copies to start."""
         return bool(self.prefilling or self.decoding or self._to_stage or self._victims
                     or (self.waiting and not self._admission_blocked))
 
@@ -310,6 +312,10 @@ class FleetSimulator:
         fn(*args)
 
     def run(self) -> SimResult:
+        """Replay every session; call once. Each turn of the loop runs the earliest of:
+        a fleet event (when strictly earlier than every engine), or one pass
+        (:meth:`Simulator._advance`) of the engine with the earliest work (lowest
+        index on a tie). Raises ``RuntimeError`` when requests are left unserved."""
         driver = self.driver
         driver._start_sessions()
         while True:
