@@ -233,7 +233,7 @@ def format_fleet_summary(rows: Sequence[dict[str, Any]]) -> str:
         remote = (f"remote tier {r0['remote_blocks']:,} blocks shared, {r0['remote_gbps']:g} GB/s per engine link"
                   if r0["remote"] else "no remote tier")
         ssd = f"SSD {r0['ssd_blocks']:,}" if r0.get("ssd_blocks") else "SSD off"
-        caption = (f"MODELLED fleet: {r0['engines']} engines, each HBM {r0['hbm_blocks']:,} + DRAM "
+        caption = (f"MODELLED fleet: {r0['engines']} engine{'s' if r0['engines'] != 1 else ''}, each HBM {r0['hbm_blocks']:,} + DRAM "
                    f"{r0.get('dram_blocks', 0):,} blocks, {ssd}; {r0['conc']} live sessions over the fleet; "
                    f"routing {r0['routing']}; {remote}; admission {r0.get('admission', 'fcfs')}")
         if r0.get("skipped_requests"):
