@@ -135,6 +135,17 @@ def test_a_dead_master_makes_misses_and_a_restarted_one_is_used_again(master) ->
         t.close()
 
 
+def test_a_pinned_put_is_soft_pinned_in_the_master(master) -> None:
+    t = master.tier()
+    try:
+        blocks = _blocks(3, seed=5)
+        assert t.put_many([(BlockKey(31 + i), b, None) for i, b in enumerate(blocks)], pin_ttl_s=30) == 3
+        assert t.put_many([(BlockKey(40), blocks[0], None)]) == 1
+        assert master.soft_pinned_keys() == 3 and t.counters["put_pinned_blocks"] == 3
+    finally:
+        t.close()
+
+
 def test_setup_failure_names_the_setting(tmp_path) -> None:
     _require()
     from kvtier.tiers.remote import MooncakeTier, RemoteTierError

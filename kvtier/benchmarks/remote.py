@@ -89,6 +89,16 @@ class LocalMaster:
                     raise RemoteTierError(f"mooncake_master did not start (log: {self.log})") from None
                 time.sleep(0.1)
 
+    def soft_pinned_keys(self) -> int:
+        """The master's count of soft-pinned objects (its Prometheus gauge ``master_soft_pin_key_count``)."""
+        import urllib.request
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5).read().decode()
+        for line in text.splitlines():
+            if line.startswith("master_soft_pin_key_count "):
+                return int(float(line.split()[1]))
+        raise RemoteTierError("mooncake_master's metrics have no master_soft_pin_key_count")
+
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.kill()

@@ -22,6 +22,8 @@ Guarantees, the SSD tier's:
   checked against it on every read.
 * A store that is down or unreachable makes reads misses and writes failures
   (counted in ``remote_errors``); nothing raises into an engine's step.
+* A put may soft-pin its values for a TTL (``pin_ttl_s``; Mooncake evicts
+  soft-pinned objects last): an agent's context kept through a tool call.
 
 Must not decide what to store, load or evict (the manager and placement do),
 and must not import torch or an engine. The ``mooncake`` package is imported
@@ -51,8 +53,10 @@ CONNECT_TIMEOUT_S = 3.0
 class RemoteTier(Protocol):
     """What kvtier needs from a store shared by engines (all calls batched, none raise for I/O)."""
 
-    def put_many(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]]) -> int:
-        """Store ``(key, raw block bytes, parent or None)``; how many leading items were stored."""
+    def put_many(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]], *,
+                 pin_ttl_s: float | None = None) -> int:
+        """Store ``(key, raw block bytes, parent or None)``; how many leading items were stored.
+        ``pin_ttl_s``: ask the store to keep them over unpinned values for that long (a soft pin)."""
 
     def get_many_into(self, keys: Sequence[BlockKey], outs: Sequence[Any]) -> list[bool]:
         """Read and verify each key into its buffer; one ok per key (a miss leaves the buffer unspecified)."""
@@ -107,6 +111,7 @@ class MooncakeTier:
         self._get_staging: np.ndarray | None = None  # registered with the store on first use
         self._put_staging: np.ndarray | None = None
         self._prefix = f"{OBJECT_PREFIX}/{namespace.digest.hex()}/"
+        self._pin_configs: dict[int, Any] = {}  # soft-pin TTL (ms) -> ReplicateConfig
         self.counters: Counter[str] = Counter()
         for name, value in (("tiers.remote.segment_bytes", segment_bytes), ("tiers.remote.buffer_bytes",
                                                                               buffer_bytes)):
@@ -135,21 +140,40 @@ class MooncakeTier:
 
     # ------------------------------------------------------------------ RemoteTier
 
-    def put_many(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]]) -> int:
+    def put_many(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]], *,
+                 pin_ttl_s: float | None = None) -> int:
         """Values are encoded ``GET_SLOTS`` at a time straight into a staging buffer registered
-        with the store and written from there in one batch; returns the leading run written."""
+        with the store and written from there in one batch; returns the leading run written.
+        ``pin_ttl_s`` soft-pins them (Mooncake evicts soft-pinned objects last, until the TTL):
+        an agent's context kept through its tool call."""
+        config = self._pin_config(pin_ttl_s) if pin_ttl_s else None
         done = 0
         for start in range(0, len(items), GET_SLOTS):
             chunk = items[start:start + GET_SLOTS]
-            written = self._put_chunk(chunk)
+            written = self._put_chunk(chunk, config)
             done += written
             if written < len(chunk):
                 break
         self.counters["put_blocks"] += done
         self.counters["put_failed_blocks"] += len(items) - done
+        if config is not None:
+            self.counters["put_pinned_blocks"] += done
         return done
 
-    def _put_chunk(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]]) -> int:
+    def _pin_config(self, ttl_s: float) -> Any:
+        """Mooncake's ``ReplicateConfig`` for a soft pin of ``ttl_s`` seconds (made once per TTL)."""
+        ttl_ms = max(1, int(ttl_s * 1000))
+        config = self._pin_configs.get(ttl_ms)
+        if config is None:
+            from mooncake.store import ReplicateConfig, SoftPinAction
+
+            config = ReplicateConfig()
+            config.soft_pin_action = SoftPinAction.ENABLE
+            config.soft_pin_ttl_ms = ttl_ms
+            self._pin_configs[ttl_ms] = config
+        return config
+
+    def _put_chunk(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]], config: Any = None) -> int:
         staging = self._registered("_put_staging")
         if staging is None:
             return 0
@@ -163,8 +187,9 @@ class MooncakeTier:
                 offset += n
             sizes.append(offset - i * slot)
         try:
-            codes = self._store.batch_upsert_from([self.object_name(k) for k, _, _ in items],
-                                                  [base + i * slot for i in range(len(items))], sizes)
+            args = ([self.object_name(k) for k, _, _ in items], [base + i * slot for i in range(len(items))], sizes)
+            codes = self._store.batch_upsert_from(*args) if config is None else self._store.batch_upsert_from(*args,
+                                                                                                            config)
         except (RuntimeError, ValueError, TypeError) as e:
             return self._error("put", e)
         written = next((i for i, c in enumerate(codes) if c != 0), len(codes))

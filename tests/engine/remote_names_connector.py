@@ -23,8 +23,8 @@ class RemoteNamesConnector(KVTierConnector):
         tier, path = worker._remote, os.environ["KVTIERTEST_REMOTE_NAMES"]
         put_many = tier.put_many
 
-        def recorded_put_many(items):
-            n = put_many(items)
+        def recorded_put_many(items, **kwargs):
+            n = put_many(items, **kwargs)
             with open(path, "a") as f:
                 f.writelines(tier.object_name(key) + "\n" for key, _, _ in items[:n])
             return n

@@ -80,6 +80,7 @@ def test_placement_defaults_to_kvtier_and_takes_the_replay_names() -> None:
     ({"remote_master": "h:1", "remote_codec": "lz4"}, "remote_codec='lz4': must be one of"),
     ({"remote_master": "h:1", "remote_lookup_wait_ms": -1}, "remote_lookup_wait_ms=-1: must be a number"),
     ({"remote_master": "h:1", "remote_write_queue_mib": 0}, "remote_write_queue_mib=0: must be a number > 0"),
+    ({"remote_master": "h:1", "remote_pin_ttl_s": -5}, "remote_pin_ttl_s=-5: must be seconds"),
 ])
 def test_bad_placement_settings_name_the_key(extra: dict, match: str) -> None:
     with pytest.raises(ConfigError, match="kv_connector_extra_config." + match):
@@ -117,7 +118,8 @@ def test_remote_settings_and_their_defaults() -> None:
     assert ConnectorSettings.build({}, FACTS, env={}).remote is None
     r = ConnectorSettings.build({"remote_master": "10.0.0.5:50051", "remote_segment_mib": 64}, FACTS, env={}).remote
     assert r is not None and r.metadata_server == "http://10.0.0.5:8080/metadata"
-    assert (r.segment_bytes, r.write_queue_bytes, r.codec, r.lookup_wait_s) == (64 << 20, 256 << 20, "raw", 0.005)
+    assert (r.segment_bytes, r.write_queue_bytes, r.codec, r.lookup_wait_s, r.pin_ttl_s) == (
+        64 << 20, 256 << 20, "raw", 0.005, 60.0)
 
 
 def test_remote_tier_refuses_per_process_block_hashes() -> None:

@@ -122,8 +122,10 @@ def _scenario(tmp_path: Path, model: Path, master) -> None:
         # 1. a session's first turn on A, its second on B: the shared prefix comes from the store
         turn1 = _tokens(1, 8 * BLOCK_SIZE + 5)
         turn2 = turn1 + _tokens(2, 2 * BLOCK_SIZE + 7)
-        a1 = serve(a, turn1)
+        # an agent's turn (tagged by the SDK): its blocks are soft-pinned in the store through its tool call
+        a1 = serve(a, turn1, kv_transfer_params=[{"kvtier_session_id": "s1", "kvtier_agent_id": "main"}])
         assert _counters(a1).get("stored_blocks_remote", 0) == 8, _counters(a1)
+        assert _counters(a1).get("remote_put_pinned_blocks", 0) == 8 and master.soft_pinned_keys() == 8
         b1 = serve(b, turn2, reset_prefix_cache=True)
         cb = _counters(b1)
         print(f"turn 2 on B: hit_tokens_remote {cb.get('hit_tokens_remote')}, external hits {b1['external_hits']}, "

@@ -34,12 +34,14 @@ class LoadJob:
 
 @dataclass(frozen=True, slots=True)
 class TierWrite:
-    """Part of a store for one tier: ``rows`` index the job's keys."""
+    """Part of a store for one tier: ``rows`` index the job's keys. ``pin_ttl_s``
+    (remote tier only): soft-pin the values in the store for that long."""
 
     plan_id: int
     tier: str
     rows: tuple[int, ...]
     slots: tuple[int, ...]
+    pin_ttl_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +98,7 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     staging_skipped_stores: int = 0  # blocks not stored: the staging ring was full (summed over ranks)
     staging_skipped_loads: int = 0  # blocks not loaded (recomputed): the staging ring was full
     remote_skipped_blocks: int = 0  # remote stores skipped because the remote writer fell behind
-    remote_outcomes: dict[str, int] = field(default_factory=dict)  # the store clients' failed reads, by outcome
+    remote_outcomes: dict[str, int] = field(default_factory=dict)  # the store clients' failed reads, errors, pins
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)

@@ -612,6 +612,7 @@ class KVTierScheduler:
         if self.kv_events:
             self._note_event_meta(st, keys, start, upto)
         plans: list[tuple[int, str, Sequence[BlockKey], Sequence[int]]] = []  # (plan id, tier, keys, slots)
+        pin_ttl_s = 0.0  # an agent's blocks are soft-pinned in the remote store
         for tier in self.manager.tier_names:
             plan = self.manager.prepare_store(tier, new, parent)
             if plan is not None and plan.keys:
@@ -625,13 +626,15 @@ class KVTierScheduler:
                 meta = [self._event_meta.get(k) for k in remote] if self.kv_events else []
                 self._remote_stores[pid] = (remote, meta)
                 plans.append((pid, "remote", remote, (0,) * len(remote)))
+                pin_ttl_s = self.settings.remote.pin_ttl_s if self._agent(st) is not None else 0.0
         if not plans:
             return None
         index = {k: i for i, k in enumerate(new)}
         rows = sorted({index[k] for p in plans for k in p[2]})
         pos = {r: j for j, r in enumerate(rows)}
         block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
-        writes = tuple(TierWrite(pid, tier, tuple(pos[index[k]] for k in ks), slots) for pid, tier, ks, slots in plans)
+        writes = tuple(TierWrite(pid, tier, tuple(pos[index[k]] for k in ks), slots, pin_ttl_s if tier == "remote" else 0.0)
+                       for pid, tier, ks, slots in plans)
         chain = [parent, *new]
         job = StoreJob(
             job_id=next(self._job_ids), req_id=req_id,

@@ -67,6 +67,9 @@ EXTRA_KEYS: dict[str, str] = {
     "remote_write_queue_mib": "host copies waiting for the remote writer, at most (MiB, default 256): when the store "
                               "falls behind, further remote stores are skipped and counted "
                               "(store_skipped_backpressure_remote)",
+    "remote_pin_ttl_s": "blocks of requests tagged with a session and agent are soft-pinned in the store for this "
+                        "long (Mooncake evicts them last), so an agent's context outlives its tool call; 0 turns "
+                        "it off (default 60)",
     "remote_codec": "value codec in the shared store: raw (default), zstd, bplane-zstd or auto",
     "remote_lookup_wait_ms": "how long a scheduling step waits for the store's answer about a new request's blocks "
                              "(default 5); a slower answer is taken up by a later step (the request waits, "
@@ -102,6 +105,7 @@ class RemoteSettings:
     write_queue_bytes: int = 256 << 20
     codec: str = "raw"
     lookup_wait_s: float = 0.005
+    pin_ttl_s: float = 60.0
 
     @classmethod
     def build(cls, extra: Mapping[str, Any]) -> RemoteSettings | None:
@@ -127,8 +131,11 @@ class RemoteSettings:
         if isinstance(wait_ms, bool) or not isinstance(wait_ms, (int, float)) or not 0 <= wait_ms <= 1000:
             raise ConfigError("kv_connector_extra_config.remote_lookup_wait_ms", wait_ms,
                               "must be a number of milliseconds in [0, 1000]")
+        pin = extra.get("remote_pin_ttl_s", 60.0)
+        if isinstance(pin, bool) or not isinstance(pin, (int, float)) or not 0 <= pin <= 86400:
+            raise ConfigError("kv_connector_extra_config.remote_pin_ttl_s", pin, "must be seconds in [0, 86400]")
         return cls(master, meta, int(_mib(extra, "remote_segment_mib", 512) * (1 << 20)),
-                   int(_mib(extra, "remote_write_queue_mib", 256) * (1 << 20)), codec, wait_ms / 1000)
+                   int(_mib(extra, "remote_write_queue_mib", 256) * (1 << 20)), codec, wait_ms / 1000, float(pin))
 
 
 @dataclass(frozen=True, slots=True)

@@ -283,14 +283,14 @@ class KVTierWorker:
                               or meta.remote_skipped_blocks or meta.remote_outcomes or meta.staging_skipped_stores or meta.staging_skipped_loads) else None
         return sending, recving
 
-    REMOTE_OUTCOMES = ("missing", "remote_errors", "checksum_failures", "decode_failures", "mismatches",
-                       "key_mismatches")
+    REMOTE_COUNTERS = ("missing", "remote_errors", "checksum_failures", "decode_failures", "mismatches",
+                       "key_mismatches", "put_pinned_blocks")
 
     def _remote_outcomes(self) -> dict[str, int]:
-        """Failed reads and errors of this rank's store client since the last report, by outcome."""
+        """This rank's store client since the last report: failed reads by outcome, errors, soft-pinned puts."""
         if self._remote is None:
             return {}
-        now = {k: self._remote.counters[k] for k in self.REMOTE_OUTCOMES}  # a snapshot (another thread counts)
+        now = {k: self._remote.counters[k] for k in self.REMOTE_COUNTERS}  # a snapshot (another thread counts)
         out = {k: v - self._remote_reported.get(k, 0) for k, v in now.items() if v != self._remote_reported.get(k, 0)}
         self._remote_reported = now
         return out
@@ -329,6 +329,9 @@ class KVTierWorker:
             run()
         except (OSError, RuntimeError, ValueError) as exc:  # a failed transfer is a miss, never a crash
             log.warning("kvtier transfer failed: %s", exc)
+            fail()
+        except Exception:  # a bug: still report the blocks failed, or their plan would wait forever
+            log.exception("kvtier transfer failed unexpectedly")
             fail()
         finally:
             with self._lock:
@@ -384,7 +387,7 @@ class KVTierWorker:
                     pos: Sequence[int], nbytes: int) -> None:
         """SSD or remote thread: write ``items`` (rows ``pos`` of ``w``); the plan reports the leading run written."""
         try:  # the queued bytes are given back however the write ends (an error reports the plan failed)
-            n = writer.tier.put_many(items)
+            n = writer.tier.put_many(items, pin_ttl_s=w.pin_ttl_s) if w.pin_ttl_s else writer.tier.put_many(items)
         finally:
             with self._lock:
                 writer.queued_bytes -= nbytes
