@@ -206,3 +206,35 @@ def slo_dev_eval(report: dict[str, Any]) -> str:
                "\n\n")
     return caption + md_table(["policy", "SLO capacity (conc)", "at that conc: TTFT p99 later, interactivity",
                                "first conc that misses"], body)
+
+
+_FLEET_LABELS = {"round-robin": "round-robin, no remote tier", "round-robin+remote": "round-robin + remote tier",
+                 "session": "sticky sessions, no remote tier", "kv-aware+remote": "kv-aware + remote tier"}
+
+
+@table("fleet-dev", "fleet-dev.json")
+def fleet_dev(data: dict[str, Any]) -> str:
+    """``kvtier replay --engines 4`` on the dev traces' evaluation half (``bench/fleet_results.py``): four
+    routing / remote-tier points per policy, ratios against round-robin without a remote tier."""
+    st, base = data["settings"], data["baseline"]
+    cap = (f"MODELLED. {st['engines']} engines, conc {st['conc']} over the fleet, {data['workload']['sessions']} "
+           f"sessions / {data['workload']['requests']:,} requests of the evaluation half; per engine HBM "
+           f"{st['hbm_blocks_per_engine']:,} blocks (25% of one engine's share of the working set) + DRAM "
+           f"{st['dram_blocks_per_engine']:,}, no SSD; remote tier {st['remote_blocks']:,} blocks "
+           f"({st['remote_blocks_is']}) at {st['remote_gbps_per_engine_link']:g} GB/s per engine "
+           f"({st['remote_gbps_is']}). `{data['commands']['kv-aware+remote']['kvtier']}`\n\n")
+    body = []
+    for policy in st["policies"]:
+        for point, label in _FLEET_LABELS.items():
+            r, b = data["points"][point][policy], data["points"][base][policy]
+            body.append([policy, label, f"{r['prefill_tokens_computed'] / 1e6:.1f}M",
+                         f"{r['prefill_tokens_computed'] / b['prefill_tokens_computed']:.3f}x",
+                         f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.1f}", f"{r['ttft_p99_later_turns_s']:.1f}",
+                         f"{r['ttft_p99_later_turns_s'] / b['ttft_p99_later_turns_s']:.3f}x",
+                         f"{r['remote_bytes_written'] / 1e9:,.0f} / {r['remote_bytes_read'] / 1e9:,.0f}"])
+    targets = "; ".join(f"{p}: kv-aware + remote computes {t['kv_aware_remote_over_round_robin']:.3f}x round-robin "
+                        f"without ({'holds' if t['holds'] else 'MISSES'} the <= {t['target']}x target)"
+                        for p, t in data["target"].items())
+    return cap + md_table(["policy", "routing", "prefill computed", "vs round-robin", "TTFT p50 / p99 (s)",
+                           "later-turn TTFT p99 (s)", "vs round-robin", "remote GB written / read"], body) \
+        + f"\n{targets}.\n"

@@ -83,7 +83,7 @@ def test_routing_and_the_remote_tier_change_prefill_work_as_they_must() -> None:
         assert row["remote_bytes"]["hbm->remote"] > 0 and row["remote_bytes"]["remote->hbm"] > 0
 
 
-def test_kv_aware_routing_prefers_the_longest_cached_prefix_then_the_least_load() -> None:
+def test_kv_aware_routing_scores_as_the_live_router_then_the_least_load() -> None:
     w = default_workload(seed=0, num_sessions=2)
     sim = FleetSimulator(w, SimConfig(hbm_blocks=100, conc=2), lambda: make_placement("lru"), PROFILE,
                          FleetConfig(engines=3, routing="kv-aware", remote_blocks=10))
@@ -104,7 +104,11 @@ def test_kv_aware_routing_prefers_the_longest_cached_prefix_then_the_least_load(
     # the remote tier extends every engine's prefix from where its own tiers stop
     sim.remote.store(keys[:3])
     assert [sim.cached_prefix_blocks(e, keys) for e in sim.engines] == [3, 3, 3]
-    assert sim.route(sr, req) is sim.engines[1]  # a tie at 3 blocks: least load, then lowest index
+    # scored as the live router scores: engine 2's two HBM blocks outweigh reading them from the store
+    assert [sim.route_score(e, keys) for e in sim.engines] == [0.9, 0.9, 2.3]
+    assert sim.route(sr, req) is sim.engines[2]
+    mgr.evict("hbm", 2)  # engine 2 drops them: a tie at 3 remote blocks, least load, then lowest index
+    assert sim.route(sr, req) is sim.engines[1]
 
 
 def test_remote_tier_is_lru_over_its_capacity() -> None:

@@ -32,10 +32,13 @@ from typing import Any, Callable, Sequence
 
 from ..keys import BlockKey
 from ..placement import PlacementPolicy
+from ..routing import DEFAULT_WEIGHTS, REMOTE
 from .model import Agent, Request, Workload
 from .sim import SimConfig, SimResult, Simulator, _Run, _SessionRun
 
 ROUTINGS = ("round-robin", "session", "kv-aware")
+# the live router's weight of each tier's block (kvtier.routing scores vLLM media)
+_TIER_WEIGHT = {"hbm": DEFAULT_WEIGHTS["GPU"], "dram": DEFAULT_WEIGHTS["CPU"], "ssd": DEFAULT_WEIGHTS["STORAGE"]}
 DEFAULT_REMOTE_GBPS = 12.5  # one 100 Gb/s NIC per engine
 
 
@@ -271,13 +274,26 @@ class FleetSimulator:
                 self._session_engine[sr.idx] = self._round_robin()
             return self._session_engine[sr.idx]
         if routing == "kv-aware":
-            return min(self.engines, key=lambda e: (-self.cached_prefix_blocks(e, req.block_ids), e.load(), e.index))
+            return min(self.engines, key=lambda e: (-self.route_score(e, req.block_ids), e.load(), e.index))
         return self._round_robin()
 
     def _round_robin(self) -> _Engine:
         engine = self.engines[self._next_rr % len(self.engines)]
         self._next_rr += 1
         return engine
+
+    def route_score(self, engine: _Engine, keys: Sequence[BlockKey]) -> float:
+        """``engine``'s score for a request of ``keys``, as the live router
+        (:class:`kvtier.routing.RoutingIndex`) scores it from the engines' KV events:
+        over the longest prefix the engine can read, each block weighs what its
+        fastest tier does (HBM as ``GPU``, DRAM as ``CPU``, SSD as ``STORAGE``, the
+        remote tier as ``REMOTE``), so an engine holding the prefix itself beats one
+        that would read it from the shared store."""
+        hit = engine.mgr.lookup(keys)
+        score = sum(_TIER_WEIGHT[t] for t in hit.tiers)
+        if self.remote is not None:
+            score += DEFAULT_WEIGHTS[REMOTE] * self.remote.prefix_from(keys, hit.num_blocks)
+        return round(score, 6)
 
     def cached_prefix_blocks(self, engine: _Engine, keys: Sequence[BlockKey]) -> int:
         """The longest prefix of ``keys`` ``engine`` could read: its own tiers, then the remote tier."""
