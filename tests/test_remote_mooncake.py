@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from kvtier.benchmarks.remote import LocalMaster, free_port, master_binary
+from kvtier.benchmarks.remote import LocalMaster, free_port, mooncake_problem
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey, Namespace
 from kvtier.layout import KVLayout
@@ -27,14 +27,9 @@ NS = Namespace("remote-test", "bfloat16", "fused", 16)
 
 
 def _require() -> None:
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError as e:
-        problem = f"mooncake client not importable ({e})"
-    else:
-        if master_binary() is not None:
-            return
-        problem = "mooncake_master not found"
+    problem = mooncake_problem()
+    if problem is None:
+        return
     if os.environ.get("KVTIERTEST_REQUIRE_MOONCAKE") == "1":
         pytest.fail(problem + " (scripts/test.sh installs mooncake-transfer-engine-non-cuda)")
     pytest.skip(problem)

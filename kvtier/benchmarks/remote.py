@@ -56,6 +56,16 @@ def master_binary() -> str | None:
     return found if Path(found).exists() else None
 
 
+def mooncake_problem() -> str | None:
+    """Why a local Mooncake Store cannot run here (the client does not import, or no
+    ``mooncake_master``), or ``None`` when it can."""
+    try:
+        import mooncake.store  # noqa: F401 - the client MooncakeTier loads
+    except ImportError as e:
+        return f"mooncake client not importable ({e})"
+    return None if master_binary() is not None else "mooncake_master not found"
+
+
 class LocalMaster:
     """A ``mooncake_master`` with its HTTP metadata server on free loopback ports,
     started by :meth:`start` and stopped by :meth:`stop`; a restart keeps the ports."""

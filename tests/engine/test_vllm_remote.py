@@ -37,16 +37,11 @@ HERE = Path(__file__).resolve().parent
 
 
 def _require_mooncake() -> None:
-    try:
-        import mooncake.store  # noqa: F401 - the client the connector loads
+    from kvtier.benchmarks.remote import mooncake_problem
 
-        from kvtier.benchmarks.remote import master_binary
-    except ImportError as e:
-        problem = f"mooncake client not importable ({e})"
-    else:
-        if master_binary() is not None:
-            return
-        problem = "mooncake_master not found"
+    problem = mooncake_problem()
+    if problem is None:
+        return
     if os.environ.get("KVTIERTEST_REQUIRE_VLLM") == "1":  # CI: the engine venv has the remote extra
         pytest.fail(problem + " (scripts/test.sh installs kvtier[remote] into the engine venv)")
     pytest.skip(problem)

@@ -11,16 +11,15 @@ blocks, and imports ``mooncake`` only when a client is opened.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
 
+from .reftable import RefTable
 from .settings import RemoteSettings
 
-_lock = threading.Lock()
-_open: dict[tuple[str, str, Namespace], list[Any]] = {}  # (master, metadata, namespace) -> [tier, references]
+_open = RefTable()  # (master, metadata server, namespace) -> client
 
 
 def acquire(remote: RemoteSettings, namespace: Namespace, layout: KVLayout) -> Any:
@@ -29,25 +28,14 @@ def acquire(remote: RemoteSettings, namespace: Namespace, layout: KVLayout) -> A
     naming the setting when the store cannot be reached."""
     from kvtier.tiers.remote import MooncakeTier
 
-    key = (remote.master, remote.metadata_server, namespace)
-    with _lock:
-        entry = _open.get(key)
-        if entry is None:
-            tier = MooncakeTier(namespace, layout, master=remote.master, metadata_server=remote.metadata_server,
-                                segment_bytes=remote.segment_bytes, buffer_bytes=min(remote.segment_bytes, 128 << 20),
-                                codec=remote.codec)
-            entry = _open[key] = [tier, 0]
-        entry[1] += 1
-        return entry[0]
+    def join() -> Any:
+        return MooncakeTier(namespace, layout, master=remote.master, metadata_server=remote.metadata_server,
+                            segment_bytes=remote.segment_bytes, buffer_bytes=min(remote.segment_bytes, 128 << 20),
+                            codec=remote.codec)
+
+    return _open.acquire((remote.master, remote.metadata_server, namespace), join)
 
 
 def release(tier: Any) -> None:
     """Drop one reference; the last one leaves the store."""
-    with _lock:
-        for key, entry in list(_open.items()):
-            if entry[0] is tier:
-                entry[1] -= 1
-                if entry[1] == 0:
-                    del _open[key]
-                    tier.close()
-                return
+    _open.release(tier)

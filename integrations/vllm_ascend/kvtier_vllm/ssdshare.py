@@ -10,7 +10,6 @@ decide anything about the blocks.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,9 @@ from kvtier.config import KVTierConfig
 from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
 
-_lock = threading.Lock()
-_open: dict[Path, list[Any]] = {}  # resolved path -> [tier, reference count]
+from .reftable import RefTable
+
+_open = RefTable()  # resolved path -> tier
 
 
 def acquire(path: Path, namespace: Namespace, layout: KVLayout, cfg: KVTierConfig) -> Any:
@@ -27,28 +27,19 @@ def acquire(path: Path, namespace: Namespace, layout: KVLayout, cfg: KVTierConfi
     Raises ``ValueError`` when the tier is already open for another namespace."""
     from kvtier.tiers.ssd import SSDTier
 
-    key = path.resolve()
-    with _lock:
-        entry = _open.get(key)
-        if entry is None:
-            path.mkdir(parents=True, exist_ok=True)
-            tier = SSDTier(path, namespace, layout, map_size_bytes=cfg.ssd.map_size_bytes, codec=cfg.ssd.codec,
-                           zstd_level=cfg.ssd.zstd_level, sync=cfg.ssd.sync,
-                           read_threads=cfg.ssd.read_threads, write_threads=cfg.ssd.write_threads)
-            entry = _open[key] = [tier, 0]
-        elif entry[0].namespace != namespace:
+    def open_tier() -> Any:
+        path.mkdir(parents=True, exist_ok=True)
+        return SSDTier(path, namespace, layout, map_size_bytes=cfg.ssd.map_size_bytes, codec=cfg.ssd.codec,
+                       zstd_level=cfg.ssd.zstd_level, sync=cfg.ssd.sync,
+                       read_threads=cfg.ssd.read_threads, write_threads=cfg.ssd.write_threads)
+
+    def same_namespace(tier: Any) -> None:
+        if tier.namespace != namespace:
             raise ValueError(f"kvtier: SSD directory {str(path)!r} is already open for another namespace")
-        entry[1] += 1
-        return entry[0]
+
+    return _open.acquire(path.resolve(), open_tier, same_namespace)
 
 
 def release(tier: Any) -> None:
     """Drop one reference; the last one closes the tier."""
-    with _lock:
-        for key, entry in list(_open.items()):
-            if entry[0] is tier:
-                entry[1] -= 1
-                if entry[1] == 0:
-                    del _open[key]
-                    tier.close()
-                return
+    _open.release(tier)
