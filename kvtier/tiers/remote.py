@@ -33,6 +33,7 @@ only when a :class:`MooncakeTier` is made.
 from __future__ import annotations
 
 import socket
+import threading
 import urllib.parse
 from collections import Counter
 from typing import Any, Protocol, Sequence
@@ -112,6 +113,8 @@ class MooncakeTier:
         self._put_staging: np.ndarray | None = None
         self._prefix = f"{OBJECT_PREFIX}/{namespace.digest.hex()}/"
         self._pin_configs: dict[int, Any] = {}  # soft-pin TTL (ms) -> ReplicateConfig
+        self._put_lock = threading.Lock()  # TieredStore's mover puts from two threads
+        self._get_lock = threading.Lock()
         self.counters: Counter[str] = Counter()
         for name, value in (("tiers.remote.segment_bytes", segment_bytes), ("tiers.remote.buffer_bytes",
                                                                               buffer_bytes)):
@@ -145,15 +148,17 @@ class MooncakeTier:
         """Values are encoded ``GET_SLOTS`` at a time straight into a staging buffer registered
         with the store and written from there in one batch; returns the leading run written.
         ``pin_ttl_s`` soft-pins them (Mooncake evicts soft-pinned objects last, until the TTL):
-        an agent's context kept through its tool call."""
+        an agent's context kept through its tool call. Callers may be on several threads:
+        one put at a time uses the staging buffer."""
         config = self._pin_config(pin_ttl_s) if pin_ttl_s else None
         done = 0
-        for start in range(0, len(items), GET_SLOTS):
-            chunk = items[start:start + GET_SLOTS]
-            written = self._put_chunk(chunk, config)
-            done += written
-            if written < len(chunk):
-                break
+        with self._put_lock:
+            for start in range(0, len(items), GET_SLOTS):
+                chunk = items[start:start + GET_SLOTS]
+                written = self._put_chunk(chunk, config)
+                done += written
+                if written < len(chunk):
+                    break
         self.counters["put_blocks"] += done
         self.counters["put_failed_blocks"] += len(items) - done
         if config is not None:
@@ -202,8 +207,9 @@ class MooncakeTier:
         """Values are read ``GET_SLOTS`` at a time straight into a staging buffer registered
         with the store, then verified and decoded into ``outs``."""
         oks: list[bool] = []
-        for start in range(0, len(keys), GET_SLOTS):
-            oks += self._get_chunk(keys[start:start + GET_SLOTS], outs[start:start + GET_SLOTS])
+        with self._get_lock:  # one get at a time uses the staging buffer
+            for start in range(0, len(keys), GET_SLOTS):
+                oks += self._get_chunk(keys[start:start + GET_SLOTS], outs[start:start + GET_SLOTS])
         self.counters["get_hit_blocks"] += sum(oks)
         return oks
 
