@@ -146,8 +146,9 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--routing", choices=ROUTINGS, default="round-robin",
                    help="which engine a ready request goes to: round-robin (the next engine in turn, per request; "
                         "default), session (sticky: every request of a session to the engine of its first, sessions "
-                        "assigned round-robin), kv-aware (the engine holding the longest cached prefix of it in "
-                        "its HBM/DRAM/SSD plus the remote tier; ties: least running+waiting requests, then lowest "
+                        "assigned round-robin), kv-aware (the engine the live router, kvtier.routing, would pick: "
+                        "over the longest prefix it can read, each block weighs its fastest tier's weight, HBM 1.0, "
+                        "DRAM 0.8, SSD 0.5, remote tier 0.3; ties: least running+waiting requests, then lowest "
                         "index)")
     f.add_argument("--remote-blocks", type=nonnegative_int, default=0, metavar="B",
                    help="capacity in blocks of a remote tier shared by all engines (LRU; default 0: none): every "
