@@ -66,7 +66,7 @@ PinMemory = Union[bool, Literal["auto"]]
 TIER_NAMES: tuple[str, ...] = ("hbm", "dram", "ssd")
 """Tiers from fastest to slowest; also the valid values of ``put_tier``."""
 
-SSD_CODECS: tuple[str, ...] = ("auto", "raw", "zstd", "bplane-zstd")
+SSD_CODECS: tuple[str, ...] = ("auto", "raw", "zstd", "bplane-zstd", "rq4", "rq3")
 DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "npu", "xpu", "mps", "hpu")
 ENV_PREFIX = "KVTIER_"
 
@@ -522,6 +522,14 @@ class KVTierConfig:
             raise ConfigError(
                 "put_tier", self.put_tier, f"tiers.{self.put_tier}.enabled is false; enable it or use one of: {', '.join(enabled)}"
             )
+
+        from .tiers.rq import RQ_BITS, layout_problem  # numpy only; kept out of config's import time
+
+        for tier in (self.ssd, self.remote):
+            if tier.enabled and tier.codec in RQ_BITS:
+                problem = layout_problem(self.layout.to_layout())
+                if problem is not None:
+                    raise ConfigError(f"{tier.SECTION}.codec", tier.codec, f"cannot store this layout: {problem}")
 
     def _resolve_map_size(self) -> None:
         ssd, bytes_per_block = self.ssd, self.layout.to_layout().bytes_per_block

@@ -42,6 +42,17 @@ Codecs (stored id in brackets):
   that compresses at ~0.6 GB/s and decompresses at ~1.5 GB/s; the mantissa
   plane is near random and is stored raw, so a bf16 block shrinks to ~0.67x.
 
+* ``rq4`` [3], ``rq3`` [4] — lossy: each head vector rotated (randomized
+  Hadamard) and coded with 4 or 3 bits per coordinate plus a bf16 scale
+  (:mod:`kvtier.tiers.rq`; ~3.8x / ~5x smaller than bf16, relative MSE ~0.008 /
+  ~0.03). The payload says bits, dtype, head_dim and rotation seed. For these
+  codecs the raw checksum covers the *payload* (decoded bytes are not the
+  stored ones), and is checked before decoding. Only floating-point layouts
+  with a power-of-two ``head_dim`` (not MLA) take them:
+  :func:`check_codec_layout` refuses others at start. A block whose values
+  are not all finite is stored ``raw`` instead. :meth:`ValueHeader.lossy`
+  tells a reader that a value is not the exact bytes.
+
 ``auto`` (a write-time choice, never stored) picks ``bplane-zstd`` for 16-bit
 dtypes and ``zstd`` otherwise, and keeps the result only if
 ``raw_len / payload_len >= min_ratio``; else ``raw``. Planes and blocks that
@@ -81,6 +92,7 @@ import zstandard
 from ..errors import ConfigError
 from ..keys import KEY_BYTES, BlockKey, Namespace, key_from_bytes, key_to_bytes
 from ..layout import KVLayout
+from . import rq
 
 try:  # the optional C read path (setup.py); absent where no compiler built it
     from . import _rawread
@@ -91,10 +103,12 @@ MAGIC = b"KVTB"
 FORMAT_VERSION = 2
 LAYOUT_HASH_BYTES = 8
 
-CODEC_TO_ID: dict[str, int] = {"raw": 0, "zstd": 1, "bplane-zstd": 2}
+CODEC_TO_ID: dict[str, int] = {"raw": 0, "zstd": 1, "bplane-zstd": 2, "rq4": 3, "rq3": 4}
 ID_TO_CODEC: dict[int, str] = {v: k for k, v in CODEC_TO_ID.items()}
 WRITE_CODECS: tuple[str, ...] = ("auto", *CODEC_TO_ID)
-"""Codec names accepted for writes (``auto`` chooses one of the others)."""
+"""Codec names accepted for writes (``auto`` chooses one of the lossless others)."""
+LOSSY_CODECS: frozenset[str] = frozenset(rq.RQ_BITS)
+"""Codecs whose decoded bytes only approximate the block's (see :mod:`kvtier.tiers.rq`)."""
 
 FLAG_PLANE0_ZSTD = 1  # bplane: odd-offset plane is a zstd frame
 FLAG_PLANE1_ZSTD = 2  # bplane: even-offset plane is a zstd frame
@@ -135,15 +149,19 @@ class DecodeOutcome(str, Enum):
 
 @dataclass(frozen=True, slots=True)
 class ValueContext:
-    """What every value of one tier must carry: namespace, layout, dtype width."""
+    """What every value of one tier must carry: namespace, layout, dtype width; and,
+    for the lossy codecs' encoder, the dtype's name and the head dimension (empty
+    and 0 where only decoding is needed: an rq payload describes itself)."""
 
     namespace_digest: bytes
     layout_hash: bytes
     dtype_bytes: int
+    dtype: str = ""
+    head_dim: int = 0
 
     @classmethod
     def of(cls, namespace: Namespace, layout: KVLayout) -> ValueContext:
-        return cls(namespace.digest, layout_hash(layout), layout.dtype_bytes)
+        return cls(namespace.digest, layout_hash(layout), layout.dtype_bytes, layout.dtype, layout.head_dim)
 
 
 @dataclass(slots=True, unsafe_hash=True)
@@ -168,6 +186,11 @@ class ValueHeader:
     def stored_len(self) -> int:
         return HEADER_BYTES + self.payload_len
 
+    @property
+    def lossy(self) -> bool:
+        """Whether decoding gives an approximation of the block (an ``rq`` codec)."""
+        return self.codec in LOSSY_CODECS
+
 
 def layout_hash(layout: KVLayout) -> bytes:
     """8 bytes of blake2b over :meth:`KVLayout.describe`."""
@@ -183,6 +206,18 @@ def check_codec(codec: str) -> str:
     """Return ``codec`` if it is a write codec; else raise naming ``tiers.ssd.codec``."""
     if codec not in WRITE_CODECS:
         raise ConfigError("tiers.ssd.codec", codec, f"unknown codec; valid: {list(WRITE_CODECS)}")
+    return codec
+
+
+def check_codec_layout(codec: str, layout: KVLayout, setting: str = "tiers.ssd.codec") -> str:
+    """:func:`check_codec`, and refuse a lossy codec that cannot store ``layout``'s
+    blocks (MLA latents, integer or 8-bit dtypes, a head_dim that is not a power
+    of two), naming ``setting``. Tiers call it when they open."""
+    check_codec(codec)
+    if codec in LOSSY_CODECS:
+        problem = rq.layout_problem(layout)
+        if problem is not None:
+            raise ConfigError(setting, codec, f"cannot store layout {layout.describe()}: {problem}")
     return codec
 
 
@@ -322,6 +357,12 @@ def _encode_parts(
     """Header and payload pieces of one value (pieces may be per-thread scratch)."""
     data = memoryview(raw).cast("B") if not isinstance(raw, bytes) else raw
     check_codec(codec)
+    if codec in LOSSY_CODECS:
+        packed = _encode_rq(data, ctx, codec, key)
+        if packed is not None:  # the raw checksum then covers the payload: decoded bytes are not the stored ones
+            header = _header(data, ctx, CODEC_TO_ID[codec], 0, 0, [packed], key, parent, stored_at_s, summed=packed)
+            return [header, packed]
+        codec = "raw"  # a value that is not finite: stored exact
     if codec == "auto":
         codec_id, flags, plane0_len, payload = _encode_auto(data, ctx, zstd_level, min_ratio)
     elif codec == "bplane-zstd":
@@ -334,6 +375,14 @@ def _encode_parts(
         codec_id, flags, plane0_len, payload = 0, 0, 0, [data]
     header = _header(data, ctx, codec_id, flags, plane0_len, payload, key, parent, stored_at_s)
     return [header, *payload]
+
+
+def _encode_rq(data: bytes | memoryview, ctx: ValueContext, codec: str, key: BlockKey) -> bytearray | None:
+    """The rq payload of ``data``, or ``None`` when a value is not finite. The
+    rotation's seed is the key's low 32 bits: blocks get independent rotations."""
+    if not ctx.dtype or not ctx.head_dim:
+        raise ValueError(f"codec {codec} needs the layout's dtype and head_dim in the ValueContext")
+    return rq.encode_payload(data, ctx.dtype, ctx.head_dim, rq.RQ_BITS[codec], int(key) & 0xFFFFFFFF)
 
 
 def _encode_auto(
@@ -426,7 +475,9 @@ def _header(
     key: BlockKey,
     parent: BlockKey | None,
     stored_at_s: int,
+    summed: object = None,
 ) -> bytes:
+    """The header; its raw checksum is of ``summed`` (default: ``data``)."""
     payload_len = sum(memoryview(p).nbytes for p in payload)
     fields = _FIELDS.pack(
         MAGIC,
@@ -441,7 +492,7 @@ def _header(
         len(data),
         payload_len,
         plane0_len,
-        checksum(data),
+        checksum(data if summed is None else summed),
     )
     return fields + _CHECK.pack(checksum(fields))
 
@@ -486,7 +537,7 @@ def _parse_header(mv: memoryview) -> tuple[DecodeOutcome, ValueHeader | None]:
 def _lengths_ok(codec: str, flags: int, raw_len: int, payload_len: int, plane0_len: int) -> bool:
     if codec == "raw":
         return flags == 0 and plane0_len == 0 and payload_len == raw_len
-    if codec == "zstd":
+    if codec == "zstd" or codec in LOSSY_CODECS:  # an rq payload's own lengths are checked as it decodes
         return flags == 0 and plane0_len == 0
     if flags & ~(FLAG_PLANE0_ZSTD | FLAG_PLANE1_ZSTD) or raw_len % 2 or plane0_len > payload_len:
         return False
@@ -591,6 +642,14 @@ def decode_outcome(value: object, out: object, ctx: ValueContext, *, key: BlockK
     if header.raw_len != dst.nbytes:
         return DecodeOutcome.DECODE_FAILURE
     payload = mv[HEADER_BYTES:]
+    if header.lossy:
+        if checksum(payload) != header.raw_checksum:
+            return DecodeOutcome.CHECKSUM_FAILURE
+        try:
+            rq.decode_payload(payload, rq.RQ_BITS[header.codec], dst)
+        except ValueError:
+            return DecodeOutcome.DECODE_FAILURE
+        return DecodeOutcome.OK
     try:
         _DECODERS[header.codec](header, payload, dst)
     except zstandard.ZstdError:

@@ -43,7 +43,7 @@ import numpy as np
 from ..errors import ConfigError, KVTierError
 from ..keys import BlockKey, Namespace
 from ..layout import KVLayout
-from .codec import ValueContext, check_codec, decode_into, encode_parts, value_bound
+from .codec import ValueContext, check_codec_layout, decode_into, encode_parts, value_bound
 
 OBJECT_PREFIX = "kvtier"
 GET_SLOTS = 16  # values per batch through a registered staging buffer (one for puts, one for gets)
@@ -105,7 +105,7 @@ class MooncakeTier:
     ) -> None:
         self.namespace = namespace
         self.layout = layout
-        self.codec = check_codec(codec)
+        self.codec = check_codec_layout(codec, layout, "tiers.remote.codec")
         self.zstd_level = zstd_level
         self._ctx = ValueContext.of(namespace, layout)
         self._slot_bytes = value_bound(layout.bytes_per_block)

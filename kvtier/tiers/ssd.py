@@ -77,7 +77,7 @@ from .lmdbfile import data_file_problem
 from .codec import (
     ValueContext,
     ValueHeader,
-    check_codec,
+    check_codec_layout,
     decode_into,
     decode_raw_batch,
     encode_into,
@@ -164,7 +164,7 @@ class SSDTier:
         self.path = os.fspath(path)
         self.namespace = namespace
         self.layout = layout
-        self.codec = check_codec(codec)
+        self.codec = check_codec_layout(codec, layout, "tiers.ssd.codec")
         self.zstd_level = zstd_level
         self.min_ratio = min_ratio
         self.sync = sync
