@@ -66,6 +66,7 @@ def _load_renderers() -> None:
         import replay_tables  # noqa: F401  (registers the replay tables)
         import misc_tables  # noqa: F401  (registers the rounds / shared tables)
         import datapath_tables  # noqa: F401  (registers the connector byte-path table)
+        import codec_tables  # noqa: F401  (registers the codec tables)
     finally:
         sys.path.pop(0)
 

