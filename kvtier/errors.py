@@ -19,6 +19,7 @@ class ConfigError(KVTierError, ValueError):
     def __init__(self, setting: str, value: object, problem: str) -> None:
         self.setting = setting
         self.value = value
+        self.problem = problem
         super().__init__(f"{setting}={value!r}: {problem}")
 
 

@@ -55,9 +55,10 @@ class RemoteTier(Protocol):
     """What kvtier needs from a store shared by engines (all calls batched, none raise for I/O)."""
 
     def put_many(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]], *,
-                 pin_ttl_s: float | None = None) -> int:
+                 pin_ttl_s: float | None = None, codec: str | None = None) -> int:
         """Store ``(key, raw block bytes, parent or None)``; how many leading items were stored.
-        ``pin_ttl_s``: ask the store to keep them over unpinned values for that long (a soft pin)."""
+        ``pin_ttl_s``: ask the store to keep them over unpinned values for that long (a soft pin).
+        ``codec``: encode with it instead of the tier's own (a lossy codec for cold blocks)."""
 
     def get_many_into(self, keys: Sequence[BlockKey], outs: Sequence[Any]) -> list[bool]:
         """Read and verify each key into its buffer; one ok per key (a miss leaves the buffer unspecified)."""
@@ -144,18 +145,19 @@ class MooncakeTier:
     # ------------------------------------------------------------------ RemoteTier
 
     def put_many(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]], *,
-                 pin_ttl_s: float | None = None) -> int:
+                 pin_ttl_s: float | None = None, codec: str | None = None) -> int:
         """Values are encoded ``GET_SLOTS`` at a time straight into a staging buffer registered
         with the store and written from there in one batch; returns the leading run written.
         ``pin_ttl_s`` soft-pins them (Mooncake evicts soft-pinned objects last, until the TTL):
         an agent's context kept through its tool call. Callers may be on several threads:
-        one put at a time uses the staging buffer."""
+        one put at a time uses the staging buffer. ``codec``: instead of the tier's (cold blocks)."""
         config = self._pin_config(pin_ttl_s) if pin_ttl_s else None
+        codec = self.codec if codec is None else check_codec_layout(codec, self.layout, "codec")
         done = 0
         with self._put_lock:
             for start in range(0, len(items), GET_SLOTS):
                 chunk = items[start:start + GET_SLOTS]
-                written = self._put_chunk(chunk, config)
+                written = self._put_chunk(chunk, config, codec)
                 done += written
                 if written < len(chunk):
                     break
@@ -178,7 +180,8 @@ class MooncakeTier:
             self._pin_configs[ttl_ms] = config
         return config
 
-    def _put_chunk(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]], config: Any = None) -> int:
+    def _put_chunk(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]], config: Any = None,
+                   codec: str | None = None) -> int:
         staging = self._registered("_put_staging")
         if staging is None:
             return 0
@@ -186,7 +189,7 @@ class MooncakeTier:
         sizes = []
         for i, (key, raw, parent) in enumerate(items):
             offset = i * slot
-            for part in encode_parts(raw, self._ctx, self.codec, parent, self.zstd_level, key=key):
+            for part in encode_parts(raw, self._ctx, codec or self.codec, parent, self.zstd_level, key=key):
                 n = len(part)
                 staging[offset:offset + n] = np.frombuffer(part, dtype=np.uint8)
                 offset += n

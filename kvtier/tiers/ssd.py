@@ -221,8 +221,9 @@ class SSDTier:
 
     # ---------------------------------------------------------------- writes
 
-    def put_many(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]]) -> int:
-        """Store ``(key, raw block bytes, parent key or None)`` items in one transaction.
+    def put_many(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]], codec: str | None = None) -> int:
+        """Store ``(key, raw block bytes, parent key or None)`` items in one transaction,
+        encoded with ``codec`` (default: the tier's; e.g. a lossy one for cold blocks).
 
         Returns how many were written: all, or on a full map the longest prefix
         that fits (possibly 0; ``stats["map_full"]`` and :attr:`last_error` say
@@ -234,10 +235,11 @@ class SSDTier:
         larger of encoding and copying, plus one synced commit per call.
         """
         self._writable_env()
+        codec = self.codec if codec is None else check_codec_layout(codec, self.layout, "codec")
         for _, buf, _ in items:
             self._check_block(buf)
         with self._put_lock:
-            num_written, stored_bytes = self._write_prefix(items)
+            num_written, stored_bytes = self._write_prefix(items, codec)
         if num_written:
             self._stats["puts"] += num_written
             self._stats["bytes_written"] += stored_bytes
@@ -325,14 +327,14 @@ class SSDTier:
                 f"block has {nbytes} bytes, layout {self.layout.describe()} needs {self.layout.bytes_per_block}"
             )
 
-    def _write_prefix(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]]) -> tuple[int, int]:
+    def _write_prefix(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]], codec: str) -> tuple[int, int]:
         """Commit the longest prefix of ``items`` that fits; returns its length and stored bytes."""
         n = len(items)
         nudged = False
         stored_bytes = 0
         while n > 0:
             try:
-                failed_at, stored_bytes = self._write(items[:n])
+                failed_at, stored_bytes = self._write(items[:n], codec)
             except lmdb.Error as exc:
                 self._note_write_error(exc)
                 return 0, 0
@@ -347,7 +349,7 @@ class SSDTier:
             self._note_map_full(n, len(items), "put_many")
         return n, stored_bytes if n else 0
 
-    def _write(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]]) -> tuple[int | None, int]:
+    def _write(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]], codec: str) -> tuple[int | None, int]:
         """One write transaction of ``items``, encoded group by group (see Threading).
 
         Returns ``(None, stored bytes)`` if committed, else how many puts fit
@@ -361,7 +363,7 @@ class SSDTier:
 
         def encode(g: int) -> list[memoryview]:
             buf = memoryview(bufs[g % len(bufs)])
-            return encode_into(groups[g], self._ctx, buf, self.codec, self.zstd_level, self.min_ratio)
+            return encode_into(groups[g], self._ctx, buf, codec, self.zstd_level, self.min_ratio)
 
         def start(g: int) -> None:
             if pool is not None and g < len(groups):

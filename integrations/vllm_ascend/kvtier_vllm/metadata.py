@@ -35,13 +35,15 @@ class LoadJob:
 @dataclass(frozen=True, slots=True)
 class TierWrite:
     """Part of a store for one tier: ``rows`` index the job's keys. ``pin_ttl_s``
-    (remote tier only): soft-pin the values in the store for that long."""
+    (remote tier only): soft-pin the values in the store for that long. ``codec``
+    (SSD and remote only): write with it instead of the tier's own (cold blocks)."""
 
     plan_id: int
     tier: str
     rows: tuple[int, ...]
     slots: tuple[int, ...]
     pin_ttl_s: float = 0.0
+    codec: str = ""
 
 
 @dataclass(frozen=True, slots=True)

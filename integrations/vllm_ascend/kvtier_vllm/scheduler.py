@@ -44,6 +44,7 @@ from kvtier.manager import LoadPlan, StorePlan, TierManager, TierSpec
 from kvtier.placement import ToolWait, make_placement
 from kvtier.sdk.handles import request_criticality, request_tags, request_tool_wait_s
 from kvtier.store import reindex_ssd
+from kvtier.tiers.codec import LOSSY_CODECS
 
 from . import remoteshare, ssdshare
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob, PromoteJob, StoreJob, TierWrite
@@ -168,6 +169,13 @@ class KVTierScheduler:
             self.recorder = TraceRecorder(settings.record_path, block_size, namespace.model.split("|")[0],
                                           max_bytes=settings.record_max_bytes)
             log.info("kvtier: recording served requests as AgentX traces in %s", settings.record_path)
+        # Lossy values (a lossy tier codec, or cold blocks under cold_codec): keys whose SSD / remote value is an
+        # approximation, and keys loaded from one. The latter are never stored again, in any tier: a block is
+        # compressed at most once, and no tier holds an approximation as if it were exact.
+        self._tier_lossy = {"ssd": cfg.ssd.codec in LOSSY_CODECS,
+                            "remote": settings.remote is not None and settings.remote.codec in LOSSY_CODECS}
+        self._lossy_in: dict[str, set[BlockKey]] = {"ssd": set(), "remote": set()}
+        self._lossy_loaded: set[BlockKey] = set()
         if "ssd" in self.manager.tier_names:
             self._reindex_ssd()
         self._remote: Any = None
@@ -309,9 +317,34 @@ class KVTierScheduler:
             job = LoadJob(request.request_id, plan_id, (plan.keys if plan is not None else ()) + remote, tiers,
                           slots + (0,) * len(remote), targets)
             self._load_plans[plan_id] = (request.request_id, plan, remote)
+            self._note_lossy_loads(job)
         st.loading = True
         self._loads.append(job)
         self.counters["load_planned_tokens"] += n * self.block_size
+
+    def _note_lossy_loads(self, job: LoadJob) -> None:
+        """Remember the keys this load reads from a lossy value (never stored again)."""
+        for key, tier in zip(job.keys, job.tiers):
+            if tier in self._lossy_in and (self._tier_lossy[tier] or key in self._lossy_in[tier]):
+                self._lossy_loaded.add(key)
+                self.counters["load_lossy_blocks"] += 1
+
+    def _store_runs(self, new: list[BlockKey], parent: BlockKey | None) -> list[tuple[list[BlockKey], BlockKey | None]]:
+        """``new`` (a chain after ``parent``) as runs of keys that may be stored, each with
+        the key before it: keys loaded from a lossy value are left out (counted)."""
+        if not self._lossy_loaded:
+            return [(new, parent)]
+        runs: list[tuple[list[BlockKey], BlockKey | None]] = []
+        before = parent
+        for key in new:
+            if key in self._lossy_loaded:
+                self.counters["store_skipped_lossy_blocks"] += 1
+            elif runs and runs[-1][0][-1] == before:
+                runs[-1][0].append(key)
+            else:
+                runs.append(([key], before))
+            before = key
+        return runs
 
     # ------------------------------------------------------------ per step
 
@@ -613,14 +646,23 @@ class KVTierScheduler:
             self._note_event_meta(st, keys, start, upto)
         plans: list[tuple[int, str, Sequence[BlockKey], Sequence[int]]] = []  # (plan id, tier, keys, slots)
         pin_ttl_s = 0.0  # an agent's blocks are soft-pinned in the remote store
-        for tier in self.manager.tier_names:
-            plan = self.manager.prepare_store(tier, new, parent)
-            if plan is not None and plan.keys:
-                plans.append((plan.plan_id, plan.tier, plan.keys, plan.slots))
-                self._store_plans[plan.plan_id] = plan
+        # cold blocks (their agent then waits long) go to the slow tiers with the lossy codec
+        cold = self.settings.cold.codec_for(request_tool_wait_s(getattr(st.request, "kv_transfer_params", None))) \
+            if self.settings.cold is not None else None
+        for run, before in self._store_runs(new, parent):
+            for tier in self.manager.tier_names:
+                plan = self.manager.prepare_store(tier, run, before)
+                if plan is not None and plan.keys:
+                    plans.append((plan.plan_id, plan.tier, plan.keys, plan.slots))
+                    self._store_plans[plan.plan_id] = plan
+                    if tier == "ssd" and (cold or self._tier_lossy["ssd"]):
+                        self._lossy_in["ssd"].update(plan.keys)
+                        self.counters["store_cold_blocks"] += len(plan.keys) if cold else 0
         self._pump_events()
         if self._remote is not None:
-            remote = [k for k in new if k not in self._remote_known]
+            remote = [k for k in new if k not in self._remote_known and k not in self._lossy_loaded]
+            if remote and (cold or self._tier_lossy["remote"]):
+                self._lossy_in["remote"].update(remote)
             if remote:
                 pid = next(self._remote_ids)
                 meta = [self._event_meta.get(k) for k in remote] if self.kv_events else []
@@ -633,7 +675,8 @@ class KVTierScheduler:
         rows = sorted({index[k] for p in plans for k in p[2]})
         pos = {r: j for j, r in enumerate(rows)}
         block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
-        writes = tuple(TierWrite(pid, tier, tuple(pos[index[k]] for k in ks), slots, pin_ttl_s if tier == "remote" else 0.0)
+        writes = tuple(TierWrite(pid, tier, tuple(pos[index[k]] for k in ks), slots,
+                                 pin_ttl_s if tier == "remote" else 0.0, (cold or "") if tier in ("ssd", "remote") else "")
                        for pid, tier, ks, slots in plans)
         chain = [parent, *new]
         job = StoreJob(
@@ -720,6 +763,8 @@ class KVTierScheduler:
         for event in self.manager.take_events():
             if isinstance(event, BlockRemoved) and event.tier == "ssd":
                 self._ssd_deletes.append(int(event.key))
+                self._lossy_in["ssd"].discard(event.key)  # gone: a later computation of it may be stored
+                self._lossy_loaded.discard(event.key)
                 self.counters["ssd_deleted_blocks"] += 1
             if self.kv_events and isinstance(event, (BlockStored, BlockRemoved)):
                 self._kv_event(event, stored)
@@ -772,6 +817,7 @@ class KVTierScheduler:
         tier = ssdshare.acquire(path, self.namespace, cfg.layout.to_layout(), cfg)
         try:
             count, purged = reindex_ssd(tier, self.manager)
+            self._lossy_in["ssd"].update(e.key for e in tier.scan() if e.codec in LOSSY_CODECS)
         finally:
             ssdshare.release(tier)
         self.manager.take_events()

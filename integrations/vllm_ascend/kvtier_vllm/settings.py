@@ -24,6 +24,7 @@ from typing import Any
 
 from kvtier.config import SSD_CODECS, KVTierConfig, load_config
 from kvtier.errors import ConfigError
+from kvtier.placement.cold import ColdCodecRule
 
 EXTRA_KEYS: dict[str, str] = {
     "config_file": "path of a kvtier YAML/TOML file (tiers, policies, pins); engine facts override its layout",
@@ -74,6 +75,11 @@ EXTRA_KEYS: dict[str, str] = {
     "remote_lookup_wait_ms": "how long a scheduling step waits for the store's answer about a new request's blocks "
                              "(default 5); a slower answer is taken up by a later step (the request waits, "
                              "nothing else does)",
+    "cold_codec": "rq4 or rq3: blocks of requests whose announced tool wait (kvtier_tool_wait_s) is at least "
+                  "cold_after_s go to the SSD and remote tiers with this lossy codec (about 3.8x / 5x smaller), "
+                  "others with the tier's exact codec; DRAM stays exact. A block loaded from a lossy value is "
+                  "never written to any tier again. Off by default",
+    "cold_after_s": "the tool wait (seconds, default 30) from which cold_codec applies",
     "allow_untested_vllm": "true: start on a vLLM outside the tested range (see kvtier_vllm.version)",
 }
 """Every key the connector reads from ``kv_connector_extra_config``."""
@@ -161,6 +167,7 @@ class ConnectorSettings:
     record_max_bytes: int = 1 << 30
     placement_params: Mapping[str, float] = field(default_factory=dict)
     remote: RemoteSettings | None = None
+    cold: ColdCodecRule | None = None
 
     @classmethod
     def build(
@@ -246,14 +253,34 @@ class ConnectorSettings:
             raise ConfigError("kv_connector_extra_config.remote_master", remote.master,
                               f"engines share blocks only under equal block hashes; with prefix_caching_hash_algo="
                               f"{facts.hash_algo} set PYTHONHASHSEED to one value on every engine, or use sha256")
+        cold = _cold_rule(extra, cfg)
         return cls(cfg, extra.get("stats_path"), extra.get("hint_server"), ssd_root, placement, hold, float(budget),
                    eviction_set, watch, extra.get("hint_watch_token"), int(queue_mib * (1 << 20)),
                    int(staging_mib * (1 << 20)), copy_threads, int(device_staging_mib * (1 << 20)), side_stream,
-                   record_path, int(record_mib * (1 << 20)), placement_params, remote)
+                   record_path, int(record_mib * (1 << 20)), placement_params, remote, cold)
 
     def rank_ssd_path(self, tp_rank: int, tp_size: int) -> Path | None:
         """The LMDB directory of one TP rank (each rank stores its own shard)."""
         return None if self.ssd_root is None else self.ssd_root / f"tp{tp_rank}-of-{tp_size}"
+
+
+def _cold_rule(extra: Mapping[str, Any], cfg: KVTierConfig) -> ColdCodecRule | None:
+    """The ``cold_codec`` rule, refused (naming the key) for a layout it cannot store
+    or without a slow tier to write it to."""
+    codec = extra.get("cold_codec")
+    if codec is None:
+        if "cold_after_s" in extra:
+            raise ConfigError("kv_connector_extra_config.cold_after_s", extra["cold_after_s"], "needs cold_codec")
+        return None
+    try:
+        rule = ColdCodecRule(codec, extra.get("cold_after_s", 30.0))
+    except ConfigError as e:
+        raise ConfigError(f"kv_connector_extra_config.{e.setting}", e.value, e.problem) from None
+    rule.check_layout(cfg.layout.to_layout(), "kv_connector_extra_config.cold_codec")
+    if not cfg.ssd.enabled and extra.get("remote_master") is None:
+        raise ConfigError("kv_connector_extra_config.cold_codec", codec, "needs a slow tier: set ssd_path or "
+                          "remote_master (the DRAM tier always holds exact bytes)")
+    return rule
 
 
 def _mib(extra: Mapping[str, Any], key: str, default: float) -> float:

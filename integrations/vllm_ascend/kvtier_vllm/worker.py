@@ -387,7 +387,10 @@ class KVTierWorker:
                     pos: Sequence[int], nbytes: int) -> None:
         """SSD or remote thread: write ``items`` (rows ``pos`` of ``w``); the plan reports the leading run written."""
         try:  # the queued bytes are given back however the write ends (an error reports the plan failed)
-            n = writer.tier.put_many(items, pin_ttl_s=w.pin_ttl_s) if w.pin_ttl_s else writer.tier.put_many(items)
+            kwargs: dict[str, Any] = {"codec": w.codec} if w.codec else {}
+            if w.pin_ttl_s:
+                kwargs["pin_ttl_s"] = w.pin_ttl_s
+            n = writer.tier.put_many(items, **kwargs)
         finally:
             with self._lock:
                 writer.queued_bytes -= nbytes
