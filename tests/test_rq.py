@@ -261,3 +261,31 @@ def test_encoding_needs_the_layouts_dtype_and_head_dim() -> None:
 def test_codec_module_lists_the_lossy_codecs() -> None:
     assert codec_mod.LOSSY_CODECS == {"rq4", "rq3"}
     assert {"rq4", "rq3"} <= set(codec_mod.WRITE_CODECS)
+
+
+@pytest.mark.parametrize("codec", ["rq4", "raw"])
+def test_tiered_store_never_compresses_a_block_twice(tmp_path: Path, codec: str) -> None:
+    """A DRAM copy prefetched from a lossy SSD value is not demoted to SSD again
+    (it stays in DRAM, counted); with an exact codec the same demotion happens."""
+    import torch
+
+    from kvtier.store import TieredStore
+
+    cfg = load_config(env={}, overrides={
+        "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "block_size": 16},
+        "tiers": {"hbm": {"enabled": False}, "dram": {"capacity_blocks": 8},
+                  "ssd": {"enabled": True, "path": str(tmp_path / "ssd"), "codec": codec}},
+        "put_tier": "dram", "write_through": False})
+    with TieredStore(cfg) as store:
+        keys = store.keys_for(list(range(2 * 16)))
+        blocks = [torch.frombuffer(bytearray(block(i, store.layout)), dtype=torch.uint8) for i in range(2)]
+        assert store.put(keys, blocks) == 2
+        assert store.demote(keys, "dram", "ssd") == 2  # the one encoding
+        assert store.prefetch(keys, "dram").result() == 2  # DRAM now holds decoded copies
+        store.manager.remove(keys, "ssd")
+        moved = store.demote(keys, "dram", "ssd")
+        if codec == "rq4":
+            assert moved == 0 and store.counters["demote_skipped_lossy_blocks"] == 2
+            assert store.manager.tiers_of(keys[0]) == ("dram",)
+        else:
+            assert moved == 2 and store.counters["demote_skipped_lossy_blocks"] == 0
