@@ -35,6 +35,8 @@ LATER: dict[tuple[str, str], tuple[list[str], str, str]] = {
     ("replay", "--admission"): ([], "sjf", "unknown admission order"),
     ("replay", "--surface"): ([], "sglang", "unknown engine surface"),
     ("replay", "--config"): ([], "/nonexistent/kvtier.yaml", "kvtier.yaml"),
+    ("replay", "--cold-codec"): ([], "rq4", "--cold-codec"),  # no --codec-profile to find it in
+    ("replay", "--codec-profile"): (["--cold-codec", "rq4"], "/nonexistent/codecs.json", "--codec-profile"),
     ("tune", "--trace"): ([], "/nonexistent/recording", "does not exist"),
     ("tune", "--policies"): ([], "kvtier,lru-2q", "unknown placement policy"),
     ("tune", "--knobs"): ([], "next_use_trust,speed", "unknown knob"),
@@ -43,6 +45,7 @@ LATER: dict[tuple[str, str], tuple[list[str], str, str]] = {
     ("bench", "--master"): (["remote", "--metadata-server", "http://127.0.0.1:9/metadata"], "127.0.0.1:9",
                             "tiers.remote.master"),
     ("bench", "--metadata-server"): (["remote"], "http://127.0.0.1:9/metadata", "--metadata-server"),
+    ("bench", "--kv"): (["codecs"], "/nonexistent/kv.npz", "--kv"),
     ("route", "--engine"): (["--block-size", "16"], "a=foo", "--engine"),
     ("route", "--weight"): (["--engine", "a=tcp://127.0.0.1:9", "--block-size", "16"], "GPU=x", "--weight"),
     ("route", "--listen"): (["--engine", "a=tcp://127.0.0.1:9", "--block-size", "16"], "nonsense", "--listen"),

@@ -43,6 +43,14 @@ to every policy. A request larger than HBM stops the run (rc 2) unless
 of N modelled engines sharing the sessions, optionally with a remote tier
 they share, to size a fleet: MODELLED figures per policy (prefill computed,
 TTFT, bytes on the remote links); no floor/bound references there.
+
+--cold-codec NAME --codec-profile FILE.json stores the cold tiers (host DRAM
+and SSD; HBM stays exact) with a KV codec as kvtier bench codecs measured
+it: the same DRAM/SSD bytes hold ratio x more blocks, their links carry
+compressed bytes, and the codec's CPU time (encode once per block written
+down, decode per block loaded) is modelled as more stages of each transfer
+(see kvtier.replay.codec). The report states the codec, its ratio and the
+blocks each tier holds.
 """
 
 
@@ -91,8 +99,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cap.add_argument("--hbm-fraction", type=listed(positive_float), metavar="F[,F...]",
                      help="HBM capacity as a fraction of the working set: conc sessions of mean footprint live at once, "
                           "capped by the distinct blocks (several: capacity sweep)")
-    p.add_argument("--dram-blocks", type=nonnegative_int, help="DRAM tier capacity in blocks (default 2x HBM)")
-    p.add_argument("--ssd-blocks", type=nonnegative_int, default=0, help="SSD tier capacity in blocks (default 0: off)")
+    p.add_argument("--dram-blocks", type=nonnegative_int,
+                   help="DRAM tier capacity in blocks (default 2x HBM; raw blocks: with --cold-codec, a byte budget "
+                        "that holds ratio x as many)")
+    p.add_argument("--ssd-blocks", type=nonnegative_int, default=0,
+                   help="SSD tier capacity in blocks (default 0: off; raw blocks, as --dram-blocks)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the embedded workload (default 0)")
     p.add_argument("--warmup", type=nonnegative_float, default=0.0, metavar="S",
                    help="exclude requests ready before S simulated seconds from the figures")
@@ -128,8 +139,58 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write a PNG: prefill computed / bound and later-turn TTFT p99 per policy over the swept "
                         "HBM capacity or conc (bars when nothing is swept)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_codec_arguments(p)
     add_fleet_arguments(p)
     add_rounds_arguments(p)
+
+
+def add_codec_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of compressed cold tiers (kvtier.replay.codec)."""
+    from ..cliargs import positive_int
+    from .codec import TIER_CHOICES
+
+    c = p.add_argument_group("compressed cold tiers (kvtier.replay.codec)")
+    c.add_argument("--cold-codec", metavar="NAME",
+                   help="KV codec of the cold tiers (host DRAM and SSD; HBM stays exact), as --codec-profile "
+                        "measured it: e.g. rq4, rq3 (lossy: rotation + 4/3-bit quantization), zstd, bplane-zstd "
+                        "(lossless), raw (stored as is: the same results as without this flag). --dram-blocks and "
+                        "--ssd-blocks stay byte budgets in raw blocks: a compressed tier holds floor(capacity x "
+                        "ratio) blocks; its links carry raw bytes / ratio; each block written down from HBM is "
+                        "encoded once (a compressed DRAM copy goes on to the SSD as is), each loaded to HBM is "
+                        "decoded; encode and decode are FIFO stages of the transfer at the profile's GB/s per core "
+                        "x --codec-cores, and the policies' load-or-recompute estimates include them. Needs "
+                        "--codec-profile")
+    c.add_argument("--codec-profile", metavar="FILE.json",
+                   help="the codec profile that kvtier bench codecs writes (its --json FILE.json; e.g. "
+                        "bench/out/codecs.json): {\"codecs\": [{\"codec\", \"ratio\" (raw bytes / stored bytes), "
+                        "\"encode_gbps\", \"decode_gbps\" (GB/s of raw bytes per CPU core)}, ...]}; needs --cold-codec")
+    c.add_argument("--cold-codec-tiers", choices=tuple(TIER_CHOICES), default=None,
+                   help="which cold tiers --cold-codec compresses: dram,ssd (default) or ssd (DRAM holds raw "
+                        "blocks: an SSD block is decoded into DRAM when staged there, encoded on its way to the SSD)")
+    c.add_argument("--codec-cores", type=positive_int, default=None, metavar="N",
+                   help="CPU cores encoding, and N more decoding, the cold tiers' blocks (default 1: the profile's "
+                        "per-core GB/s as measured)")
+
+
+def cold_codec_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`~kvtier.replay.codec.ColdCodec` the codec flags ask for (``None``: none
+    given); :class:`~kvtier.errors.ConfigError` naming the flag, file or field at fault."""
+    from ..errors import ConfigError
+    from .codec import TIER_CHOICES, cold_codec
+
+    name, path = getattr(args, "cold_codec", None), getattr(args, "codec_profile", None)
+    tiers, cores = getattr(args, "cold_codec_tiers", None), getattr(args, "codec_cores", None)
+    if name is None:
+        for flag, value in (("--codec-profile", path), ("--cold-codec-tiers", tiers), ("--codec-cores", cores)):
+            if value is not None:
+                raise ConfigError(flag, value, "configures the cold tiers' codec: give --cold-codec NAME as well")
+        return None
+    if not name:
+        raise ConfigError("--cold-codec", name, "must name a codec of the --codec-profile (e.g. rq4)")
+    if path is None:
+        raise ConfigError("--cold-codec", name, "needs --codec-profile FILE.json (the codec profile "
+                                                "`kvtier bench codecs --json FILE.json` writes)")
+    return cold_codec(name, path, TIER_CHOICES[tiers or "dram,ssd"], cores or 1)
 
 
 def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
@@ -273,6 +334,10 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
     from ..placement.surface import surface
 
     surface(args.surface)
+    codec = cold_codec_from_args(args)
+    if codec is not None and codec.tiers == ("ssd",) and not args.ssd_blocks:
+        raise ConfigError("--cold-codec-tiers", "ssd", "compresses the SSD only, and there is none: give "
+                                                       "--ssd-blocks B > 0")
     fleet = args.engines > 1 or args.remote_blocks > 0
     if args.routing != "round-robin" and args.engines == 1:
         raise ConfigError("--routing", args.routing, "routes requests over a fleet: give --engines N > 1 as well")
@@ -302,6 +367,7 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
         slo_ttft_p99_s=args.slo_ttft_p99, slo_interactivity=args.slo_interactivity,
         config_policy=config_policy, config_params=config_params,
         engines=args.engines, routing=args.routing, remote_blocks=args.remote_blocks, remote_gbps=args.remote_gbps,
+        cold_codec=codec,
     )
 
 
@@ -366,6 +432,10 @@ def command(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     if getattr(args, "workload", "traces") == "rounds":
+        if args.cold_codec is not None:
+            print(f"kvtier replay: error: --cold-codec={args.cold_codec!r}: --workload rounds models no cold tiers",
+                  file=sys.stderr)
+            return 2
         if args.engines > 1 or args.remote_blocks > 0:
             print(f"kvtier replay: error: {'--engines' if args.engines > 1 else '--remote-blocks'}: a fleet replays "
                   "--workload traces only, not rounds", file=sys.stderr)

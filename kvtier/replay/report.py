@@ -14,6 +14,10 @@ Definitions:
   measured wall time / chips; the input and output parts are also reported.
 * prefill tokens: ``computed`` were run through the model; ``hit_*`` were
   served from that tier's cache (loaded from DRAM / SSD when not in HBM).
+* cold codec (``--cold-codec``): ``dram_blocks`` / ``ssd_blocks`` are the byte
+  budgets in raw blocks, ``*_blocks_effective`` the blocks the compressed
+  tiers hold; ``bytes_moved`` counts the bytes on the links (compressed where
+  a compressed tier is an end), ``counters`` the blocks encoded and decoded.
 """
 
 from __future__ import annotations
@@ -100,10 +104,16 @@ TABLE_COLUMNS = (
 )
 
 
+CODEC_COLUMNS = (("cold_codec", "codec"), ("cold_codec_ratio", "ratio"), ("dram_blocks_effective", "dram_blk"),
+                 ("ssd_blocks_effective", "ssd_blk"))
+
+
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """A fixed-width table, one line per (policy, conc, capacity) point."""
-    header = [h for _, h in TABLE_COLUMNS]
-    body = [[_cell(k, r.get(k)) for k, _ in TABLE_COLUMNS] for r in rows]
+    """A fixed-width table, one line per (policy, conc, capacity) point (with a
+    cold codec: the codec, its ratio and the blocks DRAM and SSD hold)."""
+    columns = TABLE_COLUMNS[:3] + (CODEC_COLUMNS if any("cold_codec" in r for r in rows) else ()) + TABLE_COLUMNS[3:]
+    header = [h for _, h in columns]
+    body = [[_cell(k, r.get(k)) for k, _ in columns] for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(b, widths)) for b in body]
@@ -119,6 +129,8 @@ def _cell(key: str, v: Any) -> str:
         return f"{v / 1e6:.2f}M"
     if key.startswith("hit_rate"):
         return f"{v:.3f}"
+    if key == "cold_codec_ratio":
+        return f"{v:.2f}"
     if isinstance(v, float):
         return f"{v:.3f}" if v < 100 else f"{v:.0f}"
     return str(v)
@@ -151,15 +163,33 @@ def summary_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
     return out
 
 
+def codec_caption(r: dict[str, Any]) -> str:
+    """``; cold codec ...``: the codec, its ratio and the blocks DRAM and SSD hold ("" without one)."""
+    if "cold_codec" not in r:
+        return ""
+    if r["cold_codec"] == "raw":
+        return "; cold codec raw (stored as is)"
+    held = [f"{t.upper()} holds {r[f'{t}_blocks_effective']:,} blocks" for t in ("dram", "ssd")
+            if r.get(f"{t}_blocks") and t in r["cold_codec_tiers"]]
+    cores = f"{r['codec_cores']} core{'s' if r['codec_cores'] != 1 else ''} per direction"
+    return (f"; cold codec {r['cold_codec']} on {'+'.join(r['cold_codec_tiers'])} (ratio {r['cold_codec_ratio']:.2f}, "
+            f"{cores})" + (f": {', '.join(held)}" if held else ""))
+
+
+def total_blocks(r: dict[str, Any]) -> int:
+    """Blocks a row's tiers hold together (a cold codec's effective DRAM and SSD capacities)."""
+    return r["hbm_blocks"] + sum(r.get(f"{t}_blocks_effective", r.get(f"{t}_blocks", 0)) or 0 for t in ("dram", "ssd"))
+
+
 def group_caption(r: dict[str, Any]) -> str:
     """What one (conc, capacity) group was given and its references."""
     ssd = f"SSD {r['ssd_blocks']:,}" if r.get("ssd_blocks") else "SSD off"
-    text = (f"conc {r['conc']}, HBM {r['hbm_blocks']:,} + DRAM {r.get('dram_blocks', 0):,} blocks, {ssd}; "
-            f"admission {r.get('admission', 'fcfs')}")
+    text = (f"conc {r['conc']}, HBM {r['hbm_blocks']:,} + DRAM {r.get('dram_blocks', 0):,} blocks, {ssd}"
+            f"{codec_caption(r)}; admission {r.get('admission', 'fcfs')}")
     if r.get("bound_prefill_tokens") is not None:
         est = "exact" if r.get("bound_exact") else "estimate"
         text += (f"; floor (unbounded cache) {r['floor_prefill_tokens'] / 1e6:.2f}M, bound (Belady over all "
-                 f"{r['hbm_blocks'] + r.get('dram_blocks', 0) + r.get('ssd_blocks', 0):,} blocks as one tier, "
+                 f"{total_blocks(r):,} blocks as one tier, "
                  f"{est}) {r['bound_prefill_tokens'] / 1e6:.2f}M, LRU over that one tier "
                  f"{r['lru_one_tier_prefill_tokens'] / 1e6:.2f}M prefill tokens computed")
         if r.get("floor_ttft_p99_later_turns_s") is not None:
@@ -234,8 +264,10 @@ def format_fleet_summary(rows: Sequence[dict[str, Any]]) -> str:
                   if r0["remote"] else "no remote tier")
         ssd = f"SSD {r0['ssd_blocks']:,}" if r0.get("ssd_blocks") else "SSD off"
         caption = (f"MODELLED fleet: {r0['engines']} engine{'s' if r0['engines'] != 1 else ''}, each HBM {r0['hbm_blocks']:,} + DRAM "
-                   f"{r0.get('dram_blocks', 0):,} blocks, {ssd}; {r0['conc']} live sessions over the fleet; "
-                   f"routing {r0['routing']}; {remote}; admission {r0.get('admission', 'fcfs')}")
+                   f"{r0.get('dram_blocks', 0):,} blocks, {ssd}{codec_caption(r0)}; {r0['conc']} live sessions over "
+                   f"the fleet; routing {r0['routing']}; {remote}"
+                   f"{' (raw)' if r0['remote'] and 'cold_codec' in r0 else ''}; "
+                   f"admission {r0.get('admission', 'fcfs')}")
         if r0.get("skipped_requests"):
             caption += f"; {r0['skipped_requests']:,} oversized requests skipped alike in every run"
         caption += ":"

@@ -16,11 +16,13 @@ same skipped requests and the same admission order as the policies:
   compute at once).
 * ``bound``: Belady (evict the farthest next use) over the total capacity the
   policies are offered, HBM + DRAM + SSD, as one tier: no placement over
-  those tiers computes less. Its future comes from a first pass of plain
-  LRU over that same single tier (reported too, as ``lru_one_tier``). Exact
-  when every policy serves requests in one order (conc 1, sessions without
-  agents running in parallel); otherwise the future is the first pass's
-  timeline shifted by each session's drift, an estimate (``bound_exact``).
+  those tiers computes less (with a cold codec, ``--cold-codec``, DRAM and
+  SSD count the blocks its ratio makes them hold). Its future comes from a
+  first pass of plain LRU over that same single tier (reported too, as
+  ``lru_one_tier``). Exact when every policy serves requests in one order
+  (conc 1, sessions without agents running in parallel); otherwise the
+  future is the first pass's timeline shifted by each session's drift, an
+  estimate (``bound_exact``).
 
 Both references cache in one large tier but admit requests as an engine with
 the policies' HBM would (``SimConfig.running_limit_blocks``: the running
@@ -46,6 +48,7 @@ from typing import Any, Callable, Iterable
 from .. import __version__
 from ..errors import ConfigError, KVTierError
 from .belady import DriftOracle, NextUseOracle
+from .codec import ColdCodec
 from .fleet import DEFAULT_REMOTE_GBPS
 from .model import Session, Workload
 from ..placement import make_placement
@@ -105,6 +108,8 @@ class ReplaySpec:
     routing: str = "round-robin"
     remote_blocks: int = 0
     remote_gbps: float = DEFAULT_REMOTE_GBPS
+    # the codec of the cold tiers (kvtier.replay.codec): DRAM and SSD capacities stay byte budgets in raw blocks
+    cold_codec: ColdCodec | None = None
 
     @property
     def fleet(self) -> bool:
@@ -142,7 +147,7 @@ def sim_config(spec: ReplaySpec, conc: int, hbm_blocks: int) -> SimConfig:
     return SimConfig(hbm_blocks=hbm_blocks, dram_blocks=dram, ssd_blocks=spec.ssd_blocks, conc=conc,
                      max_batch_tokens=spec.max_batch_tokens, warmup_s=spec.warmup_s, gap_cap_s=spec.gap_cap_s,
                      max_sessions=spec.max_sessions, time_scale=spec.time_scale, skip_requests=skip,
-                     admission=spec.admission, surface=spec.surface)
+                     admission=spec.admission, surface=spec.surface, cold_codec=spec.cold_codec)
 
 
 # ------------------------------------------------------------ capacity check
@@ -241,17 +246,35 @@ def bound_is_exact(spec: ReplaySpec, conc: int) -> bool:
 
 
 def tiers_offered(cfg: SimConfig) -> tuple[str, ...]:
-    return ("hbm",) + tuple(t for t, n in (("dram", cfg.dram_blocks), ("ssd", cfg.ssd_blocks)) if n > 0)
+    return ("hbm",) + tuple(t for t in ("dram", "ssd") if cfg.tier_blocks(t) > 0)
+
+
+def total_blocks(cfg: SimConfig) -> int:
+    """Blocks the tiers offered hold together (with a cold codec, what its ratio makes of DRAM and SSD)."""
+    return cfg.hbm_blocks + cfg.tier_blocks("dram") + cfg.tier_blocks("ssd")
+
+
+def codec_fields(cfg: SimConfig) -> dict[str, Any]:
+    """A point's cold codec and the capacities it gives (only with ``--cold-codec``): the
+    byte budgets stay in ``dram_blocks`` / ``ssd_blocks`` (raw blocks); the
+    ``*_effective`` ones are the blocks those tiers hold."""
+    c = cfg.cold_codec
+    if c is None:
+        return {}
+    return {"cold_codec": c.name, "cold_codec_ratio": 1.0 if c.identity else c.ratio,
+            "cold_codec_tiers": list(c.tiers), "codec_cores": c.cores,
+            "dram_blocks_effective": cfg.tier_blocks("dram"), "ssd_blocks_effective": cfg.tier_blocks("ssd")}
 
 
 def reference_point(spec: ReplaySpec, conc: int, hbm_blocks: int) -> dict[str, Any]:
     """The floor, the bound and LRU over one tier of the same total capacity (see the module doc)."""
     cfg = sim_config(spec, conc, hbm_blocks)
-    total = cfg.hbm_blocks + cfg.dram_blocks + cfg.ssd_blocks
+    total = total_blocks(cfg)  # a cold codec's ratio included: the bound gets the blocks the policies get
     start = time.perf_counter()
     # both cache in one large tier but run no more requests at once than the policies' HBM holds
     floor = Simulator(spec.workload, floor_config(cfg), make_placement("lru"), spec.profile).run()
-    one_tier = replace(cfg, hbm_blocks=total, dram_blocks=0, ssd_blocks=0, running_limit_blocks=cfg.hbm_blocks)
+    one_tier = replace(cfg, hbm_blocks=total, dram_blocks=0, ssd_blocks=0, running_limit_blocks=cfg.hbm_blocks,
+                       cold_codec=None)
     order: list = []
     lru = Simulator(spec.workload, one_tier, make_placement("lru"), spec.profile, order_log=order).run()
     exact = bound_is_exact(spec, conc)
@@ -278,7 +301,8 @@ def reference_point(spec: ReplaySpec, conc: int, hbm_blocks: int) -> dict[str, A
 def floor_config(cfg: SimConfig) -> SimConfig:
     """The floor's engine: a cache that never evicts, running no more requests
     at once than ``cfg``'s HBM holds (the same admission as every policy)."""
-    return replace(cfg, hbm_blocks=UNBOUNDED_BLOCKS, dram_blocks=0, ssd_blocks=0, running_limit_blocks=cfg.hbm_blocks)
+    return replace(cfg, hbm_blocks=UNBOUNDED_BLOCKS, dram_blocks=0, ssd_blocks=0, running_limit_blocks=cfg.hbm_blocks,
+                   cold_codec=None)
 
 
 def with_references(row: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
@@ -349,6 +373,7 @@ def run_point(spec: ReplaySpec, policy_name: str, conc: int, hbm_blocks: int,
     wall = time.perf_counter() - start
     row = summarize(result, policy=policy_name, conc=conc, hbm_blocks=hbm_blocks, num_chips=spec.profile.num_chips)
     row["dram_blocks"], row["ssd_blocks"] = cfg.dram_blocks, cfg.ssd_blocks
+    row |= codec_fields(cfg)
     row["tiers_offered"] = list(tiers_offered(cfg)) + (["remote"] if spec.remote_blocks > 0 else [])
     row["tiers_used"] = tiers_used
     if spec.fleet:
@@ -456,6 +481,7 @@ def report_header(spec: ReplaySpec) -> dict[str, Any]:
         "admission": spec.admission,
         "surface": spec.surface,
         "skip_oversized": spec.skip_oversized,
+        **({"cold_codec": spec.cold_codec.describe()} if spec.cold_codec is not None else {}),
         **({"fleet": {"engines": spec.engines, "routing": spec.routing, "remote_blocks": spec.remote_blocks,
                       "remote_gbps": spec.remote_gbps, "capacities": "per engine", "conc": "whole fleet",
                       "modelled": True}} if spec.fleet else {}),

@@ -3,7 +3,9 @@
 Owns: simulated time, the engine model (admission, chunked prefill with a
 token budget per step, decode steps fast-forwarded between events), the
 dependency rules of agent sessions (see :mod:`kvtier.replay.model`), the
-modelled mover (links with bandwidth and latency, FIFO per link) and the
+modelled mover (links with bandwidth and latency, FIFO per link; with a
+cold codec, :mod:`kvtier.replay.codec`, compressed bytes on the links of the
+compressed tiers and its encode / decode as more FIFO stages) and the
 per-request measurements. Block residency is the unchanged
 :class:`~kvtier.manager.TierManager` with the unchanged eviction policies;
 placement decisions come from a :class:`~kvtier.placement.PlacementPolicy`.
@@ -55,6 +57,7 @@ from ..manager import TierManager, TierSpec
 from ..policies import make_policy
 from ..transfer.linkmodel import LinkModel
 from .admission import admission_order
+from .codec import CODEC_STAGES, ColdCodec, ENCODE, transfer_stages
 from .belady import BeladyPolicy, DriftOracle, NextUseOracle
 from .model import Agent, Request, Session, Workload
 from ..placement import PlacementPolicy, ToolWait
@@ -87,6 +90,14 @@ class SimConfig:
     # What the engine lets placement do (kvtier.placement.surface): "full" (every decision, modelled only
     # where an engine does not allow it) or "vllm" (what the live vLLM connector can carry out).
     surface: str = "full"
+    # The codec of the cold tiers (kvtier.replay.codec); None (or raw): stored as is. dram_blocks and
+    # ssd_blocks stay byte budgets in raw blocks; tier_blocks() is what a compressed tier holds.
+    cold_codec: ColdCodec | None = None
+
+    def tier_blocks(self, tier: str) -> int:
+        """Blocks ``tier`` holds: its capacity, times the cold codec's ratio where it compresses ``tier``."""
+        raw = {"hbm": self.hbm_blocks, "dram": self.dram_blocks, "ssd": self.ssd_blocks}[tier]
+        return self.cold_codec.capacity_blocks(tier, raw) if self.cold_codec is not None else raw
 
 
 @dataclass(slots=True)
@@ -260,6 +271,8 @@ class Simulator:
         self.hbm_capacity_blocks = config.hbm_blocks
         self.surface = surface(config.surface)
         self.bytes_per_block = profile.kv_bytes_per_block(self.block_size)
+        codec = config.cold_codec
+        self.codec = codec if codec is not None and not codec.identity else None  # None: blocks stored raw
         self.oracle = oracle
         self.order_log = order_log
         self.progress = progress
@@ -267,7 +280,7 @@ class Simulator:
         # DRAM copies of what HBM holds are the first to go there (holds protect the HBM
         # copy only), where the policy asks for it and the engine surface allows it.
         self._victim_cache = (policy.write_back_dram == "evict" and self.surface.hbm_victim_write
-                              and "dram" in policy.lower_tiers and config.dram_blocks > 0)
+                              and "dram" in policy.lower_tiers and config.tier_blocks("dram") > 0)
         self._victims: list[tuple[BlockKey, BlockKey | None]] = []  # HBM victims to write down
         self._victims_on_way: dict[BlockKey, tuple[BlockKey | None, float]] = {}  # copying down: parent, lands at
         self._to_stage: list[Sequence[BlockKey]] = []  # contexts of requests that arrived (see stage)
@@ -312,7 +325,8 @@ class Simulator:
                                             max_tool_calls=big, max_tool_calls_per_session=big,
                                             max_edges_per_session=big, max_shared_rounds_per_session=big,
                                             max_stored_block_key_bytes=big, session_ttl_s=float(big)))
-        self.links = LinkModel(prior=dict(getattr(profile, "_link_to_cost", {})))
+        self.links = LinkModel(prior=dict(getattr(profile, "_link_to_cost", {})) |
+                               (self.codec.prior() if self.codec is not None else {}))
         self._prefetches: dict[tuple[int, str], _Prefetch] = {}
         self._waiting_agents: dict[tuple[int, str], float] = {}  # agent -> predicted return (s)
 
@@ -324,10 +338,10 @@ class Simulator:
             hbm_policy = _VictimLog(make_policy(hbm_policy, self.cfg.hbm_blocks) if isinstance(hbm_policy, str)
                                     else hbm_policy, self)
         specs = [TierSpec("hbm", self.cfg.hbm_blocks, hbm_policy)]
-        capacity = {"dram": self.cfg.dram_blocks, "ssd": self.cfg.ssd_blocks}
         for tier in ("dram", "ssd"):
-            if tier in self.policy.lower_tiers and capacity[tier] > 0:
-                specs.append(TierSpec(tier, capacity[tier], self._eviction(tier)))
+            capacity = self.cfg.tier_blocks(tier)
+            if tier in self.policy.lower_tiers and capacity > 0:
+                specs.append(TierSpec(tier, capacity, self._eviction(tier)))
         return specs
 
     def _eviction(self, tier: str) -> Any:
@@ -623,8 +637,7 @@ class Simulator:
             run.hit[plan.src] += len(plan.keys) * bs
             done = self._transfer(plan.src, "hbm", len(plan.keys))
             if plan.src == "dram" and lands > self.now:  # some of them are still on their way down
-                done = max(done, lands + self.profile.transfer_time_s(len(plan.keys) * self.bytes_per_block,
-                                                                      "dram->hbm"))
+                done = max(done, lands + self._path_s("dram", "hbm", len(plan.keys)))
             run.loads_pending += 1
             run.load_ready_s = max(run.load_ready_s, done)
             self._at(done, self._on_load_done, run, plan)
@@ -692,24 +705,49 @@ class Simulator:
         the suffix HBM writes back later); any other tier keeps its copy."""
         return not (self._victim_cache and src == "dram")
 
-    def _transfer(self, src: str, dst: str, num_blocks: int) -> float:
-        """Queue a modelled copy on the link(s) from ``src`` to ``dst``; returns its finish time."""
-        hops = [(src, dst)]
-        if src == "ssd" and dst == "hbm":
-            hops = [("ssd", "dram"), ("dram", "hbm")]
-        elif src == "hbm" and dst == "ssd":
-            hops = [("hbm", "dram"), ("dram", "ssd")]
+    def _transfer(self, src: str, dst: str, num_blocks: int, num_encode: int | None = None) -> float:
+        """Queue a modelled copy from ``src`` to ``dst`` on its stages (the link(s), and
+        the codec's encode / decode where a compressed tier is entered / left: see
+        :mod:`kvtier.replay.codec`), each a FIFO; returns its finish time.
+        ``num_encode``: blocks to encode (default all; see :meth:`_num_to_encode`)."""
         t = self.now
-        nbytes = num_blocks * self.bytes_per_block
-        for a, b in hops:
-            link = f"{a}->{b}"
-            start = max(t, self.link_free_s.get(link, 0.0))
-            service_s = self.profile.transfer_time_s(nbytes, link)
-            self.links.observe(link, nbytes, service_s)  # what a live mover reports on completion
+        for stage, nbytes in transfer_stages(self.codec, src, dst, num_blocks, self.bytes_per_block, num_encode):
+            start = max(t, self.link_free_s.get(stage, 0.0))
+            service_s = self._service_s(stage, nbytes)
+            self.links.observe(stage, nbytes, service_s)  # what a live mover reports on completion
             t = start + service_s
-            self.link_free_s[link] = t
-            self.bytes_moved[link] = self.bytes_moved.get(link, 0) + nbytes
+            self.link_free_s[stage] = t
+            if stage in CODEC_STAGES:
+                name = "codec_encoded_blocks" if stage == ENCODE else "codec_decoded_blocks"
+                self.counters[name] = self.counters.get(name, 0) + nbytes // self.bytes_per_block
+            else:
+                self.bytes_moved[stage] = self.bytes_moved.get(stage, 0) + nbytes
         return t
+
+    def _service_s(self, stage: str, nbytes: int) -> float:
+        """Service time of one stage of a transfer (a link, or the codec's CPU)."""
+        if stage in CODEC_STAGES:
+            assert self.codec is not None
+            return self.codec.service_s(stage, nbytes)
+        return self.profile.transfer_time_s(nbytes, stage)
+
+    def _path_s(self, src: str, dst: str, num_blocks: int) -> float:
+        """Service time of a copy from ``src`` to ``dst`` on idle stages (no queueing)."""
+        return sum(self._service_s(stage, nbytes)
+                   for stage, nbytes in transfer_stages(self.codec, src, dst, num_blocks, self.bytes_per_block))
+
+    def _num_to_encode(self, keys: Sequence[BlockKey], dst: str) -> int | None:
+        """How many of ``keys``, written down from HBM to ``dst``, the codec encodes: those
+        without a compressed copy, held or arriving, in another compressed tier (a block
+        is never compressed twice: its compressed bytes are what goes down). ``None``
+        (all) without a codec."""
+        if self.codec is None:
+            return None
+        mgr = self.mgr
+        others = [t for t in self.lower if t != dst and self.codec.compresses(t)]
+        if not others:
+            return None
+        return sum(1 for k in keys if not any(mgr.contains(k, t) or mgr.is_pending(k, t) for t in others))
 
     def _victims_out(self, run: _Run) -> None:
         run.loads_pending -= 1
@@ -736,7 +774,8 @@ class Simulator:
             todo.append((key, parent))
         if not todo:
             return None
-        done = self._transfer("hbm", "dram", len(todo))  # one copy for the lot
+        done = self._transfer("hbm", "dram", len(todo),  # one copy for the lot
+                              self._num_to_encode([key for key, _ in todo], "dram"))
         lands = done if after is None else max(done, after)
         self._victims_on_way.update((key, (parent, lands)) for key, parent in todo)
         self._at(lands, self._store_victims, todo)
@@ -789,7 +828,8 @@ class Simulator:
                 if plan is not None:
                     self.mgr.complete_store(plan, True)
                 continue
-            self._at(self._transfer("hbm", tier, len(plan.keys)), self.mgr.complete_store, plan, True)
+            done = self._transfer("hbm", tier, len(plan.keys), self._num_to_encode(plan.keys, tier))
+            self._at(done, self.mgr.complete_store, plan, True)
 
     # ------------------------------------------------------------------ steps
 
@@ -987,7 +1027,8 @@ class Simulator:
             self._admission_blocked = False
             return dropped
         self.counters["offloaded_blocks"] += len(plan.keys)
-        self._at(self._transfer("hbm", dst, len(plan.keys)), self._complete_offload, plan)
+        self._at(self._transfer("hbm", dst, len(plan.keys), self._num_to_encode(plan.keys, dst)),
+                 self._complete_offload, plan)
         return dropped + len(plan.keys)
 
     def _complete_offload(self, plan: Any) -> None:
@@ -1004,11 +1045,11 @@ class Simulator:
 
     def transfer_time_s(self, num_blocks: int, link: str) -> float:
         """Expected time to move ``num_blocks`` over ``link`` (``ssd->hbm``: both
-        hops), from the transfer model fitted to completed transfers."""
-        nbytes = num_blocks * self.bytes_per_block
-        if link == "ssd->hbm":
-            return self.links.predict_s("ssd->dram", nbytes) + self.links.predict_s("dram->hbm", nbytes)
-        return self.links.predict_s(link, nbytes)
+        hops; with a cold codec, its encode / decode too), from the transfer
+        model fitted to completed transfers."""
+        src, dst = link.split("->")
+        return sum(self.links.predict_s(stage, nbytes)
+                   for stage, nbytes in transfer_stages(self.codec, src, dst, num_blocks, self.bytes_per_block))
 
     def recompute_time_s(self, num_tokens: int) -> float:
         return self.profile.recompute_time_s(num_tokens, 0)

@@ -3,7 +3,10 @@
 Owns: for each link name (``"hbm->dram"``, ``"dram->hbm"``, ``"ssd->dram"``,
 ...) an exponentially weighted least-squares fit of ``seconds = latency +
 bytes / bandwidth`` over the transfers the mover (live) or the modelled mover
-(replay) reported, with a prior used until enough samples arrived. Pure
+(replay) reported, with a prior used until enough samples arrived. Any
+serial resource a transfer passes through can be a "link": the replay's
+cold-tier codec reports its CPU stages as ``"codec:encode"`` and
+``"codec:decode"`` (bytes = raw bytes; see :mod:`kvtier.replay.codec`). Pure
 arithmetic: no clock, no I/O, no knowledge of which engine moved the bytes.
 Must not return a negative or zero-bandwidth estimate.
 
