@@ -87,8 +87,9 @@ def engine_codec_table(data: dict[str, Any]) -> str:
                f"prompts per model, {data['trained']['max_tokens']} greedy tokens each, every full prompt block "
                f"loaded from SSD values of that codec (no DRAM tier) after a prefix-cache reset, against the same "
                f"prompts with no cache. Max logprob diff: of the chosen token, over the steps before the first "
-               f"difference. trained: the test model trained on a copy task "
-               f"(tests/engine/trained_model.py); random: the engine tests' seeded random weights.")
+               f"difference. trained: the copy-task test model (tests/engine/trained_model.py: an induction "
+               f"circuit written into the weights, broken by seeded noise, then trained end to end on the copy "
+               f"task; not a language model); random: the engine tests' seeded random weights.")
     if cold:
         caption += (f" `cold_codec=rq4`, half the prompts announcing a 120 s tool wait: the SSD tier then held "
                     f"{cold['stored_codecs'].get('rq4', 0)} `rq4` and {cold['stored_codecs'].get('raw', 0)} `raw` "
