@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from codec_replay import markdown_table as replay_markdown_table  # bench/ is on sys.path while this imports
 from readme_tables import md_table, table
 
 
@@ -47,16 +48,12 @@ def codecs_table(data: dict[str, Any]) -> str:
 
 @table("replay-codec", "replay-codec-dev-eval.json")
 def replay_codec_table(data: dict[str, Any]) -> str:
-    from codec_replay import markdown_table
-
-    return markdown_table(data) + _replay_caption(data)
+    return replay_markdown_table(data) + _replay_caption(data)
 
 
 @table("replay-codec-tight", "replay-codec-dev-eval-tight.json")
 def replay_codec_tight_table(data: dict[str, Any]) -> str:
-    from codec_replay import markdown_table
-
-    return markdown_table(data) + _replay_caption(data)
+    return replay_markdown_table(data) + _replay_caption(data)
 
 
 def _replay_caption(data: dict[str, Any]) -> str:
