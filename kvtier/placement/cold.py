@@ -5,9 +5,10 @@ block's next use when it is stored (the tool wait its agent announced for
 the request that computed it) into a codec name for the SSD and remote
 tiers. Must not encode, know tiers, or read engine state; the vLLM
 connector's scheduler applies it to each store plan
-(``kv_connector_extra_config.cold_codec`` / ``cold_after_s``), and the
-replay's compressed-tier model is the same rule with every block cold
-(``cold_after_s = 0``).
+(``kv_connector_extra_config.cold_codec`` / ``cold_after_s``). The replay
+does not run this rule per block: its compressed-tier model
+(:mod:`kvtier.replay.codec`) treats every block of a compressed tier as cold,
+which is this rule at ``cold_after_s = 0``; the per-block choice is live only.
 
 A block whose agent is about to wait at least ``after_s`` (a long tool call)
 is cold: it goes to the slow tiers with ``codec`` (``rq4`` or ``rq3``,
