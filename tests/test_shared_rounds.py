@@ -68,6 +68,17 @@ def test_diff_constants_are_the_engine_measurement() -> None:
     assert data["engine"] in DIFF_MEASURED["source"]
 
 
+def test_approx_quality_is_the_engine_measurement() -> None:
+    """APPROX_QUALITY must be what bench/out/engine-approx.json says (both models)."""
+    data = json.loads((ROOT / "bench" / "out" / "engine-approx.json").read_text())
+    q = rounds_mod.APPROX_QUALITY
+    assert q is not None and q["source"].startswith("bench/out/engine-approx.json") and data["engine"] in q["source"]
+    for prefix, model in (("copy_model", "trained"), ("random_model", "random")):
+        measured = data["models"][model]["quality"]
+        assert q[f"{prefix}_token_agreement"] == measured["token_agreement"], prefix
+        assert q[f"{prefix}_max_logprob_diff"] == measured["max_abs_logprob_diff"], prefix
+
+
 def test_layout_prefills_each_rounds_new_shared_tokens_once() -> None:
     """With a tiny private history the layout's one prefill of the new shared tokens
     beats every agent prefilling every received output."""

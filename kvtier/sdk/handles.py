@@ -25,6 +25,8 @@ AGENT_ID_PARAM = "kvtier_agent_id"
 TOOL_WAIT_PARAM = "kvtier_tool_wait_s"
 CRITICALITY_PARAM = "kvtier_criticality"
 PRIORITY_FIELD = "priority"  # vLLM's own request priority (lower first under --scheduling-policy priority)
+APPROXIMATE_SEGMENTS_PARAM = "kvtier_approximate_segments"
+CACHE_SALT_FIELD = "cache_salt"  # vLLM's own: requests with different salts share no prefix-cache block
 
 
 def tag_request(body: Mapping[str, Any], session_id: str, agent_id: str,
@@ -91,6 +93,58 @@ def request_criticality(kv_transfer_params: Mapping[str, Any] | None) -> float |
     if isinstance(crit, bool) or not isinstance(crit, (int, float)) or not 0 <= crit <= 1:
         return None
     return float(crit)
+
+
+def approximate_segments(body: Mapping[str, Any], spans: Iterable[tuple[int, int]],
+                         cache_salt: str = "kvtier-approximate") -> dict[str, Any]:
+    """A copy of ``body`` asking for APPROXIMATE reuse of shared segments: each span
+    ``(start, length)`` (prompt token offsets) holds text that other requests also
+    contain, at other offsets. With the connector's ``approximate_shifted_segments``
+    on, the whole blocks of a span are served from the first copy the connector
+    saw (its keys re-rotated to this offset), not recomputed: faster, and not the
+    KV this prompt would produce (see the README's approximate-reuse section for
+    the measured quality). Spans must start on a block boundary to be reused.
+
+    An agent's earlier turns should be sent the same way (``spans`` may be
+    empty): the approximate request finds only blocks keyed like its own, and
+    its private prefix must be cached for the segment after it to be reused
+    (an engine reuses a prefix, never a block after a miss).
+
+    The request also gets vLLM's ``cache_salt``: its blocks, approximate from
+    the first span on, then never serve an exact request from vLLM's prefix
+    cache (the connector refuses approximate reuse for an unsalted request), and
+    the connector keys them in a namespace of their own."""
+    out: list[list[int]] = []
+    for span in spans:
+        start, length = span
+        if isinstance(start, bool) or isinstance(length, bool) or not isinstance(start, int) \
+                or not isinstance(length, int) or start < 0 or length <= 0:
+            raise ValueError(f"approximate_segments: span {span!r} must be (start >= 0, length > 0) token counts")
+        out.append([start, length])
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise ValueError(f"approximate_segments: cache_salt={cache_salt!r} must be a non-empty string")
+    params = dict(body.get(KV_TRANSFER_PARAMS) or {})
+    params[APPROXIMATE_SEGMENTS_PARAM] = out
+    tagged = dict(body)
+    tagged[KV_TRANSFER_PARAMS] = params
+    tagged[CACHE_SALT_FIELD] = cache_salt
+    return tagged
+
+
+def request_approximate_segments(kv_transfer_params: Mapping[str, Any] | None) -> list[tuple[int, int]] | None:
+    """The spans :func:`approximate_segments` put into ``kv_transfer_params`` (an empty
+    list: an approximate-mode request with no segment); ``None`` when absent or
+    malformed (a malformed list is no request for approximation)."""
+    spans = (kv_transfer_params or {}).get(APPROXIMATE_SEGMENTS_PARAM)
+    if not isinstance(spans, (list, tuple)):
+        return None
+    out = []
+    for span in spans:
+        if not isinstance(span, (list, tuple)) or len(span) != 2 or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in span) or span[0] < 0 or span[1] <= 0:
+            return None
+        out.append((int(span[0]), int(span[1])))
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,8 +5,8 @@ to keep the engine up and run one phase per JSON line read from stdin (the
 phase's ``out`` names its result file; ``KVTIER-DONE`` is printed after each). The spec names the model
 directory, engine options, an optional kvtier ``kv_connector_extra_config``,
 vLLM KV events (``kv_events``: ``KVEventsConfig`` fields), and phases (prompts as
-token ids, optionally one ``kv_transfer_params`` dict per
-prompt; ``reset_prefix_cache`` before a phase). The
+token ids, optionally one ``kv_transfer_params`` dict and one vLLM ``cache_salt``
+(``cache_salts``) per prompt; ``reset_prefix_cache`` before a phase). The
 output has, per phase, each prompt's generated token ids and per-token
 logprobs (``outputs``), vLLM's own TTFT and cached-token count per request
 (``requests``), the kvtier stats file after the phase, and vLLM's external prefix
@@ -142,7 +142,10 @@ def main(spec_path: str, out_path: str | None) -> None:
             sps = [s.clone() for s in base]
             for s, n in zip(sps, phase["max_tokens"]):
                 s.max_tokens = n
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]], sps, use_tqdm=False)
+        salts = phase.get("cache_salts") or [None] * len(phase["prompts"])  # vLLM's own, one per prompt
+        prompts = [TokensPrompt(prompt_token_ids=p) if salt is None else TokensPrompt(prompt_token_ids=p, cache_salt=salt)
+                   for p, salt in zip(phase["prompts"], salts)]
+        outs = llm.generate(prompts, sps, use_tqdm=False)
         gen_s, cpu_s = time.perf_counter() - t1, _tree_cpu_s() - cpu1
         rows, timings = [], []
         for o in outs:

@@ -129,3 +129,17 @@ def test_remote_tier_refuses_per_process_block_hashes() -> None:
     with pytest.raises(ConfigError, match="remote_master.*PYTHONHASHSEED"):
         ConnectorSettings.build({"remote_master": "h:1"}, xx, env={})
     assert ConnectorSettings.build({"remote_master": "h:1"}, xx, env={"PYTHONHASHSEED": "0"}).remote is not None
+
+
+def test_approximate_reuse_is_off_by_default_and_needs_plain_rope() -> None:
+    from dataclasses import replace
+
+    assert ConnectorSettings.build({}, FACTS, env={}).approximate_rope is None
+    with_rope = replace(FACTS, rope=(10000.0, 32))
+    s = ConnectorSettings.build({"approximate_shifted_segments": True}, with_rope, env={})
+    assert s.approximate_rope == (10000.0, 32)
+    with pytest.raises(ConfigError, match=r"approximate_shifted_segments.*must be true or false"):
+        ConnectorSettings.build({"approximate_shifted_segments": "yes"}, with_rope, env={})
+    no_rope = replace(FACTS, rope=None, rope_problem="rope_type 'yarn' (scaled RoPE) is not supported")
+    with pytest.raises(ConfigError, match=r"approximate_shifted_segments.*cannot re-rotate.*'yarn'"):
+        ConnectorSettings.build({"approximate_shifted_segments": True}, no_rope, env={})

@@ -126,6 +126,9 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tp_ran
         raise ValueError(f"kvtier: KV cache spec {type(spec).__name__} is not supported (full attention only)")
     from vllm.platforms import current_platform
 
+    from .rerotate import rope_of
+
+    rope = rope_of(vllm_config.model_config.hf_config, spec.head_size)
     return EngineFacts(
         model=str(vllm_config.model_config.model),
         dtype=str(spec.dtype).removeprefix("torch."),
@@ -137,6 +140,8 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tp_ran
         hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
         tp_rank=tp_rank,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        rope=None if isinstance(rope, str) else (rope.theta, rope.rotary_dim),
+        rope_problem=rope if isinstance(rope, str) else "",
     )
 
 

@@ -21,7 +21,8 @@ class LoadJob:
 
     ``keys[i]`` is read from ``tiers[i]`` (``dram``, ``ssd`` or ``remote``;
     ``slots[i]`` for DRAM) into ``block_ids[i]``; remote blocks come last. ``block_ids`` beyond ``len(keys)`` had no readable block
-    when planned and always fail.
+    when planned and always fail. ``shifts[i]`` (approximate reuse only; empty
+    otherwise): turn block ``i``'s keys by that many positions after reading it.
     """
 
     req_id: str
@@ -30,6 +31,7 @@ class LoadJob:
     tiers: tuple[str, ...]
     slots: tuple[int, ...]
     block_ids: tuple[int, ...]
+    shifts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,10 @@ runs) with its live context (:class:`~.placement.EnginePlacement`: HBM holds
 through vLLM's block pool, SSD -> DRAM prefetch), and the counters behind
 :meth:`KVTierScheduler.stats`. With a remote tier (a Mooncake Store shared by
 engines): which of a request's blocks past the local hits the store holds,
-asked on a lookup thread, and the remote writes of every new block.
+asked on a lookup thread, and the remote writes of every new block. With
+``approximate_shifted_segments``: the index of segment masters (a declared
+shared segment's block -> the first stored copy of it and its position) and
+the keys of approximate requests, derived in a namespace of their own.
 
 Must not touch tensors or do I/O on the scheduler's hot path: lookups read
 the in-memory index only, so a slow SSD never stalls a scheduling step (the
@@ -30,19 +33,20 @@ import logging
 import os
 import tempfile
 import threading
+import hashlib
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtier.events import BlockRemoved, BlockStored, StoreFailed
 from kvtier.keys import BlockKey, Namespace, chain_foreign_keys
 from kvtier.manager import LoadPlan, StorePlan, TierManager, TierSpec
 from kvtier.placement import ToolWait, make_placement
-from kvtier.sdk.handles import request_criticality, request_tags, request_tool_wait_s
+from kvtier.sdk.handles import request_approximate_segments, request_criticality, request_tags, request_tool_wait_s
 from kvtier.store import reindex_ssd
 from kvtier.tiers.codec import LOSSY_CODECS
 
@@ -65,6 +69,8 @@ class _Req:
     num_planned_blocks: int = 0  # leading blocks already planned for storing (or skipped)
     pending_jobs: set[int] = field(default_factory=set)  # store jobs still reading engine blocks
     loading: bool = False  # an asynchronous load is in flight
+    # approximate reuse: (block index, master key) of each block inside a declared shared segment; None = exact
+    approx: list[tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +81,8 @@ class _Match:
     start_block: int
     num_blocks: int
     num_remote: int = 0
+    keys: tuple[BlockKey, ...] = ()  # approximate reuse: the keys to load (segment masters in place of own)
+    shifts: tuple[int, ...] = ()  # and by how many positions each block's keys turn
 
 
 @dataclass(slots=True)
@@ -91,6 +99,7 @@ REMOTE_LOOKUP_GIVE_UP_S = 2.0  # a store that has not answered by then counts as
 REMOTE_KNOWN_MAX = 1 << 20  # keys remembered as in the remote store (not written again)
 REMOTE_FAILED_TTL_S = 60.0  # a key whose remote load failed is not offered again for this long
 REMOTE_FAILED_MAX = 1 << 16
+APPROX_MASTERS_MAX = 1 << 18  # segment blocks remembered for approximate reuse (oldest forgotten first)
 
 
 class KVTierScheduler:
@@ -191,6 +200,11 @@ class KVTierScheduler:
         if settings.remote is not None:
             self._remote = remoteshare.acquire(settings.remote, namespace, cfg.layout.to_layout())
             self._remote_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote-lookup")
+        # approximate reuse: its requests' keys come from a namespace of their own (exact ones never meet them);
+        # master key of a segment block -> (the key of its first stored copy, that copy's block index)
+        self._approx_ns = replace(namespace, tenant=namespace.tenant + "\x1fapproximate") \
+            if settings.approximate_rope is not None else None
+        self._masters: OrderedDict[int, tuple[BlockKey, int]] = OrderedDict()
 
     # ------------------------------------------------------------ engine hooks
 
@@ -236,6 +250,9 @@ class KVTierScheduler:
         self.counters["lookups"] += 1
         if max_blocks <= start:
             return 0, False
+        shifts: list[int] = []
+        if st.approx:
+            keys, shifts = self._approx_keys(st, keys)
         hit = self.manager.lookup(keys[start:max_blocks])
         remote = 0
         if self._remote is not None and start + hit.num_blocks < max_blocks:
@@ -245,7 +262,9 @@ class KVTierScheduler:
             remote = got
         if hit.num_blocks + remote == 0:
             return 0, False
-        self._matches[request.request_id] = _Match(start, hit.num_blocks, remote)
+        end = start + hit.num_blocks + remote
+        self._matches[request.request_id] = _Match(start, hit.num_blocks, remote, tuple(keys[start:end]),
+                                                   tuple(shifts[start:end]) if any(shifts[start:end]) else ())
         return (hit.num_blocks + remote) * self.block_size, True
 
     def _remote_hit(self, req_id: str, keys: list[BlockKey], lo: int, hi: int) -> int | None:
@@ -302,7 +321,7 @@ class KVTierScheduler:
             return
         st = self._state(request)
         n = num_external_tokens // self.block_size
-        keys = self._keys(st)[match.start_block : match.start_block + n]
+        keys = list(match.keys[:n]) if match.keys else self._keys(st)[match.start_block : match.start_block + n]
         targets = tuple(block_ids[match.start_block : match.start_block + n])
         local = min(n, match.num_blocks)
         plan = self.manager.prepare_load(keys[:local]) if local else None
@@ -314,8 +333,12 @@ class KVTierScheduler:
             tiers = (plan.tiers if plan is not None else ()) + ("remote",) * len(remote)
             slots = tuple(s if t != "ssd" else 0 for s, t in zip(plan.slots, plan.tiers)) if plan is not None else ()
             plan_id = plan.plan_id if plan is not None else next(self._remote_ids)
+            shifts = ()
+            if match.shifts:  # the local run (possibly cut short by prepare_load), then the remote one
+                shifts = tuple(match.shifts[:got]) + (tuple(match.shifts[local:local + len(remote)]) if remote else ())
+                self.counters["approximate_loaded_blocks"] += sum(1 for x in shifts if x)
             job = LoadJob(request.request_id, plan_id, (plan.keys if plan is not None else ()) + remote, tiers,
-                          slots + (0,) * len(remote), targets)
+                          slots + (0,) * len(remote), targets, shifts)
             self._load_plans[plan_id] = (request.request_id, plan, remote)
             self._note_lossy_loads(job)
         st.loading = True
@@ -419,6 +442,8 @@ class KVTierScheduler:
             self.recorder.finished(request.request_id, int(request.num_output_tokens), wait_s is not None)
         if st is not None:
             self._agent_waits(st, wait_s)
+            if st.approx:
+                self._register_masters(st)
         if st is None or not (st.pending_jobs or st.loading):
             return False
         self.counters["delayed_frees"] += 1
@@ -621,17 +646,73 @@ class KVTierScheduler:
     def _state(self, request: Any) -> _Req:
         st = self._reqs.get(request.request_id)
         if st is None:
-            session_id, agent_id = request_tags(getattr(request, "kv_transfer_params", None))
+            params = getattr(request, "kv_transfer_params", None)
+            session_id, agent_id = request_tags(params)
             st = self._reqs[request.request_id] = _Req(request, session_id, agent_id)
+            spans = request_approximate_segments(params)
+            if spans is not None:
+                st.approx = self._segment_blocks(request, spans)
         return st
+
+    def _segment_blocks(self, request: Any, spans: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+        """(block index, master key) of every whole block inside ``spans`` (may be empty:
+        the request is keyed with the approximate ones, its blocks reusable by them);
+        ``None`` (the request runs exact) when approximate reuse is off or the request
+        has no cache salt."""
+        if self._approx_ns is None:
+            self.counters["approximate_refused_off"] += 1
+            return None
+        if not getattr(request, "cache_salt", None):
+            self.counters["approximate_refused_unsalted"] += 1
+            log.warning("kvtier: request %s asks for approximate segments without a cache_salt: served exact "
+                        "(vLLM's prefix cache would mix its blocks with exact ones)", request.request_id)
+            return None
+        tokens = list(request.prompt_token_ids or ())
+        bs = self.block_size
+        out: list[tuple[int, int]] = []
+        for start, length in spans:
+            if start % bs:
+                self.counters["approximate_unaligned_segments"] += 1
+                continue
+            h = hashlib.blake2b(self._approx_ns.digest, digest_size=16)
+            for b in range(start // bs, min(start + length, len(tokens)) // bs):
+                h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in tokens[b * bs:(b + 1) * bs]))
+                out.append((b, int.from_bytes(h.copy().digest()[:8], "little")))  # a chain within the segment
+        self.counters["approximate_requests"] += 1
+        return out
 
     def _keys(self, st: _Req) -> list[BlockKey]:
         """Keys of the request's full blocks so far (extended as it decodes)."""
         hashes = st.request.block_hashes
         if len(hashes) > len(st.keys):
             parent = st.keys[-1] if st.keys else None
-            st.keys.extend(chain_foreign_keys(self.namespace, hashes[len(st.keys):], parent))
+            ns = self.namespace if st.approx is None else self._approx_ns
+            st.keys.extend(chain_foreign_keys(ns, hashes[len(st.keys):], parent))
         return st.keys
+
+    def _approx_keys(self, st: _Req, keys: list[BlockKey]) -> tuple[list[BlockKey], list[int]]:
+        """An approximate request's keys to load, and the shift (in positions) of each:
+        a segment block whose master was stored at another offset by another request
+        is read from there and its keys turned by the difference."""
+        alt, shifts = list(keys), [0] * len(keys)
+        for b, master in st.approx or ():
+            if b >= len(keys):
+                break
+            src = self._masters.get(master)
+            if src is not None and src[0] != keys[b]:
+                alt[b], shifts[b] = src[0], (b - src[1]) * self.block_size
+        return alt, shifts
+
+    def _register_masters(self, st: _Req) -> None:
+        """A finished approximate request: the segment blocks it computed become the
+        masters of their segment (the first copy stays; a loaded copy is never one)."""
+        keys = st.keys
+        for b, master in st.approx or ():
+            if b < len(keys) and master not in self._masters:
+                self._masters[master] = (keys[b], b)
+                self.counters["approximate_masters"] += 1
+        while len(self._masters) > APPROX_MASTERS_MAX:
+            self._masters.popitem(last=False)
 
     def _plan_store(self, req_id: str, st: _Req, upto: int) -> StoreJob | None:
         keys = self._keys(st)

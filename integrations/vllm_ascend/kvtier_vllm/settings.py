@@ -80,6 +80,12 @@ EXTRA_KEYS: dict[str, str] = {
                   "others with the tier's exact codec; DRAM stays exact. A block loaded from a lossy value is "
                   "never written to any tier again. Off by default",
     "cold_after_s": "the tool wait (seconds, default 30) from which cold_codec applies",
+    "approximate_shifted_segments": "true: APPROXIMATE reuse. A request's declared shared segments "
+                                    "(kvtier_approximate_segments, see kvtier.sdk.handles.approximate_segments) are "
+                                    "served from the first copy stored, computed at another offset after another "
+                                    "prefix, keys re-rotated, not recomputed: not the KV the prompt would produce. "
+                                    "Only for requests with a cache_salt; their blocks are keyed apart, so exact "
+                                    "requests never load them. Off by default",
     "allow_untested_vllm": "true: start on a vLLM outside the tested range (see kvtier_vllm.version)",
 }
 """Every key the connector reads from ``kv_connector_extra_config``."""
@@ -99,6 +105,8 @@ class EngineFacts:
     hash_algo: str
     tp_rank: int = 0
     tp_size: int = 1
+    rope: tuple[float, int] | None = None  # (theta, rotary dim) of plain NeoX RoPE on every layer's keys
+    rope_problem: str = "unknown"  # why ``rope`` is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +176,7 @@ class ConnectorSettings:
     placement_params: Mapping[str, float] = field(default_factory=dict)
     remote: RemoteSettings | None = None
     cold: ColdCodecRule | None = None
+    approximate_rope: tuple[float, int] | None = None  # approximate_shifted_segments on: the RoPE to re-rotate by
 
     @classmethod
     def build(
@@ -254,10 +263,18 @@ class ConnectorSettings:
                               f"engines share blocks only under equal block hashes; with prefix_caching_hash_algo="
                               f"{facts.hash_algo} set PYTHONHASHSEED to one value on every engine, or use sha256")
         cold = _cold_rule(extra, cfg)
+        approximate = extra.get("approximate_shifted_segments", False)
+        if not isinstance(approximate, bool):
+            raise ConfigError("kv_connector_extra_config.approximate_shifted_segments", approximate,
+                              "must be true or false")
+        if approximate and facts.rope is None:
+            raise ConfigError("kv_connector_extra_config.approximate_shifted_segments", approximate,
+                              f"cannot re-rotate this model's keys: {facts.rope_problem}")
         return cls(cfg, extra.get("stats_path"), extra.get("hint_server"), ssd_root, placement, hold, float(budget),
                    eviction_set, watch, extra.get("hint_watch_token"), int(queue_mib * (1 << 20)),
                    int(staging_mib * (1 << 20)), copy_threads, int(device_staging_mib * (1 << 20)), side_stream,
-                   record_path, int(record_mib * (1 << 20)), placement_params, remote, cold)
+                   record_path, int(record_mib * (1 << 20)), placement_params, remote, cold,
+                   facts.rope if approximate else None)
 
     def rank_ssd_path(self, tp_rank: int, tp_size: int) -> Path | None:
         """The LMDB directory of one TP rank (each rank stores its own shard)."""

@@ -57,6 +57,7 @@ from kvtier.tiers.pool import TensorPool, accelerator_device
 from . import remoteshare, ssdshare
 from .blockio import BlockIO, KVCache
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob, PromoteJob, StoreJob, TierWrite
+from .rerotate import KeyRegion, Rope, key_regions, rerotate_rows
 from .settings import ConnectorSettings
 from .staging import Run, StagingRing
 
@@ -128,6 +129,7 @@ class KVTierWorker:
         self._meta: KVTierWorkerMetadata | None = None
         self.ring: StagingRing | None = None
         self._scattered: list[tuple[Any, Run]] = []  # (event, run): loads copied to the device, run still read
+        self._approx: tuple[Rope, list[KeyRegion], torch.dtype] | None = None  # approximate_shifted_segments
 
     # ------------------------------------------------------------ setup
 
@@ -143,6 +145,8 @@ class KVTierWorker:
                 "bytes; this model's KV cache is not supported by the kvtier connector"
             )
         self.io = io
+        if self.settings.approximate_rope is not None:
+            self._approx = _approximate(io, self.layout, self.settings.approximate_rope)
         cfg = self.settings.config
         on_device = io.device.type != "cpu"
         self.ring = StagingRing(self.settings.staging_bytes, io.bytes_per_block,
@@ -257,6 +261,9 @@ class KVTierWorker:
             done = None
             if num_ok and self.io is not None and read.run is not None:
                 try:
+                    if job.shifts and self._approx is not None:  # approximate reuse: keys turned to this offset
+                        rope, regions, dtype = self._approx
+                        rerotate_rows(read.run.rows, job.shifts[:num_ok], regions, rope, dtype)
                     done = self.io.scatter(job.block_ids[:num_ok], read.run.rows[:num_ok])
                 except (RuntimeError, ValueError) as exc:  # a failed copy is a miss, never a crash
                     log.warning("kvtier: load into engine blocks failed: %s", exc)
@@ -533,6 +540,19 @@ def _split(dst: np.ndarray, src: np.ndarray, runs: list[tuple[int, int, int]], n
 def _copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
     for d, s in pairs:
         d[...] = s
+
+
+def _approximate(io: BlockIO, layout: KVLayout, rope: tuple[float, int]) -> tuple[Rope, list[KeyRegion], torch.dtype]:
+    """What re-rotating a loaded block's keys needs; ``ValueError`` (naming the
+    setting) for a cache whose keys it cannot place."""
+    if io.device.type == "cpu" and io.arrangement == "fused" and (
+            layout.head_dim % 32 or (layout.dtype == "bfloat16" and torch.cpu._is_amx_tile_supported())):
+        raise ValueError("kvtier: approximate_shifted_segments knows the key layout of vLLM's CPU 'vec' attention "
+                         "kernels only; this CPU and model use the 'amx' or 'vec16' kernels, which pack keys "
+                         "otherwise")
+    parts = io._parts
+    regions = key_regions(parts, layout.num_kv_heads, layout.head_dim, layout.block_size)
+    return Rope(rope[0], rope[1], layout.head_dim), regions, parts[0].tensor.dtype
 
 
 def _key(raw: int | None) -> BlockKey | None:
