@@ -109,8 +109,15 @@ def _rounds_caption(data: dict[str, Any]) -> str:
         if run["report"]["diff_measured"] != m or run["report"]["approx_quality"] != rep["approx_quality"]:
             raise ValueError("rounds.json: runs differ in their measured inputs; regenerate them together")
     quality = rep["approx_quality"]
-    quality = ("not measured yet" if quality is None else
-               ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in quality.items()))
+    if quality is None:
+        quality = "not measured yet"
+    elif "copy_model_token_agreement" in quality:
+        quality = (f"greedy token agreement {quality['copy_model_token_agreement']:.0%} on a model trained to copy "
+                   f"(max logprob difference {quality['copy_model_max_logprob_diff']:.2g}), "
+                   f"{quality['random_model_token_agreement']:.0%} on a seeded random one "
+                   f"({quality['random_model_max_logprob_diff']:.2g}), from {quality['source']} (the table above)")
+    else:
+        quality = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in quality.items())
     return ("Capacity of " + ", ".join(_label(p) for p in _VS_LRU) + " over `lru`'s, in that order in each cell "
             f"(agents whose slowest round meets the {c['slo_round_s'] * 1e3:.0f} ms round SLO; full round latency "
             f"unless the row says otherwise) on `{rep['profile']}`: {w['num_rounds']} rounds, "
