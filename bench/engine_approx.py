@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in result["models"].items():
         p, q = r["phase2"], r["quality"]
         print(f"{name:>8}{p['computed_tokens']:>8}/{p['prompt_tokens']:<8}{p['approximate_loaded_blocks']:>12}"
-              f"{q['token_agreement']:>11.3f}{q['max_abs_logprob_diff']:>13.2e}{p['gen_s']:>9.3f}{p['plain_gen_s']:>9.3f}")
+              f"{q['token_agreement']:>11.3f}{q['max_abs_logprob_diff']:>13.2e}{p['gen_s']:>9.3f}"
+              f"{p['plain_gen_s']:>9.3f}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -218,7 +218,9 @@ def shared(data: dict[str, Any]) -> str:
 @table("engine-shared", "engine-shared.json")
 def engine_shared(data: dict[str, Any]) -> str:
     """Per layer: how alike a shared segment's blocks are at different offsets, in real engine KV."""
-    caption = (f"`python bench/engine_shared_kv.py` ({data['engine']}, {data['model']}): {data['agents']} agents, "
+    caption = (f"`kvtier bench shared --engine --agents {data['agents']} --segment-tokens "
+               f"{data['segment_blocks'] * data['block_size']}` ({data['engine']}, {data['model']}): "
+               f"{data['agents']} agents, "
                f"the same {data['segment_blocks']}-block segment ({data['block_size']}-token blocks) after private "
                f"prefixes of different lengths, agent 0's copy as the master. Bytes over the raw mirror bytes; "
                f"zstd level 1 of the mirror alone for comparison. Full copies / (master + lossless diffs): "

