@@ -36,3 +36,44 @@ def test_each_round_extends_the_last_rounds_prefix() -> None:
 def test_agent_ids_must_be_strings() -> None:
     with pytest.raises(TypeError, match="agent ids must be str"):
         RoundLayout([]).add_round({1: [2]})
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict]] = []
+
+    def emit(self, kind: str, **fields) -> bool:
+        from kvtier.sdk.client import _check_fields
+
+        _check_fields(kind, fields)  # what HintClient.emit checks before queueing
+        self.events.append((kind, fields))
+        return True
+
+
+def test_a_shared_round_is_announced_with_its_agents_and_ended() -> None:
+    from kvtier.sdk import SessionHandle
+
+    client = _Recorder()
+    with SessionHandle(client, "s1").shared_round("r2", ["a0", "a1"]):
+        pass
+    assert client.events == [
+        ("shared_round_start", {"session_id": "s1", "round_id": "r2", "agent_ids": ["a0", "a1"],
+                                "shared_block_keys": b""}),
+        ("shared_round_end", {"session_id": "s1", "round_id": "r2"})]
+    with pytest.raises(ValueError, match="agent_ids"):
+        SessionHandle(client, "s1").shared_round("r3", [])
+
+
+def test_round_tags_carry_the_round_and_its_shared_length() -> None:
+    from kvtier.sdk import request_round, tag_request, tag_round
+
+    layout = RoundLayout(preamble=list(range(70)))
+    prompt = layout.prompt([5, 6])
+    body = tag_round(tag_request({}, "s1", "a0"), "r1", prompt.shared_tokens)
+    assert request_round(body["kv_transfer_params"]) == ("r1", 70)
+    assert body["kv_transfer_params"]["kvtier_agent_id"] == "a0"
+    for bad in ({"kvtier_round_id": "r1"}, {"kvtier_round_id": "", "kvtier_shared_tokens": 3},
+                {"kvtier_round_id": "r1", "kvtier_shared_tokens": -1}, None):
+        assert request_round(bad) is None
+    with pytest.raises(ValueError, match="shared_tokens"):
+        tag_round({}, "r1", True)

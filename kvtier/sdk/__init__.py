@@ -27,13 +27,16 @@ from .handles import (
     AgentHandle,
     RequestHandle,
     SessionHandle,
+    SharedRoundHandle,
     ToolCallHandle,
     approximate_segments,
     request_approximate_segments,
+    request_round,
     request_tags,
     request_criticality,
     request_tool_wait_s,
     tag_request,
+    tag_round,
 )
 
 __all__ = [
@@ -48,12 +51,15 @@ __all__ = [
     "HintClient",
     "RequestHandle",
     "SessionHandle",
+    "SharedRoundHandle",
     "ToolCallHandle",
     "approximate_segments",
     "pack_keys",
     "request_approximate_segments",
+    "request_round",
     "request_tags",
     "request_criticality",
     "request_tool_wait_s",
     "tag_request",
+    "tag_round",
 ]

@@ -95,8 +95,13 @@ def _field_types() -> dict[str, dict[str, tuple[type, ...]]]:
         for f in holder.DESCRIPTOR.oneofs_by_name["kind"].fields:
             fields: dict[str, tuple[type, ...]] = {}
             for sub in f.message_type.fields:
+                repeated = getattr(sub, "is_repeated", None)
+                if repeated is None:  # older protobuf
+                    repeated = sub.label == F.LABEL_REPEATED
                 if sub.name in _KEY_FIELDS:
                     fields[sub.name] = (bytes, bytearray, memoryview, list, tuple)
+                elif repeated:  # e.g. a shared round's agent_ids
+                    fields[sub.name] = (list, tuple)
                 elif sub.enum_type is not None:
                     fields[sub.name] = (str, int)
                 elif sub.type in numeric:

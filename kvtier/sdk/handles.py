@@ -26,6 +26,8 @@ TOOL_WAIT_PARAM = "kvtier_tool_wait_s"
 CRITICALITY_PARAM = "kvtier_criticality"
 PRIORITY_FIELD = "priority"  # vLLM's own request priority (lower first under --scheduling-policy priority)
 APPROXIMATE_SEGMENTS_PARAM = "kvtier_approximate_segments"
+ROUND_ID_PARAM = "kvtier_round_id"
+SHARED_TOKENS_PARAM = "kvtier_shared_tokens"
 CACHE_SALT_FIELD = "cache_salt"  # vLLM's own: requests with different salts share no prefix-cache block
 
 
@@ -131,6 +133,36 @@ def approximate_segments(body: Mapping[str, Any], spans: Iterable[tuple[int, int
     return tagged
 
 
+def tag_round(body: Mapping[str, Any], round_id: str, shared_tokens: int) -> dict[str, Any]:
+    """A copy of ``body`` saying that its prompt's first ``shared_tokens`` tokens are the
+    shared context of all-gather round ``round_id`` (what
+    :class:`kvtier.sdk.rounds.RoundLayout` lays out; ``RoundPrompt.shared_tokens``).
+    With the round announced on the hint plane (``SessionHandle.shared_round``),
+    the engine connector keeps those blocks, in HBM and in its tiers, until every
+    announced agent of the round has been served. Tag the session and agent too
+    (:func:`tag_request`): the connector counts agents by their ids."""
+    if not isinstance(round_id, str) or not round_id:
+        raise ValueError(f"tag_round: round_id={round_id!r} must be a non-empty string")
+    if isinstance(shared_tokens, bool) or not isinstance(shared_tokens, int) or shared_tokens < 0:
+        raise ValueError(f"tag_round: shared_tokens={shared_tokens!r} must be an int >= 0")
+    params = dict(body.get(KV_TRANSFER_PARAMS) or {})
+    params[ROUND_ID_PARAM] = round_id
+    params[SHARED_TOKENS_PARAM] = shared_tokens
+    tagged = dict(body)
+    tagged[KV_TRANSFER_PARAMS] = params
+    return tagged
+
+
+def request_round(kv_transfer_params: Mapping[str, Any] | None) -> tuple[str, int] | None:
+    """``(round_id, shared_tokens)`` that :func:`tag_round` put into ``kv_transfer_params``;
+    ``None`` when absent or malformed."""
+    params = kv_transfer_params or {}
+    rid, shared = params.get(ROUND_ID_PARAM), params.get(SHARED_TOKENS_PARAM)
+    if not isinstance(rid, str) or not rid or isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+        return None
+    return rid, shared
+
+
 def request_approximate_segments(kv_transfer_params: Mapping[str, Any] | None) -> list[tuple[int, int]] | None:
     """The spans :func:`approximate_segments` put into ``kv_transfer_params`` (an empty
     list: an approximate-mode request with no segment); ``None`` when absent or
@@ -222,6 +254,12 @@ class SessionHandle(_Handle):
         kwargs.setdefault("parent_id", None)
         return self.client.agent(agent_type, session_id=self.session_id, **kwargs)
 
+    def shared_round(self, round_id: str, agent_ids: Iterable[str]) -> SharedRoundHandle:
+        """``with session.shared_round("r3", agents):`` announces an all-gather round whose
+        agents all read the same shared context (``shared_round_start``; ``shared_round_end``
+        on exit). Requests of the round carry :func:`tag_round`."""
+        return SharedRoundHandle(self.client, self.session_id, round_id, tuple(agent_ids))
+
 
 class AgentHandle(_Handle):
     """One agent; ``with`` spawns it and ends it. Children: :meth:`agent`."""
@@ -281,6 +319,23 @@ class AgentHandle(_Handle):
     def tag(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """:func:`tag_request` with this agent's ids."""
         return tag_request(body, self.session_id, self.agent_id)
+
+
+class SharedRoundHandle(_Handle):
+    """``shared_round_start`` on enter (the round's agents), ``shared_round_end`` on exit."""
+
+    def __init__(self, client: Any, session_id: str, round_id: str, agent_ids: tuple[str, ...]) -> None:
+        if not agent_ids or not all(isinstance(a, str) and a for a in agent_ids):
+            raise ValueError(f"shared_round: agent_ids={agent_ids!r} must be non-empty agent id strings")
+        self.client, self.session_id, self.round_id, self.agent_ids = client, session_id, round_id, agent_ids
+
+    def start(self) -> SharedRoundHandle:
+        self.client.emit("shared_round_start", session_id=self.session_id, round_id=self.round_id,
+                         agent_ids=list(self.agent_ids), shared_block_keys=b"")
+        return self
+
+    def end(self, failed: bool = False) -> None:
+        self.client.emit("shared_round_end", session_id=self.session_id, round_id=self.round_id)
 
 
 class ToolCallHandle(_Handle):

@@ -9,6 +9,13 @@ once per agent. What follows it (the agent's persona, own history and task) is
 the agent's private suffix: its "diff" from the others is real blocks of its
 own, not numeric deltas, and nothing is approximated.
 
+To keep the round's prefix while its agents run one after another (tool waits
+between them), announce the round on the hint plane
+(``SessionHandle.shared_round(round_id, agent_ids)``) and tag each of its
+requests with :func:`kvtier.sdk.handles.tag_round` (``RoundPrompt.shared_tokens``):
+the vLLM connector then holds the shared blocks in HBM and pins them in its
+tiers until every announced agent was served.
+
 Must not tokenize, call an engine or send hints (pure; the caller tokenizes
 each piece, e.g. with the model's chat template applied to the pieces). The
 layout changes the prompt itself: whether that changes an application's

@@ -264,3 +264,56 @@ def test_host_tiers_evict_by_predicted_next_use(policy: str | None) -> None:
     kept = set(dram.slots)
     assert kept >= (quick if policy is None else slow) and not kept & (slow if policy is None else quick)
     eng.sched.manager.check_invariants()
+
+
+@pytest.mark.parametrize("announced", [True, False])
+def test_a_shared_round_keeps_its_prefix_until_its_last_agent_ran(announced: bool) -> None:
+    """An all-gather round announced on the hint plane (``SessionHandle.shared_round``)
+    with its three agents; each agent's request carries ``tag_round`` (the shared prefix
+    is its first 6 blocks). The round is a reference count: after the first agent ran,
+    its shared prefix stays held in HBM and pinned in the tiers while agents remain,
+    so the others hit it in HBM although other traffic took every free block between
+    them; after the last one the hold and the pins are given back. Not announced: the
+    traffic evicts the prefix (kvtier's DRAM tier, 8 blocks here, is flushed too)."""
+    from contextlib import ExitStack
+
+    from kvtier.sdk import HintClient, tag_round
+
+    eng = _Engine(101, placement="kvtier", hint_server="127.0.0.1:0")
+    sched = eng.sched
+    shared = _ctx(7, 6)
+    client = HintClient(sched.hint_address)
+    hits = []
+    try:
+        with ExitStack() as stack:
+            session = stack.enter_context(client.session("s"))
+            for a in range(3):
+                stack.enter_context(session.agent("debater", agent_id=f"a{a}"))
+            if announced:
+                stack.enter_context(session.shared_round("r1", ["a0", "a1", "a2"]))
+                _step_until_true(eng, lambda: ("s", "r1") in sched._announced)
+            for a in range(3):
+                params = tag_round(tag_request({}, "s", f"a{a}"), "r1", 6 * BS)["kv_transfer_params"]
+                hits.append(eng.serve(f"a{a}", shared + _ctx(a, 2), params))
+                if a == 0 and announced:
+                    assert sched.placement.holds.held_blocks == 6
+                    assert all(sched.manager.is_pinned(k) for k in sched._rounds[("s", "r1")].keys)
+                eng.serve(f"other-{a}", _ctx(20 + a, eng.pool.get_num_free_blocks() - 1))  # takes every free block
+            eng.step()
+            assert sched.placement.holds.held_blocks == 0  # the last agent ran: released
+            assert not sched._rounds if announced else ("s", "r1") in sched._rounds  # (kept for an announcement)
+            assert sched.counters["shared_round_releases"] == (1 if announced else 0)
+        assert hits == ([0, 6, 6] if announced else [0, 0, 0])
+    finally:
+        client.close()
+        sched.shutdown()
+
+
+def _step_until_true(eng: _Engine, done, timeout_s: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        eng.step()
+        time.sleep(0.02)
+    assert done()

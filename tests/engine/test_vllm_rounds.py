@@ -115,3 +115,19 @@ def test_kvtier_stores_the_shared_blocks_once(rounds: list[dict]) -> None:
         once = r["new_shared_blocks"] + sum(r["private_blocks"])
         assert abs(r["stored"] - once) <= AGENTS, (i, r["stored"], once)
         assert r["stored"] < AGENTS * r["new_shared_blocks"] + sum(r["private_blocks"]), i
+
+
+def test_unique_kv_bytes_match_the_sharing_formula(rounds: list[dict]) -> None:
+    """After each round, the blocks kvtier holds for that round's N prompts (every shared
+    block once, each agent's own) come to S + N * P tokens within one block per agent, S
+    the shared prefix and P an agent's tokens after it (prompt and answer): the storage of
+    N full copies over it is N (S + P) / (S + N P)."""
+    stored = private_before = 0
+    for i, r in enumerate(rounds):
+        stored += r["stored"]
+        unique = (stored - private_before) * BLOCK_SIZE  # earlier rounds' private blocks belong to no prompt now
+        s, p = r["shared"], r["private"] + OUT - 1  # the last answer token has no KV
+        assert abs(unique - (s + AGENTS * p)) <= AGENTS * BLOCK_SIZE, (i, unique, s + AGENTS * p)
+        formula = AGENTS * (s + p) / (s + AGENTS * p)
+        assert AGENTS * (s + p) / unique == pytest.approx(formula, rel=AGENTS * BLOCK_SIZE / unique), i
+        private_before += r["stored"] - r["new_shared_blocks"]

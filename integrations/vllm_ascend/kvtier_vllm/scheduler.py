@@ -14,7 +14,10 @@ engines): which of a request's blocks past the local hits the store holds,
 asked on a lookup thread, and the remote writes of every new block. With
 ``approximate_shifted_segments``: the index of segment masters (a declared
 shared segment's block -> the first stored copy of it and its position) and
-the keys of approximate requests, derived in a namespace of their own.
+the keys of approximate requests, derived in a namespace of their own. With
+a hint server: the shared rounds announced there, each a reference count of
+the agents still to be served, whose shared prefix stays held in HBM and
+pinned in the tiers until it reaches zero.
 
 Must not touch tensors or do I/O on the scheduler's hot path: lookups read
 the in-memory index only, so a slow SSD never stalls a scheduling step (the
@@ -46,7 +49,13 @@ from kvtier.events import BlockRemoved, BlockStored, StoreFailed
 from kvtier.keys import BlockKey, Namespace, chain_foreign_keys
 from kvtier.manager import LoadPlan, StorePlan, TierManager, TierSpec
 from kvtier.placement import ToolWait, make_placement
-from kvtier.sdk.handles import request_approximate_segments, request_criticality, request_tags, request_tool_wait_s
+from kvtier.sdk.handles import (
+    request_approximate_segments,
+    request_criticality,
+    request_round,
+    request_tags,
+    request_tool_wait_s,
+)
 from kvtier.store import reindex_ssd
 from kvtier.tiers.codec import LOSSY_CODECS
 
@@ -100,6 +109,20 @@ REMOTE_KNOWN_MAX = 1 << 20  # keys remembered as in the remote store (not writte
 REMOTE_FAILED_TTL_S = 60.0  # a key whose remote load failed is not offered again for this long
 REMOTE_FAILED_MAX = 1 << 16
 APPROX_MASTERS_MAX = 1 << 18  # segment blocks remembered for approximate reuse (oldest forgotten first)
+ROUND_HOLD_MAX_S = 600.0  # a shared round's hold lapses after this long even if its agents never all come
+ROUNDS_MAX = 4096  # shared rounds tracked at once (the oldest forgotten first, their holds given back)
+
+
+@dataclass(slots=True)
+class _Round:
+    """A shared round seen in requests (``kvtier_round_id``): its shared prefix and
+    the agents served so far. ``announced``: its agents, from the hint server."""
+
+    keys: list[BlockKey]
+    hashes: list[Any]
+    served: set[str] = field(default_factory=set)
+    announced: tuple[str, ...] = ()
+    held: bool = False  # an HBM hold and tier pins are out
 
 
 class KVTierScheduler:
@@ -205,6 +228,9 @@ class KVTierScheduler:
         self._approx_ns = replace(namespace, tenant=namespace.tenant + "\x1fapproximate") \
             if settings.approximate_rope is not None else None
         self._masters: OrderedDict[int, tuple[BlockKey, int]] = OrderedDict()
+        # shared rounds: (session, round id) -> what requests said of them; the hint server's announcements
+        self._rounds: OrderedDict[tuple[str, str], _Round] = OrderedDict()
+        self._announced: dict[tuple[str, str], tuple[str, ...]] = {}
 
     # ------------------------------------------------------------ engine hooks
 
@@ -444,6 +470,7 @@ class KVTierScheduler:
             self._agent_waits(st, wait_s)
             if st.approx:
                 self._register_masters(st)
+            self._round_served(st)
         if st is None or not (st.pending_jobs or st.loading):
             return False
         self.counters["delayed_frees"] += 1
@@ -507,15 +534,16 @@ class KVTierScheduler:
             self._apply_hints(now, *got)
 
     def _read_watched(self) -> tuple[list[tuple[str, str, float | None]], dict[tuple[str, str], tuple[float, str | None]],
-                                     set[tuple[str, str]]] | None:
-        """The newest view of a separate hint server (``hint_watch``); never waits."""
+                                     set[tuple[str, str]], dict[tuple[str, str], tuple[str, ...]] | None] | None:
+        """The newest view of a separate hint server (``hint_watch``); never waits. Its
+        Watch view carries no shared rounds (``None``: rounds are left as they are)."""
         snap = self._watcher.latest()
         if snap is None:
             return None
         calls = [(k[0], k[1], a.returns_at_s) for k, a in snap.agents.items() if a.tool_in_flight]
         facts = {k: (a.criticality, a.parent_id) for k, a in snap.agents.items()}
         ended = {k for k, a in snap.agents.items() if a.ended}
-        return calls, facts, ended
+        return calls, facts, ended, None
 
     def _read_hosted(self, now: float) -> tuple[list[tuple[str, str, float | None]],
                                                 dict[tuple[str, str], tuple[float, str | None]],
@@ -523,17 +551,20 @@ class KVTierScheduler:
         graph = self._hints.server.graph
 
         def read() -> tuple[list[tuple[str, str, float | None]], dict[tuple[str, str], tuple[float, str | None]],
-                            set[tuple[str, str]]]:
+                            set[tuple[str, str]], dict[tuple[str, str], tuple[str, ...]]]:
             calls = [(s.session_id, c.agent_id, c.predicted_return_s) for s, c in graph.tool_calls_in_flight()]
             facts: dict[tuple[str, str], tuple[float, str | None]] = {}
             ended: set[tuple[str, str]] = set()
+            rounds: dict[tuple[str, str], tuple[str, ...]] = {}
             for s in graph.sessions():
+                for rid, rnd in s.rounds.items():
+                    rounds[(s.session_id, rid)] = rnd.agent_ids
                 crit = graph.criticalities(s.tenant, s.session_id, now)
                 for aid, a in s.agents.items():
                     facts[(s.session_id, aid)] = (float(crit.get(aid, 0.0)), a.parent_id)
                     if a.ended_s is not None:
                         ended.add((s.session_id, aid))
-            return calls, facts, ended
+            return calls, facts, ended, rounds
 
         try:
             return self._hints.call(read, timeout_s=1.0)
@@ -542,7 +573,10 @@ class KVTierScheduler:
             return None
 
     def _apply_hints(self, now: float, calls: list[tuple[str, str, float | None]],
-                     facts: dict[tuple[str, str], tuple[float, str | None]], ended: set[tuple[str, str]]) -> None:
+                     facts: dict[tuple[str, str], tuple[float, str | None]], ended: set[tuple[str, str]],
+                     rounds: dict[tuple[str, str], tuple[str, ...]] | None = None) -> None:
+        if rounds is not None:
+            self._announce_rounds(rounds)
         before = self._graph_cache
         self._graph_cache = facts
         for agent in sorted(ended - self._ended_agents):
@@ -562,6 +596,72 @@ class KVTierScheduler:
                 keys, hashes = known
                 self._start_wait(agent, keys, hashes,
                                  max(0.01, returns_s - now) if returns_s is not None else 10.0, 0)
+
+    # ------------------------------------------------------------ shared rounds
+
+    def _round_served(self, st: _Req) -> None:
+        """A finished request of a shared round (``kvtier_round_id``): learn the round's
+        shared prefix from it (the first one), count its agent as served, settle."""
+        tag = request_round(getattr(st.request, "kv_transfer_params", None))
+        if tag is None or st.session_id is None or st.agent_id is None:
+            return
+        rkey = (st.session_id, tag[0])
+        rnd = self._rounds.get(rkey)
+        if rnd is None:
+            n = tag[1] // self.block_size
+            keys = self._keys(st)[:n]
+            rnd = self._rounds[rkey] = _Round(list(keys), list(st.request.block_hashes[: len(keys)]),
+                                              announced=self._announced.get(rkey, ()))
+            while len(self._rounds) > ROUNDS_MAX:
+                self._release_round(*self._rounds.popitem(last=False))
+        rnd.served.add(st.agent_id)
+        self._settle_round(rkey, rnd)
+
+    def _announce_rounds(self, rounds: dict[tuple[str, str], tuple[str, ...]]) -> None:
+        """The hint server's rounds in progress: a round no longer there ended."""
+        self._announced = rounds
+        for rkey in list(self._rounds):
+            rnd = self._rounds[rkey]
+            rnd.announced = rounds.get(rkey, ())
+            if rnd.held and rkey not in rounds:
+                self.counters["shared_round_ended_early"] += 1
+            self._settle_round(rkey, rnd)
+
+    def _settle_round(self, rkey: tuple[str, str], rnd: _Round) -> None:
+        """Hold the round's shared prefix while announced agents are still to be served
+        (the reference count); give it back when none is, or the round ended."""
+        pending = len(set(rnd.announced) - rnd.served)
+        if pending and rnd.keys:
+            if not rnd.held:
+                rnd.held = True
+                self.counters["shared_round_holds"] += 1
+                if self.placement.holds is not None and self.settings.hbm_hold:
+                    n = self.placement.holds.hold(self._round_tag(rkey), rnd.hashes,
+                                                  self.placement.now + ROUND_HOLD_MAX_S)
+                    self.counters["shared_round_hbm_blocks"] += n
+            pinned = self.manager.pin(rnd.keys, ROUND_HOLD_MAX_S)  # again: blocks stored since count now
+            if pinned is None:
+                self.counters["shared_round_pin_refused"] += 1
+            self._pump_events()
+        elif rnd.held or (rnd.announced and not pending):
+            self._release_round(rkey, rnd)
+            del self._rounds[rkey]
+
+    def _release_round(self, rkey: tuple[str, str], rnd: _Round) -> None:
+        if not rnd.held:
+            return
+        rnd.held = False
+        self.counters["shared_round_releases"] += 1
+        if self.placement.holds is not None:
+            self.placement.holds.release(self._round_tag(rkey))
+        self.manager.unpin(rnd.keys)
+        self._pump_events()
+
+    @staticmethod
+    def _round_tag(rkey: tuple[str, str]) -> BlockKey:
+        """The HBM hold's tag of a round (apart from every block key an agent's hold uses)."""
+        digest = hashlib.blake2b(f"round\x1f{rkey[0]}\x1f{rkey[1]}".encode(), digest_size=8).digest()
+        return BlockKey(int.from_bytes(digest, "little"))
 
     def shutdown(self) -> None:
         """Give back every HBM hold; stop the hosted hint server or the watcher, if any;
