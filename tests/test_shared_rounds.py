@@ -123,14 +123,20 @@ def test_diff_stores_mirrors_at_the_measured_fraction_and_prefills_like_lru() ->
             assert diff[r].kv_tokens < dram[r].kv_tokens and diff[r].round_s > dram[r].round_s
 
 
-def test_approx_prefills_only_observations_and_holds_full_copies() -> None:
+def test_approx_prefills_each_output_once_and_loads_it_over_the_host_link() -> None:
+    """As the connector does it: the first receiver of each output computes it (the
+    master, written through to DRAM), every other receiver loads it re-rotated."""
     n, o, t = W.num_agents, W.observe_tokens, W.output_tokens
     approx, dram = _costs(W, "approx"), _costs(W, "lru-dram")
     for r in range(W.num_rounds):
-        assert approx[r].prefill_tokens == n * o
+        once = n * t if r else 0
+        assert approx[r].prefill_tokens == n * o + once
         assert approx[r].kv_tokens == dram[r].kv_tokens  # an engine's blocks belong to one request
-        received = (n - 1) * t if r else 0
-        assert approx[r].restore_s == pytest.approx(2 * n * received * KV_PER_TOKEN / HBM_BW)
+        loaded = n * (n - 1) * t - once if r else 0  # every receiver but the one that computed it
+        assert approx[r].restore_s == pytest.approx(PROFILE.transfer_time_s(loaded * KV_PER_TOKEN, "dram->hbm")
+                                                    + PROFILE.transfer_time_s(once * KV_PER_TOKEN, "hbm->dram"))
+        if r:
+            assert approx[r].prefill_tokens < dram[r].prefill_tokens
     assert approx[-1].prefill_s < dram[-1].prefill_s
 
 

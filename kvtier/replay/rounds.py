@@ -52,15 +52,17 @@ separately:
   reads while an agent runs, which favours ``diff`` where HBM binds. Under
   ``layout`` nothing is stored twice, so layout + diff equals ``layout``.
 * ``approx`` — APPROXIMATE reuse (CacheBlend-style, with no positions
-  recomputed): prompts as ``lru``'s, but every received segment is served from
-  its producer's master KV re-rotated to the agent's offset, so an agent
-  prefills only its observation. The KV differs from what the agent's own
-  prompt would give (above layer 0 a token's KV depends on everything before
-  it): its effect on outputs is measured on a live engine and recorded in
-  :data:`APPROX_QUALITY`, reported beside every ``approx`` figure. Restore:
-  the received KV copied per agent (read and written at HBM bandwidth); KV
-  held: full per-agent copies (an engine's blocks belong to one request);
-  overflow swapped like ``lru-dram``.
+  recomputed), as the vLLM connector's ``approximate_shifted_segments`` does
+  it: prompts as ``lru``'s; each received output is prefilled once, by the
+  first agent that receives it (the connector's masters are copies a request
+  computed, not the producer's decode KV), written through to DRAM, and every
+  other receiver loads it from there over the host link, keys re-rotated to
+  its offset, so it prefills only its observation. The KV differs from what
+  the agent's own prompt would give (above layer 0 a token's KV depends on
+  everything before it): its effect on outputs is measured on a live engine
+  and recorded in :data:`APPROX_QUALITY`, reported beside every ``approx``
+  figure. KV held: full per-agent copies (an engine's blocks belong to one
+  request); overflow swapped like ``lru-dram``.
 
 Round latency (every agent in one continuous-batching engine, all of a round's
 prefills packed into steps of ``max_batch_tokens``, then ``output_tokens``
@@ -262,8 +264,9 @@ def _round_work(w: RoundsWorkload, policy: str, r: int) -> tuple[list[tuple[int,
         new_shared = (n * t, shared - n * t)  # the previous round's outputs, prefilled once for every agent
         suffix = (p + (r + 1) * o, shared)  # private history and every observation, after the shared context
         return [new_shared] + [suffix] * n, shared + n * (p + (r + 1) * o + t), 0
-    if policy == "approx":  # received KV copied from the masters, re-rotated: only observations prefilled
-        return [(o, before + received)] * n, held, n * received
+    if policy == "approx":  # each received output prefilled once (a master), loaded re-rotated by the others
+        first = [(n * t, before)] if received else []
+        return first + [(o, before + received)] * n, held, n * received - (n * t if received else 0)
     if policy == "diff":
         stored = held - n * mirrors + round(DIFF_MEASURED["diff_over_raw"] * n * mirrors)
         return [(received + o, before)] * n, stored, n * mirrors
@@ -295,7 +298,11 @@ def round_costs(workload: RoundsWorkload, profile: Profile, policy: str, config:
         context = w.private_tokens + (r + 1) * w.observe_tokens + r * n * w.output_tokens
         steps = [profile.step_time_s(0, 0, n, n * (context + t)) for t in range(w.output_tokens)]
         decode_s = sum(steps)
-        restore_s = 2.0 * restore_tokens * kv_per_token / (profile.hardware.hbm_bw_bytes_s * profile.num_chips)
+        if policy == "approx":  # masters written through to DRAM, loaded from there over the host link
+            restore_s = (profile.transfer_time_s(restore_tokens * kv_per_token, "dram->hbm")
+                         + profile.transfer_time_s((n * w.output_tokens if r else 0) * kv_per_token, "hbm->dram"))
+        else:
+            restore_s = 2.0 * restore_tokens * kv_per_token / (profile.hardware.hbm_bw_bytes_s * profile.num_chips)
         prefill_tokens = sum(c[0] for c in chunks) + (overflow if policy == "lru" else 0)
         ready_s = swap_s + restore_s + prefill_s
         out.append(RoundCost(r, ready_s + decode_s, ready_s + steps[0], prefill_s, decode_s, swap_s, restore_s,

@@ -29,6 +29,8 @@ APPROXIMATE_SEGMENTS_PARAM = "kvtier_approximate_segments"
 ROUND_ID_PARAM = "kvtier_round_id"
 SHARED_TOKENS_PARAM = "kvtier_shared_tokens"
 CACHE_SALT_FIELD = "cache_salt"  # vLLM's own: requests with different salts share no prefix-cache block
+APPROXIMATE_SALT_MARKER = "kvtier-approximate"  # the last part of an approximate request's cache_salt
+MAX_APPROXIMATE_SPANS = 64
 
 
 def tag_request(body: Mapping[str, Any], session_id: str, agent_id: str,
@@ -98,7 +100,7 @@ def request_criticality(kv_transfer_params: Mapping[str, Any] | None) -> float |
 
 
 def approximate_segments(body: Mapping[str, Any], spans: Iterable[tuple[int, int]],
-                         cache_salt: str = "kvtier-approximate") -> dict[str, Any]:
+                         cache_salt: str | None = None) -> dict[str, Any]:
     """A copy of ``body`` asking for APPROXIMATE reuse of shared segments: each span
     ``(start, length)`` (prompt token offsets) holds text that other requests also
     contain, at other offsets. With the connector's ``approximate_shifted_segments``
@@ -112,10 +114,13 @@ def approximate_segments(body: Mapping[str, Any], spans: Iterable[tuple[int, int
     its private prefix must be cached for the segment after it to be reused
     (an engine reuses a prefix, never a block after a miss).
 
-    The request also gets vLLM's ``cache_salt``: its blocks, approximate from
-    the first span on, then never serve an exact request from vLLM's prefix
-    cache (the connector refuses approximate reuse for an unsalted request), and
-    the connector keys them in a namespace of their own."""
+    The request also gets vLLM's ``cache_salt``, ending in
+    :data:`APPROXIMATE_SALT_MARKER` (after ``cache_salt``, or the body's own
+    salt, when there is one: a tenant's salt is kept): its blocks, approximate
+    from the first span on, then never serve a request without that salt from
+    vLLM's prefix cache; the connector keys every request so salted in a
+    namespace of its own, and serves a request that declares spans without it
+    exact. At most :data:`MAX_APPROXIMATE_SPANS` spans."""
     out: list[list[int]] = []
     for span in spans:
         start, length = span
@@ -123,14 +128,23 @@ def approximate_segments(body: Mapping[str, Any], spans: Iterable[tuple[int, int
                 or not isinstance(length, int) or start < 0 or length <= 0:
             raise ValueError(f"approximate_segments: span {span!r} must be (start >= 0, length > 0) token counts")
         out.append([start, length])
-    if not isinstance(cache_salt, str) or not cache_salt:
-        raise ValueError(f"approximate_segments: cache_salt={cache_salt!r} must be a non-empty string")
+    if len(out) > MAX_APPROXIMATE_SPANS:
+        raise ValueError(f"approximate_segments: {len(out)} spans; at most {MAX_APPROXIMATE_SPANS}")
+    base = body.get(CACHE_SALT_FIELD) if cache_salt is None else cache_salt
+    if base is not None and (not isinstance(base, str) or not base):
+        raise ValueError(f"approximate_segments: cache_salt={base!r} must be a non-empty string")
     params = dict(body.get(KV_TRANSFER_PARAMS) or {})
     params[APPROXIMATE_SEGMENTS_PARAM] = out
     tagged = dict(body)
     tagged[KV_TRANSFER_PARAMS] = params
-    tagged[CACHE_SALT_FIELD] = cache_salt
+    tagged[CACHE_SALT_FIELD] = base if is_approximate_salt(base) else (
+        APPROXIMATE_SALT_MARKER if base is None else f"{base}\x1f{APPROXIMATE_SALT_MARKER}")
     return tagged
+
+
+def is_approximate_salt(salt: Any) -> bool:
+    """Whether a request's vLLM ``cache_salt`` marks it approximate (ends in the marker)."""
+    return isinstance(salt, str) and salt.rsplit("\x1f", 1)[-1] == APPROXIMATE_SALT_MARKER
 
 
 def tag_round(body: Mapping[str, Any], round_id: str, shared_tokens: int) -> dict[str, Any]:
@@ -166,9 +180,10 @@ def request_round(kv_transfer_params: Mapping[str, Any] | None) -> tuple[str, in
 def request_approximate_segments(kv_transfer_params: Mapping[str, Any] | None) -> list[tuple[int, int]] | None:
     """The spans :func:`approximate_segments` put into ``kv_transfer_params`` (an empty
     list: an approximate-mode request with no segment); ``None`` when absent or
-    malformed (a malformed list is no request for approximation)."""
+    malformed (a malformed list, or more than :data:`MAX_APPROXIMATE_SPANS` spans,
+    is no request for approximation)."""
     spans = (kv_transfer_params or {}).get(APPROXIMATE_SEGMENTS_PARAM)
-    if not isinstance(spans, (list, tuple)):
+    if not isinstance(spans, (list, tuple)) or len(spans) > MAX_APPROXIMATE_SPANS:
         return None
     out = []
     for span in spans:

@@ -41,9 +41,9 @@ class _Request:
 class _Engine:
     """vLLM's side of the hooks around a real block pool (one KV cache group)."""
 
-    def __init__(self, num_gpu_blocks: int, **extra) -> None:
+    def __init__(self, num_gpu_blocks: int, _settings: ConnectorSettings | None = None, **extra) -> None:
         facts = EngineFacts("tiny", "bfloat16", BS, 2, 2, 32, "fused", "sha256")
-        settings = ConnectorSettings.build({"dram_capacity_blocks": 8, **extra}, facts, env={})
+        settings = _settings or ConnectorSettings.build({"dram_capacity_blocks": 8, **extra}, facts, env={})
         ns = settings.config.namespace.to_namespace(settings.config.layout.to_layout())
         self.sched = KVTierScheduler(settings, ns, BS, 1)
         self.block_ids: dict[str, list[int]] = {}
@@ -301,8 +301,15 @@ def test_a_shared_round_keeps_its_prefix_until_its_last_agent_ran(announced: boo
                 eng.serve(f"other-{a}", _ctx(20 + a, eng.pool.get_num_free_blocks() - 1))  # takes every free block
             eng.step()
             assert sched.placement.holds.held_blocks == 0  # the last agent ran: released
-            assert not sched._rounds if announced else ("s", "r1") in sched._rounds  # (kept for an announcement)
+            assert not any(sched.manager.is_pinned(k) for k in sched._rounds[("s", "r1")].keys)
             assert sched.counters["shared_round_releases"] == (1 if announced else 0)
+            # an agent of the finished round asks again: the round is not held a second time
+            eng.serve("a0-again", shared + _ctx(0, 3), tag_round(tag_request({}, "s", "a0"), "r1", 6 * BS)
+                      ["kv_transfer_params"])
+            assert sched.placement.holds.held_blocks == 0 and sched.counters["shared_round_holds"] == int(announced)
+        # the round (and the session) ended: forgotten once the scheduler sees it
+        if announced:
+            _step_until_true(eng, lambda: not sched._rounds)
         assert hits == ([0, 6, 6] if announced else [0, 0, 0])
     finally:
         client.close()

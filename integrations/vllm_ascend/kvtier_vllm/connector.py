@@ -128,7 +128,9 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tp_ran
 
     from .rerotate import rope_of
 
-    rope = rope_of(vllm_config.model_config.hf_config, spec.head_size)
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    rope = rope_of(vllm_config.model_config.hf_config, spec.head_size) \
+        if extra.get("approximate_shifted_segments") is True else "approximate_shifted_segments is off"
     return EngineFacts(
         model=str(vllm_config.model_config.model),
         dtype=str(spec.dtype).removeprefix("torch."),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -45,14 +46,20 @@ class Rope:
     def rotate(self, k: torch.Tensor, shift: int) -> torch.Tensor:
         """``k`` (float32, last dimension ``head_dim``) turned by ``shift`` positions (a new tensor)."""
         half = self.rotary_dim // 2
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim))
-        angle = inv_freq * float(shift)
-        cos, sin = torch.cos(angle).to(torch.float32), torch.sin(angle).to(torch.float32)
+        cos, sin = _cos_sin(self.theta, self.rotary_dim, shift)
         x1, x2 = k[..., :half], k[..., half:self.rotary_dim]
         out = k.clone()
         out[..., :half] = x1 * cos - x2 * sin
         out[..., half:self.rotary_dim] = x2 * cos + x1 * sin
         return out
+
+
+@lru_cache(maxsize=4096)
+def _cos_sin(theta: float, rotary_dim: int, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of ``shift`` positions at every rotary frequency (float32; computed in float64)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    angle = inv_freq * float(shift)
+    return torch.cos(angle).to(torch.float32), torch.sin(angle).to(torch.float32)
 
 
 def rope_of(hf_config: Any, head_dim: int) -> Rope | str:
@@ -77,14 +84,27 @@ def rope_of(hf_config: Any, head_dim: int) -> Rope | str:
 
 @dataclass(frozen=True, slots=True)
 class KeyRegion:
-    """``count`` key vectors of ``head_dim`` elements starting ``offset`` bytes into a
-    block row: one vector after the other, or ``transposed`` (``[head_dim, count]``:
-    element ``d`` of every vector, then ``d + 1``)."""
+    """Key vectors of ``head_dim`` elements starting ``offset`` bytes into a block row:
+    ``groups`` groups ``group_stride`` elements apart, each of ``count`` vectors one
+    after the other, or ``transposed`` (``[head_dim, count]``: element ``d`` of every
+    vector, then ``d + 1``)."""
 
     offset: int
     count: int
     head_dim: int
     transposed: bool = False
+    groups: int = 1
+    group_stride: int = 0
+
+    def view(self, row: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``[groups, count, head_dim]`` view of these keys in ``row`` (uint8)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        span = (self.groups - 1) * self.group_stride + self.count * self.head_dim
+        flat = row[self.offset:self.offset + span * elem].view(dtype)
+        if self.transposed:
+            return flat.as_strided((self.groups, self.head_dim, self.count), (self.group_stride, self.count, 1)) \
+                .transpose(1, 2)
+        return flat.as_strided((self.groups, self.count, self.head_dim), (self.group_stride, self.head_dim, 1))
 
 
 def key_regions(parts: Sequence[Any], num_kv_heads: int, head_dim: int, block_size: int) -> list[KeyRegion]:
@@ -105,14 +125,13 @@ def key_regions(parts: Sequence[Any], num_kv_heads: int, head_dim: int, block_si
                                                                                        head_dim) for p in parts)
     for i, p in enumerate(parts):
         shape = tuple(p.tensor.shape)
-        elem = p.tensor.element_size()
         if split:
             if i % 2 == 0:  # K of a (K, V) pair
                 out.append(KeyRegion(p.offset, block_size * num_kv_heads, head_dim))
             continue
         if p.block_dim == 0 and len(shape) == 4 and shape[1:] == (num_kv_heads, block_size, 2 * head_dim):
-            for h in range(num_kv_heads):  # per head: the keys (transposed), then the values
-                out.append(KeyRegion(p.offset + h * 2 * block_size * head_dim * elem, block_size, head_dim, True))
+            # per head: the keys (transposed), then the values
+            out.append(KeyRegion(p.offset, block_size, head_dim, True, num_kv_heads, 2 * block_size * head_dim))
         elif p.block_dim == 1 and len(shape) == 5 and shape[0] == 2 and shape[2:] == (block_size, num_kv_heads,
                                                                                       head_dim):
             out.append(KeyRegion(p.offset, block_size * num_kv_heads, head_dim))
@@ -127,14 +146,12 @@ def rerotate_rows(rows: torch.Tensor, shifts: Sequence[int], regions: Sequence[K
                   dtype: torch.dtype) -> int:
     """Turn the keys of ``rows[i]`` (``uint8`` block rows) by ``shifts[i]`` positions, in
     place; rows with shift 0 are left alone. Returns how many rows were turned."""
-    turned, elem = 0, torch.empty((), dtype=dtype).element_size()
+    turned = 0
     for i, shift in enumerate(shifts):
         if not shift:
             continue
-        row = rows[i]
-        for r in regions:
-            flat = row[r.offset:r.offset + r.count * r.head_dim * elem].view(dtype)
-            view = flat.view(r.head_dim, r.count).T if r.transposed else flat.view(r.count, r.head_dim)
+        for r in regions:  # one region per layer (per tensor): all its heads at once
+            view = r.view(rows[i], dtype)
             view.copy_(rope.rotate(view.to(torch.float32), shift).to(dtype))
         turned += 1
     return turned

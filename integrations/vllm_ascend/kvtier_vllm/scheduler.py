@@ -38,6 +38,7 @@ import tempfile
 import threading
 import hashlib
 import time
+from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,6 +51,7 @@ from kvtier.keys import BlockKey, Namespace, chain_foreign_keys
 from kvtier.manager import LoadPlan, StorePlan, TierManager, TierSpec
 from kvtier.placement import ToolWait, make_placement
 from kvtier.sdk.handles import (
+    is_approximate_salt,
     request_approximate_segments,
     request_criticality,
     request_round,
@@ -80,6 +82,7 @@ class _Req:
     loading: bool = False  # an asynchronous load is in flight
     # approximate reuse: (block index, master key) of each block inside a declared shared segment; None = exact
     approx: list[tuple[int, int]] | None = None
+    approx_loaded: set[int] = field(default_factory=set)  # block indices loaded from another request's copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +105,7 @@ class _RemoteLookup:
     hi: int
     future: Future[list[bool]]
     started_s: float
+    keys: tuple[BlockKey, ...] = ()
 
 
 REMOTE_LOOKUP_GIVE_UP_S = 2.0  # a store that has not answered by then counts as a miss (remote_lookup_timeouts)
@@ -109,7 +113,8 @@ REMOTE_KNOWN_MAX = 1 << 20  # keys remembered as in the remote store (not writte
 REMOTE_FAILED_TTL_S = 60.0  # a key whose remote load failed is not offered again for this long
 REMOTE_FAILED_MAX = 1 << 16
 APPROX_MASTERS_MAX = 1 << 18  # segment blocks remembered for approximate reuse (oldest forgotten first)
-ROUND_HOLD_MAX_S = 600.0  # a shared round's hold lapses after this long even if its agents never all come
+ROUND_HOLD_MAX_S = 600.0  # a shared round's hold and pins end after this long even if its agents never all come
+ROUND_UNANNOUNCED_S = 60.0  # a round seen in requests but never announced is forgotten after this long
 ROUNDS_MAX = 4096  # shared rounds tracked at once (the oldest forgotten first, their holds given back)
 
 
@@ -122,7 +127,11 @@ class _Round:
     hashes: list[Any]
     served: set[str] = field(default_factory=set)
     announced: tuple[str, ...] = ()
+    created_s: float = 0.0
     held: bool = False  # an HBM hold and tier pins are out
+    held_s: float = 0.0  # since when
+    pinned: set[BlockKey] = field(default_factory=set)
+    done: bool = False  # given back: not held again while the round is announced
 
 
 class KVTierScheduler:
@@ -300,9 +309,10 @@ class KVTierScheduler:
         assert self._remote_pool is not None and self.settings.remote is not None
         q = self._remote_lookups.get(req_id)
         wait = 0.0
-        if q is None or (q.lo, q.hi) != (lo, hi):
+        if q is None or (q.lo, q.hi, q.keys) != (lo, hi, tuple(keys[lo:hi])):  # (approximate keys can change)
             q = self._remote_lookups[req_id] = _RemoteLookup(
-                lo, hi, self._remote_pool.submit(self._remote.contains_many, keys[lo:hi]), time.monotonic())
+                lo, hi, self._remote_pool.submit(self._remote.contains_many, keys[lo:hi]), time.monotonic(),
+                tuple(keys[lo:hi]))
             self.counters["remote_lookups"] += 1
             wait = self.settings.remote.lookup_wait_s
         try:
@@ -363,10 +373,15 @@ class KVTierScheduler:
             if match.shifts:  # the local run (possibly cut short by prepare_load), then the remote one
                 shifts = tuple(match.shifts[:got]) + (tuple(match.shifts[local:local + len(remote)]) if remote else ())
                 self.counters["approximate_loaded_blocks"] += sum(1 for x in shifts if x)
+                rows = list(range(got)) + list(range(local, local + len(remote)))
+                st.approx_loaded.update(match.start_block + r for r, x in zip(rows, shifts) if x)
             job = LoadJob(request.request_id, plan_id, (plan.keys if plan is not None else ()) + remote, tiers,
                           slots + (0,) * len(remote), targets, shifts)
             self._load_plans[plan_id] = (request.request_id, plan, remote)
             self._note_lossy_loads(job)
+            if job.shifts:  # a block rotated from a lossy value is lossy under the request's own key too
+                own = self._keys(st)[match.start_block:match.start_block + len(job.keys)]
+                self._lossy_loaded.update(k for k, src in zip(own, job.keys) if src in self._lossy_loaded)
         st.loading = True
         self._loads.append(job)
         self.counters["load_planned_tokens"] += n * self.block_size
@@ -547,7 +562,7 @@ class KVTierScheduler:
 
     def _read_hosted(self, now: float) -> tuple[list[tuple[str, str, float | None]],
                                                 dict[tuple[str, str], tuple[float, str | None]],
-                                                set[tuple[str, str]]] | None:
+                                                set[tuple[str, str]], dict[tuple[str, str], tuple[str, ...]]] | None:
         graph = self._hints.server.graph
 
         def read() -> tuple[list[tuple[str, str, float | None]], dict[tuple[str, str], tuple[float, str | None]],
@@ -601,9 +616,10 @@ class KVTierScheduler:
 
     def _round_served(self, st: _Req) -> None:
         """A finished request of a shared round (``kvtier_round_id``): learn the round's
-        shared prefix from it (the first one), count its agent as served, settle."""
+        shared prefix from it (the first one), count its agent as served, settle. Only
+        with a hosted hint server (a followed one does not report rounds)."""
         tag = request_round(getattr(st.request, "kv_transfer_params", None))
-        if tag is None or st.session_id is None or st.agent_id is None:
+        if tag is None or st.session_id is None or st.agent_id is None or self._hints is None:
             return
         rkey = (st.session_id, tag[0])
         rnd = self._rounds.get(rkey)
@@ -611,57 +627,74 @@ class KVTierScheduler:
             n = tag[1] // self.block_size
             keys = self._keys(st)[:n]
             rnd = self._rounds[rkey] = _Round(list(keys), list(st.request.block_hashes[: len(keys)]),
-                                              announced=self._announced.get(rkey, ()))
+                                              announced=self._announced.get(rkey, ()), created_s=self.placement.now)
             while len(self._rounds) > ROUNDS_MAX:
-                self._release_round(*self._rounds.popitem(last=False))
+                self._release_round(self._rounds.popitem(last=False)[1])
         rnd.served.add(st.agent_id)
-        self._settle_round(rkey, rnd)
+        self._settle_round(rnd)
 
     def _announce_rounds(self, rounds: dict[tuple[str, str], tuple[str, ...]]) -> None:
-        """The hint server's rounds in progress: a round no longer there ended."""
+        """The hosted hint server's rounds in progress. A round no longer there ended:
+        given back and forgotten (one never announced, after ``ROUND_UNANNOUNCED_S``)."""
         self._announced = rounds
-        for rkey in list(self._rounds):
-            rnd = self._rounds[rkey]
+        now = self.placement.now
+        for rkey, rnd in list(self._rounds.items()):
             rnd.announced = rounds.get(rkey, ())
-            if rnd.held and rkey not in rounds:
-                self.counters["shared_round_ended_early"] += 1
-            self._settle_round(rkey, rnd)
+            if rkey in rounds:
+                self._settle_round(rnd)
+            elif rnd.held or rnd.done or now - rnd.created_s > ROUND_UNANNOUNCED_S:
+                if rnd.held:
+                    self.counters["shared_round_ended_early"] += 1
+                self._release_round(rnd)
+                del self._rounds[rkey]
 
-    def _settle_round(self, rkey: tuple[str, str], rnd: _Round) -> None:
+    def _settle_round(self, rnd: _Round) -> None:
         """Hold the round's shared prefix while announced agents are still to be served
-        (the reference count); give it back when none is, or the round ended."""
-        pending = len(set(rnd.announced) - rnd.served)
-        if pending and rnd.keys:
+        (the reference count), at most ``ROUND_HOLD_MAX_S``; give it back when none is.
+        A round given back stays known (done) while announced: it is not held again."""
+        if rnd.done:
+            return
+        now = self.placement.now
+        pending = set(rnd.announced) - rnd.served
+        if pending and rnd.keys and not (rnd.held and now - rnd.held_s > ROUND_HOLD_MAX_S):
             if not rnd.held:
-                rnd.held = True
+                rnd.held, rnd.held_s = True, now
                 self.counters["shared_round_holds"] += 1
                 if self.placement.holds is not None and self.settings.hbm_hold:
-                    n = self.placement.holds.hold(self._round_tag(rkey), rnd.hashes,
-                                                  self.placement.now + ROUND_HOLD_MAX_S)
-                    self.counters["shared_round_hbm_blocks"] += n
-            pinned = self.manager.pin(rnd.keys, ROUND_HOLD_MAX_S)  # again: blocks stored since count now
-            if pinned is None:
-                self.counters["shared_round_pin_refused"] += 1
-            self._pump_events()
+                    tag = self._round_tag(rnd)
+                    self.counters["shared_round_hbm_blocks"] += self.placement.holds.hold(
+                        tag, rnd.hashes, now + ROUND_HOLD_MAX_S)
+            new = [k for k in rnd.keys if k not in rnd.pinned and self.manager.contains(k)]  # stored by now
+            if new:
+                if self.manager.pin(new, max(1.0, rnd.held_s + ROUND_HOLD_MAX_S - now)) is None:
+                    self.counters["shared_round_pin_refused"] += 1
+                else:
+                    rnd.pinned.update(new)
+                self._pump_events()
         elif rnd.held or (rnd.announced and not pending):
-            self._release_round(rkey, rnd)
-            del self._rounds[rkey]
+            if rnd.held and pending:
+                self.counters["shared_round_expired"] += 1
+            self._release_round(rnd)
+            rnd.done = True
 
-    def _release_round(self, rkey: tuple[str, str], rnd: _Round) -> None:
+    def _release_round(self, rnd: _Round) -> None:
+        """Give back the round's HBM hold and its pins (a key another held round also
+        pinned stays pinned)."""
         if not rnd.held:
             return
         rnd.held = False
         self.counters["shared_round_releases"] += 1
         if self.placement.holds is not None:
-            self.placement.holds.release(self._round_tag(rkey))
-        self.manager.unpin(rnd.keys)
+            self.placement.holds.release(self._round_tag(rnd))
+        others = set().union(*(r.pinned for r in self._rounds.values() if r is not rnd and r.held))
+        self.manager.unpin([k for k in rnd.pinned if k not in others])
+        rnd.pinned.clear()
         self._pump_events()
 
     @staticmethod
-    def _round_tag(rkey: tuple[str, str]) -> BlockKey:
+    def _round_tag(rnd: _Round) -> BlockKey:
         """The HBM hold's tag of a round (apart from every block key an agent's hold uses)."""
-        digest = hashlib.blake2b(f"round\x1f{rkey[0]}\x1f{rkey[1]}".encode(), digest_size=8).digest()
-        return BlockKey(int.from_bytes(digest, "little"))
+        return BlockKey(id(rnd) | (1 << 127))
 
     def shutdown(self) -> None:
         """Give back every HBM hold; stop the hosted hint server or the watcher, if any;
@@ -693,6 +726,10 @@ class KVTierScheduler:
         """Drop every stored block (vLLM calls this on ``reset_prefix_cache(reset_connector=True)``,
         e.g. after a weight update, when stored KV is stale); SSD values are deleted by the
         workers next step. False when a block could not be dropped (a load or store in flight)."""
+        for rnd in list(self._rounds.values()):  # round pins would keep stale blocks in the tiers
+            self._release_round(rnd)
+        self._rounds.clear()
+        self._masters.clear()
         self.placement.release_all()  # stale KV must go, waiting agents or not
         self._remote_known.clear()  # the shared store is other engines' too: this engine only forgets it
         for tier in self.manager.tier_names:
@@ -750,33 +787,43 @@ class KVTierScheduler:
             session_id, agent_id = request_tags(params)
             st = self._reqs[request.request_id] = _Req(request, session_id, agent_id)
             spans = request_approximate_segments(params)
-            if spans is not None:
-                st.approx = self._segment_blocks(request, spans)
+            if spans is not None or is_approximate_salt(getattr(request, "cache_salt", None)):
+                st.approx = self._segment_blocks(request, spans or [])
         return st
 
     def _segment_blocks(self, request: Any, spans: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
         """(block index, master key) of every whole block inside ``spans`` (may be empty:
         the request is keyed with the approximate ones, its blocks reusable by them);
-        ``None`` (the request runs exact) when approximate reuse is off or the request
-        has no cache salt."""
+        ``None`` (the request runs exact) when approximate reuse is off, the request's
+        ``cache_salt`` does not mark it approximate, or its prompt is not token ids only."""
+        salt = getattr(request, "cache_salt", None)
         if self._approx_ns is None:
             self.counters["approximate_refused_off"] += 1
             return None
-        if not getattr(request, "cache_salt", None):
+        if not is_approximate_salt(salt):
             self.counters["approximate_refused_unsalted"] += 1
-            log.warning("kvtier: request %s asks for approximate segments without a cache_salt: served exact "
-                        "(vLLM's prefix cache would mix its blocks with exact ones)", request.request_id)
+            log.warning("kvtier: request %s declares approximate segments without the approximate cache_salt: "
+                        "served exact (vLLM's prefix cache would mix its blocks with exact ones)", request.request_id)
+            return None
+        if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+            self.counters["approximate_refused_multimodal"] += 1  # placeholder tokens do not name their content
             return None
         tokens = list(request.prompt_token_ids or ())
         bs = self.block_size
+        lora = getattr(getattr(request, "lora_request", None), "lora_name", "") or ""
+        root = hashlib.blake2b(self._approx_ns.digest + f"\x1f{salt}\x1f{lora}".encode(), digest_size=16)
+        covered: set[int] = set()
         out: list[tuple[int, int]] = []
-        for start, length in spans:
+        for start, length in sorted(spans):
             if start % bs:
                 self.counters["approximate_unaligned_segments"] += 1
                 continue
-            h = hashlib.blake2b(self._approx_ns.digest, digest_size=16)
+            h = root.copy()
             for b in range(start // bs, min(start + length, len(tokens)) // bs):
-                h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in tokens[b * bs:(b + 1) * bs]))
+                if b in covered:  # overlapping spans: a block belongs to the first one
+                    break
+                covered.add(b)
+                h.update(array("i", tokens[b * bs:(b + 1) * bs]).tobytes())
                 out.append((b, int.from_bytes(h.copy().digest()[:8], "little")))  # a chain within the segment
         self.counters["approximate_requests"] += 1
         return out
@@ -795,21 +842,28 @@ class KVTierScheduler:
         a segment block whose master was stored at another offset by another request
         is read from there and its keys turned by the difference."""
         alt, shifts = list(keys), [0] * len(keys)
+        contains = self.manager.contains
         for b, master in st.approx or ():
-            if b >= len(keys):
-                break
+            if b >= len(keys) or contains(keys[b]):  # its own copy (an earlier turn) is stored: read that
+                continue
             src = self._masters.get(master)
-            if src is not None and src[0] != keys[b]:
+            if src is not None and src[0] != keys[b] and contains(src[0]):
                 alt[b], shifts[b] = src[0], (b - src[1]) * self.block_size
         return alt, shifts
 
     def _register_masters(self, st: _Req) -> None:
-        """A finished approximate request: the segment blocks it computed become the
-        masters of their segment (the first copy stays; a loaded copy is never one)."""
+        """A finished approximate request: the segment blocks it computed (not loaded)
+        become the masters of their segment, unless a readable master is known (the
+        first copy stays while it can be read; a master gone from the tiers is replaced).
+        A block this request loaded from another's copy is never made a master."""
         keys = st.keys
         for b, master in st.approx or ():
-            if b < len(keys) and master not in self._masters:
+            if b >= len(keys) or b in st.approx_loaded:
+                continue
+            known = self._masters.get(master)
+            if known is None or (known[0] != keys[b] and not self.manager.contains(known[0])):
                 self._masters[master] = (keys[b], b)
+                self._masters.move_to_end(master)
                 self.counters["approximate_masters"] += 1
         while len(self._masters) > APPROX_MASTERS_MAX:
             self._masters.popitem(last=False)

@@ -545,14 +545,21 @@ def _copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
 def _approximate(io: BlockIO, layout: KVLayout, rope: tuple[float, int]) -> tuple[Rope, list[KeyRegion], torch.dtype]:
     """What re-rotating a loaded block's keys needs; ``ValueError`` (naming the
     setting) for a cache whose keys it cannot place."""
-    if io.device.type == "cpu" and io.arrangement == "fused" and (
-            layout.head_dim % 32 or (layout.dtype == "bfloat16" and torch.cpu._is_amx_tile_supported())):
-        raise ValueError("kvtier: approximate_shifted_segments knows the key layout of vLLM's CPU 'vec' attention "
-                         "kernels only; this CPU and model use the 'amx' or 'vec16' kernels, which pack keys "
-                         "otherwise")
     parts = io._parts
+    dtype = parts[0].tensor.dtype
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"kvtier: approximate_shifted_segments turns float keys only; this KV cache holds {dtype} "
+                         "(a quantized kv_cache_dtype)")
+    if io.device.type == "cpu" and io.arrangement == "fused":
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(dtype, layout.block_size, layout.head_dim)
+        if isa != "vec":
+            raise ValueError(f"kvtier: approximate_shifted_segments knows the key layout of vLLM's CPU 'vec' "
+                             f"attention kernels only; this CPU, block size and model use '{isa}', which lays keys "
+                             "out otherwise")
     regions = key_regions(parts, layout.num_kv_heads, layout.head_dim, layout.block_size)
-    return Rope(rope[0], rope[1], layout.head_dim), regions, parts[0].tensor.dtype
+    return Rope(rope[0], rope[1], layout.head_dim), regions, dtype
 
 
 def _key(raw: int | None) -> BlockKey | None:
