@@ -1,4 +1,5 @@
-/* kvtier.tiers._rawread: the SSD tier's read path for ``raw`` values, in C.
+/* kvtier.tiers._rawread: the read path for ``raw`` values, in C (and the copy +
+checksum of the write path: copy_sum_many, used by the remote tier's puts).
 
 What it owns: for a batch of LMDB values (zero-copy views into the map), check
 each one's header exactly as kvtier.tiers.codec's fast path does (magic,
@@ -16,7 +17,8 @@ address of XXH3_64bits.
 
 XXH3-64 is not implemented here: it is looked up at import in the xxhash
 package's own extension module (which exports the xxHash library's public
-XXH3_64bits), and checked against xxhash.xxh3_64_intdigest on a test buffer.
+XXH3_64bits, and its CPU-dispatching XXH3_64bits_dispatch, preferred), and
+checked against xxhash.xxh3_64_intdigest on a test buffer.
 Where either fails, importing this module fails and kvtier stays on the
 pure-Python path.
 */
@@ -181,6 +183,74 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(copy_sum_many_doc,
+"copy_sum_many(dsts, srcs) -> list[int]\n\n"
+"For each i: copy srcs[i] (a contiguous buffer) to the start of dsts[i] (a\n"
+"writable contiguous buffer at least as long) and return the XXH3-64 of the\n"
+"copied bytes, read back from dsts[i] while they are in cache. The write path of\n"
+"raw values (their payload's checksum is in the header). The GIL is released\n"
+"while the blocks are copied and summed. Raises ValueError for a destination\n"
+"that is too short (nothing is copied then).");
+
+static PyObject *copy_sum_many(PyObject *self, PyObject *args) {
+    PyObject *dsts_in, *srcs_in;
+    if (!PyArg_ParseTuple(args, "OO", &dsts_in, &srcs_in)) return NULL;
+    if (!PyList_Check(dsts_in) || !PyList_Check(srcs_in)) {
+        PyErr_SetString(PyExc_TypeError, "dsts and srcs must be lists");
+        return NULL;
+    }
+    PyObject *dsts = PyList_AsTuple(dsts_in), *srcs = PyList_AsTuple(srcs_in), *result = NULL;
+    Py_buffer *bufs = NULL;
+    uint64_t *sums = NULL;
+    Py_ssize_t n = 0, got = 0; /* got: buffers acquired (2 per item) */
+    if (dsts == NULL || srcs == NULL) goto done;
+    n = PyTuple_GET_SIZE(dsts);
+    if (PyTuple_GET_SIZE(srcs) != n) {
+        PyErr_SetString(PyExc_ValueError, "dsts and srcs must have the same length");
+        goto done;
+    }
+    bufs = (Py_buffer *)PyMem_Calloc(2 * (size_t)(n ? n : 1), sizeof(Py_buffer));
+    sums = (uint64_t *)PyMem_Calloc((size_t)(n ? n : 1), sizeof(uint64_t));
+    if (bufs == NULL || sums == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(dsts, i), &bufs[got], PyBUF_SIMPLE | PyBUF_WRITABLE) != 0) goto done;
+        got++;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(srcs, i), &bufs[got], PyBUF_SIMPLE) != 0) goto done;
+        got++;
+        if (bufs[got - 2].len < bufs[got - 1].len) {
+            PyErr_Format(PyExc_ValueError, "dsts[%zd] holds %zd bytes, srcs[%zd] has %zd", i, bufs[got - 2].len, i,
+                         bufs[got - 1].len);
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        memmove(bufs[2 * i].buf, bufs[2 * i + 1].buf, (size_t)bufs[2 * i + 1].len);
+        sums[i] = xxh3_64(bufs[2 * i].buf, (size_t)bufs[2 * i + 1].len);
+    }
+    Py_END_ALLOW_THREADS
+    result = PyList_New(n);
+    if (result == NULL) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(sums[i]);
+        if (v == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, i, v);
+    }
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
+    PyMem_Free(bufs);
+    PyMem_Free(sums);
+    Py_XDECREF(dsts);
+    Py_XDECREF(srcs);
+    return result;
+}
+
 PyDoc_STRVAR(xxh3_doc, "xxh3_64(buffer) -> int: XXH3-64 of a contiguous buffer, through the bound function.");
 
 static PyObject *py_xxh3_64(PyObject *self, PyObject *arg) {
@@ -193,6 +263,7 @@ static PyObject *py_xxh3_64(PyObject *self, PyObject *arg) {
 
 static PyMethodDef methods[] = {
     {"read_raw_many", read_raw_many, METH_VARARGS, read_raw_many_doc},
+    {"copy_sum_many", copy_sum_many, METH_VARARGS, copy_sum_many_doc},
     {"xxh3_64", py_xxh3_64, METH_O, xxh3_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -217,7 +288,10 @@ static int bind_xxh3(void) {
         PyErr_SetString(PyExc_ImportError, "xxhash extension module is not loaded");
         return -1;
     }
-    xxh3_fn fn = (xxh3_fn)dlsym(handle, "XXH3_64bits");
+    /* the dispatching entry (AVX2 / AVX-512 where the CPU has them) is what the Python binding
+       calls; the plain one is the library's scalar/SSE2 build, half as fast here */
+    xxh3_fn fn = (xxh3_fn)dlsym(handle, "XXH3_64bits_dispatch");
+    if (fn == NULL) fn = (xxh3_fn)dlsym(handle, "XXH3_64bits");
     if (fn == NULL) {
         PyErr_SetString(PyExc_ImportError, "xxhash extension module does not export XXH3_64bits");
         return -1;

@@ -476,8 +476,10 @@ def _header(
     parent: BlockKey | None,
     stored_at_s: int,
     summed: object = None,
+    raw_sum: int | None = None,
 ) -> bytes:
-    """The header; its raw checksum is of ``summed`` (default: ``data``)."""
+    """The header; its raw checksum is of ``summed`` (default: ``data``), or ``raw_sum``
+    when the caller computed it already."""
     payload_len = sum(memoryview(p).nbytes for p in payload)
     fields = _FIELDS.pack(
         MAGIC,
@@ -492,7 +494,7 @@ def _header(
         len(data),
         payload_len,
         plane0_len,
-        checksum(data if summed is None else summed),
+        checksum(data if summed is None else summed) if raw_sum is None else raw_sum,
     )
     return fields + _CHECK.pack(checksum(fields))
 
@@ -604,6 +606,26 @@ def _decode_raw_fast(value: object, out: object, ctx: ValueContext, key: BlockKe
     # does the checksum: blocks decoded on several threads copy and verify in parallel
     np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(mv, np.uint8, offset=HEADER_BYTES))
     return checksum(dst) == raw_sum
+
+
+def encode_raw_many_into(items: list[tuple[BlockKey, object, BlockKey | None]], ctx: ValueContext,
+                         staging: np.ndarray, slot: int) -> list[int] | None:
+    """``raw`` values of ``items`` (key, block, parent) written into ``staging`` (uint8), the
+    i-th at ``i * slot``: the same bytes :func:`encode_parts` gives, with every payload
+    copied and checksummed in C in one call (GIL released). Returns each value's length,
+    or ``None`` without the C module (the caller encodes them one by one)."""
+    if _rawread is None:
+        return None
+    raws = [memoryview(raw).cast("B") if not isinstance(raw, bytes) else raw for _, raw, _ in items]
+    dsts = [staging[i * slot + HEADER_BYTES:(i + 1) * slot] for i in range(len(items))]
+    sums = _rawread.copy_sum_many(dsts, raws)
+    now = _now_s()
+    sizes = []
+    for i, ((key, _, parent), data, raw_sum) in enumerate(zip(items, raws, sums)):
+        header = _header(data, ctx, 0, 0, 0, [data], key, parent, now, raw_sum=raw_sum)
+        staging[i * slot:i * slot + HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
+        sizes.append(HEADER_BYTES + len(data))
+    return sizes
 
 
 def native_raw_read() -> bool:

@@ -41,9 +41,17 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 
 from ..errors import ConfigError, KVTierError
-from ..keys import BlockKey, Namespace
+from ..keys import BlockKey, Namespace, key_to_bytes
 from ..layout import KVLayout
-from .codec import ValueContext, check_codec_layout, decode_into, encode_parts, value_bound
+from .codec import (
+    ValueContext,
+    check_codec_layout,
+    decode_into,
+    decode_raw_batch,
+    encode_parts,
+    encode_raw_many_into,
+    value_bound,
+)
 
 OBJECT_PREFIX = "kvtier"
 GET_SLOTS = 16  # values per batch through a registered staging buffer (one for puts, one for gets)
@@ -186,14 +194,18 @@ class MooncakeTier:
         if staging is None:
             return 0
         slot, base = self._slot_bytes, staging.ctypes.data
-        sizes = []
-        for i, (key, raw, parent) in enumerate(items):
-            offset = i * slot
-            for part in encode_parts(raw, self._ctx, codec or self.codec, parent, self.zstd_level, key=key):
-                n = len(part)
-                staging[offset:offset + n] = np.frombuffer(part, dtype=np.uint8)
-                offset += n
-            sizes.append(offset - i * slot)
+        codec = codec or self.codec
+        # raw: every payload copied and checksummed in one C call (None without the C module)
+        sizes = encode_raw_many_into(list(items), self._ctx, staging, slot) if codec == "raw" else None
+        if sizes is None:
+            sizes = []
+            for i, (key, raw, parent) in enumerate(items):
+                offset = i * slot
+                for part in encode_parts(raw, self._ctx, codec, parent, self.zstd_level, key=key):
+                    n = len(part)
+                    staging[offset:offset + n] = np.frombuffer(part, dtype=np.uint8)
+                    offset += n
+                sizes.append(offset - i * slot)
         try:
             args = ([self.object_name(k) for k, _, _ in items], [base + i * slot for i in range(len(items))], sizes)
             codes = self._store.batch_upsert_from(*args) if config is None else self._store.batch_upsert_from(*args,
@@ -227,13 +239,17 @@ class MooncakeTier:
         except (RuntimeError, ValueError, TypeError) as e:
             self._error("get", e)
             return [False] * len(keys)
+        got = list(got)[:len(keys)]
+        values = [staging[i * slot:i * slot + n] if n > 0 else None for i, n in enumerate(got)]
+        # raw values checked and copied in one C call; anything it does not show OK goes to the general decoder
+        fast = decode_raw_batch(values, [key_to_bytes(k) for k in keys[:len(got)]], list(outs[:len(got)]), self._ctx)
         oks = []
-        for i, (key, n, out) in enumerate(zip(keys, got, outs)):
-            if n <= 0:  # absent (Mooncake's OBJECT_NOT_FOUND), else a store error (e.g. -900: RPC failed)
+        for key, n, out, value, ok in zip(keys, got, outs, values, fast):
+            if value is None:  # absent (Mooncake's OBJECT_NOT_FOUND), else a store error (e.g. -900: RPC failed)
                 self.counters["missing" if n == OBJECT_NOT_FOUND else "remote_errors"] += 1
                 oks.append(False)
                 continue
-            oks.append(decode_into(staging[i * slot:i * slot + n], out, self._ctx, self.counters, key=key))
+            oks.append(ok or decode_into(value, out, self._ctx, self.counters, key=key))
         return oks + [False] * (len(keys) - len(oks))
 
     def _registered(self, name: str) -> np.ndarray | None:
