@@ -49,6 +49,22 @@ def test_a_watcher_sees_agents_tool_calls_criticality_and_ends() -> None:
         srv.stop()
 
 
+def test_a_watcher_sees_shared_rounds_while_they_are_in_progress() -> None:
+    srv = ServerThread()
+    watcher = AgentsWatcher(srv.address, interval_s=0.02)
+    client = HintClient(srv.address)
+    try:
+        with client.session("s1") as session, session.agent("a", agent_id="a0"), session.agent("b", agent_id="a1"):
+            with session.shared_round("r1", ["a0", "a1"]):
+                snap = _wait(lambda: (lambda s: s if s and s.rounds else None)(watcher.latest()))
+                assert snap.rounds == {("s1", "r1"): ("a0", "a1")}
+            _wait(lambda: (lambda s: s is not None and not s.rounds)(watcher.latest()))
+    finally:
+        client.close()
+        watcher.close()
+        srv.stop()
+
+
 def test_a_watcher_sees_only_its_tenant_and_needs_a_token_when_auth_is_on() -> None:
     srv = ServerThread(tokens={"tok-a": "a", "tok-b": "b"})
     good = AgentsWatcher(srv.address, token="tok-a", interval_s=0.02)

@@ -370,6 +370,7 @@ class HintServer:
                                   now_unix_us=time.time_ns() // 1000)
 
     MAX_VIEW_AGENTS = 65_536
+    MAX_VIEW_ROUNDS = 4096
 
     def agents_view(self, tenant: str) -> Any:
         """The ``AgentsView`` of ``tenant`` now (what ``Watch`` streams). O(its agents)."""
@@ -392,6 +393,12 @@ class HintServer:
                         av.has_prediction = True
                         av.tool_returns_in_s = max(known) - now
         view.num_left_out = max(0, n - self.MAX_VIEW_AGENTS)
+        rounds = 0
+        for s in self.graph.sessions(tenant):
+            for rid, rnd in s.rounds.items():
+                rounds += 1
+                if rounds <= self.MAX_VIEW_ROUNDS:
+                    view.rounds.add(session_id=s.session_id, round_id=rid, agent_ids=rnd.agent_ids)
         return view
 
     def stats(self, tenant: str, session_id: str = "") -> Any:

@@ -45,6 +45,7 @@ class AgentState:
 class AgentsSnapshot:
     received_s: float
     agents: dict[AgentKey, AgentState] = field(default_factory=dict)
+    rounds: dict[tuple[str, str], tuple[str, ...]] = field(default_factory=dict)  # (session, round) -> agents
 
 
 def snapshot_of(view: Any, received_s: float) -> AgentsSnapshot:
@@ -54,7 +55,8 @@ def snapshot_of(view: Any, received_s: float) -> AgentsSnapshot:
         returns = received_s + a.tool_returns_in_s if a.tool_call_in_flight and a.has_prediction else None
         agents[(a.session_id, a.agent_id)] = AgentState(a.criticality, a.parent_agent_id or None, a.ended,
                                                         a.tool_call_in_flight, returns)
-    return AgentsSnapshot(received_s, agents)
+    rounds = {(r.session_id, r.round_id): tuple(r.agent_ids) for r in view.rounds}
+    return AgentsSnapshot(received_s, agents, rounds)
 
 
 class AgentsWatcher:

@@ -266,23 +266,33 @@ def test_host_tiers_evict_by_predicted_next_use(policy: str | None) -> None:
     eng.sched.manager.check_invariants()
 
 
-@pytest.mark.parametrize("announced", [True, False])
-def test_a_shared_round_keeps_its_prefix_until_its_last_agent_ran(announced: bool) -> None:
+@pytest.mark.parametrize("announced,plane", [(True, "hosted"), (False, "hosted"), (True, "watched")])
+def test_a_shared_round_keeps_its_prefix_until_its_last_agent_ran(announced: bool, plane: str) -> None:
     """An all-gather round announced on the hint plane (``SessionHandle.shared_round``)
     with its three agents; each agent's request carries ``tag_round`` (the shared prefix
     is its first 6 blocks). The round is a reference count: after the first agent ran,
     its shared prefix stays held in HBM and pinned in the tiers while agents remain,
     so the others hit it in HBM although other traffic took every free block between
     them; after the last one the hold and the pins are given back. Not announced: the
-    traffic evicts the prefix (kvtier's DRAM tier, 8 blocks here, is flushed too)."""
+    traffic evicts the prefix (kvtier's DRAM tier, 8 blocks here, is flushed too).
+    ``watched``: the hint server runs apart (``kvtier serve``) and the connector follows
+    it (``hint_watch``): its Watch view carries the rounds."""
     from contextlib import ExitStack
 
+    from kvtier.hints.server import BackgroundHintServer
     from kvtier.sdk import HintClient, tag_round
 
-    eng = _Engine(101, placement="kvtier", hint_server="127.0.0.1:0")
+    server = None
+    if plane == "watched":
+        server = BackgroundHintServer()
+        address = server.start("127.0.0.1:0")
+        eng = _Engine(101, placement="kvtier", hint_watch=address)
+    else:
+        eng = _Engine(101, placement="kvtier", hint_server="127.0.0.1:0")
+        address = eng.sched.hint_address
     sched = eng.sched
     shared = _ctx(7, 6)
-    client = HintClient(sched.hint_address)
+    client = HintClient(address)
     hits = []
     try:
         with ExitStack() as stack:
@@ -314,6 +324,8 @@ def test_a_shared_round_keeps_its_prefix_until_its_last_agent_ran(announced: boo
     finally:
         client.close()
         sched.shutdown()
+        if server is not None:
+            server.stop()
 
 
 def _step_until_true(eng: _Engine, done, timeout_s: float = 10.0) -> None:

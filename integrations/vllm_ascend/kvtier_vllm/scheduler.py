@@ -550,15 +550,14 @@ class KVTierScheduler:
 
     def _read_watched(self) -> tuple[list[tuple[str, str, float | None]], dict[tuple[str, str], tuple[float, str | None]],
                                      set[tuple[str, str]], dict[tuple[str, str], tuple[str, ...]] | None] | None:
-        """The newest view of a separate hint server (``hint_watch``); never waits. Its
-        Watch view carries no shared rounds (``None``: rounds are left as they are)."""
+        """The newest view of a separate hint server (``hint_watch``); never waits."""
         snap = self._watcher.latest()
         if snap is None:
             return None
         calls = [(k[0], k[1], a.returns_at_s) for k, a in snap.agents.items() if a.tool_in_flight]
         facts = {k: (a.criticality, a.parent_id) for k, a in snap.agents.items()}
         ended = {k for k, a in snap.agents.items() if a.ended}
-        return calls, facts, ended, None
+        return calls, facts, ended, snap.rounds
 
     def _read_hosted(self, now: float) -> tuple[list[tuple[str, str, float | None]],
                                                 dict[tuple[str, str], tuple[float, str | None]],
@@ -617,9 +616,10 @@ class KVTierScheduler:
     def _round_served(self, st: _Req) -> None:
         """A finished request of a shared round (``kvtier_round_id``): learn the round's
         shared prefix from it (the first one), count its agent as served, settle. Only
-        with a hosted hint server (a followed one does not report rounds)."""
+        with a hint server (hosted, or followed), where rounds are announced."""
         tag = request_round(getattr(st.request, "kv_transfer_params", None))
-        if tag is None or st.session_id is None or st.agent_id is None or self._hints is None:
+        if tag is None or st.session_id is None or st.agent_id is None or (self._hints is None
+                                                                           and self._watcher is None):
             return
         rkey = (st.session_id, tag[0])
         rnd = self._rounds.get(rkey)

@@ -438,12 +438,24 @@ class AgentView(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., parent_agent_id: _Optional[str] = ..., criticality: _Optional[float] = ..., ended: _Optional[bool] = ..., tool_call_in_flight: _Optional[bool] = ..., has_prediction: _Optional[bool] = ..., tool_returns_in_s: _Optional[float] = ...) -> None: ...
 
 class AgentsView(_message.Message):
-    __slots__ = ("agents", "num_left_out")
+    __slots__ = ("agents", "num_left_out", "rounds")
     AGENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
     agents: _containers.RepeatedCompositeFieldContainer[AgentView]
     num_left_out: int
-    def __init__(self, agents: _Optional[_Iterable[_Union[AgentView, _Mapping]]] = ..., num_left_out: _Optional[int] = ...) -> None: ...
+    rounds: _containers.RepeatedCompositeFieldContainer[RoundView]
+    def __init__(self, agents: _Optional[_Iterable[_Union[AgentView, _Mapping]]] = ..., num_left_out: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[RoundView, _Mapping]]] = ...) -> None: ...
+
+class RoundView(_message.Message):
+    __slots__ = ("session_id", "round_id", "agent_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    round_id: str
+    agent_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., round_id: _Optional[str] = ..., agent_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "age_s", "agents", "tool_calls", "shared_rounds", "critical_path")

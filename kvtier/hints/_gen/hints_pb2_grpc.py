@@ -89,8 +89,9 @@ class HintServiceServicer:
     def Watch(self, request, context):
         """For engine connectors: the caller's tenant's agents as placement reads
         them (criticality, parent, a tool call in flight and its predicted
-        return, ended), one view at once and then one every interval, until the
-        client cancels the call or the server stops.
+        return, ended) and its shared rounds in progress, one view at once and
+        then one every interval, until the client cancels the call or the server
+        stops.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
