@@ -13,7 +13,7 @@ through vLLM's block pool, SSD -> DRAM prefetch), and the counters behind
 engines): which of a request's blocks past the local hits the store holds,
 asked on a lookup thread, and the remote writes of every new block. With
 ``approximate_shifted_segments``: the index of segment masters (a declared
-shared segment's block -> the first stored copy of it and its position) and
+shared segment's block -> the copy a request computed and its position) and
 the keys of approximate requests, derived in a namespace of their own. With
 a hint server: the shared rounds announced there, each a reference count of
 the agents still to be served, whose shared prefix stays held in HBM and
@@ -233,7 +233,7 @@ class KVTierScheduler:
             self._remote = remoteshare.acquire(settings.remote, namespace, cfg.layout.to_layout())
             self._remote_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote-lookup")
         # approximate reuse: its requests' keys come from a namespace of their own (exact ones never meet them);
-        # master key of a segment block -> (the key of its first stored copy, that copy's block index)
+        # master key of a segment block -> (the key of a copy a request computed, that copy's block index)
         self._approx_ns = replace(namespace, tenant=namespace.tenant + "\x1fapproximate") \
             if settings.approximate_rope is not None else None
         self._masters: OrderedDict[int, tuple[BlockKey, int]] = OrderedDict()

@@ -82,10 +82,11 @@ EXTRA_KEYS: dict[str, str] = {
     "cold_after_s": "the tool wait (seconds, default 30) from which cold_codec applies",
     "approximate_shifted_segments": "true: APPROXIMATE reuse. A request's declared shared segments "
                                     "(kvtier_approximate_segments, see kvtier.sdk.handles.approximate_segments) are "
-                                    "served from the first copy stored, computed at another offset after another "
-                                    "prefix, keys re-rotated, not recomputed: not the KV the prompt would produce. "
-                                    "Only for requests with a cache_salt; their blocks are keyed apart, so exact "
-                                    "requests never load them. Off by default",
+                                    "served from a copy another approximate request computed, at another offset "
+                                    "after another prefix, keys re-rotated, not recomputed: not the KV the prompt "
+                                    "would produce. Only for requests whose cache_salt ends in the approximate "
+                                    "marker; their blocks are keyed apart, so other requests never load them. "
+                                    "Off by default",
     "allow_untested_vllm": "true: start on a vLLM outside the tested range (see kvtier_vllm.version)",
 }
 """Every key the connector reads from ``kv_connector_extra_config``."""
