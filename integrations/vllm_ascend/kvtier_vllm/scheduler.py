@@ -30,13 +30,13 @@ every worker reported its store ok.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
 import os
 import tempfile
 import threading
-import hashlib
 import time
 from array import array
 from collections import Counter, OrderedDict
@@ -634,7 +634,7 @@ class KVTierScheduler:
         self._settle_round(rnd)
 
     def _announce_rounds(self, rounds: dict[tuple[str, str], tuple[str, ...]]) -> None:
-        """The hosted hint server's rounds in progress. A round no longer there ended:
+        """The hint server's rounds in progress (hosted or followed). A round no longer there ended:
         given back and forgotten (one never announced, after ``ROUND_UNANNOUNCED_S``)."""
         self._announced = rounds
         now = self.placement.now
