@@ -1,9 +1,11 @@
-"""README table of the vLLM connector's byte path, rendered from ``bench/out/connector-path.json``.
+"""README tables of the byte paths: the vLLM connector's and the remote tier's.
 
 Owns: the renderer of table ``connector-path`` (``bench/connector_path.py``:
 the connector worker's DRAM and SSD functions against memcpy and raw file I/O,
-and its whole store / load path against memcpy). Every figure is read from
-the JSON; ratios are computed there, in the same run as their baselines.
+and its whole store / load path against memcpy) and of table ``remote``
+(``kvtier bench remote``: the Mooncake remote tier against Mooncake's own
+batch calls). Every figure is read from the JSON; ratios are computed there,
+in the same run as their baselines.
 
 Must not: run anything or write any file (``bench/readme_tables.py`` imports
 this module and rewrites the documents).
@@ -39,4 +41,29 @@ def connector_path(data: dict[str, Any]) -> str:
                f">= {t['ssd_get_vs_raw_read']}x warm read:\n\n")
     header = ["block", "memcpy GB/s", "DRAM store", "DRAM load", "write + fsync GB/s", "SSD store",
               "warm read GB/s", "SSD load", "whole store / load path vs memcpy"]
+    return caption + md_table(header, rows)
+
+
+@table("remote", "remote.json")
+def remote(data: dict[str, Any]) -> str:
+    target = data["target"]
+
+    def cell(r: dict[str, Any], gbps: str, ratio: str, marked: bool = True) -> str:
+        mark = (" ✓" if r[ratio] >= target else " ✗") if marked else ""
+        return f"{r[gbps]:.2f} GB/s ({r[ratio]:.2f}x{mark})"
+
+    rows = [[f"{r['block_kib']} KiB", f"{r['mooncake_put_gbps']:.2f}", cell(r, "remote_put_gbps", "put_vs_mooncake"),
+             cell(r, "staged_put_gbps", "staged_put_vs_mooncake", False), f"{r['mooncake_get_gbps']:.2f}",
+             cell(r, "remote_get_gbps", "get_vs_mooncake"), cell(r, "staged_get_gbps", "staged_get_vs_mooncake", False),
+             f"{r['zero_copy_put_gbps']:.2f} / {r['zero_copy_get_gbps']:.2f}"]
+            for r in data["results"]]
+    verified = "every read verified" if all(r["verified"] for r in data["results"]) else "READ BYTES WRONG"
+    caption = (f"`kvtier bench remote --repeats {data['repeats']} --json bench/out/remote.json` ({data['total_mib']} "
+               f"MiB per measurement in batches of 16 blocks, best of {data['repeats']} interleaved rounds, one client "
+               f"and a local `mooncake_master` over TCP on loopback, 2 CPUs, {verified}). Ratios against Mooncake's "
+               f"own `upsert_batch` / `get_batch` of the same bytes in the same run; target >= {target}x on "
+               "registered buffers (the connector's path); the staged path and Mooncake's zero-copy calls are "
+               "context:\n\n")
+    header = ["block", "Mooncake put GB/s", "kvtier put, registered", "kvtier put, staged", "Mooncake get GB/s",
+              "kvtier get, registered", "kvtier get, staged", "Mooncake zero-copy put / get GB/s"]
     return caption + md_table(header, rows)

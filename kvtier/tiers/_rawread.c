@@ -13,7 +13,7 @@ only "shown OK here" (True) or "not shown OK here" (False); on False the caller
 runs the general Python decoder, which tells why (absent, corrupt, foreign,
 another codec) and counts it. It never writes outside a buffer whose length
 it checked, and never reads past a value's length. It holds no state but the
-address of XXH3_64bits.
+addresses of xxHash's calls.
 
 XXH3-64 is not implemented here: it is looked up at import in the xxhash
 package's own extension module (which exports the xxHash library's public
@@ -26,10 +26,52 @@ pure-Python path.
 #include <Python.h>
 #include <dlfcn.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef uint64_t (*xxh3_fn)(const void *, size_t);
 static xxh3_fn xxh3_64 = NULL;
+
+/* xxHash's streaming XXH3-64 (same result as the one-shot call, checked at import): a copy
+   sums each chunk right after copying it, while it is still in L1, instead of reading the
+   whole destination back from L2/L3 afterwards. Absent (NULL) where the library does not
+   export it: the copy is then followed by one-shot sums. */
+typedef void *(*state_new_fn)(void);
+typedef int (*state_free_fn)(void *);
+typedef int (*reset_fn)(void *);
+typedef int (*update_fn)(void *, const void *, size_t);
+typedef uint64_t (*digest_fn)(const void *);
+static state_new_fn xxh3_state_new = NULL;
+static state_free_fn xxh3_state_free = NULL;
+static reset_fn xxh3_reset = NULL;
+static update_fn xxh3_update = NULL;
+static digest_fn xxh3_digest = NULL;
+/* copied, then summed while in L1/L2; a value under 8 chunks is copied, then summed whole (it stays in L2).
+   Measured (copy + sum, GB/s, one thread): 1 MiB 9.1 vs 9.8 chunked, 4 MiB 7.1 vs 9.6; 256 KiB 10.2 either way */
+enum { COPY_CHUNK = 64 * 1024 };
+
+/* Copy n bytes from src to dst and return their XXH3-64. state: a streaming state, or NULL. */
+static uint64_t copy_sum(void *dst, const void *src, size_t n, void *state) {
+    const unsigned char *s = (const unsigned char *)src;
+    unsigned char *d = (unsigned char *)dst;
+    int overlap = d < s + n && s < d + n;
+    if (state == NULL || overlap || n < 8 * COPY_CHUNK || xxh3_reset(state) != 0) {
+        memmove(d, s, n); /* memmove: a caller's buffer may overlap the value */
+        return xxh3_64(d, n);
+    }
+    for (size_t off = 0; off < n; off += COPY_CHUNK) {
+        size_t c = n - off < COPY_CHUNK ? n - off : COPY_CHUNK;
+        memcpy(d + off, s + off, c);
+        xxh3_update(state, d + off, c); /* the bytes as they landed */
+    }
+    return xxh3_digest(state);
+}
+
+static void *new_state(void) { return xxh3_state_new != NULL ? xxh3_state_new() : NULL; }
+
+static void free_state(void *state) {
+    if (state != NULL) xxh3_state_free(state);
+}
 
 /* Header layout: struct "<4sBBH16s16s8s16sIIIIQ" then "<Q" (kvtier.tiers.codec). */
 enum {
@@ -68,24 +110,26 @@ typedef struct {
     int ok;
 } item_t;
 
-/* One block, GIL released: 1 only when every check of codec._decode_raw_fast holds. */
+/* One block, GIL released: 1 only when every check of codec._decode_raw_fast holds.
+   in_place: the value's payload was read straight into out, and value holds its header alone. */
 static int read_one(const item_t *it, const unsigned char *magic, unsigned version, const unsigned char *ns,
-                    const unsigned char *layout) {
+                    const unsigned char *layout, void *state, int in_place) {
     const unsigned char *v = (const unsigned char *)it->value.buf;
     Py_ssize_t vlen = it->value.len;
-    if (vlen < HEADER_BYTES) return 0;
+    if (vlen < HEADER_BYTES || (in_place && vlen != HEADER_BYTES)) return 0;
+    Py_ssize_t payload_avail = in_place ? it->out.len : vlen - HEADER_BYTES;
     if (memcmp(v + OFF_MAGIC, magic, 4) != 0 || v[OFF_VERSION] != version || v[OFF_CODEC] != 0) return 0;
     if (v[OFF_FLAGS] != 0 || v[OFF_FLAGS + 1] != 0) return 0;
     if (memcmp(v + OFF_KEY, it->key, KEY_LEN) != 0 || memcmp(v + OFF_NS, ns, NS_LEN) != 0 ||
         memcmp(v + OFF_LAYOUT, layout, LAYOUT_LEN) != 0)
         return 0;
     uint32_t raw_len = le32(v + OFF_RAW_LEN), payload_len = le32(v + OFF_PAYLOAD_LEN);
-    if (le32(v + OFF_PLANE0_LEN) != 0 || payload_len != raw_len || (Py_ssize_t)payload_len != vlen - HEADER_BYTES)
+    if (le32(v + OFF_PLANE0_LEN) != 0 || payload_len != raw_len || (Py_ssize_t)payload_len != payload_avail)
         return 0;
     if (it->out.len != (Py_ssize_t)raw_len) return 0;
     if (xxh3_64(v, FIELDS_BYTES) != le64(v + FIELDS_BYTES)) return 0;
-    memmove(it->out.buf, v + HEADER_BYTES, raw_len); /* memmove: a caller's buffer may overlap the value */
-    return xxh3_64(it->out.buf, raw_len) == le64(v + OFF_RAW_SUM);
+    if (in_place) return xxh3_64(it->out.buf, raw_len) == le64(v + OFF_RAW_SUM);
+    return copy_sum(it->out.buf, v + HEADER_BYTES, raw_len, state) == le64(v + OFF_RAW_SUM);
 }
 
 PyDoc_STRVAR(read_raw_many_doc,
@@ -95,13 +139,17 @@ PyDoc_STRVAR(read_raw_many_doc,
 "copied into outs[i] (a writable contiguous buffer of the raw length). False\n"
 "means 'not shown OK here' (None, another codec, any failed check, or a buffer\n"
 "that is not contiguous/writable); the caller then runs the general decoder.\n"
+"in_place (default False): each payload was read straight into outs[i] and\n"
+"values[i] is the value's 96-byte header alone; the payload is checked where it is.\n"
 "The GIL is released while the blocks are checked and copied.");
 
 static PyObject *read_raw_many(PyObject *self, PyObject *args) {
     PyObject *values_in, *keys_in, *outs_in;
     Py_buffer magic, ns, layout;
     unsigned char version;
-    if (!PyArg_ParseTuple(args, "OOOy*by*y*", &values_in, &keys_in, &outs_in, &magic, &version, &ns, &layout))
+    int in_place = 0;
+    if (!PyArg_ParseTuple(args, "OOOy*by*y*|p", &values_in, &keys_in, &outs_in, &magic, &version, &ns, &layout,
+                          &in_place))
         return NULL;
     PyObject *result = NULL, *values = NULL, *keys = NULL, *outs = NULL;
     item_t *items = NULL;
@@ -152,12 +200,14 @@ static PyObject *read_raw_many(PyObject *self, PyObject *args) {
         it->have_out = 1;
     }
     Py_BEGIN_ALLOW_THREADS
+    void *state = new_state();
     for (Py_ssize_t i = 0; i < n; i++) {
         item_t *it = &items[i];
         it->ok = it->have_value && it->have_out &&
                  read_one(it, (const unsigned char *)magic.buf, version, (const unsigned char *)ns.buf,
-                          (const unsigned char *)layout.buf);
+                          (const unsigned char *)layout.buf, state, in_place);
     }
+    free_state(state);
     Py_END_ALLOW_THREADS
     result = PyList_New(n);
     if (result == NULL) goto done;
@@ -187,7 +237,7 @@ PyDoc_STRVAR(copy_sum_many_doc,
 "copy_sum_many(dsts, srcs) -> list[int]\n\n"
 "For each i: copy srcs[i] (a contiguous buffer) to the start of dsts[i] (a\n"
 "writable contiguous buffer at least as long) and return the XXH3-64 of the\n"
-"copied bytes, read back from dsts[i] while they are in cache. The write path of\n"
+"copied bytes, summed chunk by chunk from dsts[i] as they land. The write path of\n"
 "raw values (their payload's checksum is in the header). The GIL is released\n"
 "while the blocks are copied and summed. Raises ValueError for a destination\n"
 "that is too short (nothing is copied then).");
@@ -227,10 +277,10 @@ static PyObject *copy_sum_many(PyObject *self, PyObject *args) {
         }
     }
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        memmove(bufs[2 * i].buf, bufs[2 * i + 1].buf, (size_t)bufs[2 * i + 1].len);
-        sums[i] = xxh3_64(bufs[2 * i].buf, (size_t)bufs[2 * i + 1].len);
-    }
+    void *state = new_state();
+    for (Py_ssize_t i = 0; i < n; i++)
+        sums[i] = copy_sum(bufs[2 * i].buf, bufs[2 * i + 1].buf, (size_t)bufs[2 * i + 1].len, state);
+    free_state(state);
     Py_END_ALLOW_THREADS
     result = PyList_New(n);
     if (result == NULL) goto done;
@@ -251,7 +301,51 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(sum_many_doc,
+"sum_many(buffers) -> list[int]: the XXH3-64 of each contiguous buffer, with the GIL released\n"
+"(the write path of raw values that are sent from where they are, with no copy).");
+
+static PyObject *sum_many(PyObject *self, PyObject *arg) {
+    if (!PyList_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "buffers must be a list");
+        return NULL;
+    }
+    PyObject *bufs_t = PyList_AsTuple(arg), *result = NULL;
+    if (bufs_t == NULL) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(bufs_t), got = 0;
+    Py_buffer *bufs = (Py_buffer *)PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    uint64_t *sums = (uint64_t *)PyMem_Calloc((size_t)(n ? n : 1), sizeof(uint64_t));
+    if (bufs == NULL || sums == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n; got++)
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(bufs_t, got), &bufs[got], PyBUF_SIMPLE) != 0) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) sums[i] = xxh3_64(bufs[i].buf, (size_t)bufs[i].len);
+    Py_END_ALLOW_THREADS
+    result = PyList_New(n);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(sums[i]);
+        if (v == NULL) {
+            Py_CLEAR(result);
+            break;
+        }
+        PyList_SET_ITEM(result, i, v);
+    }
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
+    PyMem_Free(bufs);
+    PyMem_Free(sums);
+    Py_DECREF(bufs_t);
+    return result;
+}
+
 PyDoc_STRVAR(xxh3_doc, "xxh3_64(buffer) -> int: XXH3-64 of a contiguous buffer, through the bound function.");
+PyDoc_STRVAR(streaming_doc,
+             "streaming() -> bool: whether copies sum each chunk as it lands (xxHash's streaming calls).");
+
+static PyObject *py_streaming(PyObject *self, PyObject *unused) { return PyBool_FromLong(xxh3_state_new != NULL); }
 
 static PyObject *py_xxh3_64(PyObject *self, PyObject *arg) {
     Py_buffer b;
@@ -264,11 +358,36 @@ static PyObject *py_xxh3_64(PyObject *self, PyObject *arg) {
 static PyMethodDef methods[] = {
     {"read_raw_many", read_raw_many, METH_VARARGS, read_raw_many_doc},
     {"copy_sum_many", copy_sum_many, METH_VARARGS, copy_sum_many_doc},
+    {"sum_many", sum_many, METH_O, sum_many_doc},
     {"xxh3_64", py_xxh3_64, METH_O, xxh3_doc},
+    {"streaming", py_streaming, METH_NOARGS, streaming_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rawread", NULL, -1, methods};
+
+/* Bind the streaming XXH3-64 calls where all are exported and a chunked copy_sum of a probe
+   equals the one-shot sum; otherwise leave them unbound (copy_sum then copies and sums whole). */
+static void bind_streaming(void *handle) {
+    state_new_fn sn = (state_new_fn)dlsym(handle, "XXH3_createState");
+    state_free_fn sf = (state_free_fn)dlsym(handle, "XXH3_freeState");
+    reset_fn rs = (reset_fn)dlsym(handle, "XXH3_64bits_reset");
+    update_fn up = (update_fn)dlsym(handle, "XXH3_64bits_update_dispatch");
+    digest_fn dg = (digest_fn)dlsym(handle, "XXH3_64bits_digest");
+    if (up == NULL) up = (update_fn)dlsym(handle, "XXH3_64bits_update");
+    if (sn == NULL || sf == NULL || rs == NULL || up == NULL || dg == NULL) return;
+    size_t n = 9 * COPY_CHUNK + 77; /* chunked (8 chunks or more), with a tail */
+    unsigned char *src = (unsigned char *)malloc(2 * n);
+    void *state = sn();
+    if (src != NULL && state != NULL) {
+        for (size_t i = 0; i < n; i++) src[i] = (unsigned char)(i * 2654435761u >> 13);
+        xxh3_state_new = sn, xxh3_state_free = sf, xxh3_reset = rs, xxh3_update = up, xxh3_digest = dg;
+        if (copy_sum(src + n, src, n, state) != xxh3_64(src, n) || memcmp(src, src + n, n) != 0)
+            xxh3_state_new = NULL; /* disagrees: not used */
+    }
+    if (state != NULL) sf(state);
+    free(src);
+}
 
 /* Bind XXH3_64bits from the loaded xxhash extension and check it on a test buffer. */
 static int bind_xxh3(void) {
@@ -315,6 +434,7 @@ static int bind_xxh3(void) {
         return -1;
     }
     xxh3_64 = fn;
+    bind_streaming(handle);
     return 0;
 }
 

@@ -628,6 +628,22 @@ def encode_raw_many_into(items: list[tuple[BlockKey, object, BlockKey | None]], 
     return sizes
 
 
+def raw_headers_into(items: list[tuple[BlockKey, object, BlockKey | None]], ctx: ValueContext,
+                     headers: np.ndarray) -> bool:
+    """The headers of ``raw`` values of ``items`` (key, block, parent) written into ``headers``
+    (uint8), the i-th at ``i * HEADER_BYTES``, each payload checksummed where it is (in C,
+    GIL released): header + block is the value :func:`encode_parts` gives, for a store that
+    sends the two from where they are. ``False`` (nothing written) without the C module."""
+    if _rawread is None:
+        return False
+    raws = [memoryview(raw).cast("B") if not isinstance(raw, bytes) else raw for _, raw, _ in items]
+    now = _now_s()
+    for i, ((key, _, parent), data, raw_sum) in enumerate(zip(items, raws, _rawread.sum_many(raws))):
+        header = _header(data, ctx, 0, 0, 0, [data], key, parent, now, raw_sum=raw_sum)
+        headers[i * HEADER_BYTES:(i + 1) * HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
+    return True
+
+
 def native_raw_read() -> bool:
     """Whether :func:`decode_raw_batch` runs in C (``kvtier.tiers._rawread`` was
     built and bound XXH3) rather than reporting "not shown OK" for every value."""
@@ -635,7 +651,8 @@ def native_raw_read() -> bool:
 
 
 def decode_raw_batch(
-    values: list[object | None], key_bytes: list[bytes], outs: list[object], ctx: ValueContext
+    values: list[object | None], key_bytes: list[bytes], outs: list[object], ctx: ValueContext, *,
+    in_place: bool = False
 ) -> list[bool]:
     """:func:`_decode_raw_fast` for a batch, in C with the GIL released once:
     ``True`` where ``values[i]`` (found under ``key_bytes[i]``; ``None``: absent)
@@ -643,11 +660,13 @@ def decode_raw_batch(
     "not shown OK here" (absent, another codec, a failed check): the caller runs
     :func:`decode_into` for it, which says why. All ``False`` without the C
     module. Never ``True`` where :func:`decode_outcome` would not be ``OK``
-    (tests/test_ssd.py checks this on corrupted values)."""
+    (tests/test_ssd.py checks this on corrupted values). ``in_place``: each payload was
+    read straight into ``outs[i]`` and ``values[i]`` is the value's header alone
+    (``HEADER_BYTES``); the payload is checked where it is."""
     if _rawread is None:
         return [False] * len(values)
     return _rawread.read_raw_many(values, key_bytes, outs, MAGIC, FORMAT_VERSION, ctx.namespace_digest,
-                                  ctx.layout_hash)
+                                  ctx.layout_hash, in_place)
 
 
 def decode_outcome(value: object, out: object, ctx: ValueContext, *, key: BlockKey) -> DecodeOutcome:

@@ -151,17 +151,26 @@ def _scenario(tmp_path: Path, model: Path, master) -> None:
         probe = MooncakeTier(Namespace("probe", "bfloat16", "fused", BLOCK_SIZE), KVLayout(1, 1, 32, "bfloat16", 32),
                              master=master.master, metadata_server=master.metadata_server, segment_bytes=16 << 20,
                              buffer_bytes=16 << 20)
-        for name in written[:3]:  # the first three blocks: the load fails at the first
+        altered = {}
+        for i, name in enumerate(written[:3]):  # the first three blocks: the load fails at the first
             raw = bytearray(probe._store.get(name))
-            raw[HEADER_BYTES + 100] ^= 0x10
-            assert probe._store.upsert(name, bytes(raw)) == 0
+            if i == 0:
+                raw[4] += 1  # a format version this kvtier does not know (a newer one's): not corrupt, kept
+            else:
+                raw[HEADER_BYTES + 100] ^= 0x10  # corrupt
+            altered[name] = bytes(raw)
+            assert probe._store.upsert(name, altered[name]) == 0
         b2 = serve(b, other1 + _tokens(5, BLOCK_SIZE + 9))
         cb2 = _counters(b2)
         print(f"altered values: B counters {cb2}")
         assert cb2.get("remote_load_failed_blocks", 0) == 6  # the first block fails, so does every one after it
         assert cb2.get("hit_tokens_remote", 0) == 8 * BLOCK_SIZE  # nothing more than turn 1's blocks
-        assert cb2.get("remote_checksum_failures", 0) == 3  # each altered value read once (one batch), not retried
-        assert cb2.get("remote_lookup_failed_skips", 0) >= 1  # vLLM's retry of the load was not offered it again
+        # each altered value read once (one batch), not retried
+        assert cb2.get("remote_checksum_failures", 0) == 2 and cb2.get("remote_decode_failures", 0) == 1
+        assert cb2.get("remote_lookup_failed_skips", 0) >= 1  # vLLM's retry of the load was not offered them again
+        # the corrupt ones were removed from the store (B's recomputed blocks replace them); the other one stays
+        assert cb2.get("remote_removed_corrupt", 0) == 2
+        assert [probe._store.get(n) == v for n, v in altered.items()] == [True, False, False]
 
         # 4. the master dies: both engines keep serving, failures counted; it comes back, and they use it again
         master.stop()

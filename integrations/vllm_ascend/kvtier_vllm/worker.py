@@ -98,6 +98,10 @@ class _Writer:
         self.bound_bytes = bound_bytes
         self.queued_bytes = 0
         self.peak_bytes = 0
+        # the remote writer's queued copies live in rows of one buffer registered with the
+        # store (bound_bytes of them), so the store sends them with no further copy
+        self.arena: np.ndarray | None = None
+        self.free_rows: list[int] = []
 
 
 class KVTierWorker:
@@ -163,8 +167,16 @@ class KVTierWorker:
             self._writers["ssd"] = _Writer(self._ssd, self._ssd_thread, self.settings.ssd_write_queue_bytes)
         if self.settings.remote is not None:
             self._remote = remoteshare.acquire(self.settings.remote, self.namespace, self.layout)
-            self._writers["remote"] = _Writer(self._remote, ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote"),
-                                              self.settings.remote.write_queue_bytes)
+            writer = _Writer(self._remote, ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote"),
+                             self.settings.remote.write_queue_bytes)
+            self._writers["remote"] = writer
+            # remote reads land in the ring, and queued writes are sent from the arena, with no copy
+            # through the store client's staging (a store that refuses either uses the staging)
+            self._remote.register_region(self.ring.buf.numpy())
+            rows = writer.bound_bytes // io.bytes_per_block
+            arena = np.empty((rows, io.bytes_per_block), dtype=np.uint8) if rows else None
+            if arena is not None and self._remote.register_region(arena):
+                writer.arena, writer.free_rows = arena, list(range(rows))
 
     @property
     def ssd_queued_peak_bytes(self) -> int:
@@ -185,6 +197,10 @@ class KVTierWorker:
             ssdshare.release(self._ssd)
             self._ssd = None
         if self._remote is not None:
+            if self.ring is not None:
+                self._remote.unregister_region(self.ring.buf.numpy())
+            if remote is not None and remote.arena is not None:
+                self._remote.unregister_region(remote.arena)
             remoteshare.release(self._remote)
             self._remote = None
 
@@ -291,7 +307,7 @@ class KVTierWorker:
         return sending, recving
 
     REMOTE_COUNTERS = ("missing", "remote_errors", "checksum_failures", "decode_failures", "mismatches",
-                       "key_mismatches", "put_pinned_blocks")
+                       "key_mismatches", "removed_corrupt", "put_pinned_blocks")
 
     def _remote_outcomes(self) -> dict[str, int]:
         """This rank's store client since the last report: failed reads by outcome, errors, soft-pinned puts."""
@@ -383,17 +399,32 @@ class KVTierWorker:
             if not room:  # the tier is behind: skip (a later miss), never queue without limit
                 self._post_plan(w.plan_id, [False] * len(w.rows))
                 continue
-            own = host[[w.rows[i] for i in pos]]  # its own copy: the staging run can go
-            items = [(BlockKey(job.keys[w.rows[i]]), own[j], _key(job.parents[w.rows[i]])) for j, i in enumerate(pos)]
+            src_rows = [w.rows[i] for i in pos]
+            arena_rows: list[int] = []
+            if writer.arena is not None:  # the arena holds bound_bytes of rows: the room above is rows free
+                with self._lock:
+                    arena_rows, writer.free_rows[:len(pos)] = writer.free_rows[:len(pos)], []
+                    if len(arena_rows) < len(pos):  # never, by the bound; a plain copy if ever
+                        writer.free_rows.extend(arena_rows)
+                        arena_rows = []
+            if arena_rows:
+                _copy_rows(writer.arena, arena_rows, host, src_rows)
+                own = writer.arena
+            else:
+                own, arena_rows = host[src_rows], list(range(len(pos)))  # its own copy: the staging run can go
+            items = [(BlockKey(job.keys[w.rows[i]]), own[r], _key(job.parents[w.rows[i]]))
+                     for i, r in zip(pos, arena_rows)]
+            held = arena_rows if own is writer.arena else []
             writer.thread.submit(
-                self._guarded, lambda w=w, wr=writer, items=items, pos=pos, n=nbytes: self._write_slow(wr, w, items,
-                                                                                                      pos, n),
+                self._guarded, lambda w=w, wr=writer, items=items, pos=pos, n=nbytes, held=held: self._write_slow(
+                    wr, w, items, pos, n, held),
                 lambda w=w: self._post_plan(w.plan_id, [False] * len(w.rows)))
 
     def _write_slow(self, writer: _Writer, w: TierWrite, items: Sequence[tuple[BlockKey, Any, BlockKey | None]],
-                    pos: Sequence[int], nbytes: int) -> None:
-        """SSD or remote thread: write ``items`` (rows ``pos`` of ``w``); the plan reports the leading run written."""
-        try:  # the queued bytes are given back however the write ends (an error reports the plan failed)
+                    pos: Sequence[int], nbytes: int, arena_rows: Sequence[int] = ()) -> None:
+        """SSD or remote thread: write ``items`` (rows ``pos`` of ``w``; in ``arena_rows`` of the
+        writer's arena, if any); the plan reports the leading run written."""
+        try:  # the queued bytes (and arena rows) are given back however the write ends (an error fails the plan)
             kwargs: dict[str, Any] = {"codec": w.codec} if w.codec else {}
             if w.pin_ttl_s:
                 kwargs["pin_ttl_s"] = w.pin_ttl_s
@@ -401,6 +432,7 @@ class KVTierWorker:
         finally:
             with self._lock:
                 writer.queued_bytes -= nbytes
+                writer.free_rows.extend(arena_rows)
         oks = [False] * len(w.rows)
         for j in range(n):
             oks[pos[j]] = True
