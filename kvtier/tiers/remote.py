@@ -202,6 +202,7 @@ class MooncakeTier:
                 chunk = items[start:start + GET_SLOTS]
                 direct = codec == "raw" and native_raw_read() and self._all_in_regions([r for _, r, _ in chunk])
                 written = self._put_direct(chunk, config) if direct else self._put_staged(chunk, config, codec)
+                self.counters["put_direct_blocks" if direct else "put_staged_blocks"] += written
                 done += written
                 if written < len(chunk):
                     break
@@ -290,6 +291,7 @@ class MooncakeTier:
                     for i, ok in enumerate(self._get_direct(keys[start:start + GET_SLOTS],
                                                             outs[start:start + GET_SLOTS]), start):
                         oks[i] = ok is True
+                        self.counters["get_direct_blocks"] += ok is True
                         if ok is not None:
                             todo.remove(i)
             if todo:

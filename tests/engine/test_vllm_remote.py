@@ -121,11 +121,14 @@ def _scenario(tmp_path: Path, model: Path, master) -> None:
         a1 = serve(a, turn1, kv_transfer_params=[{"kvtier_session_id": "s1", "kvtier_agent_id": "main"}])
         assert _counters(a1).get("stored_blocks_remote", 0) == 8, _counters(a1)
         assert _counters(a1).get("remote_put_pinned_blocks", 0) == 8 and master.soft_pinned_keys() == 8
+        # sent from the connector's registered write queue: no copy through the store client's staging
+        assert _counters(a1).get("remote_put_direct_blocks", 0) == 8 and "remote_put_staged_blocks" not in _counters(a1)
         b1 = serve(b, turn2, reset_prefix_cache=True)
         cb = _counters(b1)
         print(f"turn 2 on B: hit_tokens_remote {cb.get('hit_tokens_remote')}, external hits {b1['external_hits']}, "
               f"remote lookups {cb.get('remote_lookups')} ({cb.get('remote_lookup_deferred', 0)} deferred)")
         assert cb.get("hit_tokens_remote", 0) == 8 * BLOCK_SIZE  # every full block of turn 1
+        assert cb.get("remote_get_direct_blocks", 0) == 8  # read straight into the registered staging ring
         assert b1["external_hits"] >= 8 * BLOCK_SIZE
         assert cb.get("hit_tokens_dram", 0) == 0  # B's own tiers never held the session
 

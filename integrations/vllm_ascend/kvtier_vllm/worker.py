@@ -307,7 +307,8 @@ class KVTierWorker:
         return sending, recving
 
     REMOTE_COUNTERS = ("missing", "remote_errors", "checksum_failures", "decode_failures", "mismatches",
-                       "key_mismatches", "removed_corrupt", "put_pinned_blocks")
+                       "key_mismatches", "removed_corrupt", "put_pinned_blocks", "put_direct_blocks",
+                       "put_staged_blocks", "get_direct_blocks")
 
     def _remote_outcomes(self) -> dict[str, int]:
         """This rank's store client since the last report: failed reads by outcome, errors, soft-pinned puts."""
