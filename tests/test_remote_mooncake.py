@@ -98,7 +98,8 @@ def test_a_corrupt_or_misplaced_value_is_a_miss_and_tenants_never_meet(master) -
         assert a.get_many_into(keys, out) == [False, True]
         assert b.get_many_into(keys, out) == [False, False]  # foreign namespace in the header: a miss
         assert sum(a.counters[k] for k in a.counters if k not in ("put_blocks", "put_bytes", "get_hit_blocks",
-                                                                    "missing", "removed_corrupt")) == 1
+                                                                    "missing", "removed_corrupt", "put_staged_blocks",
+                                                                    "put_direct_blocks", "get_direct_blocks")) == 1
         assert b.counters["missing"] >= 2
         # the corrupt value was removed, so a put writes key 7 afresh and it hits again
         assert a.counters["removed_corrupt"] == 1 and a.contains_many(keys[:1]) == [False]
@@ -184,7 +185,11 @@ def test_blocks_in_a_registered_region_move_with_no_copy_and_stay_checked(master
         assert t.put_many([(k, src[i], keys[i - 1] if i else None) for i, k in enumerate(keys)], pin_ttl_s=30) == n
         assert t.get_many_into(keys, list(dst)) == [True] * n and np.array_equal(dst, src)
         assert t._put_staging is None and t._get_staging is None  # nothing went through the staging copies
-        assert master.soft_pinned_keys() == n
+        assert master.soft_pinned_keys() == n and t.counters["put_direct_blocks"] == n
+        more = [BlockKey(600 + i) for i in range(3)]  # one there already, unpinned: the batch upserts, pinning it
+        assert t.put_many([(more[0], src[0], None)]) == 1 and master.soft_pinned_keys() == n
+        assert t.put_many([(k, src[i], None) for i, k in enumerate(more)], pin_ttl_s=30) == 3
+        assert master.soft_pinned_keys() == n + 3 and t.counters["put_staged_blocks"] == 3
 
         value = bytearray(t._store.get(t.object_name(keys[2])))
         value[HEADER_BYTES + 7] ^= 1

@@ -190,6 +190,8 @@ def bench_size(block_bytes: int, total_bytes: int, repeats: int, master: str, me
 
         def clear() -> None:  # untimed: a registered put leaves a value already there (upsert has no zero-copy form)
             tier.delete_many(keys)
+            if any(tier.contains_many(keys)):  # else the puts timed next would write nothing
+                raise RuntimeError(f"remote delete failed: {dict(tier.counters)}")
 
         def tier_get(ks: list, os: list) -> Callable[[], None]:
             def get() -> None:

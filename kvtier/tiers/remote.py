@@ -54,7 +54,9 @@ from ..errors import ConfigError, KVTierError
 from ..keys import BlockKey, Namespace, key_to_bytes
 from ..layout import KVLayout
 from .codec import (
+    FORMAT_VERSION,
     HEADER_BYTES,
+    MAGIC,
     DecodeOutcome,
     ValueContext,
     check_codec_layout,
@@ -186,12 +188,14 @@ class MooncakeTier:
     def put_many(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]], *,
                  pin_ttl_s: float | None = None, codec: str | None = None) -> int:
         """Store ``GET_SLOTS`` values a batch; returns the leading run written (a failed batch
-        ends the put). ``raw`` blocks that lie in a registered region (:meth:`register_region`)
-        are sent from where they are, behind a header from a small registered buffer (put, not
-        upsert: a value already there stays, and :meth:`get_many_into` removes one that fails
-        its check); any other block is encoded into a registered staging buffer and upserted
-        from there. ``pin_ttl_s`` soft-pins them (Mooncake evicts soft-pinned objects last,
-        until the TTL): an agent's context kept through its tool call. Callers may be on
+        ends the put). Unpinned ``raw`` blocks that lie in a registered region
+        (:meth:`register_region`) are sent from where they are, behind a header from a small
+        registered buffer (put, not upsert: a value already there stays, ``put_bytes`` counts
+        it all the same, and :meth:`get_many_into` removes one that fails its check); any
+        other block is encoded into a registered staging buffer and upserted from there.
+        ``pin_ttl_s`` soft-pins them (Mooncake evicts soft-pinned objects last, until the
+        TTL): an agent's context kept through its tool call; a pinned batch with a value
+        already there is upserted, so that value gets the pin too. Callers may be on
         several threads: one put at a time uses the staging buffers. ``codec``: instead of
         the tier's (cold blocks)."""
         config = self._pin_config(pin_ttl_s) if pin_ttl_s else None
@@ -201,6 +205,8 @@ class MooncakeTier:
             for start in range(0, len(items), GET_SLOTS):
                 chunk = items[start:start + GET_SLOTS]
                 direct = codec == "raw" and native_raw_read() and self._all_in_regions([r for _, r, _ in chunk])
+                if direct and config is not None:  # a put leaves a value already there, and its pin unset
+                    direct = not any(self.contains_many([k for k, _, _ in chunk]))
                 written = self._put_direct(chunk, config) if direct else self._put_staged(chunk, config, codec)
                 self.counters["put_direct_blocks" if direct else "put_staged_blocks"] += written
                 done += written
@@ -281,12 +287,12 @@ class MooncakeTier:
         lands; the rest (and any value that did not land whole there: another codec, a
         failed check) are read a part at a time into a registered staging buffer and
         decoded from there, the store reading the next part meanwhile. A present value that
-        fails its checksum or names another key is removed from the store (a later put
-        writes it afresh)."""
+        fails its check (save one of another kvtier format version) is removed from the store
+        (a later put writes it afresh)."""
         oks = [False] * len(keys)
         with self._get_lock:  # one get at a time uses the staging buffers
             todo = list(range(len(keys)))
-            if native_raw_read() and self._all_in_regions(outs, writable=True):
+            if self.codec == "raw" and native_raw_read() and self._all_in_regions(outs, writable=True):
                 for start in range(0, len(keys), GET_SLOTS):
                     for i, ok in enumerate(self._get_direct(keys[start:start + GET_SLOTS],
                                                             outs[start:start + GET_SLOTS]), start):
@@ -386,7 +392,7 @@ class MooncakeTier:
             outcome = DecodeOutcome.OK if ok else decode_outcome(value, out, self._ctx, key=key)
             if outcome is not DecodeOutcome.OK:
                 self.counters[outcome.value] += 1
-                if outcome in (DecodeOutcome.CHECKSUM_FAILURE, DecodeOutcome.KEY_MISMATCH):
+                if outcome is not DecodeOutcome.MISMATCH and not _other_format_version(value):
                     bad.append(key)  # corrupt: removed, so that the next put writes it afresh
             oks.append(outcome is DecodeOutcome.OK)
         if bad:
@@ -493,6 +499,13 @@ def _address(buffer: Any, writable: bool = False) -> tuple[int, int] | None:
         return None
     arr = np.frombuffer(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv, dtype=np.uint8)
     return arr.ctypes.data, arr.nbytes
+
+
+def _other_format_version(value: Any) -> bool:
+    """Whether ``value`` is kvtier's, of another format version (a newer kvtier's, in a fleet
+    being upgraded): not corrupt, so not removed."""
+    head = bytes(memoryview(value)[:5])
+    return len(head) == 5 and head[:4] == MAGIC and head[4] != FORMAT_VERSION
 
 
 def _part_values(block_bytes: int) -> int:

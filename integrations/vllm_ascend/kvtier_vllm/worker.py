@@ -170,13 +170,13 @@ class KVTierWorker:
             writer = _Writer(self._remote, ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote"),
                              self.settings.remote.write_queue_bytes)
             self._writers["remote"] = writer
-            # remote reads land in the ring, and queued writes are sent from the arena, with no copy
-            # through the store client's staging (a store that refuses either uses the staging)
-            self._remote.register_region(self.ring.buf.numpy())
-            rows = writer.bound_bytes // io.bytes_per_block
-            arena = np.empty((rows, io.bytes_per_block), dtype=np.uint8) if rows else None
-            if arena is not None and self._remote.register_region(arena):
-                writer.arena, writer.free_rows = arena, list(range(rows))
+            # raw values: remote reads land in the ring, and queued writes are sent from the arena,
+            # with no copy through the store client's staging (a store that refuses either uses it)
+            rows = writer.bound_bytes // io.bytes_per_block if self.settings.remote.codec == "raw" else 0
+            if rows and self._remote.register_region(self.ring.buf.numpy()):
+                arena = np.empty((rows, io.bytes_per_block), dtype=np.uint8)
+                if self._remote.register_region(arena):
+                    writer.arena, writer.free_rows = arena, list(range(rows))
 
     @property
     def ssd_queued_peak_bytes(self) -> int:
@@ -409,7 +409,13 @@ class KVTierWorker:
                         writer.free_rows.extend(arena_rows)
                         arena_rows = []
             if arena_rows:
-                _copy_rows(writer.arena, arena_rows, host, src_rows)
+                try:
+                    _copy_rows(writer.arena, arena_rows, host, src_rows)
+                except BaseException:
+                    with self._lock:
+                        writer.free_rows.extend(arena_rows)
+                        writer.queued_bytes -= nbytes
+                    raise
                 own = writer.arena
             else:
                 own, arena_rows = host[src_rows], list(range(len(pos)))  # its own copy: the staging run can go
@@ -535,7 +541,7 @@ def _copy_rows(dst: np.ndarray, dst_rows: Sequence[int], src: np.ndarray, src_ro
 # measured on 2 cores (bench/connector_path.py's DRAM store, split vs one thread,
 # against memcpy): 64 MiB copies 1.03-1.07x split vs 0.84-0.89x; 16 MiB copies
 # 0.88-0.95x split vs 0.95-1.00x: below this the hand-off costs what it gains
-SPLIT_COPY_MIN_BYTES = 32 << 20
+SPLIT_COPY_MIN_BYTES = 2 << 20
 
 
 def _runs(dst_rows: Sequence[int], src_rows: Sequence[int]) -> list[tuple[int, int, int]]:
