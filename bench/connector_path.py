@@ -145,7 +145,8 @@ def _measure(worker: KVTierWorker, caches: dict, n: int, block_bytes: int, repea
     memcpy = memcpy_baseline(blocks, outs)
     raw_write, raw_read = raw_file_baselines(blocks, outs, workdir / f"raw_{block_bytes}.bin")
     memcpy()  # fault the baseline's buffers in
-    memcpy_s, dram_store_s, dram_load_s = interleaved_best_seconds([memcpy, dram_store, dram_load], repeats)
+    memcpy_s, dram_store_s, dram_load_s = interleaved_best_seconds([memcpy, dram_store, dram_load], repeats,
+                                                                   shuffle=True)
     verified = torch.equal(torch.cat(out_rows), rows)
     raw_write_s, ssd_store_s, raw_read_s, ssd_load_s = interleaved_best_seconds(
         [raw_write, ssd_store, raw_read, ssd_load], repeats)

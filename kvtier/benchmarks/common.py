@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -21,16 +22,24 @@ def best_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
     return best
 
 
-def interleaved_best_seconds(fns: Sequence[Callable[[], object]], repeats: int = 5) -> list[float]:
+def interleaved_best_seconds(fns: Sequence[Callable[[], object]], repeats: int = 5, *,
+                             shuffle: bool = False) -> list[float]:
     """Smallest wall time of each of ``fns`` over ``repeats`` rounds that run them in
     turn (A B C, A B C, ...): a baseline and what is compared with it see the same
     moments of a shared, noisy machine, so a ratio of two is not skewed by a
-    burst of someone else's load landing on one of them."""
+    burst of someone else's load landing on one of them. ``shuffle``: each round
+    in another order (seeded), so that no function always runs right after the
+    same one: a torch copy leaves its OpenMP threads spinning on the cores for a
+    while after it returns, which slows whatever runs next."""
     best = [float("inf")] * len(fns)
+    order = list(range(len(fns)))
+    rng = random.Random(0)
     for _ in range(repeats):
-        for i, fn in enumerate(fns):
+        if shuffle:
+            rng.shuffle(order)
+        for i in order:
             start = time.perf_counter()
-            fn()
+            fns[i]()
             best[i] = min(best[i], time.perf_counter() - start)
     return best
 

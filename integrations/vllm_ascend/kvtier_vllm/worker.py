@@ -538,9 +538,11 @@ def _copy_rows(dst: np.ndarray, dst_rows: Sequence[int], src: np.ndarray, src_ro
             f.result()  # every part is done (or its error raised) before the rows are used
 
 
-# measured on 2 cores (bench/connector_path.py's DRAM store, split vs one thread,
-# against memcpy): 64 MiB copies 1.03-1.07x split vs 0.84-0.89x; 16 MiB copies
-# 0.88-0.95x split vs 0.95-1.00x: below this the hand-off costs what it gains
+# bench/connector_path.py on 2 cores, DRAM store / load vs memcpy, one run each on a quiet
+# machine: with copies of 32 MiB or more split (the earlier bound, set on a busy day when
+# 16 MiB copies gained nothing), 256 KiB blocks ran at 0.69x / 0.57x and 1 MiB at
+# 0.61x / 0.53x (their 16-block jobs, 4 and 16 MiB, stayed on one thread); split from
+# 2 MiB, 0.80-0.96x / 0.75-0.85x and 1.00-1.17x / 0.90-0.97x over 8 runs
 SPLIT_COPY_MIN_BYTES = 2 << 20
 
 
