@@ -827,3 +827,33 @@ def test_a_payload_read_in_place_is_checked_where_it_landed(layout: KVLayout, mo
     assert decode_raw_batch([header], [kb], [bytearray(raw.tobytes())], ctx) == [False]  # a header is no value
     monkeypatch.setattr(codec_mod, "_rawread", None)
     assert not raw_headers_into([(K, raw, None)], ctx, headers)
+
+
+def test_copy_many_splits_a_copy_with_a_second_thread_and_copies_every_byte() -> None:
+    """``codec.copy_many`` (the connector's split DRAM copy): spans of any length, cut at
+    half the bytes between this thread and the C module's worker, land whole and touch
+    nothing past them; a destination too short is refused before anything is copied;
+    a forked child starts a worker of its own."""
+    import os
+
+    from kvtier.tiers.codec import copy_many, native_raw_read
+
+    if not native_raw_read():
+        pytest.skip("kvtier.tiers._rawread is not built here")
+    rng = np.random.default_rng(9)
+    for sizes in ([1], [0, 0], [5, 7, 9], [1 << 20] * 5, [3, 3 << 20, 17], []):
+        srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+        dsts = [np.zeros(n + 3, np.uint8) for n in sizes]
+        assert copy_many(dsts, srcs)
+        assert all(np.array_equal(d[:len(s)], s) and not d[len(s):].any() for d, s in zip(dsts, srcs)), sizes
+    keep = np.zeros(8, np.uint8)
+    with pytest.raises(ValueError, match="holds 3 bytes"):
+        copy_many([keep, np.zeros(3, np.uint8)], [np.ones(8, np.uint8), np.ones(4, np.uint8)])
+    assert not keep.any()
+    pid = os.fork()
+    if pid == 0:  # the child: no worker yet (the parent's did not come along); it must not hang
+        src = [rng.integers(0, 256, 2 << 20, dtype=np.uint8) for _ in range(3)]
+        dst = [np.zeros(2 << 20, np.uint8) for _ in range(3)]
+        copy_many(dst, src)
+        os._exit(0 if all(np.array_equal(a, b) for a, b in zip(dst, src)) else 1)
+    assert os.waitpid(pid, 0)[1] == 0

@@ -1,5 +1,7 @@
 /* kvtier.tiers._rawread: the read path for ``raw`` values, in C (and the copy +
-checksum of the write path: copy_sum_many, used by the remote tier's puts).
+checksum of the write path: copy_sum_many and sum_many, used by the remote
+tier's puts; and copy_many, a host copy split with a second thread, used by the
+vLLM connector's DRAM copies).
 
 What it owns: for a batch of LMDB values (zero-copy views into the map), check
 each one's header exactly as kvtier.tiers.codec's fast path does (magic,
@@ -13,7 +15,8 @@ only "shown OK here" (True) or "not shown OK here" (False); on False the caller
 runs the general Python decoder, which tells why (absent, corrupt, foreign,
 another codec) and counts it. It never writes outside a buffer whose length
 it checked, and never reads past a value's length. It holds no state but the
-addresses of xxHash's calls.
+addresses of xxHash's calls and copy_many's worker thread (started on first use,
+again in a forked child; it spins for SPIN_NS after each copy, then sleeps).
 
 XXH3-64 is not implemented here: it is looked up at import in the xxhash
 package's own extension module (which exports the xxHash library's public
@@ -25,9 +28,12 @@ pure-Python path.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 typedef uint64_t (*xxh3_fn)(const void *, size_t);
 static xxh3_fn xxh3_64 = NULL;
@@ -301,6 +307,180 @@ done:
     return result;
 }
 
+/* ---- copy_many: one copy split with a second thread that stays awake between copies ----
+   A host copy of a few MiB gains from a second core only when that core starts at once: a
+   thread pool's worker that has gone to sleep takes about as long to wake (longer on a VM,
+   whose idle vCPU the hypervisor parks) as the copy it would share. This worker spins for
+   SPIN_NS after each part before it sleeps, as an OpenMP team does: a burst of copies finds
+   it awake. One copy at a time (copy_lock); a forked child starts its own worker. */
+enum { SPIN_NS = 500000 };
+
+typedef struct {
+    unsigned char *dst;
+    const unsigned char *src;
+    size_t n;
+} span_t;
+
+static pthread_mutex_t copy_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t sleep_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+static uint64_t job_seq = 0;  /* parts published (atomic) */
+static uint64_t job_done = 0; /* parts the worker finished (atomic) */
+static span_t *job_spans = NULL;
+static size_t job_count = 0;
+static pid_t worker_pid = 0; /* the process whose worker runs; 0: none */
+
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void *copy_worker(void *start) {
+    uint64_t seen = (uint64_t)(uintptr_t)start; /* job_seq when it was started: a part published since is its */
+    for (;;) {
+        uint64_t t0 = now_ns(), seq;
+        unsigned spins = 0;
+        while ((seq = __atomic_load_n(&job_seq, __ATOMIC_ACQUIRE)) == seen) {
+            if ((++spins & 255u) == 0 && now_ns() - t0 > SPIN_NS) {
+                pthread_mutex_lock(&sleep_lock);
+                while (__atomic_load_n(&job_seq, __ATOMIC_ACQUIRE) == seen) pthread_cond_wait(&wake, &sleep_lock);
+                pthread_mutex_unlock(&sleep_lock);
+                t0 = now_ns();
+            }
+            relax();
+        }
+        seen = seq;
+        for (size_t i = 0; i < job_count; i++) memmove(job_spans[i].dst, job_spans[i].src, job_spans[i].n);
+        __atomic_store_n(&job_done, seq, __ATOMIC_RELEASE);
+    }
+    return NULL;
+}
+
+/* In a forked child: the parent's worker is not there, and its locks may be held by a thread
+   that is not there either. */
+static void after_fork_in_child(void) {
+    pthread_mutex_init(&copy_lock, NULL);
+    pthread_mutex_init(&sleep_lock, NULL);
+    pthread_cond_init(&wake, NULL);
+    job_seq = job_done = 0;
+    worker_pid = 0;
+}
+
+/* The worker of this process, started on first use (called under copy_lock); 0 if none can be. */
+static int have_worker(void) {
+    pid_t pid = getpid();
+    if (worker_pid == pid) return 1;
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int rc = pthread_create(&t, &attr, copy_worker, (void *)(uintptr_t)__atomic_load_n(&job_seq, __ATOMIC_ACQUIRE));
+    pthread_attr_destroy(&attr);
+    if (rc != 0) return 0;
+    worker_pid = pid;
+    return 1;
+}
+
+/* Copy spans[0..n): the worker takes the spans (cut at half the bytes) after the cut, this
+   thread the rest; back when both are done. Called with the GIL released. */
+static void copy_split(span_t *spans, size_t n, span_t *theirs) {
+    size_t total = 0, half, acc = 0, cut = 0;
+    for (size_t i = 0; i < n; i++) total += spans[i].n;
+    half = total / 2;
+    while (cut < n && acc + spans[cut].n <= half) acc += spans[cut++].n;
+    size_t mine = cut, k = 0;
+    if (cut < n) { /* the span across the middle: its head here, its tail there */
+        size_t head = half - acc;
+        theirs[k++] = (span_t){spans[cut].dst + head, spans[cut].src + head, spans[cut].n - head};
+        spans[cut].n = head;
+        mine = cut + 1;
+        cut++;
+    }
+    for (size_t i = cut; i < n; i++) theirs[k++] = spans[i];
+    pthread_mutex_lock(&copy_lock);
+    int parallel = k > 0 && have_worker();
+    if (parallel) {
+        job_spans = theirs;
+        job_count = k;
+        uint64_t seq = __atomic_add_fetch(&job_seq, 1, __ATOMIC_ACQ_REL);
+        pthread_mutex_lock(&sleep_lock);
+        pthread_cond_signal(&wake);
+        pthread_mutex_unlock(&sleep_lock);
+        for (size_t i = 0; i < mine; i++) memmove(spans[i].dst, spans[i].src, spans[i].n);
+        while (__atomic_load_n(&job_done, __ATOMIC_ACQUIRE) != seq) relax();
+    } else {
+        for (size_t i = 0; i < mine; i++) memmove(spans[i].dst, spans[i].src, spans[i].n);
+        for (size_t i = 0; i < k; i++) memmove(theirs[i].dst, theirs[i].src, theirs[i].n);
+    }
+    pthread_mutex_unlock(&copy_lock);
+}
+
+PyDoc_STRVAR(copy_many_doc,
+"copy_many(dsts, srcs) -> None\n\n"
+"Copy each srcs[i] (a contiguous buffer) to the start of dsts[i] (a writable\n"
+"contiguous buffer at least as long), the bytes split between this thread and a\n"
+"second one that stays awake between copies. The GIL is released while they copy.\n"
+"Raises ValueError for a destination that is too short (nothing is copied then).");
+
+static PyObject *copy_many(PyObject *self, PyObject *args) {
+    PyObject *dsts_in, *srcs_in;
+    if (!PyArg_ParseTuple(args, "OO", &dsts_in, &srcs_in)) return NULL;
+    if (!PyList_Check(dsts_in) || !PyList_Check(srcs_in)) {
+        PyErr_SetString(PyExc_TypeError, "dsts and srcs must be lists");
+        return NULL;
+    }
+    PyObject *dsts = PyList_AsTuple(dsts_in), *srcs = PyList_AsTuple(srcs_in), *result = NULL;
+    Py_buffer *bufs = NULL;
+    span_t *spans = NULL;
+    Py_ssize_t n = 0, got = 0;
+    if (dsts == NULL || srcs == NULL) goto done;
+    n = PyTuple_GET_SIZE(dsts);
+    if (PyTuple_GET_SIZE(srcs) != n) {
+        PyErr_SetString(PyExc_ValueError, "dsts and srcs must have the same length");
+        goto done;
+    }
+    bufs = (Py_buffer *)PyMem_Calloc(2 * (size_t)(n ? n : 1), sizeof(Py_buffer));
+    spans = (span_t *)PyMem_Calloc(2 * (size_t)(n ? n : 1) + 1, sizeof(span_t)); /* mine, then theirs */
+    if (bufs == NULL || spans == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(dsts, i), &bufs[got], PyBUF_SIMPLE | PyBUF_WRITABLE) != 0) goto done;
+        got++;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(srcs, i), &bufs[got], PyBUF_SIMPLE) != 0) goto done;
+        got++;
+        if (bufs[got - 2].len < bufs[got - 1].len) {
+            PyErr_Format(PyExc_ValueError, "dsts[%zd] holds %zd bytes, srcs[%zd] has %zd", i, bufs[got - 2].len, i,
+                         bufs[got - 1].len);
+            goto done;
+        }
+        spans[i] = (span_t){(unsigned char *)bufs[got - 2].buf, (const unsigned char *)bufs[got - 1].buf,
+                            (size_t)bufs[got - 1].len};
+    }
+    Py_BEGIN_ALLOW_THREADS
+    copy_split(spans, (size_t)n, spans + n);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
+    PyMem_Free(bufs);
+    PyMem_Free(spans);
+    Py_XDECREF(dsts);
+    Py_XDECREF(srcs);
+    return result;
+}
+
 PyDoc_STRVAR(sum_many_doc,
 "sum_many(buffers) -> list[int]: the XXH3-64 of each contiguous buffer, with the GIL released\n"
 "(the write path of raw values that are sent from where they are, with no copy).");
@@ -359,6 +539,7 @@ static PyMethodDef methods[] = {
     {"read_raw_many", read_raw_many, METH_VARARGS, read_raw_many_doc},
     {"copy_sum_many", copy_sum_many, METH_VARARGS, copy_sum_many_doc},
     {"sum_many", sum_many, METH_O, sum_many_doc},
+    {"copy_many", copy_many, METH_VARARGS, copy_many_doc},
     {"xxh3_64", py_xxh3_64, METH_O, xxh3_doc},
     {"streaming", py_streaming, METH_NOARGS, streaming_doc},
     {NULL, NULL, 0, NULL},
@@ -439,6 +620,7 @@ static int bind_xxh3(void) {
 }
 
 PyMODINIT_FUNC PyInit__rawread(void) {
+    pthread_atfork(NULL, NULL, after_fork_in_child);
     if (bind_xxh3() != 0) {
         /* any failure to bind is an ImportError, which kvtier.tiers.codec takes as "use Python" */
         if (!PyErr_ExceptionMatches(PyExc_ImportError)) {

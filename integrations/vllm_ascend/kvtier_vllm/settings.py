@@ -45,8 +45,9 @@ EXTRA_KEYS: dict[str, str] = {
                    "(no prompt text: lengths and anonymous block ids); off by default",
     "record_max_mib": "recording stops (counted: record_skipped_full) once record_path holds this many MiB of "
                       "traces (default 1024)",
-    "copy_threads": "threads that share one DRAM copy of 32 MiB or more, the worker's own included (default 2; "
-                    "1 keeps every copy on one thread, leaving the other cores to a CPU engine's forward)",
+    "copy_threads": "threads that share one DRAM copy of 2 MiB or more, the worker's own included (default 2: "
+                    "a second thread of kvtier's C module, awake for 0.5 ms after each copy; 1 keeps every copy "
+                    "on one thread, leaving the other cores to a CPU engine's forward)",
     "policy": "eviction policy of the DRAM and SSD tiers (a registered kvtier policy name; default: the placement's)",
     "placement": "placement policy, the same object the replay runs (default: the config file's placement.policy, "
                  "kvtier; lru-dram for write-through LRU with no agent actions; ttl, kvflow, tokencake, ...): see "
