@@ -18,15 +18,19 @@ from typing import Any
 from readme_tables import md_table, table
 
 
+def _cell(r: dict[str, Any], gbps: str, ratio: str, target: float | None, digits: int) -> str:
+    """``GB/s (ratio x)``, marked met or missed where ``target`` is given."""
+    mark = "" if target is None else (" ✓" if r[ratio] >= target else " ✗")
+    return f"{r[gbps]:.{digits}f} GB/s ({r[ratio]:.2f}x{mark})"
+
+
 @table("connector-path", "connector-path.json")
 def connector_path(data: dict[str, Any]) -> str:
     t = data["targets"]
     commit = (data.get("commit") or "unknown")[:7] + (" (modified)" if data.get("code_dirty") else "")
 
     def cell(r: dict[str, Any], gbps: str, ratio: str) -> str:
-        target = t.get(ratio)
-        mark = "" if target is None else (" ✓" if r[ratio] >= target else " ✗")
-        return f"{r[gbps]:.1f} GB/s ({r[ratio]:.2f}x{mark})"
+        return _cell(r, gbps, ratio, t.get(ratio), 1)
 
     rows = [[f"{r['block_kib']} KiB", f"{r['memcpy_gbps']:.1f}",
              cell(r, "dram_store_gbps", "dram_put_vs_memcpy"), cell(r, "dram_load_gbps", "dram_get_vs_memcpy"),
@@ -49,8 +53,7 @@ def remote(data: dict[str, Any]) -> str:
     target = data["target"]
 
     def cell(r: dict[str, Any], gbps: str, ratio: str, marked: bool = True) -> str:
-        mark = (" ✓" if r[ratio] >= target else " ✗") if marked else ""
-        return f"{r[gbps]:.2f} GB/s ({r[ratio]:.2f}x{mark})"
+        return _cell(r, gbps, ratio, target if marked else None, 2)
 
     rows = [[f"{r['block_kib']} KiB", f"{r['mooncake_put_gbps']:.2f}", cell(r, "remote_put_gbps", "put_vs_mooncake"),
              cell(r, "staged_put_gbps", "staged_put_vs_mooncake", False), f"{r['mooncake_get_gbps']:.2f}",

@@ -248,17 +248,32 @@ PyDoc_STRVAR(copy_sum_many_doc,
 "while the blocks are copied and summed. Raises ValueError for a destination\n"
 "that is too short (nothing is copied then).");
 
-static PyObject *copy_sum_many(PyObject *self, PyObject *args) {
-    PyObject *dsts_in, *srcs_in;
-    if (!PyArg_ParseTuple(args, "OO", &dsts_in, &srcs_in)) return NULL;
+/* A list of the n sums as Python ints; NULL with an exception set. */
+static PyObject *sums_list(const uint64_t *sums, Py_ssize_t n) {
+    PyObject *result = PyList_New(n);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(sums[i]);
+        if (v == NULL) {
+            Py_CLEAR(result);
+            break;
+        }
+        PyList_SET_ITEM(result, i, v);
+    }
+    return result;
+}
+
+/* The buffers of (dsts[i], srcs[i]) pairs, 2 per item (dst writable, both contiguous, dst at
+   least as long as src); NULL with an exception set (nothing held) otherwise. Free with
+   release_pairs. */
+static Py_buffer *get_pairs(PyObject *dsts_in, PyObject *srcs_in, Py_ssize_t *n_out) {
     if (!PyList_Check(dsts_in) || !PyList_Check(srcs_in)) {
         PyErr_SetString(PyExc_TypeError, "dsts and srcs must be lists");
         return NULL;
     }
-    PyObject *dsts = PyList_AsTuple(dsts_in), *srcs = PyList_AsTuple(srcs_in), *result = NULL;
+    PyObject *dsts = PyList_AsTuple(dsts_in), *srcs = PyList_AsTuple(srcs_in);
     Py_buffer *bufs = NULL;
-    uint64_t *sums = NULL;
-    Py_ssize_t n = 0, got = 0; /* got: buffers acquired (2 per item) */
+    Py_ssize_t n = 0, got = 0; /* got: buffers acquired */
+    int ok = 0;
     if (dsts == NULL || srcs == NULL) goto done;
     n = PyTuple_GET_SIZE(dsts);
     if (PyTuple_GET_SIZE(srcs) != n) {
@@ -266,8 +281,7 @@ static PyObject *copy_sum_many(PyObject *self, PyObject *args) {
         goto done;
     }
     bufs = (Py_buffer *)PyMem_Calloc(2 * (size_t)(n ? n : 1), sizeof(Py_buffer));
-    sums = (uint64_t *)PyMem_Calloc((size_t)(n ? n : 1), sizeof(uint64_t));
-    if (bufs == NULL || sums == NULL) {
+    if (bufs == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -282,30 +296,48 @@ static PyObject *copy_sum_many(PyObject *self, PyObject *args) {
             goto done;
         }
     }
+    ok = 1;
+done:
+    Py_XDECREF(dsts);
+    Py_XDECREF(srcs);
+    if (ok) {
+        *n_out = n;
+        return bufs;
+    }
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
+    PyMem_Free(bufs);
+    return NULL;
+}
+
+static void release_pairs(Py_buffer *bufs, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < 2 * n; i++) PyBuffer_Release(&bufs[i]);
+    PyMem_Free(bufs);
+}
+
+static PyObject *copy_sum_many(PyObject *self, PyObject *args) {
+    PyObject *dsts_in, *srcs_in, *result = NULL;
+    Py_ssize_t n = 0;
+    if (!PyArg_ParseTuple(args, "OO", &dsts_in, &srcs_in)) return NULL;
+    Py_buffer *bufs = get_pairs(dsts_in, srcs_in, &n);
+    if (bufs == NULL) return NULL;
+    uint64_t *sums = (uint64_t *)PyMem_Calloc((size_t)(n ? n : 1), sizeof(uint64_t));
+    if (sums == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     Py_BEGIN_ALLOW_THREADS
     void *state = new_state();
     for (Py_ssize_t i = 0; i < n; i++)
         sums[i] = copy_sum(bufs[2 * i].buf, bufs[2 * i + 1].buf, (size_t)bufs[2 * i + 1].len, state);
     free_state(state);
     Py_END_ALLOW_THREADS
-    result = PyList_New(n);
-    if (result == NULL) goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *v = PyLong_FromUnsignedLongLong(sums[i]);
-        if (v == NULL) {
-            Py_CLEAR(result);
-            goto done;
-        }
-        PyList_SET_ITEM(result, i, v);
-    }
+    result = sums_list(sums, n);
 done:
-    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
-    PyMem_Free(bufs);
+    release_pairs(bufs, n);
     PyMem_Free(sums);
-    Py_XDECREF(dsts);
-    Py_XDECREF(srcs);
     return result;
 }
+
 
 /* ---- copy_many: one copy split with a second thread that stays awake between copies ----
    A host copy of a few MiB gains from a second core only when that core starts at once: a
@@ -433,53 +465,26 @@ PyDoc_STRVAR(copy_many_doc,
 
 static PyObject *copy_many(PyObject *self, PyObject *args) {
     PyObject *dsts_in, *srcs_in;
+    Py_ssize_t n = 0;
     if (!PyArg_ParseTuple(args, "OO", &dsts_in, &srcs_in)) return NULL;
-    if (!PyList_Check(dsts_in) || !PyList_Check(srcs_in)) {
-        PyErr_SetString(PyExc_TypeError, "dsts and srcs must be lists");
-        return NULL;
+    Py_buffer *bufs = get_pairs(dsts_in, srcs_in, &n);
+    if (bufs == NULL) return NULL;
+    span_t *spans = (span_t *)PyMem_Calloc(2 * (size_t)(n ? n : 1) + 1, sizeof(span_t)); /* mine, then theirs */
+    if (spans == NULL) {
+        release_pairs(bufs, n);
+        return PyErr_NoMemory();
     }
-    PyObject *dsts = PyList_AsTuple(dsts_in), *srcs = PyList_AsTuple(srcs_in), *result = NULL;
-    Py_buffer *bufs = NULL;
-    span_t *spans = NULL;
-    Py_ssize_t n = 0, got = 0;
-    if (dsts == NULL || srcs == NULL) goto done;
-    n = PyTuple_GET_SIZE(dsts);
-    if (PyTuple_GET_SIZE(srcs) != n) {
-        PyErr_SetString(PyExc_ValueError, "dsts and srcs must have the same length");
-        goto done;
-    }
-    bufs = (Py_buffer *)PyMem_Calloc(2 * (size_t)(n ? n : 1), sizeof(Py_buffer));
-    spans = (span_t *)PyMem_Calloc(2 * (size_t)(n ? n : 1) + 1, sizeof(span_t)); /* mine, then theirs */
-    if (bufs == NULL || spans == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(dsts, i), &bufs[got], PyBUF_SIMPLE | PyBUF_WRITABLE) != 0) goto done;
-        got++;
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(srcs, i), &bufs[got], PyBUF_SIMPLE) != 0) goto done;
-        got++;
-        if (bufs[got - 2].len < bufs[got - 1].len) {
-            PyErr_Format(PyExc_ValueError, "dsts[%zd] holds %zd bytes, srcs[%zd] has %zd", i, bufs[got - 2].len, i,
-                         bufs[got - 1].len);
-            goto done;
-        }
-        spans[i] = (span_t){(unsigned char *)bufs[got - 2].buf, (const unsigned char *)bufs[got - 1].buf,
-                            (size_t)bufs[got - 1].len};
-    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        spans[i] = (span_t){(unsigned char *)bufs[2 * i].buf, (const unsigned char *)bufs[2 * i + 1].buf,
+                            (size_t)bufs[2 * i + 1].len};
     Py_BEGIN_ALLOW_THREADS
     copy_split(spans, (size_t)n, spans + n);
     Py_END_ALLOW_THREADS
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
-    PyMem_Free(bufs);
+    release_pairs(bufs, n);
     PyMem_Free(spans);
-    Py_XDECREF(dsts);
-    Py_XDECREF(srcs);
-    return result;
+    Py_RETURN_NONE;
 }
+
 
 PyDoc_STRVAR(sum_many_doc,
 "sum_many(buffers) -> list[int]: the XXH3-64 of each contiguous buffer, with the GIL released\n"
@@ -504,15 +509,7 @@ static PyObject *sum_many(PyObject *self, PyObject *arg) {
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) sums[i] = xxh3_64(bufs[i].buf, (size_t)bufs[i].len);
     Py_END_ALLOW_THREADS
-    result = PyList_New(n);
-    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
-        PyObject *v = PyLong_FromUnsignedLongLong(sums[i]);
-        if (v == NULL) {
-            Py_CLEAR(result);
-            break;
-        }
-        PyList_SET_ITEM(result, i, v);
-    }
+    result = sums_list(sums, n);
 done:
     for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
     PyMem_Free(bufs);
