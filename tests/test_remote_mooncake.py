@@ -237,6 +237,7 @@ def test_bench_remote_compares_with_mooncakes_own_calls(tmp_path, capsys) -> Non
     assert [r["block_kib"] for r in report["results"]] == [256, 1024, 4096]
     for r in report["results"]:
         assert r["verified"] is True and r["put_vs_mooncake"] > 0 and r["get_vs_mooncake"] > 0
+        assert r["staged_put_vs_mooncake"] > 0 and r["staged_get_vs_mooncake"] > 0
     assert "targets met" in capsys.readouterr().out
 
 
