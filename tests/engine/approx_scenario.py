@@ -87,7 +87,8 @@ def run(tmp: Path, model: Path, agents: int = 4) -> dict[str, Any]:
     params = [approximate_segments({}, [tuple(x) for x in sp])["kv_transfer_params"] for sp in spans]
     salt = approximate_segments({}, [(0, 1)])["cache_salt"]
     engine = {**ENGINE, "max_num_batched_tokens": 4096}
-    base = {"model": str(model), "max_tokens": MAX_TOKENS, "logprobs": 1, "engine": engine}
+    # the vec kernels' key layout is the one the connector re-rotates (it refuses AMX's)
+    base = {"model": str(model), "max_tokens": MAX_TOKENS, "logprobs": 1, "engine": engine, "cpu_attention": "vec"}
     stats = tmp / "approx.stats.json"
     approx = ServedEngine(tmp, "approx", {**base, "kvtier": {"dram_capacity_blocks": 1024, "stats_path": str(stats),
                                                              "approximate_shifted_segments": True}})

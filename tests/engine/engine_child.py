@@ -98,9 +98,27 @@ def _metric(llm, name: str) -> float:
     return sum(getattr(m, "value", 0) or 0 for m in llm.get_metrics() if m.name == name)
 
 
+def _vec_attention() -> None:
+    """Make vLLM's CPU backend choose its ``vec`` attention kernels, not AMX ones, on a CPU
+    with AMX tiles (it picks AMX for bf16 there). A scenario whose assertion depends on the
+    kernel (the vec kernels' key layout; outputs identical across chunk boundaries, which
+    the AMX kernels' rounding does not keep) asks for it with ``"cpu_attention": "vec"``.
+    vLLM's CPU platform spawns the engine's processes: ``vec_attention/sitecustomize.py``,
+    put on their ``PYTHONPATH`` here, does it in each."""
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vec_attention")
+    os.environ["KVTIERTEST_CPU_ATTENTION"] = "vec"
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # and no AMX matmuls (tests/engine/conftest.py)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    import torch
+
+    torch.cpu._is_amx_tile_supported = lambda: False
+
+
 def main(spec_path: str, out_path: str | None) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
+    if spec.get("cpu_attention") == "vec":
+        _vec_attention()
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
