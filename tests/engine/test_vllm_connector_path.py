@@ -94,6 +94,14 @@ def test_connector_path_bench_smoke(tmp_path) -> None:
                            "--total-mib", "4", "--repeats", "1", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # and through the command: every block size of kvtier bench tiers
+    cli = tmp_path / "cli.json"
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "connector", "--total-mib", "4",
+                           "--repeats", "1", "--json", str(cli)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(cli.read_text())
+    assert [r["block_kib"] for r in report["results"]] == [256, 1024, 4096] and report["repeats"] == 1
+    assert all(r["verified"] for r in report["results"]) and "targets met" in proc.stdout
     (row,) = json.loads(out.read_text())["results"]
     assert row["verified"] is True and row["block_kib"] == 128
     for key in ("dram_put_vs_memcpy", "dram_get_vs_memcpy", "ssd_put_vs_raw_write", "ssd_get_vs_raw_read",
