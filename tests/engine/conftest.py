@@ -11,13 +11,6 @@ import os
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
-# Engines started by these tests (their processes inherit it) keep oneDNN below AMX: on a
-# CPU with AMX tiles its bf16 matmuls round differently for different numbers of tokens
-# in a step, so an engine that loads a prefix and one that computes it could disagree on a
-# token, and the tests that compare outputs exactly would fail there though the KV moved
-# bit for bit (seen on an AMX machine with session 18's code, which passed CI elsewhere).
-os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
-
 if not HAVE_VLLM:
     if os.environ.get("KVTIERTEST_REQUIRE_VLLM") == "1":
         raise RuntimeError("KVTIERTEST_REQUIRE_VLLM=1 but vLLM is not installed in this environment "

@@ -99,15 +99,19 @@ def _metric(llm, name: str) -> float:
 
 
 def _vec_attention() -> None:
-    """Make vLLM's CPU backend choose its ``vec`` attention kernels, not AMX ones, on a CPU
-    with AMX tiles (it picks AMX for bf16 there). A scenario whose assertion depends on the
-    kernel (the vec kernels' key layout; outputs identical across chunk boundaries, which
-    the AMX kernels' rounding does not keep) asks for it with ``"cpu_attention": "vec"``.
-    vLLM's CPU platform spawns the engine's processes: ``vec_attention/sitecustomize.py``,
-    put on their ``PYTHONPATH`` here, does it in each."""
+    """No AMX on a CPU with AMX tiles: vLLM's CPU backend then chooses its ``vec`` attention
+    kernels (it picks AMX ones for bf16), and oneDNN its AVX-512 bf16 matmuls (its AMX ones
+    round differently for different numbers of tokens in a step, so an engine that loads a
+    prefix and one that computes it can disagree on a token though the KV moved bit for
+    bit). A scenario whose assertion depends on either (the vec kernels' key layout, outputs
+    identical to a plain engine's) asks for it with ``"cpu_attention": "vec"``. Both go
+    together: capping oneDNN alone leaves AMX attention running without the AMX permission
+    oneDNN would have asked the kernel for (SIGILL). vLLM's CPU platform spawns the engine's
+    processes; ``vec_attention/sitecustomize.py``, put on their ``PYTHONPATH`` here, patches
+    the attention choice in each, and the environment carries the oneDNN cap."""
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vec_attention")
     os.environ["KVTIERTEST_CPU_ATTENTION"] = "vec"
-    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # and no AMX matmuls (tests/engine/conftest.py)
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     import torch
 
