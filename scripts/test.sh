@@ -27,8 +27,10 @@ if [ "$#" -eq 0 ]; then
   "$VENV/bin/python" -m pip install -q $PIP_PATIENT -e ".[remote]"
   KVTIER_VENV="$VENV" bash integrations/sglang/setup_sglang_venv.sh
   PYTHON="$PY" bash integrations/aiperf/setup_aiperf_venv.sh
-  INTEROP=(tests/test_sglang_backend.py::test_real_sglang_backend tests/test_interop_aiperf.py)
-  KVTIERTEST_REQUIRE_MOONCAKE=1 "$VENV/bin/python" -m pytest -q -rs --deselect "${INTEROP[0]}" --ignore "${INTEROP[1]}"
+  INTEROP=(tests/test_sglang_backend.py::test_real_sglang_backend tests/test_sglang_v2.py::test_real_sglang_v2
+           tests/test_interop_aiperf.py)
+  KVTIERTEST_REQUIRE_MOONCAKE=1 "$VENV/bin/python" -m pytest -q -rs --deselect "${INTEROP[0]}" --deselect "${INTEROP[1]}" \
+    --ignore "${INTEROP[2]}"
   KVTIERTEST_REQUIRE_SGLANG=1 KVTIERTEST_REQUIRE_AIPERF=1 "$VENV/bin/python" -m pytest -v -s "${INTEROP[@]}"
 else
   "$VENV/bin/python" -m pytest -q "$@"

@@ -24,13 +24,67 @@ The contract, as the controller uses it:
   ``batch_get(keys, target_locations) -> list[tensor | None]`` into dummy flat
   pages;
 * ``batch_exists(keys, extra_info) -> int``: how many leading keys exist;
-* ``get``/``set``/``exists`` for single pages; ``clear``; ``get_stats``.
+* ``get``/``set``/``exists`` for single pages; ``clear``; ``get_stats``;
+* the v2 pool interface of hybrid and DeepSeek caches: side host pools come
+  through ``register_mem_host_pool_v2(host_pool, name)`` (then
+  ``on_host_pools_registered()`` once); ``batch_exists_v2(keys,
+  pool_transfers, extra_info) -> PoolTransferResult``; ``batch_get_v2`` /
+  ``batch_set_v2(transfers, extra_info) -> {transfer.name: [bool, ...]}``,
+  where a ``PoolTransfer`` names its pool and carries ``keys`` (the KV page
+  keys it shares) and ``host_indices`` (``page_size`` slots per key in that
+  pool's host pool).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
+
+
+class PoolName(str, Enum):
+    """Pool names (the subset the tests use; SGLang has more)."""
+
+    KV = "kv"
+    MAMBA = "mamba"
+    SWA = "swa"
+    INDEXER = "indexer"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class PoolHitPolicy(str, Enum):
+    """How a side pool gates the hit of ``batch_exists_v2``."""
+
+    ALL_PAGES = "all_pages"
+    TRAILING_PAGES = "trailing_pages"
+    BLOCK_GROUPS = "block_groups"
+
+
+@dataclass
+class PoolTransfer:
+    """One pool's part of a v2 call (the host <-> storage fields)."""
+
+    name: Any
+    host_indices: Any = None
+    device_indices: Any = None
+    keys: list[str] | None = None
+    hit_policy: PoolHitPolicy = PoolHitPolicy.ALL_PAGES
+    nodes_to_load: Any = None
+    indices_from_pool: Any = None
+    block_pages: int = 0
+    group_pages: int = 0
+
+
+@dataclass
+class PoolTransferResult:
+    """``batch_exists_v2``'s answer: usable prefix, per-pool boundaries, restorable prefixes."""
+
+    kv_hit_pages: int
+    extra_pool_hit_pages: dict
+    restorable_prefix_pages: list[int] | None = None
 
 
 class HiCacheStorageContract(ABC):
@@ -39,6 +93,27 @@ class HiCacheStorageContract(ABC):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Called once, right after construction, with the host KV pool."""
         self.mem_pool_host = mem_pool_host
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Called once per side pool (and for sidecars added later) with its host pool."""
+        if not hasattr(self, "registered_pools"):
+            self.registered_pools = {}
+        self.registered_pools[host_pool_name] = host_pool
+
+    def on_host_pools_registered(self) -> None:
+        """Called once after the registration burst."""
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        """Usable prefix of ``keys`` across the KV pool and ``pool_transfers``' pools."""
+        raise NotImplementedError
+
+    def batch_get_v2(self, transfers: list, extra_info: Any = None) -> dict:
+        """Read each transfer's pages into its host pool; ``{transfer.name: [bool, ...]}``."""
+        raise NotImplementedError
+
+    def batch_set_v2(self, transfers: list, extra_info: Any = None) -> dict:
+        """Write each transfer's pages from its host pool; ``{transfer.name: [bool, ...]}``."""
+        raise NotImplementedError
 
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         """Read pages straight into the host pool at ``host_indices``; one bool per key."""
