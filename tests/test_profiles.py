@@ -47,6 +47,7 @@ def test_module_doctests_and_doc_table_are_current() -> None:
         ("qwen2.5-14b", 196608),  # 48 layers * 8 KV heads * 128 dim * 2 (K, V) * 2 bytes
         ("llama-3.1-70b", 327680),  # 80 layers * 8 KV heads * 128 dim * 2 (K, V) * 2 bytes
         ("deepseek-r1", 70272),  # 61 layers * 576 latent (512 kv_lora_rank + 64 rope) * 2 bytes, one tensor
+        ("gemma-3-27b", 507904),  # 62 layers * 16 KV heads * 128 dim * 2 (K, V) * 2 bytes (every layer)
     ],
 )
 def test_kv_bytes_per_token(model: str, kv_bytes_per_token: int) -> None:
@@ -73,6 +74,14 @@ def test_model_parameter_counts_match_their_config_derivation() -> None:
     r1 = MODELS["deepseek-r1"]
     assert r1.expert_params == 58 * 256 * 3 * 7168 * 2048
     assert r1.num_params - r1.expert_params + r1.expert_params * 8 / 256 == pytest.approx(37.4e9, rel=0.01)
+    # Gemma-3-27B: per layer 5376*4096*2 (q, o) + 5376*2048*2 (k, v) + 2*128 (q/k norms)
+    # + 3*5376*21504 (gated MLP) + 4*5376 (norms); tied 262208-token embedding; final norm
+    per_layer = 5376 * 4096 * 2 + 5376 * 2048 * 2 + 2 * 128 + 3 * 5376 * 21504 + 4 * 5376
+    assert per_layer == 412_898_560
+    gemma = MODELS["gemma-3-27b"]
+    assert gemma.num_active_params == 62 * per_layer + 262208 * 5376 + 5376
+    assert (gemma.num_sliding_layers, gemma.sliding_window_tokens) == (52, 1024)
+    assert gemma.sliding_kv_bytes_per_token == 52 * 16 * 128 * 2 * 2
 
 
 # ---- capacity
@@ -184,8 +193,18 @@ def test_transfer_times() -> None:
     # local NVMe: 100 us + 2^30 / 7e9 to read, / 5e9 to write
     assert H100_8B.transfer_time_s(gib, "ssd->dram") == 100e-6 + gib / 7e9
     assert H100_8B.transfer_time_s(gib, "dram->ssd") == 100e-6 + gib / 5e9
-    # 16 chips span 2 nodes: two SSDs
-    assert get_profile("h100-80gb", "deepseek-r1").transfer_time_s(gib, "ssd->dram") == 100e-6 + gib / 14e9
+    # 16 chips span 2 nodes: two SSDs, each holding the KV heads of its node's ranks; TP=16 over
+    # 8 KV heads puts each head on 2 ranks, so 8 host links carry distinct bytes
+    llama_16 = get_profile("h100-80gb", "llama-3.1-70b", 16)
+    assert llama_16.transfer_time_s(gib, "ssd->dram") == 100e-6 + gib / 14e9
+    assert llama_16.transfer_time_s(gib, "dram->hbm") == 10e-6 + gib / (8 * 50e9)
+    # MLA: all 16 ranks hold the whole latent, so each loads all of it over its own link (one
+    # link's bandwidth, not 16) and each node reads its own copy from its own SSD
+    r1 = get_profile("h100-80gb", "deepseek-r1")
+    assert r1.transfer_time_s(gib, "dram->hbm") == 10e-6 + gib / 50e9
+    assert r1.transfer_time_s(gib, "ssd->dram") == 100e-6 + gib / 7e9
+    # data-parallel attention keeps one copy: every chip's link carries its own requests' blocks
+    assert r1.with_overrides({"attention_dp": True}).transfer_time_s(gib, "dram->hbm") == 10e-6 + gib / (16 * 50e9)
     assert H100_8B.transfer_time_s(0, "ssd->dram") == 0.0
     with pytest.raises(ConfigError, match="valid: hbm->dram, dram->hbm, dram->ssd, ssd->dram"):
         H100_8B.transfer_time_s(1, "hbm->ssd")

@@ -66,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         positive_int,
         writable_file,
     )
+    from .profiles import HARDWARE, MODELS
     from .run import DEFAULT_POLICIES
 
     p.add_argument("--trace", metavar="PATH",
@@ -86,7 +87,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated policies to compare (default: {','.join(DEFAULT_POLICIES)})")
     p.add_argument("--profile", default=None, metavar="HW:MODEL[:CHIPS]",
                    help="hardware and model profile, e.g. h100-80gb:llama-3.1-8b (the default), "
-                        "b200:llama-3.1-70b:4, ascend-910c:deepseek-r1")
+                        "b200:llama-3.1-70b:4, ascend-910c:deepseek-r1 (MLA: a 576-wide latent per layer, no "
+                        "heads), h100-80gb:gemma-3-27b (sliding-window hybrid: 52 of 62 layers see only the last "
+                        "1024 tokens, so a block keeps their KV only within a window before a reuse point; the "
+                        "report's sliding_window gives that share and the block bytes with and without it). "
+                        f"Hardware: {', '.join(HARDWARE)}; models: {', '.join(MODELS)}")
     p.add_argument("--profile-file", metavar="YAML", help="override profile fields from a YAML file")
     p.add_argument("--block-size", type=positive_int, metavar="TOKENS",
                    help="engine block size: re-block the trace (merge exactly, split with derived ids)")
@@ -368,7 +373,7 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
     hbm_blocks = args.hbm_blocks
     if not (args.trace or hbm_blocks or args.hbm_fraction or getattr(args, "workload", "traces") == "apps"):
         # the embedded workload: a capacity sweep around what the profile's HBM holds
-        full = profile.hbm_kv_capacity_blocks(workload.block_size)
+        full = profile.fitted_to(workload).hbm_kv_capacity_blocks(workload.block_size)
         hbm_blocks = tuple(max(1, int(full * f)) for f in DEFAULT_HBM_SCALES)
     return ReplaySpec(
         workload=workload, profile=profile, policies=policies,
@@ -467,6 +472,12 @@ def command(args: argparse.Namespace) -> int:
     progress(f"[replay] {spec.trace_name}: {len(w.sessions)} sessions, {w.num_requests()} requests, "
              f"{w.num_distinct_blocks()} distinct blocks of {w.block_size} tokens; profile {spec.profile.spec}; "
              f"{spec.jobs} worker process(es)")
+    m = spec.profile.model
+    if m.num_sliding_layers:
+        progress(f"[replay] {m.name}: {m.num_sliding_layers} of {m.num_layers} layers attend to the last "
+                 f"{m.sliding_window_tokens} tokens; {spec.profile.window_share:.1%} of the blocks lie within a "
+                 f"window before a reuse point: {spec.profile.kv_bytes_per_block(w.block_size) / 1e6:.2f} MB per "
+                 f"block ({m.kv_bytes_per_token * w.block_size / 1e6:.2f} MB as full attention)")
     try:
         if args.slo_ttft_p99 is not None or args.slo_interactivity is not None:
             report = report_header(spec) | {"skipped": check_capacity(spec)}

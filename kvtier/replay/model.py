@@ -198,6 +198,47 @@ class Workload:
     def num_distinct_blocks(self) -> int:
         return len(self.distinct_blocks())
 
+    def window_share(self, window_tokens: int) -> float:
+        """The share of the distinct blocks that lie within ``window_tokens``
+        tokens before a reuse point: what a sliding-window layer must keep of
+        this workload's KV for every reuse to hit (1.0 when there are no blocks).
+
+        A reuse point is a request's last full block (the next turn resumes
+        there) or a block two requests continue differently (a shared prefix
+        ends there); the ``ceil(window_tokens / block_size)`` blocks ending at
+        one are within its window. O(total block ids).
+
+        >>> r = lambda i, ids: Request(i, 64 * len(ids), 1, ids, 0.0, "start", "end_turn", 0.0)
+        >>> a = Agent("root", None, "main", (r(0, (1, 2, 3, 4, 5, 6)), r(1, (1, 2, 3, 4, 5, 6, 7, 8))))
+        >>> b = Agent("root", None, "main", (r(0, (1, 2, 9)),))
+        >>> w = Workload("w", 64, (Session("a", (a,)), Session("b", (b,))), False)
+        >>> w.window_share(128)  # 2-block windows end at 2 (a branch), 6, 8 and 9: blocks 1, 2, 5-9
+        0.7777777777777778
+        """
+        if window_tokens <= 0:
+            raise ValueError(f"window_tokens must be > 0, got {window_tokens}")
+        window_blocks = -(-window_tokens // self.block_size)
+        next_of: dict[BlockId, BlockId] = {}
+        branches: set[BlockId] = set()
+        for _, _, r in self.iter_requests():
+            ids = r.block_ids
+            for block, nxt in zip(ids, ids[1:]):
+                if next_of.setdefault(block, nxt) != nxt:
+                    branches.add(block)
+        distinct: set[BlockId] = set()
+        kept: set[BlockId] = set()
+        for _, _, r in self.iter_requests():
+            ids = r.block_ids
+            distinct.update(ids)
+            left = window_blocks  # the last block is a reuse point
+            for block in reversed(ids):
+                if block in branches:
+                    left = window_blocks
+                if left > 0:
+                    kept.add(block)
+                    left -= 1
+        return len(kept) / len(distinct) if distinct else 1.0
+
     def reblock(self, new_block_size: int) -> Workload:
         """Same as :func:`reblock` (``reblock(self, new_block_size)``)."""
         return reblock(self, new_block_size)

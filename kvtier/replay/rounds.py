@@ -278,7 +278,8 @@ def round_costs(workload: RoundsWorkload, profile: Profile, policy: str, config:
     if policy not in ROUND_POLICIES:
         raise ConfigError("rounds.policy", policy, f"valid: {list(ROUND_POLICIES)}")
     w, n = workload, workload.num_agents
-    kv_per_token = profile.model.kv_bytes_per_token * profile.kv_copies
+    kv_per_token = profile.kept_kv_bytes_per_token * profile.kv_copies  # every chip's copy (HBM, DRAM)
+    moved_per_token = profile.kept_kv_bytes_per_token  # one copy: transfer_time_s charges the replication
     hbm_tokens = _hbm_kv_tokens(w, profile, config)
     out: list[RoundCost] = []
     for r in range(w.num_rounds):
@@ -291,16 +292,16 @@ def round_costs(workload: RoundsWorkload, profile: Profile, policy: str, config:
         elif overflow:
             if overflow * kv_per_token > config.dram_bytes:
                 raise ConfigError("rounds.dram_bytes", config.dram_bytes, "too small for the overflow; raise it")
-            swap_s = (profile.transfer_time_s(overflow * kv_per_token, "dram->hbm")
-                      + profile.transfer_time_s(overflow * kv_per_token, "hbm->dram"))
+            swap_s = (profile.transfer_time_s(overflow * moved_per_token, "dram->hbm")
+                      + profile.transfer_time_s(overflow * moved_per_token, "hbm->dram"))
         prefill_s = _prefill_s(profile, chunks + extra, config.max_batch_tokens)
         # every strategy's agents attend over the same tokens: the context at the end of round r's prefill
         context = w.private_tokens + (r + 1) * w.observe_tokens + r * n * w.output_tokens
         steps = [profile.step_time_s(0, 0, n, n * (context + t)) for t in range(w.output_tokens)]
         decode_s = sum(steps)
         if policy == "approx":  # masters written through to DRAM, loaded from there over the host link
-            restore_s = (profile.transfer_time_s(restore_tokens * kv_per_token, "dram->hbm")
-                         + profile.transfer_time_s((n * w.output_tokens if r else 0) * kv_per_token, "hbm->dram"))
+            restore_s = (profile.transfer_time_s(restore_tokens * moved_per_token, "dram->hbm")
+                         + profile.transfer_time_s((n * w.output_tokens if r else 0) * moved_per_token, "hbm->dram"))
         else:
             restore_s = 2.0 * restore_tokens * kv_per_token / (profile.hardware.hbm_bw_bytes_s * profile.num_chips)
         prefill_tokens = sum(c[0] for c in chunks) + (overflow if policy == "lru" else 0)

@@ -74,7 +74,9 @@ class ReplaySpec:
     holds after the weights. DRAM defaults to twice the HBM blocks; SSD is
     off unless set. A fleet (``engines > 1`` or ``remote_blocks > 0``) gives
     every engine these capacities, and ``hbm_fraction`` is of one engine's
-    share: the working set of ``conc / engines`` sessions.
+    share: the working set of ``conc / engines`` sessions. ``profile`` is
+    fitted to ``workload`` on construction (:meth:`~kvtier.replay.profiles.Profile.fitted_to`:
+    a sliding-window hybrid's block bytes follow the workload's windows).
     """
 
     workload: Workload
@@ -110,6 +112,9 @@ class ReplaySpec:
     remote_gbps: float = DEFAULT_REMOTE_GBPS
     # the codec of the cold tiers (kvtier.replay.codec): DRAM and SSD capacities stay byte budgets in raw blocks
     cold_codec: ColdCodec | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "profile", self.profile.fitted_to(self.workload))
 
     @property
     def fleet(self) -> bool:
@@ -474,6 +479,8 @@ def report_header(spec: ReplaySpec) -> dict[str, Any]:
         "kvtier_version": __version__,
         "trace": spec.trace_name,
         "profile": spec.profile.spec,
+        **({"sliding_window": window_report(spec.profile, w.block_size)}
+           if spec.profile.model.num_sliding_layers else {}),
         "seed": spec.seed,
         "block_size": w.block_size,
         "workload": {"sessions": len(w.sessions), "requests": w.num_requests(),
@@ -487,6 +494,17 @@ def report_header(spec: ReplaySpec) -> dict[str, Any]:
                       "modelled": True}} if spec.fleet else {}),
         **spec.extra,
     }
+
+
+def window_report(profile: Any, block_size: int) -> dict[str, Any]:
+    """What a sliding-window hybrid's windows do to a replay's bytes: its window,
+    the share of blocks that keep the sliding layers' KV, and the block bytes
+    with and without the window."""
+    m = profile.model
+    return {"layers": m.num_sliding_layers, "of_layers": m.num_layers, "window_tokens": m.sliding_window_tokens,
+            "window_share": profile.window_share,
+            "kv_bytes_per_block": profile.kv_bytes_per_block(block_size),
+            "kv_bytes_per_block_full_attention": m.kv_bytes_per_token * block_size}
 
 
 def largest_passing(passes: Callable[[int], bool], limit: int, first: int = 1) -> int:

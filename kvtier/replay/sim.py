@@ -266,6 +266,8 @@ class Simulator:
         order_log: list[tuple[tuple[int, str, int], tuple[BlockKey, ...], float]] | None = None,
         progress: Callable[[int, int], None] | None = None,
     ) -> None:
+        if profile.window_share is None:  # a sliding-window hybrid's block bytes follow this workload's windows
+            profile = profile.fitted_to(workload)
         self.w, self.cfg, self.policy, self.profile = workload, config, policy, profile
         self.block_size = workload.block_size
         self.hbm_capacity_blocks = config.hbm_blocks
