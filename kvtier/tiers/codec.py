@@ -48,7 +48,8 @@ Codecs (stored id in brackets):
   ~0.03). The payload says bits, dtype, head_dim and rotation seed. For these
   codecs the raw checksum covers the *payload* (decoded bytes are not the
   stored ones), and is checked before decoding. Only floating-point layouts
-  with a power-of-two ``head_dim`` (not MLA) take them:
+  with a power-of-two ``head_dim``, and MLA's 512 + 64 latent (coded as nine
+  64-wide vectors, the rope part scaled on its own), take them:
   :func:`check_codec_layout` refuses others at start. A block whose values
   are not all finite is stored ``raw`` instead. :meth:`ValueHeader.lossy`
   tells a reader that a value is not the exact bytes.
@@ -211,8 +212,8 @@ def check_codec(codec: str) -> str:
 
 def check_codec_layout(codec: str, layout: KVLayout, setting: str = "tiers.ssd.codec") -> str:
     """:func:`check_codec`, and refuse a lossy codec that cannot store ``layout``'s
-    blocks (MLA latents, integer or 8-bit dtypes, a head_dim that is not a power
-    of two), naming ``setting``. Tiers call it when they open."""
+    blocks (MLA latents other than 512 + 64, integer or 8-bit dtypes, a head_dim
+    that is not a power of two), naming ``setting``. Tiers call it when they open."""
     check_codec(codec)
     if codec in LOSSY_CODECS:
         problem = rq.layout_problem(layout)

@@ -4,7 +4,9 @@ Usage: ``python engine_child.py SPEC.json OUT.json``, or ``--serve SPEC.json``
 to keep the engine up and run one phase per JSON line read from stdin (the
 phase's ``out`` names its result file; ``KVTIER-DONE`` is printed after each). The spec names the model
 directory, engine options, an optional kvtier ``kv_connector_extra_config``,
-vLLM KV events (``kv_events``: ``KVEventsConfig`` fields), and phases (prompts as
+vLLM KV events (``kv_events``: ``KVEventsConfig`` fields), optionally vLLM's
+``MultiConnector`` (``multi_connector``: its children in order, see
+:func:`_multi_connector`), and phases (prompts as
 token ids, optionally one ``kv_transfer_params`` dict and one vLLM ``cache_salt``
 (``cache_salts``) per prompt; ``reset_prefix_cache`` before a phase). The
 output has, per phase, each prompt's generated token ids and per-token
@@ -118,6 +120,17 @@ def _vec_attention() -> None:
     torch.cpu._is_amx_tile_supported = lambda: False
 
 
+def _multi_connector(spec: dict) -> dict:
+    """``KVTransferConfig`` fields of a ``MultiConnector`` over ``spec["multi_connector"]``:
+    child ``KVTransferConfig`` dicts, in load order; the string ``"kvtier"`` stands for
+    kvtier with the spec's ``kvtier`` extra config. ``multi_connector_options`` are
+    fields of the outer config (e.g. ``kv_load_failure_policy``)."""
+    kvtier = {"kv_connector": "kvtier", "kv_role": "kv_both", "kv_connector_extra_config": spec.get("kvtier") or {}}
+    children = [kvtier if child == "kvtier" else child for child in spec["multi_connector"]]
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+            **spec.get("multi_connector_options", {}), "kv_connector_extra_config": {"connectors": children}}
+
+
 def main(spec_path: str, out_path: str | None) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -128,7 +141,9 @@ def main(spec_path: str, out_path: str | None) -> None:
     from vllm.inputs import TokensPrompt
 
     kwargs = dict(spec.get("engine", {}))
-    if spec.get("kvtier") is not None:
+    if spec.get("multi_connector") is not None:  # vLLM's MultiConnector over these children, in this order
+        kwargs["kv_transfer_config"] = KVTransferConfig(**_multi_connector(spec))
+    elif spec.get("kvtier") is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector=spec.get("connector_name", "kvtier"),
             kv_connector_module_path=spec.get("connector_module_path"),

@@ -13,7 +13,10 @@ the bytes of chosen blocks into / out of ``uint8`` rows of
 
 A block's row is the concatenation, layer by layer in registration order, of
 each tensor's slice at that block (block dimension moved to the front, made
-contiguous). Must not import vLLM, decide which blocks move, or do I/O.
+contiguous). Layers of a hybrid model's KV cache groups (vLLM's hybrid KV
+cache manager) alias the same tensors, a block id belonging to one group at
+a time: a tensor registered again under another layer's name is one part, so
+a block's row holds whichever group's layers own that block. Must not import vLLM, decide which blocks move, or do I/O.
 
 Streams. On an accelerator the copies run on a stream of their own (torch's
 device-agnostic ``torch.Stream``: CUDA, or an NPU through torch_npu), so they
@@ -112,9 +115,14 @@ class BlockIO:
         self.num_blocks = num_blocks
         parts: list[_Part] = []
         offset = 0
+        seen: set[tuple[Any, ...]] = set()
         for name, cache in kv_caches.items():
             tensors = list(cache) if isinstance(cache, (tuple, list)) else [cache]
             for t in tensors:
+                view = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+                if view in seen:  # a layer of another KV cache group over the same bytes (hybrid models)
+                    continue
+                seen.add(view)
                 dim = _block_dim(t, num_blocks, name)
                 nbytes = t.numel() // num_blocks * t.element_size()
                 parts.append(_Part(t, dim, nbytes, offset))

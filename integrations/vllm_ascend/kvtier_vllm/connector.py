@@ -42,6 +42,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
@@ -113,42 +115,111 @@ def _timed(method):
 
 
 def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tp_rank: int) -> EngineFacts:
-    """Layout facts of one rank's KV cache. Raises ``ValueError`` for KV caches
-    the connector does not handle (several KV cache groups, MLA, K/V of
-    different widths)."""
+    """Layout facts of one rank's KV cache. Raises ``ValueError``, naming the
+    layer type and what to do instead, for KV caches the connector does not
+    handle (see :func:`spec_problem`).
+
+    MLA (DeepSeek-V2/V3/R1, Kimi K2): one latent per token and layer
+    (``kv_lora_rank + qk_rope_head_dim`` wide, no heads), stored as the engine
+    lays it out (arrangement ``mla``). Every TP rank holds the same latent, so
+    the namespace carries no TP rank: all ranks key the same blocks, one SSD
+    directory and one remote copy serve them all, and only rank 0 writes those
+    shared tiers (see :attr:`EngineFacts.replicated`)."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(f"kvtier: the model has {len(groups)} KV cache groups; the connector supports one "
-                         "(full attention); run with --disable-hybrid-kv-cache-manager or another connector")
-    spec = groups[0].kv_cache_spec
-    head_size_v = getattr(spec, "head_size_v", spec.head_size)
-    if type(spec).__name__ != "FullAttentionSpec" or head_size_v != spec.head_size:
-        raise ValueError(f"kvtier: KV cache spec {type(spec).__name__} is not supported (full attention only)")
+    for group in groups:
+        problem = spec_problem(group.kv_cache_spec, vllm_config)
+        if problem:
+            raise ValueError(f"kvtier: {problem}")
+    specs = [g.kv_cache_spec for g in groups]
+    full = [s for s in specs if type(s).__name__ != "SlidingWindowSpec"]
+    if not full:
+        raise ValueError("kvtier: the model has sliding-window KV cache groups only; kvtier keys its blocks by the "
+                         "full-attention prefix, so serve it without the kvtier connector")
+    spec = full[0]
+    shapes = {(s.block_size, s.num_kv_heads, s.head_size, s.dtype, s.page_size_bytes) for s in specs}
+    if len(shapes) != 1:
+        raise ValueError(f"kvtier: the model's {len(groups)} KV cache groups differ in block size, heads, head size or "
+                         f"dtype ({sorted(map(str, shapes))}); kvtier stores one block shape")
+    window = tuple(0 if type(s).__name__ != "SlidingWindowSpec" else -(-(s.sliding_window - 1) // s.block_size)
+                   for s in specs)
     from vllm.platforms import current_platform
 
     from .rerotate import rope_of
 
+    mla = type(spec).__name__ == "MLAAttentionSpec"
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    rope = rope_of(vllm_config.model_config.hf_config, spec.head_size) \
-        if extra.get("approximate_shifted_segments") is True else "approximate_shifted_segments is off"
+    if mla:
+        rope: Any = "MLA latents hold the rotated part of the key beside the compressed one; re-rotating them is " \
+                    "not built"
+    elif extra.get("approximate_shifted_segments") is True:
+        rope = rope_of(vllm_config.model_config.hf_config, spec.head_size)
+    else:
+        rope = "approximate_shifted_segments is off"
     return EngineFacts(
         model=str(vllm_config.model_config.model),
         dtype=str(spec.dtype).removeprefix("torch."),
         block_size=spec.block_size,
-        num_layers=len(groups[0].layer_names),
+        # hybrid groups alias one set of tensors (a block id belongs to one group at a time): a block's
+        # bytes are the largest group's layers, whichever group holds it
+        num_layers=max(len(g.layer_names) for g in groups),
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_size,
-        arrangement="split" if current_platform.device_type == "npu" else "fused",
+        arrangement="mla" if mla else "split" if current_platform.device_type == "npu" else "fused",
         hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
         tp_rank=tp_rank,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         rope=None if isinstance(rope, str) else (rope.theta, rope.rotary_dim),
         rope_problem=rope if isinstance(rope, str) else "",
+        page_bytes=spec.page_size_bytes,
+        window_blocks=window,
     )
 
 
-class KVTierConnector(KVConnectorBase_V1):
+def spec_problem(spec: Any, vllm_config: VllmConfig) -> str:
+    """Why the connector cannot store a KV cache group of ``spec`` ('' when it can):
+    a sentence naming the layer type and what to do instead."""
+    kind = type(spec).__name__
+    if kind in ("MambaSpec",) or "Mamba" in kind:
+        return (f"layers of type {kind} (Mamba / linear-attention state: Jamba, Bamba, Qwen3-Next-style models) "
+                "keep one recurrent state per request, not KV per token block, and vLLM 0.32 gives a KV connector "
+                "no way to save or restore it; serve this model without the kvtier connector (vLLM's own prefix "
+                "cache still applies)")
+    if kind == "MLAAttentionSpec":
+        if getattr(spec, "page_size_padded", None) is not None or getattr(spec, "model_version", None):
+            return (f"MLA layers with padded pages or a versioned sparse cache ({kind}, model_version="
+                    f"{getattr(spec, 'model_version', None)!r}, e.g. DeepSeek-V4) are not supported; only the plain "
+                    "DeepSeek-V2/V3/R1 latent is")
+        if getattr(spec, "tokens_per_state", 1) != 1:
+            return f"MLA layers that compress several tokens into one state ({kind}) are not supported"
+        if spec.dcp_sharded and vllm_config.parallel_config.decode_context_parallel_size > 1:
+            return ("MLA with decode context parallelism (decode_context_parallel_size="
+                    f"{vllm_config.parallel_config.decode_context_parallel_size}) splits each block's tokens across "
+                    "ranks; kvtier stores whole blocks: run with decode_context_parallel_size 1")
+        return ""
+    if kind == "SlidingWindowSpec":
+        if getattr(spec, "extra_retained_tokens", 0):
+            return f"{kind} with extra retained tokens (multi-module speculative decoding) is not supported"
+        return ""
+    if kind != "FullAttentionSpec":
+        return (f"KV cache spec {kind} is not supported (full attention, MLA and sliding-window groups are); "
+                "serve this model without the kvtier connector")
+    if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+        return f"{kind} with K and V of different widths ({spec.head_size} and {spec.head_size_v}) is not supported"
+    return ""
+
+
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """kvtier's DRAM + SSD tiers behind vLLM's prefix cache (the HBM tier).
+
+    Hybrid models (``SupportsHMA``: vLLM keeps its hybrid KV cache manager on,
+    so sliding-window layers hold only their window in HBM): each KV cache
+    group is stored and loaded under keys of its own; a sliding-window group
+    only the blocks its window reads before each point a step's computation
+    reached (``store_window_skipped_blocks``, ``load_window_skipped_blocks``
+    count what that saves). A hit needs every full-attention group's prefix
+    and every window before the hit point. vLLM cannot map a failed block of
+    a multi-group load back to a position, so a failed load fails its request
+    (``failed_recving``), which vLLM recomputes in full.
 
     ``kv_connector_extra_config`` keys: see :data:`kvtier_vllm.settings.EXTRA_KEYS`.
     """
@@ -181,11 +252,13 @@ class KVTierConnector(KVConnectorBase_V1):
             world = vllm_config.parallel_config.world_size
             events_cfg = getattr(vllm_config, "kv_events_config", None)
             kv_events = bool(events_cfg is not None and getattr(events_cfg, "enable_kv_cache_events", False))
-            self._sched = KVTierScheduler(settings, namespace, facts.block_size, world, kv_events=kv_events)
+            self._sched = KVTierScheduler(settings, namespace, facts.block_size, world, kv_events=kv_events,
+                                          window_blocks=facts.window_blocks)
             self._sched.write_stats()
         else:
             layout: KVLayout = settings.config.layout.to_layout()
-            self._worker = KVTierWorker(settings, namespace, layout, kv_cache_config.num_blocks)
+            self._worker = KVTierWorker(settings, namespace, layout, kv_cache_config.num_blocks,
+                                        writes_shared=facts.writes_shared_tiers, fail_requests=facts.hybrid)
         log.info("kvtier connector (%s): tiers %s, layout %s", role.name, settings.config.enabled_tiers,
                  settings.config.layout.to_layout().describe())
 
@@ -227,6 +300,13 @@ class KVTierConnector(KVConnectorBase_V1):
         sending, recving = self._worker.get_finished(finished_req_ids)
         return sending or None, recving or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Worker, every step: :meth:`get_finished`, and (hybrid models) requests whose load failed."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker.take_failed_loads() if self._worker is not None else set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()) | failed, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Worker, every step: engine blocks whose load failed or did not verify (vLLM recomputes them)."""
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -265,7 +345,8 @@ class KVTierConnector(KVConnectorBase_V1):
     @_timed
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._sched is not None
-        self._sched.update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+        groups = blocks.get_block_ids()
+        self._sched.update_state_after_alloc(request, groups[0], num_external_tokens, groups)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         if num_external_tokens == 0 or self._sched is None:
@@ -291,6 +372,13 @@ class KVTierConnector(KVConnectorBase_V1):
     @_timed
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler, once per request: keep its blocks only while a store still reads them."""
+        assert self._sched is not None
+        return self._sched.request_finished(request), None
+
+    @_timed
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """Scheduler, once per request of a hybrid model: as :meth:`request_finished`."""
         assert self._sched is not None
         return self._sched.request_finished(request), None
 

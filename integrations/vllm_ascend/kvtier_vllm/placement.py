@@ -68,9 +68,14 @@ class HBMHolds:
     :meth:`expire` or :meth:`release_all`.
     """
 
-    def __init__(self, pool: Any, budget_blocks: int) -> None:
+    def __init__(self, pool: Any, budget_blocks: int, primary_group: int = 0,
+                 window_groups: Sequence[tuple[int, int]] = ()) -> None:
         self.pool = pool
         self.budget_blocks = max(0, budget_blocks)
+        # hybrid models: the prefix is the primary (full-attention) KV cache group's; each other group
+        # (group id, blocks its window reads, 0 for full attention) is held where a hit needs it
+        self.primary_group = primary_group
+        self.window_groups = tuple(window_groups)
         self._holds: dict[BlockKey, tuple[list[Any], float]] = {}  # tag -> (blocks, expiry)
         self._held_ids: set[int] = set()
         self.peak_blocks = 0
@@ -80,13 +85,20 @@ class HBMHolds:
         return len(self._held_ids)
 
     def cached_prefix(self, hashes: Sequence[Any]) -> list[Any]:
-        """The blocks of the longest prefix of ``hashes`` cached in HBM."""
+        """The blocks of the longest prefix of ``hashes`` cached in HBM (with a
+        hybrid model's other groups: their cached blocks a hit at its end reads)."""
         out = []
         for h in hashes:
-            blocks = self.pool.get_cached_block(h, [0])
+            blocks = self.pool.get_cached_block(h, [self.primary_group])
             if not blocks:
                 break
             out.append(blocks[0])
+        n = len(out)
+        for group, window in self.window_groups:
+            for h in hashes[max(0, n - window) if window else 0 : n]:
+                blocks = self.pool.get_cached_block(h, [group])
+                if blocks:
+                    out.append(blocks[0])
         return out
 
     def hold(self, tag: BlockKey, hashes: Sequence[Any], until: float) -> int:
@@ -206,6 +218,8 @@ class EnginePlacement:
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.clock = clock
         self.holds: HBMHolds | None = None
+        # (primary KV cache group, other groups with their windows): see HBMHolds; set before bind_block_pool
+        self.hold_groups: tuple[int, tuple[tuple[int, int], ...]] = (0, ())
         self.links = LinkModel(prior=DEFAULT_LINKS)
         self.prefetches = PrefetchTracker(counters)
         self.criticalities: dict[AgentKey, float] = {}
@@ -227,7 +241,7 @@ class EnginePlacement:
 
     def bind_block_pool(self, pool: Any) -> None:
         capacity = max(0, int(pool.num_gpu_blocks) - 1)  # one is vLLM's null block
-        self.holds = HBMHolds(pool, int(self.hold_budget_fraction * capacity))
+        self.holds = HBMHolds(pool, int(self.hold_budget_fraction * capacity), *self.hold_groups)
 
     @property
     def now(self) -> float:

@@ -19,7 +19,9 @@ log = logging.getLogger(__name__)
 
 
 def register() -> None:
-    """Register ``kvtier`` with vLLM's ``KVConnectorFactory`` (once per process)."""
+    """Register ``kvtier`` with vLLM's ``KVConnectorFactory`` (once per process), and
+    ``KVTierConnector`` too: ``MultiConnector`` reports a child's stats under its
+    class name, and vLLM's stats logger looks that name up in the registry."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     from .version import check_vllm_version
@@ -28,5 +30,6 @@ def register() -> None:
         check_vllm_version()
     except RuntimeError as exc:
         log.warning("%s", exc)
-    if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_CLASS)
+    for name in (CONNECTOR_NAME, CONNECTOR_CLASS):
+        if name not in KVConnectorFactory._registry:
+            KVConnectorFactory.register_connector(name, CONNECTOR_MODULE, CONNECTOR_CLASS)

@@ -83,6 +83,7 @@ class _Req:
     # approximate reuse: (block index, master key) of each block inside a declared shared segment; None = exact
     approx: list[tuple[int, int]] | None = None
     approx_loaded: set[int] = field(default_factory=set)  # block indices loaded from another request's copy
+    lane_keys: dict[int, list[BlockKey]] = field(default_factory=dict)  # hybrid: other KV cache groups' keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,10 +143,19 @@ class KVTierScheduler:
     """
 
     def __init__(self, settings: ConnectorSettings, namespace: Namespace, block_size: int, world_size: int,
-                 kv_events: bool = False) -> None:
+                 kv_events: bool = False, window_blocks: Sequence[int] = (0,)) -> None:
         cfg = settings.config
         self.settings = settings
         self.namespace = namespace
+        # KV cache groups (vLLM's hybrid KV cache manager): per group 0 (full attention) or the blocks its
+        # sliding window reads before a reuse point. Each group is a lane of keys of its own; the first
+        # full-attention group's keys are the request's keys (placement, recording, KV events)
+        self.lanes = tuple(window_blocks)
+        self.hybrid = len(self.lanes) > 1
+        self.primary = self.lanes.index(0)
+        self._lane_ns = {g: replace(namespace, tenant=f"{namespace.tenant}\x1fkv-cache-group-{g}")
+                         for g in range(len(self.lanes)) if g != self.primary}
+        self._hybrid_loads: dict[int, tuple[int, int]] = {}  # load plan id -> (token blocks offered, blocks read)
         self.block_size = block_size
         self.world_size = world_size
         self.policy = make_placement(settings.placement, "kv_connector_extra_config.placement",
@@ -177,6 +187,7 @@ class KVTierScheduler:
         self.placement = EnginePlacement(self.manager, block_size, cfg.layout.to_layout().bytes_per_block,
                                          self.counters, hold_budget_fraction=settings.hbm_hold_budget_fraction,
                                          holds_enabled=settings.hbm_hold)
+        self.placement.hold_groups = (self.primary, tuple((g, w) for g, w in enumerate(self.lanes) if g != self.primary))
         self._promote_plans: dict[int, Any] = {}
         # (session, agent) -> its latest finished context (keys, vLLM hashes), for tool calls the hint server announces
         self._last_ctx: OrderedDict[tuple[str, str], tuple[list[BlockKey], list[Any]]] = OrderedDict()
@@ -285,6 +296,8 @@ class KVTierScheduler:
         self.counters["lookups"] += 1
         if max_blocks <= start:
             return 0, False
+        if self.hybrid:
+            return self._lanes_hit(st, start, max_blocks)
         shifts: list[int] = []
         if st.approx:
             keys, shifts = self._approx_keys(st, keys)
@@ -301,6 +314,48 @@ class KVTierScheduler:
         self._matches[request.request_id] = _Match(start, hit.num_blocks, remote, tuple(keys[start:end]),
                                                    tuple(shifts[start:end]) if any(shifts[start:end]) else ())
         return (hit.num_blocks + remote) * self.block_size, True
+
+    def _lanes_hit(self, st: _Req, start: int, max_blocks: int) -> tuple[int, bool]:
+        """A hybrid model's hit past block ``start``: the longest run every
+        full-attention group holds, cut back until every sliding-window group
+        holds its window before the hit point (its blocks before ``start`` are
+        vLLM's own hit, in HBM)."""
+        end = max_blocks
+        for g, w in enumerate(self.lanes):
+            if not w:
+                end = min(end, start + self.manager.lookup(self._lane_keys(st, g)[start:end]).num_blocks)
+        while end > start and not all(self._window_held(st, g, w, start, end) for g, w in enumerate(self.lanes) if w):
+            end -= 1
+        if end <= start:
+            return 0, False
+        self._matches[st.request.request_id] = _Match(start, end - start)
+        return (end - start) * self.block_size, True
+
+    def _window_held(self, st: _Req, lane: int, window: int, start: int, end: int) -> bool:
+        keys = self._lane_keys(st, lane)[max(start, end - window):end]
+        return self.manager.lookup(keys).num_blocks == len(keys)
+
+    def _lane_blocks(self, st: _Req, start: int, end: int) -> list[tuple[int, int, list[BlockKey]]]:
+        """Per KV cache group, primary first: (group, first block, keys of blocks
+        ``first:end``) to move for blocks ``start:end``: every block of a
+        full-attention group, the window before ``end`` of a sliding-window one."""
+        order = [self.primary] + [g for g in range(len(self.lanes)) if g != self.primary]
+        out = []
+        for g in order:
+            lo = start if not self.lanes[g] else max(start, end - self.lanes[g])
+            out.append((g, lo, self._lane_keys(st, g)[lo:end]))
+        return out
+
+    def _lane_keys(self, st: _Req, lane: int) -> list[BlockKey]:
+        """Keys of the request's full blocks in KV cache group ``lane`` (the primary
+        group's are :meth:`_keys`; another group's chain in a namespace of its own)."""
+        if lane == self.primary:
+            return self._keys(st)
+        keys = st.lane_keys.setdefault(lane, [])
+        hashes = st.request.block_hashes
+        if len(hashes) > len(keys):
+            keys.extend(chain_foreign_keys(self._lane_ns[lane], hashes[len(keys):], keys[-1] if keys else None))
+        return keys
 
     def _remote_hit(self, req_id: str, keys: list[BlockKey], lo: int, hi: int) -> int | None:
         """How many of blocks ``lo:hi`` the remote store holds, as a leading run;
@@ -350,12 +405,18 @@ class KVTierScheduler:
                     out[tier] += self.block_size
         return dict(out)
 
-    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """Plan the load of ``num_external_tokens`` into the request's new blocks."""
+    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int,
+                                 group_block_ids: Sequence[Sequence[int]] | None = None) -> None:
+        """Plan the load of ``num_external_tokens`` into the request's new blocks
+        (``block_ids``: the first group's; ``group_block_ids``: every group's)."""
         match = self._matches.pop(request.request_id, None)
         if num_external_tokens == 0 or match is None:
             return
         st = self._state(request)
+        if self.hybrid:
+            assert group_block_ids is not None
+            self._plan_lanes_load(st, match.start_block, num_external_tokens // self.block_size, group_block_ids)
+            return
         n = num_external_tokens // self.block_size
         keys = list(match.keys[:n]) if match.keys else self._keys(st)[match.start_block : match.start_block + n]
         targets = tuple(block_ids[match.start_block : match.start_block + n])
@@ -382,6 +443,30 @@ class KVTierScheduler:
             if job.shifts:  # a block rotated from a lossy value is lossy under the request's own key too
                 own = self._keys(st)[match.start_block:match.start_block + len(job.keys)]
                 self._lossy_loaded.update(k for k, src in zip(own, job.keys) if src in self._lossy_loaded)
+        st.loading = True
+        self._loads.append(job)
+        self.counters["load_planned_tokens"] += n * self.block_size
+
+    def _plan_lanes_load(self, st: _Req, start: int, n: int, group_block_ids: Sequence[Sequence[int]]) -> None:
+        """A hybrid model's load of blocks ``start:start + n``: every group's blocks in
+        one job, primary group first; sliding-window groups only inside the window."""
+        keys: list[BlockKey] = []
+        targets: list[int] = []
+        for g, lo, lane in self._lane_blocks(st, start, start + n):
+            keys += lane
+            targets += group_block_ids[g][lo : start + n]
+            if self.lanes[g]:
+                self.counters["load_window_skipped_blocks"] += n - len(lane)
+        plan = self.manager.prepare_load(keys)
+        req_id = st.request.request_id
+        if plan is None:
+            job = LoadJob(req_id, 0, (), (), (), tuple(targets))
+        else:
+            job = LoadJob(req_id, plan.plan_id, plan.keys, plan.tiers,
+                          tuple(s if t != "ssd" else 0 for s, t in zip(plan.slots, plan.tiers)), tuple(targets))
+            self._load_plans[plan.plan_id] = (req_id, plan, ())
+            self._hybrid_loads[plan.plan_id] = (n, len(keys))
+            self._note_lossy_loads(job)
         st.loading = True
         self._loads.append(job)
         self.counters["load_planned_tokens"] += n * self.block_size
@@ -879,14 +964,37 @@ class KVTierScheduler:
         parent = keys[start - 1] if start else None
         if self.kv_events:
             self._note_event_meta(st, keys, start, upto)
+        groups = self._kv_cache_manager.get_block_ids(req_id)
+        # what to store, per KV cache group: (runs of (keys, key before, chained)), and per row of the job
+        # its key, engine block id and chain parent
+        if self.hybrid:
+            units: list[tuple[list[BlockKey], BlockKey | None, bool]] = []
+            new, ids, parents = [], [], []
+            for g, lo, lane in self._lane_blocks(st, start, upto):
+                if self.lanes[g]:  # a window: independent blocks, stored only inside it
+                    self.counters["store_window_skipped_blocks"] += upto - start - len(lane)
+                    kept = [k for k in lane if k not in self._lossy_loaded]
+                    units += [(kept, None, False)] if kept else []
+                    lane_parents: list[BlockKey | None] = [None] * len(lane)
+                else:
+                    before = self._lane_keys(st, g)[start - 1] if start else None
+                    units += [(run, b, True) for run, b in self._store_runs(lane, before)]
+                    lane_parents = [before, *lane[:-1]]
+                new += lane
+                ids += groups[g][lo:upto]
+                parents += lane_parents
+        else:
+            units = [(run, before, True) for run, before in self._store_runs(new, parent)]
+            ids = groups[0][start:upto]
+            parents = [parent, *new[:-1]]
         plans: list[tuple[int, str, Sequence[BlockKey], Sequence[int]]] = []  # (plan id, tier, keys, slots)
         pin_ttl_s = 0.0  # an agent's blocks are soft-pinned in the remote store
         # cold blocks (their agent then waits long) go to the slow tiers with the lossy codec
         cold = self.settings.cold.codec_for(request_tool_wait_s(getattr(st.request, "kv_transfer_params", None))) \
             if self.settings.cold is not None else None
-        for run, before in self._store_runs(new, parent):
+        for run, before, chained in units:
             for tier in self.manager.tier_names:
-                plan = self.manager.prepare_store(tier, run, before)
+                plan = self.manager.prepare_store(tier, run, before, chain=chained)
                 if plan is not None and plan.keys:
                     plans.append((plan.plan_id, plan.tier, plan.keys, plan.slots))
                     self._store_plans[plan.plan_id] = plan
@@ -909,16 +1017,14 @@ class KVTierScheduler:
         index = {k: i for i, k in enumerate(new)}
         rows = sorted({index[k] for p in plans for k in p[2]})
         pos = {r: j for j, r in enumerate(rows)}
-        block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
         writes = tuple(TierWrite(pid, tier, tuple(pos[index[k]] for k in ks), slots,
                                  pin_ttl_s if tier == "remote" else 0.0, (cold or "") if tier in ("ssd", "remote") else "")
                        for pid, tier, ks, slots in plans)
-        chain = [parent, *new]
         job = StoreJob(
             job_id=next(self._job_ids), req_id=req_id,
-            block_ids=tuple(block_ids[start + r] for r in rows),
+            block_ids=tuple(ids[r] for r in rows),
             keys=tuple(new[r] for r in rows),
-            parents=tuple(chain[r] for r in rows),
+            parents=tuple(parents[r] for r in rows),
             writes=writes,
         )
         st.pending_jobs.add(job.job_id)
@@ -936,6 +1042,8 @@ class KVTierScheduler:
             self._remote_stored(*self._remote_stores.pop(plan_id), oks)
         elif plan_id in self._promote_plans:
             self.placement.promotion_done(self._promote_plans.pop(plan_id), oks, None)
+        elif plan_id in self._hybrid_loads:
+            self._complete_lanes_load(plan_id, oks)
         elif plan_id in self._load_plans:
             req_id, plan, remote = self._load_plans.pop(plan_id)
             local = len(plan.keys) if plan is not None else 0
@@ -960,6 +1068,24 @@ class KVTierScheduler:
             st = self._reqs.get(req_id)
             if st is not None:
                 st.loading = False
+
+    def _complete_lanes_load(self, plan_id: int, oks: list[bool]) -> None:
+        """A hybrid model's load: its token blocks are hits only if every group's
+        blocks loaded (vLLM recomputes a request whose load failed in full)."""
+        req_id, plan, _ = self._load_plans.pop(plan_id)
+        n, total = self._hybrid_loads.pop(plan_id)
+        assert plan is not None
+        self.manager.complete_load(plan, oks)
+        if len(oks) == total and all(oks):
+            for tier in plan.tiers[:n]:  # the primary group's blocks come first
+                self.counters[f"hit_tokens_{tier}"] += self.block_size
+            self.counters["hit_tokens"] += n * self.block_size
+        else:
+            self.counters["load_failed_requests"] += 1
+        self.counters["load_failed_blocks"] += total - sum(oks)
+        st = self._reqs.get(req_id)
+        if st is not None:
+            st.loading = False
 
     def _remote_stored(self, keys: list[BlockKey], meta: list[Any], oks: list[bool]) -> None:
         """Every worker reported a remote write: count it, remember the keys written

@@ -109,6 +109,27 @@ class EngineFacts:
     tp_size: int = 1
     rope: tuple[float, int] | None = None  # (theta, rotary dim) of plain NeoX RoPE on every layer's keys
     rope_problem: str = "unknown"  # why ``rope`` is None
+    page_bytes: int = 0  # the engine's bytes of one block of one layer (0: not given)
+    # per KV cache group (vLLM's hybrid KV cache manager): 0 for full attention, else how many blocks
+    # before a reuse point its sliding window reads (vLLM's own rule: ceil((window - 1) / block_size))
+    window_blocks: tuple[int, ...] = (0,)
+
+    @property
+    def hybrid(self) -> bool:
+        """Several KV cache groups (full attention beside sliding-window groups)."""
+        return len(self.window_blocks) > 1
+
+    @property
+    def replicated(self) -> bool:
+        """Every TP rank holds the same KV (MLA's latent has no heads to split):
+        blocks are keyed without the rank, and one rank writes the shared tiers."""
+        return self.arrangement == "mla"
+
+    @property
+    def writes_shared_tiers(self) -> bool:
+        """This rank writes the tiers ranks share (SSD directory, remote store):
+        every rank its own shard, or rank 0 alone for replicated KV."""
+        return not self.replicated or self.tp_rank == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +236,9 @@ class ConnectorSettings:
         namespace["model"] = f"{facts.model}|vllm-hash={facts.hash_algo}"
         if "tenant" in extra:
             namespace["tenant"] = str(extra["tenant"])
-        namespace.update(tp_rank=facts.tp_rank, tp_size=facts.tp_size)
+        # replicated KV (MLA): every rank keys the same blocks, in one SSD directory (tp0-of-1)
+        namespace.update(tp_rank=0, tp_size=1) if facts.replicated else namespace.update(
+            tp_rank=facts.tp_rank, tp_size=facts.tp_size)
         env = os.environ if env is None else env
         # first pass with the HBM tier on, only to learn which host tiers the file enables
         tiers["hbm"]["enabled"] = True
@@ -264,11 +287,18 @@ class ConnectorSettings:
             raise ConfigError("kv_connector_extra_config.remote_master", remote.master,
                               f"engines share blocks only under equal block hashes; with prefix_caching_hash_algo="
                               f"{facts.hash_algo} set PYTHONHASHSEED to one value on every engine, or use sha256")
+        if facts.hybrid and remote is not None:
+            raise ConfigError("kv_connector_extra_config.remote_master", remote.master,
+                              f"the remote tier does not take a model with {len(facts.window_blocks)} KV cache groups "
+                              "(sliding-window hybrid) yet; use the DRAM and SSD tiers")
         cold = _cold_rule(extra, cfg)
         approximate = extra.get("approximate_shifted_segments", False)
         if not isinstance(approximate, bool):
             raise ConfigError("kv_connector_extra_config.approximate_shifted_segments", approximate,
                               "must be true or false")
+        if approximate and facts.hybrid:
+            raise ConfigError("kv_connector_extra_config.approximate_shifted_segments", approximate,
+                              "not built for models with several KV cache groups (sliding-window hybrids)")
         if approximate and facts.rope is None:
             raise ConfigError("kv_connector_extra_config.approximate_shifted_segments", approximate,
                               f"cannot re-rotate this model's keys: {facts.rope_problem}")

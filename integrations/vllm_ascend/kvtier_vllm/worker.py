@@ -108,8 +108,15 @@ class _Writer:
 class KVTierWorker:
     """The worker-side half; one per rank."""
 
-    def __init__(self, settings: ConnectorSettings, namespace: Namespace, layout: KVLayout, num_blocks: int) -> None:
+    def __init__(self, settings: ConnectorSettings, namespace: Namespace, layout: KVLayout, num_blocks: int,
+                 writes_shared: bool = True, fail_requests: bool = False) -> None:
         self.settings = settings
+        # False on TP ranks other than 0 for replicated KV (MLA): rank 0 alone writes the SSD directory
+        # and the remote store all ranks read; every rank still fills its own DRAM pool
+        self.writes_shared = writes_shared
+        # hybrid models: vLLM takes a failed load as a failed request, not as failed block ids
+        self.fail_requests = fail_requests
+        self._failed_loads: set[str] = set()
         self.namespace = namespace
         self.layout = layout
         self.num_blocks = num_blocks
@@ -143,7 +150,9 @@ class KVTierWorker:
         when the caches' block size in bytes differs from the layout's."""
         io = BlockIO(kv_caches, self.num_blocks, side_stream=self.settings.side_stream,
                      device_staging_bytes=self.settings.device_staging_bytes)
-        if io.bytes_per_block != self.layout.bytes_per_block or io.arrangement != self.layout.arrangement:
+        # an MLA latent is one tensor per layer, as vLLM's fused caches are
+        expected = "fused" if self.layout.arrangement == "mla" else self.layout.arrangement
+        if io.bytes_per_block != self.layout.bytes_per_block or io.arrangement != expected:
             raise ValueError(
                 f"kvtier: registered KV caches hold {io.bytes_per_block} bytes per block ({io.arrangement}), "
                 f"but the engine's KV spec gives layout {self.layout.describe()} = {self.layout.bytes_per_block} "
@@ -292,7 +301,10 @@ class KVTierWorker:
                     self._scattered.append((done, read.run))
             if job.plan_id:  # per block: did the tier return verified bytes
                 meta.plans[job.plan_id] = (1, read.oks)
-            self._load_errors.update(job.block_ids[num_ok:])
+            if num_ok < len(job.block_ids) and self.fail_requests:
+                self._failed_loads.add(job.req_id)
+            elif num_ok < len(job.block_ids):
+                self._load_errors.update(job.block_ids[num_ok:])
             self._loads.discard(job.req_id)
             recving.add(job.req_id)
         sending = {r for r in self._release if r not in self._gathers and r not in self._loads}
@@ -341,6 +353,11 @@ class KVTierWorker:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose load failed since the last call (hybrid models only)."""
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
+
     def take_worker_meta(self) -> KVTierWorkerMetadata | None:
         meta, self._meta = self._meta, None
         return meta
@@ -383,6 +400,9 @@ class KVTierWorker:
                 _copy_rows(self._pool_np, [w.slots[i] for i in pos], host, [w.rows[i] for i in pos], self._copy_helper,
                            self.settings.copy_threads)
                 self._post_plan(w.plan_id, [r < got for r in w.rows])
+                continue
+            if not self.writes_shared:  # rank 0 writes this shared tier; this rank's report must not veto it
+                self._post_plan(w.plan_id, [True] * len(w.rows))
                 continue
             writer = self._writers.get(w.tier)
             if writer is None:  # a tier this rank does not have: nothing stored
