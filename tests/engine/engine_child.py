@@ -9,7 +9,8 @@ vLLM KV events (``kv_events``: ``KVEventsConfig`` fields), optionally vLLM's
 :func:`_multi_connector`), and phases (prompts as
 token ids, optionally one ``kv_transfer_params`` dict and one vLLM ``cache_salt``
 (``cache_salts``) per prompt; ``reset_prefix_cache`` before a phase). The
-output has, per phase, each prompt's generated token ids and per-token
+output has the engine's ``num_gpu_blocks`` and whether its hybrid KV cache
+manager is on, and, per phase, each prompt's generated token ids and per-token
 logprobs (``outputs``), vLLM's own TTFT and cached-token count per request
 (``requests``), the kvtier stats file after the phase, and vLLM's external prefix
 cache hit counters (``external_hits`` from kvtier, ``local_hits`` from its own
@@ -158,7 +159,11 @@ def main(spec_path: str, out_path: str | None) -> None:
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], load_format=spec.get("load_format", "safetensors"), skip_tokenizer_init=True, seed=0,
               disable_log_stats=False, **kwargs)
-    result: dict = {"start_s": time.perf_counter() - t0, "phases": []}
+    config = llm.llm_engine.vllm_config
+    result: dict = {"start_s": time.perf_counter() - t0, "phases": [],
+                    # the engine's KV capacity, and whether vLLM kept its hybrid KV cache manager on
+                    "num_gpu_blocks": config.cache_config.num_gpu_blocks,
+                    "hybrid_kv_cache_manager": not config.scheduler_config.disable_hybrid_kv_cache_manager}
     def sampling(kv_transfer_params: dict | None = None) -> SamplingParams:
         return SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8), logprobs=spec.get("logprobs", 3),
                               detokenize=False, ignore_eos=True,

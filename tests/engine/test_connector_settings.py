@@ -143,3 +143,27 @@ def test_approximate_reuse_is_off_by_default_and_needs_plain_rope() -> None:
     no_rope = replace(FACTS, rope=None, rope_problem="rope_type 'yarn' (scaled RoPE) is not supported")
     with pytest.raises(ConfigError, match=r"approximate_shifted_segments.*cannot re-rotate.*'yarn'"):
         ConnectorSettings.build({"approximate_shifted_segments": True}, no_rope, env={})
+
+
+def test_a_hybrid_model_refuses_the_settings_not_built_for_it() -> None:
+    hybrid = EngineFacts("gemma", "bfloat16", 32, 1, 2, 32, "fused", "sha256", window_blocks=(2, 2, 0))
+    assert hybrid.hybrid and not FACTS.hybrid
+    with pytest.raises(ConfigError, match="remote_master.*3 KV cache groups"):
+        ConnectorSettings.build({"remote_master": "127.0.0.1:50051"}, hybrid, env={})
+    with pytest.raises(ConfigError, match="approximate_shifted_segments.*several KV cache groups"):
+        ConnectorSettings.build({"approximate_shifted_segments": True}, hybrid, env={})
+    assert ConnectorSettings.build({}, hybrid, env={}).config.dram.enabled
+
+
+def test_mla_is_keyed_without_the_tp_rank_and_rank_0_writes_the_shared_tiers(tmp_path) -> None:
+    for rank in (0, 1):
+        facts = EngineFacts("ds", "bfloat16", 16, 61, 1, 576, "mla", "sha256", tp_rank=rank, tp_size=8)
+        s = ConnectorSettings.build({"ssd_path": str(tmp_path)}, facts, env={})
+        layout = s.config.layout.to_layout()
+        ns = s.config.namespace.to_namespace(layout)
+        assert (ns.tp_rank, ns.tp_size) == (0, 1) and facts.replicated
+        assert facts.writes_shared_tiers == (rank == 0)
+        assert s.rank_ssd_path(ns.tp_rank, ns.tp_size) == tmp_path / "tp0-of-1"
+        assert layout.bytes_per_token == 61 * 576 * 2  # DeepSeek-V3/R1: 70,272 bytes, the engine's latent page
+    gqa = EngineFacts("m", "bfloat16", 32, 2, 2, 32, "fused", "sha256", tp_rank=1, tp_size=2)
+    assert not gqa.replicated and gqa.writes_shared_tiers

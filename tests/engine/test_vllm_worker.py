@@ -277,3 +277,63 @@ def test_split_parts_are_views_of_about_equal_size() -> None:
     one = worker_mod._split(dst, src, [(4, 2, 1)], 1, 3)
     assert [sum(d.size for d, _ in p) for p in one] == [2, 3, 3]
     assert all(np.shares_memory(d, dst) for p in one for d, _ in p)
+
+
+def _mla_worker(tmp_path, tp_rank: int) -> tuple[KVTierWorker, dict]:
+    """A worker of TP rank ``tp_rank`` (of 2) over two layers of an MLA latent cache
+    (``[blocks, 16, 576]`` bf16 per layer, as vLLM's CPU MLA backend lays it out)."""
+    facts = EngineFacts("tiny-mla", "bfloat16", 16, 2, 1, 576, "mla", "sha256", tp_rank=tp_rank, tp_size=2)
+    settings = ConnectorSettings.build({"dram_capacity_blocks": 4, "ssd_path": str(tmp_path)}, facts, env={})
+    layout = settings.config.layout.to_layout()
+    assert layout.bytes_per_token == 2 * 576 * 2  # the latent, no heads: the engine's page per token
+    ns = settings.config.namespace.to_namespace(layout)
+    assert (ns.tp_rank, ns.tp_size) == (0, 1)  # every rank holds the same latent: keyed without the rank
+    w = KVTierWorker(settings, ns, layout, NUM_BLOCKS, writes_shared=facts.writes_shared_tiers)
+    gen = torch.Generator().manual_seed(tp_rank)
+    caches = {f"layers.{i}.attn": torch.randn(NUM_BLOCKS, 16, 576, generator=gen).to(torch.bfloat16) for i in range(2)}
+    w.register_kv_caches(caches)
+    return w, caches
+
+
+def test_mla_rank_0_alone_writes_the_shared_ssd_and_every_rank_reads_it(tmp_path) -> None:
+    """MLA under tensor parallelism: the latent is the same on every rank, so one
+    directory serves them all and rank 0 alone writes it (a second rank's copy would be
+    the same bytes written twice). Rank 1 still fills its own DRAM pool; its SSD write
+    reports ok without writing, so the AND over ranks is rank 0's result."""
+    w1, caches1 = _mla_worker(tmp_path, tp_rank=1)
+    job = StoreJob(job_id=1, req_id="r1", block_ids=(1, 2), keys=(10, 11), parents=(None, 10),
+                   writes=(TierWrite(1, "dram", (0, 1), (0, 1)), TierWrite(2, "ssd", (0, 1), ())))
+    w1.wait_for_save(KVTierConnectorMetadata(stores=[job]))
+    plans, *_ = _drain(w1, {1, 2})
+    assert plans == {1: [True, True], 2: [True, True]}
+    assert list(w1._ssd.scan()) == []  # rank 1 wrote nothing to the shared directory
+    w0, caches0 = _mla_worker(tmp_path, tp_rank=0)
+    assert [p.name for p in tmp_path.iterdir()] == ["tp0-of-1"]
+    w0.wait_for_save(KVTierConnectorMetadata(stores=[job]))
+    plans, *_ = _drain(w0, {1, 2})
+    assert plans == {1: [True, True], 2: [True, True]}
+    # rank 1 reads rank 0's values (here the same process: one LMDB environment per directory)
+    w1.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r2", 3, (10, 11), ("ssd", "ssd"), (0, 0), (5, 6))]))
+    plans, _, _, errors = _drain(w1, {3}, {"r2"})
+    assert plans == {3: [True, True]} and not errors
+    assert all(torch.equal(caches1[n][5], caches0[n][1]) and torch.equal(caches1[n][6], caches0[n][2]) for n in caches0)
+    w0.shutdown()
+    w1.shutdown()
+
+
+def test_a_hybrid_models_failed_load_fails_its_request_not_block_ids(tmp_path) -> None:
+    """vLLM cannot map a failed block id back to a request position when a model has
+    several KV cache groups (block ids repeat across groups): such a load reports its
+    request (``failed_recving``), and vLLM recomputes it in full."""
+    facts = EngineFacts("tiny", "bfloat16", BS, 2, HEADS, DIM, "split", "sha256", window_blocks=(2, 0))
+    settings = ConnectorSettings.build({"dram_capacity_blocks": 4}, facts, env={})
+    layout = settings.config.layout.to_layout()
+    w = KVTierWorker(settings, settings.config.namespace.to_namespace(layout), layout, NUM_BLOCKS,
+                     fail_requests=facts.hybrid)
+    caches = {f"layers.{i}.attn": tuple(torch.zeros(NUM_BLOCKS, BS, HEADS, DIM, dtype=torch.bfloat16)
+                                        for _ in range(2)) for i in range(2)}
+    w.register_kv_caches(caches)
+    w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r1", 0, (), (), (), (3, 4))]))  # nothing readable
+    _, _, recving, errors = _drain(w, set(), {"r1"})
+    assert not errors and w.take_failed_loads() == {"r1"}
+    w.shutdown()
