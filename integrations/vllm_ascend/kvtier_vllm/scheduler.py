@@ -964,12 +964,13 @@ class KVTierScheduler:
         parent = keys[start - 1] if start else None
         if self.kv_events:
             self._note_event_meta(st, keys, start, upto)
-        groups = self._kv_cache_manager.get_block_ids(req_id)
         # what to store, per KV cache group: (runs of (keys, key before, chained)), and per row of the job
-        # its key, engine block id and chain parent
+        # its key, engine block id (the first group's are read only if something is stored) and chain parent
+        ids: list[int] = []
         if self.hybrid:
+            groups = self._kv_cache_manager.get_block_ids(req_id)
             units: list[tuple[list[BlockKey], BlockKey | None, bool]] = []
-            new, ids, parents = [], [], []
+            new, parents = [], []
             for g, lo, lane in self._lane_blocks(st, start, upto):
                 if self.lanes[g]:  # a window: independent blocks, stored only inside it
                     self.counters["store_window_skipped_blocks"] += upto - start - len(lane)
@@ -985,7 +986,6 @@ class KVTierScheduler:
                 parents += lane_parents
         else:
             units = [(run, before, True) for run, before in self._store_runs(new, parent)]
-            ids = groups[0][start:upto]
             parents = [parent, *new[:-1]]
         plans: list[tuple[int, str, Sequence[BlockKey], Sequence[int]]] = []  # (plan id, tier, keys, slots)
         pin_ttl_s = 0.0  # an agent's blocks are soft-pinned in the remote store
@@ -1014,6 +1014,8 @@ class KVTierScheduler:
                 pin_ttl_s = self.settings.remote.pin_ttl_s if self._agent(st) is not None else 0.0
         if not plans:
             return None
+        if not self.hybrid:
+            ids = self._kv_cache_manager.get_block_ids(req_id)[0][start:upto]
         index = {k: i for i, k in enumerate(new)}
         rows = sorted({index[k] for p in plans for k in p[2]})
         pos = {r: j for j, r in enumerate(rows)}
