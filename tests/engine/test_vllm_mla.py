@@ -20,8 +20,6 @@ Bytes per token: every value on SSD holds exactly the engine's latent page
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from .engine_support import ENGINE, run_child
@@ -123,19 +121,3 @@ def test_bytes_stored_per_token_equal_the_engines_latent_page(world: dict) -> No
     env.close()
     assert sizes == {engine_bytes_per_token * MLA_BLOCK}, sizes
 
-
-def test_a_model_type_kvtier_does_not_store_is_refused_at_start_naming_it(tmp_path: Path) -> None:
-    """A Mamba layer's state cannot go through a KV connector in vLLM 0.32: refused by name."""
-    import torch
-    from kvtier_vllm.connector import spec_problem
-    from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
-
-    cfg = VllmConfig()
-    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
-    problem = spec_problem(mamba, cfg)
-    assert "MambaSpec" in problem and "without the kvtier connector" in problem
-    v4 = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, model_version="v4")
-    assert "DeepSeek-V4" in spec_problem(v4, cfg)
-    plain = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
-    assert spec_problem(plain, cfg) == ""

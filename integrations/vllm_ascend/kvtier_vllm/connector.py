@@ -179,16 +179,19 @@ def spec_problem(spec: Any, vllm_config: VllmConfig) -> str:
     """Why the connector cannot store a KV cache group of ``spec`` ('' when it can):
     a sentence naming the layer type and what to do instead."""
     kind = type(spec).__name__
-    if kind in ("MambaSpec",) or "Mamba" in kind:
-        return (f"layers of type {kind} (Mamba / linear-attention state: Jamba, Bamba, Qwen3-Next-style models) "
-                "keep one recurrent state per request, not KV per token block, and vLLM 0.32 gives a KV connector "
-                "no way to save or restore it; serve this model without the kvtier connector (vLLM's own prefix "
-                "cache still applies)")
+    if "Mamba" in kind:
+        mamba_type = getattr(getattr(spec, "mamba_type", None), "name", "unknown")
+        return (f"layers of type {kind} (mamba_type {mamba_type}: the Mamba, linear-attention or short-conv layers "
+                "of Granite-4.0-H, NemotronH, Falcon-H1, Jamba, Qwen3-Next, LFM2) keep one recurrent state per "
+                "request, not KV per token block, and kvtier does not store that state (vLLM 0.32 shows it to a "
+                "connector only with prefix caching on, mamba_cache_mode 'align'; this group's is "
+                f"{getattr(spec, 'mamba_cache_mode', 'none')!r}); serve this model without the kvtier connector "
+                "(on a GPU, vLLM's own OffloadingConnector, --kv-offloading-size, offloads the state)")
     if kind == "MLAAttentionSpec":
         if getattr(spec, "page_size_padded", None) is not None or getattr(spec, "model_version", None):
             return (f"MLA layers with padded pages or a versioned sparse cache ({kind}, model_version="
                     f"{getattr(spec, 'model_version', None)!r}, e.g. DeepSeek-V4) are not supported; only the plain "
-                    "DeepSeek-V2/V3/R1 latent is")
+                    "DeepSeek-V2/V3/R1 latent is: serve this model without the kvtier connector")
         if getattr(spec, "tokens_per_state", 1) != 1:
             return f"MLA layers that compress several tokens into one state ({kind}) are not supported"
         if spec.dcp_sharded and vllm_config.parallel_config.decode_context_parallel_size > 1:
@@ -200,9 +203,13 @@ def spec_problem(spec: Any, vllm_config: VllmConfig) -> str:
         if getattr(spec, "extra_retained_tokens", 0):
             return f"{kind} with extra retained tokens (multi-module speculative decoding) is not supported"
         return ""
+    if kind == "CrossAttentionSpec":
+        return (f"cross-attention layers ({kind}: encoder-decoder models such as Whisper) cache the encoder's "
+                "output, which depends on the audio or image input and not on the token prefix kvtier keys "
+                "blocks by; serve this model without the kvtier connector")
     if kind != "FullAttentionSpec":
-        return (f"KV cache spec {kind} is not supported (full attention, MLA and sliding-window groups are); "
-                "serve this model without the kvtier connector")
+        return (f"KV cache spec {kind} is not supported: kvtier stores full-attention, MLA and sliding-window KV "
+                "keyed by the token prefix; serve this model without the kvtier connector")
     if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
         return f"{kind} with K and V of different widths ({spec.head_size} and {spec.head_size_v}) is not supported"
     return ""
