@@ -145,7 +145,45 @@ def test_a_finished_agents_shared_prefix_is_not_dead():
     est = AgentNextUse(clock)
     est.ended((0, "a"), (1, 2, 3, 4), dead_from=2)  # other chains branch from (1, 2)
     assert est.next_use(3) == est.next_use(4) == NEVER
-    assert est.next_use(1) == est.next_use(2) == 0.0  # unclaimed: as LRU, by when it is pushed
+    assert est.next_use(1) == est.next_use(2) == 0.0  # unclaimed: by when it is pushed (trust 0: no user turn)
+
+
+def test_an_untagged_chains_head_keeps_its_rank_when_its_tail_is_evicted():
+    """A chain's parent is held out of the order while its children are stored (they
+    must go first). When the tail goes, the parent comes back with the rank it had,
+    as LRU keeps its place: it used to come back as most recent (an unclaimed block
+    ranks by now), so an old one-shot request's head outlived a waiting agent that
+    came after it, and the hint did harm (issue 41; measured on MLA live)."""
+    clock = _Clock()
+    est = AgentNextUse(clock)
+    mgr = TierManager([TierSpec("dram", 6, est.policy())], record_events=False)
+    _stored(mgr, "dram", (1, 2, 3))  # an untagged one-shot request, stored at t=0
+    clock.t = 1.0
+    _stored(mgr, "dram", (7, 8))
+    est.waiting((0, "agent"), (7, 8), 1.0)  # an agent stops at t=1, back in 1 s
+    clock.t = 2.0
+    _stored(mgr, "dram", (20,))  # more untagged traffic fills the tier
+    assert mgr.evict("dram", 1) == (3,)  # the oldest chain's tail
+    _stored(mgr, "dram", (21,))
+    # its head ranks by t=0 still, before the agent (t=1): blocks 2 and 1 go first
+    assert mgr.evict("dram", 2) == (2, 1)
+    assert mgr.evict("dram", 1) == (8,)
+    mgr.check_invariants()
+
+
+def test_a_tool_wait_never_ranks_an_agent_behind_untagged_traffic_of_the_same_age():
+    """Untagged requests are taken as a user's turn (``user_wait_s`` ahead), as an
+    agent waiting on its user is: an agent announcing a shorter tool wait outlives
+    untagged traffic stored when its wait started (before, that traffic ranked as
+    just used, and the hint put the agent first in line)."""
+    for trust, first in ((0.5, 5), (1.0, 5)):
+        clock = _Clock()
+        est = AgentNextUse(clock, trust=trust, user_wait_s=60.0)
+        mgr = TierManager([TierSpec("dram", 2, est.policy())], record_events=False)
+        _stored(mgr, "dram", (5,))  # untagged, stored at t=0
+        _stored(mgr, "dram", (7,))
+        est.waiting((0, "agent"), (7,), 30.0)  # at t=0 too, back in 30 s
+        assert mgr.evict("dram", 1) == (first,), trust
 
 
 def test_the_estimate_forgets_blocks_no_tier_holds():

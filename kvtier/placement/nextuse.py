@@ -15,8 +15,9 @@ came back); the block's rank (higher: evicted sooner) is its agent's:
 * finished: never used again, evicted first.
 
 A block its agent's latest context no longer holds (a compaction, an old
-branch) and a block nobody claimed rank by when they were last claimed or
-stored, as LRU would. Ranks are fixed when set (in seconds of the host's
+branch) ranks by when it was last claimed, as LRU would; a block nobody
+claimed (a request without an agent's tags) by when it was stored or
+touched, plus ``trust`` x ``user_wait_s``: as a user's turn. Ranks are fixed when set (in seconds of the host's
 clock), so a tier's order needs no periodic refresh.
 
 Fed by a placement policy's hooks (:meth:`used`, :meth:`waiting`,
@@ -66,14 +67,24 @@ class AgentNextUse:
 
     # ------------------------------------------------------------ the estimate
 
-    def next_use(self, key: BlockKey) -> float:
+    def next_use(self, key: BlockKey, unknown: float | None = None) -> float:
+        """The rank of ``key``; for a block nobody claimed, ``unknown`` when given
+        (the rank it had), else now, as a user's turn ahead (see the module docstring)."""
         claim = self._owner.get(key)
-        if claim is None:  # nobody's yet: as LRU, by when it was stored or touched
-            return -self._clock()
+        if claim is None:  # nobody's yet: by when it was stored or touched
+            return self.unclaimed_rank() if unknown is None else unknown
         agent, serial, aged = claim
         if self._serial.get(agent) != serial:  # left its agent's context since: ages as LRU would
             return aged
         return self._rank.get(agent, aged)
+
+    def unclaimed_rank(self) -> float:
+        """The rank of a block no agent claimed, stored or touched now: a request
+        sent without an agent's tags is taken as a user's turn (``user_wait_s``
+        ahead, weighed by ``trust``), as an agent that waits on its user is, so
+        that a tool wait's hint never ranks an agent behind traffic that only
+        lacks tags (the replay tags every request; live, other traffic may not)."""
+        return -self._clock() + self.trust * self.user_wait_s
 
     def depth(self, key: BlockKey) -> int:
         return self._depth.get(key, 0)

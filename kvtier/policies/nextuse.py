@@ -7,7 +7,9 @@ when each agent comes back (:mod:`kvtier.placement.nextuse`). Must not
 compute next uses itself. Not registered by name: it needs an estimate, which
 no registry factory has; the owner passes the object in a ``TierSpec``.
 
-The estimate provides ``next_use(key) -> float`` (``inf``: never),
+The estimate provides ``next_use(key, unknown=None) -> float`` (``inf``:
+never; ``unknown``: the value to give a block the estimate knows nothing
+about, in place of its default: a held block coming back keeps its rank),
 ``depth(key) -> int`` (position in its chain; ties evict the deeper block
 first, so prefixes outlive their tails) and ``clock`` (now, in the unit of
 ``next_use``). An entry whose next use has passed is refreshed once per
@@ -28,7 +30,7 @@ NEVER = float("inf")
 class NextUseEstimate(Protocol):
     clock: float
 
-    def next_use(self, key: BlockKey) -> float: ...
+    def next_use(self, key: BlockKey, unknown: float | None = None) -> float: ...
 
     def depth(self, key: BlockKey) -> int: ...
 
@@ -42,7 +44,7 @@ class NextUsePolicy:
         self._est = estimate
         self._next: dict[BlockKey, float] = {}  # resident idle key -> next use in its live heap entry
         self._heap: list[tuple[float, int, BlockKey]] = []  # (-next use, -depth, key)
-        self._parked: dict[BlockKey, bool] = {}  # held keys (out of the order)
+        self._parked: dict[BlockKey, float] = {}  # held keys (out of the order) -> their next use when held
         self._front: set[BlockKey] = set()  # idle keys made next victims: no estimate refresh moves them back
         self._victim_was_front = False  # the last victim was one of them (its chain follows it)
 
@@ -84,23 +86,25 @@ class NextUsePolicy:
     def on_remove(self, key: BlockKey) -> None:
         self._victim_was_front = False
         self._front.discard(key)
-        if self._parked.pop(key, False) is False:
+        if self._parked.pop(key, None) is None:
             del self._next[key]
 
     def on_hold(self, key: BlockKey) -> None:
-        del self._next[key]  # its heap entry goes stale
-        self._parked[key] = True
+        self._parked[key] = self._next.pop(key)  # its heap entry goes stale; its rank is kept
 
     def on_unhold(self, key: BlockKey, front: bool = False) -> None:
         """Back in the order. With ``front`` (its child, the chain's tail, was just
         evicted) a chain made next victims goes on being evicted tail to head;
-        otherwise the key ranks by its own estimate."""
-        del self._parked[key]
+        otherwise the key ranks by its own estimate, or, where the estimate knows
+        nothing of it, by the rank it had when held (as a parked block keeps its
+        place in LRU: an untagged chain's head must not become most recent
+        because its tail was evicted)."""
+        held_nu = self._parked.pop(key)
         if front and self._victim_was_front:
             self._front.add(key)
             self._push(key, NEVER)
         else:
-            self._push(key)
+            self._push(key, self._est.next_use(key, held_nu))
 
     def parked_keys(self) -> Iterable[BlockKey]:
         return self._parked.keys()

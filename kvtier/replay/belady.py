@@ -46,8 +46,9 @@ class NextUseOracle:
         """``request_id`` is being served now (unknown ids leave the clock as it is)."""
         self.clock = self._position.get(request_id, self.clock)
 
-    def next_use(self, key: BlockKey) -> float:
-        """First position after the clock at which ``key`` is used (``inf``: never)."""
+    def next_use(self, key: BlockKey, unknown: float | None = None) -> float:
+        """First position after the clock at which ``key`` is used (``inf``: never;
+        the oracle knows every key, so ``unknown`` is not used)."""
         lst = self._uses.get(key)
         if lst is None:
             return NEVER
@@ -101,7 +102,7 @@ class DriftOracle:
         self._offset[session] = self._drift = now_s - t1
         self._progress[session] = t1
 
-    def next_use(self, key: BlockKey) -> float:
+    def next_use(self, key: BlockKey, unknown: float | None = None) -> float:
         per = self._uses.get(key)
         if per is None:
             return NEVER
