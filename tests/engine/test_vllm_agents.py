@@ -83,7 +83,7 @@ def workload() -> list[dict]:
     return phases
 
 
-def _engine_phases(tag: str, hinted: bool) -> list[dict]:
+def _engine_phases(tag: str, hinted: bool, waits_s: tuple[float, ...] = WAITS_S) -> list[dict]:
     # a warm-up request first (5 tokens: no full block, nothing cached or stored), so that the first
     # turn's TTFT is not the engine's first forward; left out of every figure
     out = [{"prompts": [[7, 8, 9, 10, 11]]}]
@@ -91,7 +91,7 @@ def _engine_phases(tag: str, hinted: bool) -> list[dict]:
         params = None
         if ph["kind"] == "agents" and hinted:
             last = ph["turn"] == TURNS - 1
-            params = [tag_request({}, f"{tag}-s{r['agent']}", "root", None if last else WAITS_S[r["agent"]])
+            params = [tag_request({}, f"{tag}-s{r['agent']}", "root", None if last else waits_s[r["agent"]])
                       ["kv_transfer_params"] for r in ph["requests"]]
         out.append({"prompts": [r["tokens"] for r in ph["requests"]], "kv_transfer_params": params})
     return out
