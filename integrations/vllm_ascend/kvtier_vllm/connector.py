@@ -398,7 +398,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         with medium ``CPU`` (DRAM) or ``STORAGE`` (SSD), locality ``LOCAL``; blocks
         written to the remote store shared by engines are ``STORAGE`` with locality
         ``REMOTE`` (stores only: the store evicts on its own and tells no engine).
-        In vLLM's own block hashes."""
+        In vLLM's own block hashes; for a hybrid model those of its first full-attention
+        KV cache group (``group_idx``), the prefix a router matches."""
         if self._sched is None or not self._sched.kv_events:
             return ()
         out: list[KVCacheEvent] = []
@@ -407,13 +408,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             locality = "REMOTE" if tier == "remote" else "LOCAL"
             if kind == "removed":
                 out.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(block_hash)], medium=medium,
-                                        group_idx=0, locality=locality, ownership="kvtier"))
+                                        group_idx=self._sched.primary, locality=locality, ownership="kvtier"))
                 continue
             parent, token_ids = rest
             out.append(BlockStored(block_hashes=[maybe_convert_block_hash(block_hash)],
                                    parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
                                    token_ids=token_ids, block_size=len(token_ids), lora_id=None, medium=medium,
-                                   lora_name=None, group_idx=0, locality=locality, ownership="kvtier"))
+                                   lora_name=None, group_idx=self._sched.primary, locality=locality, ownership="kvtier"))
         return out
 
     def reset_cache(self) -> bool | None:
