@@ -55,10 +55,14 @@ def test_skip_bad_that_skips_everything_says_so_with_the_files_and_reasons(tmp_p
 
 def test_a_tarball_inside_a_trace_directory_is_read(tmp_path: Path) -> None:
     from kvtier.replay import load_trace
+    from kvtier.replay.generator import generate_coding_sessions, write_traces
 
-    shutil.copy(EXAMPLE, tmp_path / "one.json")
+    # the real example where it is beside the checkout, else a generated trace (a clone with nothing beside it)
+    example = EXAMPLE if EXAMPLE.exists() else write_traces(tmp_path / "gen", generate_coding_sessions(1, seed=5))[0]
+    shutil.copy(example, tmp_path / "one.json")
     with tarfile.open(tmp_path / "more.tar.gz", "w:gz") as tar:
-        tar.add(EXAMPLE, arcname="inner/two.json")
+        tar.add(example, arcname="inner/two.json")
+    shutil.rmtree(tmp_path / "gen", ignore_errors=True)
     assert len(load_trace(tmp_path).sessions) == 2
 
 

@@ -59,9 +59,16 @@ LATER: dict[tuple[str, str], tuple[list[str], str, str]] = {
     ("serve", "--token"): (["--listen", "0.0.0.0:0", "--token", ""], "", "token"),
 }
 NO_VALUE = {"--help", "--version"}
-# tune needs a trace to start: one real AgentX trace file (CI has ../shared beside the checkout)
-TUNE_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "weka_claude_code" / \
-    "example_trace_0277_with_subagents.json"
+
+
+@pytest.fixture(scope="module")
+def tune_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tune needs a trace to start: one generated AgentX trace file (a clone with
+    nothing beside it has no real one)."""
+    from kvtier.replay.generator import generate_coding_sessions, write_traces
+
+    (path,) = write_traces(tmp_path_factory.mktemp("tune-trace"), generate_coding_sessions(1, seed=3))
+    return path
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
@@ -108,7 +115,7 @@ def test_every_flag_has_a_bad_value_case() -> None:
 
 @pytest.mark.parametrize("command,flag,extra,value,says", _cases())
 def test_a_bad_value_is_one_line_naming_the_flag(command: str, flag: str, extra: list[str], value: str, says: str,
-                                                  tmp_path: Path, capsys, monkeypatch) -> None:
+                                                  tmp_path: Path, capsys, monkeypatch, tune_trace: Path) -> None:
     monkeypatch.chdir(tmp_path)
     argv = [command]
     if command == "inspect":
@@ -116,7 +123,7 @@ def test_a_bad_value_is_one_line_naming_the_flag(command: str, flag: str, extra:
     if command == "replay":
         argv += ["--quiet", "--sessions", "1", "--policies", "lru", "--no-references"]
     if command == "tune":
-        argv += ["--quiet", "--trace", str(TUNE_TRACE), "--candidates", "1", "--rungs", "1"]
+        argv += ["--quiet", "--trace", str(tune_trace), "--candidates", "1", "--rungs", "1"]
     argv += [*extra, f"{flag}={value}" if value.startswith("-") else flag, *([] if value.startswith("-") else [value])]
     if command == "replay" and flag not in ("--json", "--plot"):
         argv += ["--json", str(tmp_path / "out.json")]  # must not be written: the run must stop first
