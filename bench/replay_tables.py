@@ -238,3 +238,85 @@ def fleet_dev(data: dict[str, Any]) -> str:
     return cap + md_table(["policy", "routing", "prefill computed", "vs round-robin", "TTFT p50 / p99 (s)",
                            "later-turn TTFT p99 (s)", "vs round-robin", "remote GB written / read"], body) \
         + f"\n{targets}.\n"
+
+
+_SURFACE_LABELS = {
+    "vllm": "what the vLLM connector runs (live)",
+    "vllm+exclusive": "+ exclusive DRAM",
+    "vllm+order": "+ HBM order by predicted next use",
+    "vllm+drop": "+ dead HBM blocks freed",
+    "vllm+prefetch": "+ prefetch into HBM",
+    "vllm+defer": "+ defer until its blocks land",
+    "vllm+exclusive+order": "+ exclusive DRAM and the order",
+    "vllm+exclusive+drop": "+ exclusive DRAM, dead blocks freed",
+    "vllm+all": "+ all five",
+    "full": "full surface",
+}
+_DECISIONS = ("exclusive", "order", "drop", "prefetch", "defer")
+_SURFACE_LABELS |= {"+".join(["vllm", *(d for d in _DECISIONS if d != left)]): f"+ all but {left}"
+                    for left in _DECISIONS}
+_SURFACE_POINTS = ("eval-conc8", "eval-pressure", "tune-conc8", "tune-pressure")
+
+
+@table("replay-surface-ablation", "replay-surface-ablation.json")
+def surface_ablation(data: dict[str, Any]) -> str:
+    """``kvtier`` on ``--surface vllm`` with each full-surface decision added on its own
+    (bench/surface_ablation.py): prefill computed (over the bound) and later-turn TTFT p99
+    at both points of both halves, with lru-dram, the bound and the floor; then the
+    share of the vllm -> full gap each closes."""
+    pts = [data["points"][p] for p in _SURFACE_POINTS if p in data["points"]]
+
+    def cell(computed: float, bound: float, ttft: float | None) -> str:
+        return f"{computed / 1e6:.2f}M ({computed / bound:.3f}x), {ttft:.1f} s"
+
+    body = []
+    for s in data["surfaces"]:
+        rows = [p["surfaces"][s] for p in pts]
+        body.append([f"`{s}`", _SURFACE_LABELS.get(s, ""), "live" if s == "vllm" else "modelled only"]
+                    + [cell(r["prefill_tokens_computed"], r["bound_prefill_tokens"], r["ttft_p99_later_turns_s"])
+                       for r in (_with_refs(row, p) for row, p in zip(rows, pts))])
+    body.append(["`lru-dram`", "on `vllm`, for comparison", "live"]
+                + [cell(p["lru-dram"]["prefill_tokens_computed"], p["references"]["bound_prefill_tokens"],
+                        p["lru-dram"]["ttft_p99_later_turns_s"]) for p in pts])
+    for name, key in (("bound", "bound"), ("floor (unbounded cache)", "floor")):
+        body.append([name, "same run, same admission", "-"]
+                    + [cell(p["references"][f"{key}_prefill_tokens"], p["references"]["bound_prefill_tokens"],
+                            p["references"][f"{key}_ttft_p99_later_turns_s"]) for p in pts])
+    heads = [f"{'evaluation' if p['half'] == 'eval' else 'tuning'} half, conc {p['references']['conc']}, "
+             f"HBM {p['references']['hbm_blocks']:,}" for p in pts]
+    first = pts[0]
+    wall = sum(sum(p["wall_s"].values()) for p in pts)
+    caption = (f"`kvtier` prefill computed (over the bound) and later-turn TTFT p99 with decisions of the full "
+               f"surface added to `--surface vllm` (issue 41): each alone, exclusive DRAM with the order or with "
+               f"dead blocks freed, all five, and all but each one. Dev traces ("
+               + ", ".join(f"{p['workload']['sessions']} sessions in the "
+                           f"{'evaluation' if p['half'] == 'eval' else 'tuning'} half" for p in pts[::2])
+               + "), DRAM 2x HBM, no SSD, FCFS admission for every run, `--skip-oversized`. Written by "
+               f"`python bench/surface_ablation.py`: per point, `{first['commands']['vllm']}` (the references and "
+               f"`lru-dram`; conc 16 points: `--hbm-blocks N --conc 16`, N the half's conc-8 HBM), then "
+               f"`--policies kvtier --no-references --surface S` for every other surface S. "
+               f"{sum(len(p['wall_s']) for p in pts)} replays, {wall / 60:.0f} min of replay wall time in all (two "
+               f"at a time on 2 shared cores).\n\n")
+    table_md = md_table(["surface", "adds", "runs", *heads], body)
+    # what each surface changes: the share of the vllm -> full prefill gap it closes, and TTFT p99 over vllm's
+    # (a share of the TTFT gap would mislead where the gap is a fraction of a second)
+    gap_body = []
+    for s in data["surfaces"]:
+        if s == "vllm":
+            continue
+        cells = []
+        for p in pts:
+            v, f, r = p["surfaces"]["vllm"], p["surfaces"]["full"], p["surfaces"][s]
+            key = "prefill_tokens_computed"
+            share = (v[key] - r[key]) / (v[key] - f[key]) if v[key] != f[key] else float("nan")
+            cells.append(f"{share:+.0%}, {r['ttft_p99_later_turns_s'] / v['ttft_p99_later_turns_s']:.2f}x")
+        gap_body.append([f"`{s}`", *cells])
+    gap = ("\nWhat each surface changes against `vllm`: the share of the gap in prefill computed between `vllm` and "
+           "`full` that it closes (100%: down to `full`'s figure; above 100%: below it), and its later-turn TTFT "
+           "p99 over `vllm`'s:\n\n" + md_table(["surface", *heads], gap_body))
+    return caption + table_md + gap
+
+
+def _with_refs(row: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
+    """A kvtier row run without references, given its point's (they do not depend on the surface)."""
+    return row | {k: point["references"][k] for k in ("bound_prefill_tokens", "floor_prefill_tokens")}

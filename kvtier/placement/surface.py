@@ -1,11 +1,13 @@
 """Engine surfaces: which placement decisions an engine lets kvtier carry out.
 
-Owns: :class:`Surface` (one flag per kind of decision) and :data:`SURFACES`,
-the named surfaces the replay can model. A policy decides the same way on
-every surface; the surface says what its host does with a decision: the
-replay simulator reads it (``kvtier replay --surface``), and the live vLLM
-connector is the ``vllm`` surface by construction (its README's decision
-table says how each flag is met). Must not decide anything itself.
+Owns: :class:`Surface` (one flag per kind of decision), :data:`SURFACES`,
+the named surfaces the replay can model, and :data:`ADDITIONS`, the single
+decisions that can be added to one by name (``vllm+exclusive``,
+``vllm+order+drop``, ``vllm+all``: issue 41's ablation). A policy decides the
+same way on every surface; the surface says what its host does with a
+decision: the replay simulator reads it (``kvtier replay --surface``), and
+the live vLLM connector is the ``vllm`` surface by construction (its README's
+decision table says how each flag is met). Must not decide anything itself.
 
 * ``full`` — an engine whose HBM cache kvtier manages block by block:
   reorder, drop and prefetch into HBM, choose load or recompute, copy a
@@ -21,11 +23,15 @@ table says how each flag is met). Must not decide anything itself.
   of an HBM eviction only after the block is reused: no victim write). HBM
   pressure is vLLM's KV usage (blocks referenced by requests or holds, not
   idle cached ones, which vLLM counts as free), plus queued demand.
+* ``BASE+ADDITION[+ADDITION...]`` — a named surface with single decisions
+  added (:data:`ADDITIONS`), each one flag: four of ``full``'s, and
+  ``defer``, which no other surface has. *Modelled only*: no live setup
+  carries out an addition yet.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
 
@@ -42,6 +48,10 @@ class Surface:
     write_through_always: bool = False  # every computed block goes to the host tiers the policy uses
     pressure_counts_idle: bool = True  # HBM pressure counts idle cached blocks as used
     hbm_victim_write: bool = True  # a block HBM evicts can be copied down first (exclusive DRAM)
+    # A request whose cached prefix goes on in blocks still being copied down to DRAM waits in the
+    # queue without HBM while those behind it are admitted (vLLM: get_num_new_matched_tokens -> None).
+    # Off on ``full`` too: there the request lands them at once and waits for them holding its HBM.
+    defer_loads: bool = False
 
 
 SURFACES: dict[str, Surface] = {
@@ -51,9 +61,59 @@ SURFACES: dict[str, Surface] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class Addition:
+    """One decision added to a base surface: the flag it sets and what that does with ``kvtier``."""
+
+    flag: str
+    value: object
+    means: str
+
+
+ADDITIONS: dict[str, Addition] = {
+    "exclusive": Addition("hbm_victim_write", True, "exclusive DRAM: a block goes down to DRAM as HBM evicts it, "
+                          "a load moves it up (DRAM holds what HBM does not)"),
+    "order": Addition("hbm_demote", True, "HBM evicts in the policy's order (kvtier: predicted next use, ended "
+                      "agents first) instead of LRU, and idle HBM blocks can be made the next victims"),
+    "drop": Addition("hbm_drop", True, "idle HBM copies can be freed at once: kvtier frees ended agents' "
+                     "private blocks when it cannot reorder HBM"),
+    "prefetch": Addition("prefetch_to", "hbm", "a waiting agent's DRAM blocks are prefetched into HBM before its "
+                         "predicted return and held until its request is admitted (a late one joins the queue "
+                         "when they land)"),
+    "defer": Addition("defer_loads", True, "a request whose prefix goes on in blocks still being copied down to "
+                      "DRAM is deferred, without HBM, while those behind it are admitted (not on full either: "
+                      "there it takes its HBM and waits for them)"),
+}
+ALL = "all"  # every addition at once
+
+
+def _with(base: Surface, name: str, additions: list[str]) -> Surface:
+    return replace(base, name=name, **{ADDITIONS[a].flag: ADDITIONS[a].value for a in additions})
+
+
 def surface(name: str, setting: str = "--surface") -> Surface:
-    """The surface called ``name``; a ``ConfigError`` naming ``setting`` otherwise."""
-    try:
-        return SURFACES[name]
-    except KeyError:
-        raise ConfigError(setting, name, f"unknown engine surface; valid: {', '.join(SURFACES)}") from None
+    """The surface called ``name`` (``BASE`` or ``BASE+ADDITION+...``, ``all`` for every
+    addition); a ``ConfigError`` naming ``setting`` and the valid names otherwise."""
+    base_name, *added = name.split("+")
+    base = SURFACES.get(base_name)
+    if base is None:
+        raise ConfigError(setting, name, f"unknown engine surface; valid: {', '.join(SURFACES)}")
+    if not added:
+        return base
+    valid = [*ADDITIONS, ALL]
+    for a in added:
+        if a not in valid:
+            raise ConfigError(setting, name, f"unknown addition {a!r} to surface {base_name!r}; valid additions: "
+                                             f"{', '.join(valid)} (e.g. {base_name}+exclusive+order)")
+    if len(set(added)) < len(added) or (ALL in added and len(added) > 1):
+        raise ConfigError(setting, name, "names an addition twice")
+    return _with(base, name, list(ADDITIONS) if added == [ALL] else added)
+
+
+def surfaces_help() -> str:
+    """What ``--surface`` accepts, for the CLI's help."""
+    adds = "; ".join(f"+{n}: {a.means}" for n, a in ADDITIONS.items())
+    return (f"BASE[+ADDITION...]. Bases: full (default: every decision, including HBM reordering and prefetch "
+            f"into HBM, modelled only) or vllm (only what the live vLLM connector can do through vLLM's public "
+            f"surface: hold and refresh HBM blocks, prefetch SSD to DRAM). Additions, one flag each, MODELLED ONLY "
+            f"(none runs live yet): {adds}; +{ALL}: every one of them. E.g. vllm+exclusive, vllm+order+drop")

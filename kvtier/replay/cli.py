@@ -66,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         positive_int,
         writable_file,
     )
+    from ..placement.surface import surfaces_help
     from .profiles import HARDWARE, MODELS
     from .run import DEFAULT_POLICIES
 
@@ -128,9 +129,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engine admission order, alike for every policy: fcfs (default, vLLM's), critical-first "
                         "(TokenCake's), oldest-app (oldest session first, critical agents ahead)")
     p.add_argument("--surface", default="full", metavar="NAME",
-                   help="what the engine lets placement do: full (default: every decision, including HBM reordering "
-                        "and prefetch into HBM, modelled only) or vllm (only what the live vLLM connector can do "
-                        "through vLLM's public surface: hold and refresh HBM blocks, prefetch SSD to DRAM)")
+                   help="what the engine lets placement do: " + surfaces_help())
     p.add_argument("--split", default="all", choices=["all", "tune", "eval"],
                    help="traces: replay the tuning half (1st, 3rd, ... session by sorted id), the evaluation half "
                         "(2nd, 4th, ...) or all (default)")

@@ -204,6 +204,18 @@ class _WaitQueue:
     def pop(self) -> _Run:
         return self._fifo.popleft() if self._priority is None else heapq.heappop(self._heap)[2]
 
+    def pop_entry(self) -> Any:
+        """The head, in a form :meth:`put_back` returns to its place."""
+        return self._fifo.popleft() if self._priority is None else heapq.heappop(self._heap)
+
+    def put_back(self, entries: list[Any]) -> None:
+        """Return entries :meth:`pop_entry` took (in the order taken) to their places."""
+        if self._priority is None:
+            self._fifo.extendleft(reversed(entries))
+        else:
+            for e in entries:
+                heapq.heappush(self._heap, e)
+
     def __len__(self) -> int:
         return len(self._fifo) + len(self._heap)
 
@@ -286,6 +298,7 @@ class Simulator:
         self._victims: list[tuple[BlockKey, BlockKey | None]] = []  # HBM victims to write down
         self._victims_on_way: dict[BlockKey, tuple[BlockKey | None, float]] = {}  # copying down: parent, lands at
         self._to_stage: list[Sequence[BlockKey]] = []  # contexts of requests that arrived (see stage)
+        self._deferred: list[tuple[_Run, Any]] = []  # taken off the queue's head during one admission pass
         self.mgr = TierManager(self._tier_specs(), pin_budget_blocks=config.hbm_blocks,
                                clock=lambda: self.now, record_events=False,
                                hold_tiers=("hbm",) if self._victim_cache else None)
@@ -521,14 +534,18 @@ class Simulator:
     def _admit_waiting(self) -> None:
         if self._admission_blocked:
             return
+        deferred = self._deferred  # skipped this pass, keeping their places (a surface's defer_loads)
         while self.waiting and len(self.prefilling) + len(self.decoding) < self.cfg.max_running:
             run = self.waiting.head()
+            if self._load_not_ready(run):
+                deferred.append((run, self.waiting.pop_entry()))
+                continue
             if not self._admit(run):
                 if self._release_prefetch_holds(run):
                     continue  # blocks prefetched for later requests must not keep the head out
                 self._admission_blocked = True
                 self.counters["admission_waits"] += 1
-                return
+                break
             self.waiting.pop()
             self.prefilling.append(run)
             if self._victims:  # the slots it takes are reused once their old blocks are copied out
@@ -537,6 +554,24 @@ class Simulator:
                     run.loads_pending += 1
                     run.load_ready_s = max(run.load_ready_s, done)
                     self._at(done, self._victims_out, run)
+        if deferred:
+            self.waiting.put_back([entry for _, entry in deferred])
+            deferred.clear()
+
+    def _load_not_ready(self, run: _Run) -> bool:
+        """Whether ``run`` is deferred: on a surface with ``defer_loads``, its cached
+        prefix goes on in HBM victims still being copied down to DRAM. It stays
+        queued without HBM and those behind it may be admitted, as vLLM's
+        scheduler does when a connector's ``get_num_new_matched_tokens`` answers
+        ``None``; it is tried again once they have landed (:meth:`_store_victims`)."""
+        if not (self.surface.defer_loads and self._victims_on_way):
+            return False
+        keys = run.keys
+        n = self.mgr.lookup(keys).num_blocks
+        if n < len(keys) and keys[n] in self._victims_on_way:
+            self.counters["deferred_admissions"] = self.counters.get("deferred_admissions", 0) + 1
+            return True
+        return False
 
     def _admit(self, run: _Run) -> bool:
         mgr, keys, bs = self.mgr, run.keys, self.block_size
@@ -789,6 +824,8 @@ class Simulator:
             if on_way.pop(key, None) is None:
                 continue  # landed early (:meth:`_land_victims`)
             self._store_victim(key, parent)
+        if self.surface.defer_loads:  # a deferred request may find its blocks now
+            self._admission_blocked = False
 
     def _land_victims(self, keys: Sequence[BlockKey], n: int) -> float:
         """A request wants victims still on their way down (``keys[n]``, the first
@@ -1154,7 +1191,8 @@ class Simulator:
         return released
 
     def _held_prefetches(self) -> list[_Prefetch]:
-        waiting = [r.prefetch for r in self.waiting if r.prefetch is not None]
+        waiting = [r.prefetch for r in itertools.chain(self.waiting, (d[0] for d in self._deferred))
+                   if r.prefetch is not None]
         return [pf for pf in itertools.chain(self._prefetches.values(), waiting) if pf.hold is not None]
 
     def _settle_prefetch(self, pf: _Prefetch, used: Sequence[BlockKey]) -> None:
@@ -1185,9 +1223,16 @@ class Simulator:
 
     def retire(self, keys: Sequence[BlockKey]) -> int:
         """Dead KV (its agent ended): next victims in every tier, but still
-        readable until the room is needed."""
+        readable until the room is needed. On a surface that can free an HBM
+        block but not reorder HBM (``hbm_drop`` without ``hbm_demote``), its idle
+        HBM copies are freed at once instead."""
         n = self.deprioritize(keys, self.mgr.tier_names)
         self.counters["retired_blocks"] = self.counters.get("retired_blocks", 0) + n
+        if self.surface.hbm_drop and not self.surface.hbm_demote:
+            dropped = self.mgr.remove(keys, "hbm")
+            self.counters["dropped_blocks"] += dropped
+            self._admission_blocked = False
+            n += dropped
         return n
 
     def count(self, name: str, n: int = 1) -> None:

@@ -1,0 +1,230 @@
+"""The ablation surfaces of issue 41 are what they claim: ``vllm`` with one decision
+of ``full`` added (``vllm+exclusive``, ``+order``, ``+drop``, ``+prefetch``),
+``+defer``, and ``+all``; each sets exactly its flag, and the simulator does
+with it what ``kvtier replay --help`` says (``kvtier.placement.surface.ADDITIONS``)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields, replace
+from typing import Any
+
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.placement import make_placement
+from kvtier.placement.surface import ADDITIONS, SURFACES, Surface, surface
+from kvtier.replay.generator import default_workload
+from kvtier.replay.model import Agent, Request, Session, Workload
+from kvtier.replay.profiles import DEFAULT_PROFILE, parse_profile
+from kvtier.replay.sim import SimConfig, Simulator
+
+FLAGS = [f.name for f in fields(Surface) if f.name != "name"]
+PROFILE = parse_profile(DEFAULT_PROFILE)
+
+
+def _differs(a: Surface, b: Surface) -> dict[str, object]:
+    return {f: getattr(a, f) for f in FLAGS if getattr(a, f) != getattr(b, f)}
+
+
+# ------------------------------------------------------------------ the names
+
+
+def test_full_and_vllm_are_unchanged() -> None:
+    assert SURFACES["full"] == Surface("full")
+    assert _differs(SURFACES["vllm"], SURFACES["full"]) == {
+        "hbm_demote": False, "hbm_drop": False, "prefetch_to": "dram", "choose_load": False,
+        "write_through_always": True, "pressure_counts_idle": False, "hbm_victim_write": False}
+    assert surface("vllm") is SURFACES["vllm"] and surface("full") is SURFACES["full"]
+
+
+@pytest.mark.parametrize("name, flag", [("exclusive", {"hbm_victim_write": True}), ("order", {"hbm_demote": True}),
+                                        ("drop", {"hbm_drop": True}), ("prefetch", {"prefetch_to": "hbm"}),
+                                        ("defer", {"defer_loads": True})])
+def test_each_addition_differs_from_vllm_in_exactly_its_flag(name: str, flag: dict[str, object]) -> None:
+    s = surface(f"vllm+{name}")
+    assert s.name == f"vllm+{name}"
+    assert _differs(s, SURFACES["vllm"]) == flag
+    if name != "defer":  # four of full's decisions; full has no deferral (it lands the blocks and waits)
+        assert _differs(s, SURFACES["full"]).keys() == _differs(SURFACES["vllm"], SURFACES["full"]).keys() - flag.keys()
+    assert set(ADDITIONS) == {"exclusive", "order", "drop", "prefetch", "defer"}
+
+
+def test_all_is_every_addition_and_differs_from_full_only_where_vllm_cannot_follow() -> None:
+    every = surface("vllm+all")
+    assert every == replace(surface("vllm+exclusive+order+drop+prefetch+defer"), name="vllm+all")
+    assert _differs(every, SURFACES["full"]) == {"choose_load": False, "write_through_always": True,
+                                                 "pressure_counts_idle": False, "defer_loads": True}
+    assert _differs(surface("vllm+order+exclusive"), SURFACES["vllm"]) == {"hbm_demote": True,
+                                                                           "hbm_victim_write": True}
+
+
+@pytest.mark.parametrize("name, message", [
+    ("vllm+exclusiv", "--surface='vllm+exclusiv': unknown addition 'exclusiv' to surface 'vllm'; valid additions: "
+                      "exclusive, order, drop, prefetch, defer, all"),
+    ("sglang+order", "--surface='sglang+order': unknown engine surface; valid: full, vllm"),
+    ("vllm+order+order", "--surface='vllm+order+order': names an addition twice"),
+    ("vllm+all+drop", "--surface='vllm+all+drop': names an addition twice"),
+    ("vllm+", "unknown addition '' to surface 'vllm'"),
+])
+def test_an_unknown_or_repeated_name_errors_naming_the_valid_ones(name: str, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        surface(name)
+    assert message in str(err.value)
+
+
+def test_the_help_lists_every_addition_as_modelled_only() -> None:
+    from kvtier.replay.cli import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    text = " ".join(next(a.help for a in p._actions if "--surface" in a.option_strings).split())
+    assert "MODELLED ONLY" in text
+    for name in (*ADDITIONS, "all"):
+        assert f"+{name}:" in text, name
+
+
+def test_the_cli_refuses_an_unknown_addition_before_any_work() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "replay", "--surface", "vllm+bogus", "--no-references"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2
+    assert "unknown addition 'bogus' to surface 'vllm'; valid additions: exclusive, order" in proc.stderr
+
+
+# ------------------------------------------------------- what each one does
+
+
+def _run(w: Workload, name: str, hbm: int, dram: int, conc: int, policy: str = "kvtier") -> tuple[Simulator, Any]:
+    """The simulator after a run of ``w`` (its manager's invariants checked) and the run's result."""
+    sim = Simulator(w, SimConfig(hbm_blocks=hbm, dram_blocks=dram, conc=conc, surface=name), make_placement(policy),
+                    PROFILE)
+    result = sim.run()
+    sim.mgr.check_invariants()
+    return sim, result
+
+
+def _small() -> Workload:
+    """Four generated coding sessions of at most 12 requests per agent (113 requests)."""
+    return default_workload(0, 4, max_requests_per_agent=12)
+
+
+def _two_agents() -> Workload:
+    """Agent a waits on a tool while b's long prompt needs most of HBM (as tests/test_placement_surface.py)."""
+    a = (Request(0, 4 * 64 + 5, 4, tuple(range(1, 5)), 0.0, "start", "tool_use", 0.0),
+         Request(1, 6 * 64 + 5, 4, tuple(range(1, 7)), 30.0, "tool", "end_turn", 0.0))
+    b = (Request(0, 5 * 64 + 5, 4, tuple(range(100, 105)), 0.0, "start", "tool_use", 0.0),
+         Request(1, 9 * 64 + 5, 4, tuple(range(100, 109)), 5.0, "tool", "end_turn", 0.0))
+    return Workload("w", 64, (Session("a", (Agent("root", None, "main", a),)),
+                              Session("b", (Agent("root", None, "main", b),))), False)
+
+
+@pytest.mark.parametrize("name", [*(f"vllm+{a}" for a in ADDITIONS), "vllm+all"])
+def test_every_policy_completes_on_every_ablation_surface(name: str) -> None:
+    for policy in ("lru-dram", "ttl", "minwaste", "tokencake", "kvflow", "kvtier"):
+        _, result = _run(_two_agents(), name, 16, 8, 2, policy)
+        assert len(result.records) == 4, (policy, name)
+
+
+def test_exclusive_dram_holds_what_hbm_does_not() -> None:
+    """Write-through (vllm) leaves DRAM copies of blocks HBM holds; with the victim
+    write (vllm+exclusive) a block is in one of the two, never both."""
+    w = _small()
+    keys = {k for s in w.sessions for a in s.agents for r in a.requests for k in r.block_ids}
+    both = {}
+    for name in ("vllm", "vllm+exclusive"):
+        mgr = _run(w, name, 1200, 2400, 4)[0].mgr
+        both[name] = len(mgr.present(mgr.present(keys, "hbm"), "dram"))
+    assert both["vllm"] > 0 and both["vllm+exclusive"] == 0
+
+
+def _two_chains(name: str) -> tuple[Simulator, tuple[int, ...], tuple[int, ...]]:
+    """Chain a stored, then chain b (more recent); then b's agent (a root) ends."""
+    sim = Simulator(_two_agents(), SimConfig(hbm_blocks=16, dram_blocks=32, conc=2, surface=name),
+                    make_placement("kvtier"), PROFILE)
+    a, b = (1, 2, 3, 4), (100, 101, 102, 103)
+    for keys in (a, b):
+        sim.mgr.complete_store(sim.mgr.prepare_store("hbm", keys, None), True)
+    sim.policy.on_agent_end(sim, (1, "root"), b)  # b will never be used again
+    return sim, a, b
+
+
+@pytest.mark.parametrize("name, victims", [("vllm", (4, 3)), ("vllm+order", (103, 102)), ("full", (103, 102)),
+                                           ("vllm+drop", (4, 3))])
+def test_order_evicts_hbm_by_predicted_next_use(name: str, victims: tuple[int, ...]) -> None:
+    """vLLM's HBM is LRU: a's tail goes first though b is dead; with the order
+    (vllm+order, as full) b's tail goes first. Dropping alone leaves the order LRU."""
+    sim, _, _ = _two_chains(name)
+    assert sim.mgr.evict("hbm", 2) == victims
+
+
+@pytest.mark.parametrize("name, left", [("vllm", 8), ("vllm+drop", 4), ("vllm+order", 8), ("full", 8)])
+def test_drop_frees_dead_hbm_blocks_where_hbm_cannot_be_reordered(name: str, left: int) -> None:
+    """When b's session ends, kvtier retires b's private blocks: on vllm nothing
+    happens in HBM; with +drop they leave HBM at once; where HBM can be reordered
+    (+order, full) they become the next victims instead and stay readable."""
+    sim, a, b = _two_chains(name)
+    sim.policy.on_session_end(sim, 1)
+    assert len(sim.mgr.present(a + b, "hbm")) == left
+    assert sim.counters["dropped_blocks"] == 8 - left
+
+
+def test_prefetch_lands_in_hbm_as_on_full() -> None:
+    """The scenario of tests/test_placement_surface.py: part of the last agent's context
+    is prefetched back before its predicted return; vllm lands it in DRAM, +prefetch in HBM."""
+    last = {}
+    for name in ("vllm", "vllm+prefetch", "full"):
+        sim = Simulator(_two_agents(), SimConfig(hbm_blocks=12, dram_blocks=8, ssd_blocks=32, conc=2, surface=name),
+                        make_placement("kvtier"), PROFILE)
+        result = sim.run()
+        rec = max(result.records, key=lambda r: r.finish_s)
+        last[name] = (rec.hit_hbm_tokens, rec.hit_dram_tokens, rec.hit_ssd_tokens)
+    assert last == {"vllm": (128, 128, 0), "vllm+prefetch": (256, 0, 0), "full": (256, 0, 0)}
+
+
+def test_defer_waits_for_victims_on_their_way_without_hbm() -> None:
+    """With exclusive DRAM, requests want blocks HBM evicted that are still being
+    copied down: without deferral they take their HBM and land them early; with
+    it they wait in the queue, and none lands early. Alone, deferral has nothing
+    to wait for (no victim write, no SSD): the same run as vllm, request for request."""
+    w = _small()
+    excl = _run(w, "vllm+exclusive", 1200, 2400, 4)[1].counters
+    defer = _run(w, "vllm+exclusive+defer", 1200, 2400, 4)[1].counters
+    assert excl["victims_landed_early"] > 0 and "deferred_admissions" not in excl
+    assert defer["victims_landed_early"] == 0 and defer["deferred_admissions"] > 0
+    alone, vllm = _run(w, "vllm+defer", 1200, 2400, 4)[1], _run(w, "vllm", 1200, 2400, 4)[1]
+    assert alone.records == vllm.records
+    assert "deferred_admissions" not in alone.counters
+
+
+def test_the_ablation_bench_runs_valid_surfaces_and_its_json_has_them_all() -> None:
+    """bench/surface_ablation.py names every surface it runs by these rules, and the
+    committed bench/out/replay-surface-ablation.json has a kvtier row for each at every point."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "bench"))
+    try:
+        spec = importlib.util.spec_from_file_location("surface_ablation", root / "bench" / "surface_ablation.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(root / "bench"))
+    assert set(mod.DECISIONS) == set(ADDITIONS)
+    for name in mod.SURFACES:
+        assert surface(name).name == name
+    data = json.loads((root / "bench" / "out" / "replay-surface-ablation.json").read_text())
+    assert data["surfaces"] == list(mod.SURFACES)
+    for point in data["points"].values():
+        assert set(point["surfaces"]) == set(mod.SURFACES)
+        assert {r["surface"] for r in point["surfaces"].values()} == set(mod.SURFACES)
+        assert point["lru-dram"]["surface"] == "vllm" and point["references"]["bound_prefill_tokens"] > 0
+        rows = [*point["surfaces"].values(), point["lru-dram"]]  # like for like: same point, tiers and admission
+        ref = point["references"]
+        assert {(r["conc"], r["hbm_blocks"], r["dram_blocks"], r["ssd_blocks"], r["admission"]) for r in rows} == {
+            (ref["conc"], ref["hbm_blocks"], 2 * ref["hbm_blocks"], 0, "fcfs")}
