@@ -63,6 +63,27 @@ def make_model(directory: Path, weights: bool = True, config: dict[str, Any] | N
     return directory
 
 
+def write_seeded_model(directory: Path, cfg: dict[str, Any], shapes: dict[str, tuple[int, ...]],
+                       is_norm: Any = None, norm_value: float = 1.0) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` with seeded bf16 weights of
+    ``shapes``: matrices N(0, 1) * 0.15, norm weights (``is_norm(name, shape)``;
+    default: 1-D tensors) ``norm_value``. The same inputs give the same bytes.
+    The tests' tiny MLA, hybrid and SSM models write through this."""
+    import torch
+    from safetensors.torch import save_file
+
+    is_norm = is_norm or (lambda name, shape: len(shape) == 1)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg))
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, shape in shapes.items():
+        w = torch.full(shape, norm_value) if is_norm(name, shape) else torch.randn(shape, generator=gen) * 0.15
+        tensors[name] = w.to(torch.bfloat16)
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
 def run_child(tmp: Path, name: str, spec: dict[str, Any], env: dict[str, str] | None = None,
               timeout_s: float = 300) -> dict[str, Any]:
     """Run ``engine_child.py`` on ``spec`` in a new process; its JSON results."""

@@ -16,7 +16,6 @@ so their weights are zeros.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -55,16 +54,7 @@ def weight_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 def make_hybrid_model(directory: Path, config: dict[str, Any] | None = None) -> Path:
     """Write ``config.json`` (default :data:`TINY_GEMMA3`) and seeded random
     ``model.safetensors`` into ``directory``; return ``directory``."""
-    import torch
-    from safetensors.torch import save_file
+    from .engine_support import write_seeded_model
 
     cfg = TINY_GEMMA3 if config is None else config
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(cfg))
-    gen = torch.Generator().manual_seed(0)
-    tensors = {}
-    for name, shape in weight_shapes(cfg).items():
-        w = torch.zeros(shape) if len(shape) == 1 else torch.randn(shape, generator=gen) * 0.15
-        tensors[name] = w.to(torch.bfloat16)
-    save_file(tensors, str(directory / "model.safetensors"))
-    return directory
+    return write_seeded_model(directory, cfg, weight_shapes(cfg), norm_value=0.0)  # Gemma scales by 1 + weight

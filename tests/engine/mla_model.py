@@ -18,7 +18,6 @@ Run with ``LLM(model=..., load_format="safetensors", skip_tokenizer_init=True)``
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -60,16 +59,10 @@ def make_mla_model(directory: Path, config: dict[str, Any] | None = None) -> Pat
     ``model.safetensors`` into ``directory``; return ``directory``. Matrices are
     N(0, 1) * 0.15 (as the tests' Llama), norm weights are ones; the same seed
     gives the same bytes."""
-    import torch
-    from safetensors.torch import save_file
+    try:
+        from .engine_support import write_seeded_model
+    except ImportError:  # imported as a top-level module (bench/engine_mla_sample.py puts tests/engine on the path)
+        from engine_support import write_seeded_model
 
     cfg = TINY_DEEPSEEK if config is None else config
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(cfg))
-    gen = torch.Generator().manual_seed(0)
-    tensors = {}
-    for name, shape in weight_shapes(cfg).items():
-        w = torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=gen) * 0.15
-        tensors[name] = w.to(torch.bfloat16)
-    save_file(tensors, str(directory / "model.safetensors"))
-    return directory
+    return write_seeded_model(directory, cfg, weight_shapes(cfg))

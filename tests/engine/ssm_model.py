@@ -15,7 +15,6 @@ token). Run with ``LLM(model=..., load_format="safetensors", skip_tokenizer_init
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -67,17 +66,7 @@ def make_ssm_model(directory: Path, config: dict[str, Any] | None = None) -> Pat
     per-head Mamba parameters are N(0, 1) * 0.15 (as the tests' Llama; ``A_log``
     near 0 gives a decay near ``exp(-1)`` per step scaled by ``dt``), norm
     weights are ones; the same seed gives the same bytes."""
-    import torch
-    from safetensors.torch import save_file
+    from .engine_support import write_seeded_model
 
     cfg = TINY_GRANITE4H if config is None else config
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(cfg))
-    gen = torch.Generator().manual_seed(0)
-    tensors = {}
-    for name, shape in weight_shapes(cfg).items():
-        norm = name.endswith("norm.weight")
-        w = torch.ones(shape) if norm else torch.randn(shape, generator=gen) * 0.15
-        tensors[name] = w.to(torch.bfloat16)
-    save_file(tensors, str(directory / "model.safetensors"))
-    return directory
+    return write_seeded_model(directory, cfg, weight_shapes(cfg), is_norm=lambda name, shape: name.endswith("norm.weight"))
