@@ -329,7 +329,7 @@ def test_a_hybrid_models_failed_load_fails_its_request_not_block_ids(tmp_path) -
     settings = ConnectorSettings.build({"dram_capacity_blocks": 4}, facts, env={})
     layout = settings.config.layout.to_layout()
     w = KVTierWorker(settings, settings.config.namespace.to_namespace(layout), layout, NUM_BLOCKS,
-                     fail_requests=facts.hybrid)
+                     hybrid=facts.hybrid)
     caches = {f"layers.{i}.attn": tuple(torch.zeros(NUM_BLOCKS, BS, HEADS, DIM, dtype=torch.bfloat16)
                                         for _ in range(2)) for i in range(2)}
     w.register_kv_caches(caches)

@@ -265,7 +265,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             layout: KVLayout = settings.config.layout.to_layout()
             self._worker = KVTierWorker(settings, namespace, layout, kv_cache_config.num_blocks,
-                                        writes_shared=facts.writes_shared_tiers, fail_requests=facts.hybrid)
+                                        writes_shared=facts.writes_shared_tiers, hybrid=facts.hybrid)
         log.info("kvtier connector (%s): tiers %s, layout %s", role.name, settings.config.enabled_tiers,
                  settings.config.layout.to_layout().describe())
 

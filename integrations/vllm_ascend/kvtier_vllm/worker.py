@@ -109,13 +109,15 @@ class KVTierWorker:
     """The worker-side half; one per rank."""
 
     def __init__(self, settings: ConnectorSettings, namespace: Namespace, layout: KVLayout, num_blocks: int,
-                 writes_shared: bool = True, fail_requests: bool = False) -> None:
+                 writes_shared: bool = True, hybrid: bool = False) -> None:
         self.settings = settings
         # False on TP ranks other than 0 for replicated KV (MLA): rank 0 alone writes the SSD directory
         # and the remote store all ranks read; every rank still fills its own DRAM pool
         self.writes_shared = writes_shared
-        # hybrid models: vLLM takes a failed load as a failed request, not as failed block ids
-        self.fail_requests = fail_requests
+        # hybrid models: vLLM takes a failed load as a failed request, not as failed block ids; and a
+        # sliding group's block may be freed and rewritten by the next step's forward while its request
+        # runs, so copies stay on the engine's stream (ordered before that forward), not a side stream
+        self.fail_requests = hybrid
         self._failed_loads: set[str] = set()
         self.namespace = namespace
         self.layout = layout
@@ -148,7 +150,7 @@ class KVTierWorker:
     def register_kv_caches(self, kv_caches: Mapping[str, KVCache]) -> None:
         """Wrap the engine's caches and open the host tiers. Raises ``ValueError``
         when the caches' block size in bytes differs from the layout's."""
-        io = BlockIO(kv_caches, self.num_blocks, side_stream=self.settings.side_stream,
+        io = BlockIO(kv_caches, self.num_blocks, side_stream=self.settings.side_stream and not self.fail_requests,
                      device_staging_bytes=self.settings.device_staging_bytes)
         # an MLA latent is one tensor per layer, as vLLM's fused caches are
         expected = "fused" if self.layout.arrangement == "mla" else self.layout.arrangement
