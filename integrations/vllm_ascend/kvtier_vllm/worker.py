@@ -221,7 +221,7 @@ class KVTierWorker:
     def start_load_kv(self, meta: KVTierConnectorMetadata) -> None:
         """Take releases and SSD deletions, then start this step's loads (async)."""
         self._release.update(meta.release)
-        if meta.ssd_deletes and self._ssd is not None:
+        if meta.ssd_deletes and self._ssd is not None and self.writes_shared:  # the writing rank deletes
             keys = [BlockKey(k) for k in meta.ssd_deletes]
             self._ssd_thread.submit(self._ssd.delete_many, keys)
         for pj in meta.promotions:
