@@ -15,7 +15,7 @@ from kvtier.errors import ConfigError
 from kvtier.placement import make_placement
 from kvtier.placement.surface import ADDITIONS, SURFACES, Surface, surface
 from kvtier.replay.generator import default_workload
-from kvtier.replay.model import Agent, Request, Session, Workload
+from kvtier.replay.model import Workload
 from kvtier.replay.profiles import DEFAULT_PROFILE, parse_profile
 from kvtier.replay.sim import SimConfig, Simulator
 
@@ -112,13 +112,10 @@ def _small() -> Workload:
 
 
 def _two_agents() -> Workload:
-    """Agent a waits on a tool while b's long prompt needs most of HBM (as tests/test_placement_surface.py)."""
-    a = (Request(0, 4 * 64 + 5, 4, tuple(range(1, 5)), 0.0, "start", "tool_use", 0.0),
-         Request(1, 6 * 64 + 5, 4, tuple(range(1, 7)), 30.0, "tool", "end_turn", 0.0))
-    b = (Request(0, 5 * 64 + 5, 4, tuple(range(100, 105)), 0.0, "start", "tool_use", 0.0),
-         Request(1, 9 * 64 + 5, 4, tuple(range(100, 109)), 5.0, "tool", "end_turn", 0.0))
-    return Workload("w", 64, (Session("a", (Agent("root", None, "main", a),)),
-                              Session("b", (Agent("root", None, "main", b),))), False)
+    """Agent a waits on a tool while b's long prompt needs most of HBM: tests/test_placement_surface.py's."""
+    from test_placement_surface import _two_agents as two_agents
+
+    return two_agents()
 
 
 @pytest.mark.parametrize("name", [*(f"vllm+{a}" for a in ADDITIONS), "vllm+all"])
