@@ -171,3 +171,105 @@ def test_kv_events_follow_the_dram_tier_and_forget_what_left_it() -> None:
     assert removed and removed <= set(r1.block_hashes[:3]) and stored == r2.block_hashes[:len(stored)]
     assert len(sched._event_meta) <= 4 and not removed & {k[0] for k in sched._event_meta.values()}
     assert _sched()[0].take_kv_events() == []  # off by default: nothing is kept
+
+
+# ---------------------------------------------------------------- exclusive DRAM (issue 41), vLLM's own BlockPool
+
+
+def _exclusive(dram_blocks: int = 8, **extra):
+    from vllm.v1.core.block_pool import BlockPool
+
+    sched, kvm = _sched(dram_capacity_blocks=dram_blocks, exclusive_dram=True, **extra)
+    pool = BlockPool(num_gpu_blocks=12, enable_caching=True, hash_block_size=BS)
+    sched.bind_gpu_block_pool(pool)
+    return sched, kvm, pool
+
+
+def _run_and_free(sched, kvm, pool, req_id: str, num_blocks: int):
+    """A request computes ``num_blocks`` full blocks (and a partial one), finishes, and frees them."""
+    r = FakeRequest(req_id, num_blocks)
+    blocks = pool.get_new_blocks(num_blocks + 1)
+    kvm.blocks[req_id] = [b.block_id for b in blocks]
+    sched.on_new_request(r)
+    meta = _step(sched, {req_id: r.num_tokens})
+    assert sched.request_finished(r) is False
+    pool.free_blocks(reversed(blocks))
+    return r, blocks, meta
+
+
+def _report(sched, job, oks=None):
+    sched.update_connector_output(KVTierWorkerMetadata(
+        {w.plan_id: (1, list(oks[i] for i in w.rows) if oks else [True] * len(w.rows)) for w in job.writes},
+        {job.job_id: 1}))
+
+
+def test_exclusive_dram_writes_a_block_down_only_when_vllm_reuses_its_slot() -> None:
+    sched, kvm, pool = _exclusive()
+    r1, blocks, meta = _run_and_free(sched, kvm, pool, "r1", 4)
+    assert meta.stores == [] and meta.write_backs == []  # nothing written through
+    assert sched.manager.ready_blocks("dram") == 0
+    ids = [b.block_id for b in blocks[:4]]
+    assert [pool.blocks[i].ref_cnt for i in ids] == [0] * 4  # the watch took no reference
+    # other requests take every free slot: vLLM hands r1's blocks out again
+    other = pool.get_new_blocks(pool.get_num_free_blocks())
+    (wb,) = _step(sched, {}).write_backs
+    assert sorted(wb.block_ids) == sorted(ids) and wb.req_id == ""
+    assert sched.get_num_new_matched_tokens(FakeRequest("r2", 4), 0) == (None, False)  # deferred: on its way
+    _report(sched, wb)
+    assert sched.manager.ready_blocks("dram") == 4
+    c = sched.counters
+    assert (c["write_back_blocks"], c["stored_blocks_dram"], c["load_deferred"]) == (4, 4, 1)
+    pool.free_blocks(other)
+    # r2 loads them: they move up (the DRAM copies go once the loaded HBM blocks are watched)
+    r2 = FakeRequest("r2", 4)
+    sched.on_new_request(r2)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (4 * BS, True)
+    new = pool.get_new_blocks(5)
+    kvm.blocks["r2"] = [b.block_id for b in new]
+    sched.update_state_after_alloc(r2, kvm.blocks["r2"], 4 * BS)
+    (load,) = _step(sched, {}).loads
+    sched.update_connector_output(KVTierWorkerMetadata({load.plan_id: (1, [True] * 4)}, {}))
+    assert (c["hit_tokens_dram"], c["dram_moved_blocks"]) == (4 * BS, 4)
+    assert sched.manager.ready_blocks("dram") == 0
+    sched.request_finished(r2)
+    pool.free_blocks(reversed(new))
+    pool.get_new_blocks(pool.get_num_free_blocks())  # and down again when HBM loses them
+    (wb2,) = _step(sched, {}).write_backs
+    assert sorted(wb2.block_ids) == sorted(kvm.blocks["r2"][:4])
+
+
+def test_exclusive_dram_write_back_of_a_zeroed_or_overwritten_slot_fails() -> None:
+    sched, kvm, pool = _exclusive()
+    _, blocks, _ = _run_and_free(sched, kvm, pool, "r1", 4)
+    pool.get_new_blocks(pool.get_num_free_blocks())
+    ids = [b.block_id for b in blocks[:4]]
+    out = SimpleNamespace(num_scheduled_tokens={}, preempted_req_ids=set(), new_block_ids_to_zero=[ids[0]],
+                          kv_cache_block_copies=[SimpleNamespace(src_block_id=0, dst_block_id=ids[1])])
+    (wb,) = sched.build_connector_meta(out).write_backs
+    assert sorted(wb.block_ids) == sorted(ids[2:])  # their old bytes are gone before the copy could run
+    assert sched.counters["write_back_lost"] == 2
+
+
+def test_exclusive_dram_reset_drops_write_backs_in_flight() -> None:
+    sched, kvm, pool = _exclusive()
+    _, blocks, _ = _run_and_free(sched, kvm, pool, "r1", 4)
+    pool.get_new_blocks(pool.get_num_free_blocks())
+    (wb,) = _step(sched, {}).write_backs
+    assert sched.reset() is True
+    _report(sched, wb)  # the workers copied them: stale bytes, never offered
+    assert sched.manager.ready_blocks("dram") == 0
+    assert sched.get_num_new_matched_tokens(FakeRequest("r2", 4), 0) == (0, False)
+
+
+def test_exclusive_dram_is_refused_where_it_cannot_run() -> None:
+    from kvtier.errors import ConfigError
+
+    facts = EngineFacts("tiny", "bfloat16", BS, 2, 2, 32, "fused", "sha256")
+    with pytest.raises(ConfigError, match="exclusive_dram.*lru-dram.*writes DRAM through"):
+        ConnectorSettings.build({"dram_capacity_blocks": 8, "exclusive_dram": True, "placement": "lru-dram"},
+                                facts, env={})
+    with pytest.raises(ConfigError, match="exclusive_dram.*needs the DRAM tier"):
+        ConnectorSettings.build({"dram_capacity_blocks": 0, "ssd_path": "/nonexistent/kvtier-ssd",
+                                 "exclusive_dram": True}, facts, env={})
+    with pytest.raises(ConfigError, match="exclusive_dram.*true or false"):
+        ConnectorSettings.build({"dram_capacity_blocks": 8, "exclusive_dram": "yes"}, facts, env={})

@@ -162,7 +162,7 @@ class BlockIO:
             rows[i : i + m].copy_(self._staging[:m], non_blocking=non_blocking)  # one contiguous copy
         return rows
 
-    def copy_out(self, block_ids: Sequence[int], out: torch.Tensor) -> Any:
+    def copy_out(self, block_ids: Sequence[int], out: torch.Tensor, engine_waits: bool = False) -> Any:
         """Copy the bytes of ``block_ids`` into host rows ``out``; return an event
         to wait on before reading them (``None`` on the CPU, where they are
         ready at once).
@@ -171,15 +171,21 @@ class BlockIO:
         its staging ring) and what ``bench/gpu_datapath.py`` measures:
         :meth:`gather` into ``out`` (not blocking when ``out`` is pinned), on
         the side stream after the engine's queued work (or on the engine's
-        stream), then an event recorded after it.
+        stream), then an event recorded after it. ``engine_waits``: the engine's
+        next work overwrites the blocks (a write-back before the forward), so on
+        the side stream the engine's stream waits for the copy.
         """
         if self.stream is None:
             self.gather(block_ids, out=out, non_blocking=out.is_pinned())
             return device_event(self.device)
-        self.stream.wait_stream(torch.accelerator.current_stream(self.device))  # the forward that wrote them
+        engine = torch.accelerator.current_stream(self.device)
+        self.stream.wait_stream(engine)  # the forward that wrote them
         with self.stream:
             self.gather(block_ids, out=out, non_blocking=out.is_pinned())
-            return self.stream.record_event()
+            done = self.stream.record_event()
+        if engine_waits:
+            engine.wait_event(done)
+        return done
 
     def scatter(self, block_ids: Sequence[int], rows: torch.Tensor) -> Any:
         """Write ``rows[i]`` (``bytes_per_block`` bytes each) into block ``block_ids[i]``;

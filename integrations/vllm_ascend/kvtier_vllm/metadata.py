@@ -78,7 +78,10 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     """One step's plans. ``release`` lists finished requests whose blocks the
     scheduler kept (``request_finished`` returned True); a worker reports each
     in ``finished_sending`` once it no longer reads their blocks.
-    ``ssd_deletes`` are keys the scheduler evicted from the SSD tier."""
+    ``ssd_deletes`` are keys the scheduler evicted from the SSD tier.
+    ``write_backs`` (exclusive DRAM): blocks whose engine slot vLLM handed to
+    another request this step, copied out *before* this step's forward (which
+    overwrites them) and written to DRAM; no request owns them."""
 
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[StoreJob] = field(default_factory=list)
@@ -86,6 +89,7 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     ssd_deletes: list[int] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     promotions: list[PromoteJob] = field(default_factory=list)
+    write_backs: list[StoreJob] = field(default_factory=list)
 
 
 @dataclass(slots=True)

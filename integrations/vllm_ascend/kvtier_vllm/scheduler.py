@@ -189,6 +189,17 @@ class KVTierScheduler:
                                          holds_enabled=settings.hbm_hold)
         self.placement.hold_groups = (self.primary, tuple((g, w) for g, w in enumerate(self.lanes) if g != self.primary))
         self._promote_plans: dict[int, Any] = {}
+        # Exclusive DRAM (settings.exclusive_dram; one KV cache group): computed blocks are not written through
+        # to DRAM. Each is watched in HBM instead (BlockPool.unpin_blocks' on_reuse): engine block id -> (key,
+        # parent). When vLLM hands the slot to another request, the block is planned into DRAM and copied out
+        # before that step's forward; a load out of DRAM moves the block (the DRAM copy is dropped once the
+        # loaded HBM block is watched). Store plans of write-backs waiting for the next step's metadata, and
+        # store plans whose bytes went stale (a connector reset) while in flight.
+        self.exclusive = settings.exclusive_dram and "dram" in self.manager.tier_names and not self.hybrid
+        self._watched: dict[int, tuple[BlockKey, BlockKey | None]] = {}
+        self._write_backs: list[tuple[int, BlockKey, BlockKey | None, StorePlan]] = []
+        self._stale_plans: set[int] = set()
+        self._load_starts: dict[int, int] = {}  # exclusive: load plan id -> the request's first block loaded
         # (session, agent) -> its latest finished context (keys, vLLM hashes), for tool calls the hint server announces
         self._last_ctx: OrderedDict[tuple[str, str], tuple[list[BlockKey], list[Any]]] = OrderedDict()
         self._hints: Any = None
@@ -302,6 +313,12 @@ class KVTierScheduler:
         if st.approx:
             keys, shifts = self._approx_keys(st, keys)
         hit = self.manager.lookup(keys[start:max_blocks])
+        if self.exclusive and start + hit.num_blocks < max_blocks and \
+                self.manager.is_pending(keys[start + hit.num_blocks], "dram"):
+            # its prefix goes on in a block on its way into DRAM (written back this step, or promoted):
+            # vLLM asks again next step instead of computing what lands in a moment
+            self.counters["load_deferred"] += 1
+            return None, False  # type: ignore[return-value]
         remote = 0
         if self._remote is not None and start + hit.num_blocks < max_blocks:
             got = self._remote_hit(request.request_id, keys, start + hit.num_blocks, max_blocks)
@@ -439,6 +456,8 @@ class KVTierScheduler:
             job = LoadJob(request.request_id, plan_id, (plan.keys if plan is not None else ()) + remote, tiers,
                           slots + (0,) * len(remote), targets, shifts)
             self._load_plans[plan_id] = (request.request_id, plan, remote)
+            if self.exclusive and plan is not None and st.approx is None:
+                self._load_starts[plan_id] = match.start_block
             self._note_lossy_loads(job)
             if job.shifts:  # a block rotated from a lossy value is lossy under the request's own key too
                 own = self._keys(st)[match.start_block:match.start_block + len(job.keys)]
@@ -516,6 +535,10 @@ class KVTierScheduler:
             job = self._plan_store(req_id, st, upto)
             if job is not None:
                 meta.stores.append(job)
+        if self._write_backs:
+            job = self._write_back_job(scheduler_output)
+            if job is not None:
+                meta.write_backs.append(job)
         meta.ssd_deletes, self._ssd_deletes = self._ssd_deletes, []
         meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         return meta
@@ -817,6 +840,11 @@ class KVTierScheduler:
         self._masters.clear()
         self.placement.release_all()  # stale KV must go, waiting agents or not
         self._remote_known.clear()  # the shared store is other engines' too: this engine only forgets it
+        for _, _, _, plan in self._write_backs:  # (vLLM reset its prefix cache first: every watched block came)
+            self.manager.complete_store(plan, False)
+        self._write_backs.clear()
+        self._watched.clear()
+        self._stale_plans.update(self._store_plans)  # in flight: they land, but nobody reads them
         for tier in self.manager.tier_names:
             self.manager.evict(tier, self.manager.capacity_blocks(tier))
         self._pump_events()
@@ -987,6 +1015,9 @@ class KVTierScheduler:
         else:
             units = [(run, before, True) for run, before in self._store_runs(new, parent)]
             parents = [parent, *new[:-1]]
+        watching = self.exclusive and self._gpu_block_pool is not None  # (else written through, as without)
+        if watching:
+            self._watch(self._kv_cache_manager.get_block_ids(req_id)[0][start:upto], new, parents)
         plans: list[tuple[int, str, Sequence[BlockKey], Sequence[int]]] = []  # (plan id, tier, keys, slots)
         pin_ttl_s = 0.0  # an agent's blocks are soft-pinned in the remote store
         # cold blocks (their agent then waits long) go to the slow tiers with the lossy codec
@@ -994,6 +1025,8 @@ class KVTierScheduler:
             if self.settings.cold is not None else None
         for run, before, chained in units:
             for tier in self.manager.tier_names:
+                if watching and tier == "dram":
+                    continue  # it goes down when HBM evicts it
                 plan = self.manager.prepare_store(tier, run, before, chain=chained)
                 if plan is not None and plan.keys:
                     plans.append((plan.plan_id, plan.tier, plan.keys, plan.slots))
@@ -1033,7 +1066,85 @@ class KVTierScheduler:
         self._job_to_req[job.job_id] = req_id
         return job
 
+    # ------------------------------------------------------------ exclusive DRAM
+
+    def _watch(self, block_ids: Sequence[int], keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> None:
+        """Be told (:meth:`_on_reuse`) when vLLM hands these engine blocks to another request.
+        The request holds them, so ``touch`` then ``unpin_blocks`` leaves their reference
+        counts and places in the free queue as they were. O(blocks)."""
+        pool = self._gpu_block_pool
+        if not block_ids or pool is None:
+            return
+        blocks = [pool.blocks[i] for i in block_ids]
+        pool.touch(blocks)
+        pool.unpin_blocks(blocks, self._on_reuse)
+        self._watched.update(zip(block_ids, zip(keys, parents)))
+
+    def _on_reuse(self, block: Any) -> None:
+        """vLLM's block pool hands ``block`` out again (inside ``get_new_blocks``, in this
+        scheduling pass): the block it held goes down to DRAM, unless DRAM has it (refreshed)
+        or it came from a lossy value. The copy leaves before this step's forward."""
+        entry = self._watched.pop(block.block_id, None)
+        if entry is None:
+            return
+        key, parent = entry
+        mgr = self.manager
+        plan = None
+        if key in self._lossy_loaded or mgr.is_pending(key, "dram"):
+            pass
+        elif mgr.contains(key, "dram"):
+            mgr.touch((key,), "dram")
+            self.counters["write_back_present"] += 1
+        else:
+            plan = mgr.prepare_store("dram", (key,), parent)
+            if plan is None or not plan.keys:
+                plan = None
+                self.counters["write_back_no_room"] += 1
+        if plan is not None:
+            self._write_backs.append((block.block_id, key, parent, plan))
+        elif self.kv_events:  # (a block only HBM held: what its KV event would have said goes)
+            self._forget_if_gone(key)
+
+    def _write_back_job(self, scheduler_output: Any) -> StoreJob | None:
+        """This step's write-backs as one job the workers copy out before the forward. A
+        block vLLM zeroes or copies into before the forward (``new_block_ids_to_zero``,
+        ``kv_cache_block_copies``) has lost its bytes by then: its write fails."""
+        wbs, self._write_backs = self._write_backs, []
+        lost = set(getattr(scheduler_output, "new_block_ids_to_zero", None) or ())
+        lost.update(c.dst_block_id for c in getattr(scheduler_output, "kv_cache_block_copies", None) or ())
+        keep = []
+        for wb in wbs:
+            if wb[0] in lost:
+                self.manager.complete_store(wb[3], False)
+                self.counters["write_back_lost"] += 1
+            else:
+                keep.append(wb)
+                self._store_plans[wb[3].plan_id] = wb[3]
+        self._pump_events()
+        if not keep:
+            return None
+        self.counters["write_back_blocks"] += len(keep)
+        return StoreJob(job_id=next(self._job_ids), req_id="", block_ids=tuple(wb[0] for wb in keep),
+                        keys=tuple(wb[1] for wb in keep), parents=tuple(wb[2] for wb in keep),
+                        writes=tuple(TierWrite(wb[3].plan_id, "dram", (i,), wb[3].slots) for i, wb in enumerate(keep)))
+
+    def _move_up(self, req_id: str, plan: LoadPlan, start: int, num_ok: int) -> None:
+        """Exclusive DRAM: the first ``num_ok`` blocks of a load now live in the request's
+        HBM blocks from ``start`` on: watch them there and drop their DRAM copies (a
+        copy another load still reads stays)."""
+        st = self._reqs.get(req_id)
+        if st is None or num_ok <= 0 or self._kv_cache_manager is None:
+            return
+        keys = list(plan.keys[:num_ok])
+        parents = [st.keys[start - 1] if start else None, *keys[:-1]]
+        self._watch(self._kv_cache_manager.get_block_ids(req_id)[0][start:start + num_ok], keys, parents)
+        dram = [k for k, t in zip(keys, plan.tiers) if t == "dram"]
+        self.counters["dram_moved_blocks"] += self.manager.remove(dram, "dram")
+
     def _complete(self, plan_id: int, oks: list[bool]) -> None:
+        if plan_id in self._stale_plans:  # written from blocks of before a connector reset
+            self._stale_plans.discard(plan_id)
+            oks = [False] * len(oks)
         if plan_id in self._store_plans:
             plan = self._store_plans.pop(plan_id)
             self.manager.complete_store(plan, oks)
@@ -1052,6 +1163,9 @@ class KVTierScheduler:
             if plan is not None:
                 self.manager.complete_load(plan, oks[:local])
             num_ok = oks.index(False) if False in oks else len(oks)
+            start = self._load_starts.pop(plan_id, None)
+            if start is not None and plan is not None:
+                self._move_up(req_id, plan, start, min(num_ok, local))
             for tier in (plan.tiers if plan is not None else ())[:num_ok]:
                 self.counters[f"hit_tokens_{tier}"] += self.block_size
             if num_ok > local:

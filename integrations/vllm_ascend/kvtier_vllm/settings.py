@@ -54,6 +54,10 @@ EXTRA_KEYS: dict[str, str] = {
                  "kvtier.placement. The file's placement constants apply when this names the file's policy",
     "hbm_hold": "false: never hold a waiting agent's HBM blocks (the placement decides everything else)",
     "hbm_hold_budget_fraction": "most of vLLM's HBM blocks held for waiting agents at once (default 0.5)",
+    "exclusive_dram": "true: DRAM holds what HBM does not, for a placement that asks for it (kvtier): a block is "
+                      "copied down when vLLM hands its HBM slot to another request (BlockPool.unpin_blocks' "
+                      "on_reuse), before the forward that overwrites it, and a load out of DRAM moves the block. "
+                      "Default false: every computed block is written through. Models with one KV cache group",
     "tenant": "cache salt: tenants never share blocks",
     "stats_path": "JSON file the scheduler side rewrites with its counters (for operators and tests)",
     "hint_server": "host:port or unix:PATH: host kvtier's hint server (gRPC) in the scheduler process; "
@@ -186,6 +190,7 @@ class ConnectorSettings:
     placement: str = "kvtier"
     hbm_hold: bool = True
     hbm_hold_budget_fraction: float = 0.5
+    exclusive_dram: bool = False
     eviction_set: bool = False  # the host tiers' eviction policy was set (else the placement's)
     hint_watch: str | None = None
     hint_watch_token: str | None = None
@@ -260,6 +265,12 @@ class ConnectorSettings:
         budget = extra.get("hbm_hold_budget_fraction", 0.5)
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
             raise ConfigError("kv_connector_extra_config.hbm_hold_budget_fraction", budget, "must be a number in [0, 1]")
+        exclusive = extra.get("exclusive_dram", False)
+        if not isinstance(exclusive, bool):
+            raise ConfigError("kv_connector_extra_config.exclusive_dram", exclusive, "must be true or false")
+        if exclusive and not cfg.dram.enabled:
+            raise ConfigError("kv_connector_extra_config.exclusive_dram", exclusive,
+                              "needs the DRAM tier (dram_capacity_blocks > 0)")
         eviction_set = "policy" in extra or any(
             "policy" in (overrides["tiers"].get(t) or {}) for t in ("dram", "ssd"))
         watch = extra.get("hint_watch")
@@ -302,8 +313,17 @@ class ConnectorSettings:
         if approximate and facts.rope is None:
             raise ConfigError("kv_connector_extra_config.approximate_shifted_segments", approximate,
                               f"cannot re-rotate this model's keys: {facts.rope_problem}")
+        if exclusive and facts.hybrid:
+            raise ConfigError("kv_connector_extra_config.exclusive_dram", exclusive,
+                              f"not built for models with {len(facts.window_blocks)} KV cache groups (sliding-window "
+                              "hybrids) yet: leave it off (write-through)")
+        if exclusive and getattr(_placement(placement, placement_params),
+                                 "write_back_dram", None) != "evict":
+            raise ConfigError("kv_connector_extra_config.exclusive_dram", exclusive,
+                              f"placement {placement!r} writes DRAM through; exclusive DRAM is for a placement that "
+                              "writes a block down as HBM evicts it (kvtier)")
         return cls(cfg, extra.get("stats_path"), extra.get("hint_server"), ssd_root, placement, hold, float(budget),
-                   eviction_set, watch, extra.get("hint_watch_token"), int(queue_mib * (1 << 20)),
+                   exclusive, eviction_set, watch, extra.get("hint_watch_token"), int(queue_mib * (1 << 20)),
                    int(staging_mib * (1 << 20)), copy_threads, int(device_staging_mib * (1 << 20)), side_stream,
                    record_path, int(record_mib * (1 << 20)), placement_params, remote, cold,
                    facts.rope if approximate else None)
@@ -340,14 +360,19 @@ def _mib(extra: Mapping[str, Any], key: str, default: float) -> float:
     return value
 
 
-def _check_placement(name: Any, params: Mapping[str, float]) -> None:
-    """A placement the connector can run live; a ``ConfigError`` naming the setting otherwise."""
+def _placement(name: Any, params: Mapping[str, float]) -> Any:
     from kvtier.placement import make_placement
 
     setting = "kv_connector_extra_config.placement"
     if not isinstance(name, str):
         raise ConfigError(setting, name, "must be a placement policy name")
-    policy = make_placement(name, setting, params)
+    return make_placement(name, setting, params)
+
+
+def _check_placement(name: Any, params: Mapping[str, float]) -> None:
+    """A placement the connector can run live; a ``ConfigError`` naming the setting otherwise."""
+    setting = "kv_connector_extra_config.placement"
+    policy = _placement(name, params)
     if policy.needs_oracle:
         raise ConfigError(setting, name, "needs the future (an offline bound): replay only")
     if not policy.lower_tiers:

@@ -34,7 +34,8 @@ and must never leave unverified bytes in an engine block it reports as
 loaded: a block that fails (absent, corrupt, foreign, I/O error) and every
 block after it in that request's load is reported as failed, so vLLM
 recomputes it. Engine blocks are read only after the step's forward and
-never after their request was released.
+never after their request was released, except write-backs (exclusive DRAM),
+read in ``start_load_kv`` before the forward that reuses their slots.
 """
 
 from __future__ import annotations
@@ -219,8 +220,12 @@ class KVTierWorker:
     # ------------------------------------------------------------ per step
 
     def start_load_kv(self, meta: KVTierConnectorMetadata) -> None:
-        """Take releases and SSD deletions, then start this step's loads (async)."""
+        """Take releases and SSD deletions, copy out the write-backs (exclusive DRAM:
+        blocks whose slots this step's forward overwrites), then start this step's
+        loads (async)."""
         self._release.update(meta.release)
+        if meta.write_backs and self.io is not None:
+            self._gather(meta.write_backs, before_forward=True)
         if meta.ssd_deletes and self._ssd is not None and self.writes_shared:  # the writing rank deletes
             keys = [BlockKey(k) for k in meta.ssd_deletes]
             self._ssd_thread.submit(self._ssd.delete_many, keys)
@@ -252,8 +257,13 @@ class KVTierWorker:
         stream) and queue their writes to DRAM and SSD (not waited for)."""
         if not meta.stores or self.io is None:
             return
-        assert self.ring is not None
-        for job in meta.stores:
+        self._gather(meta.stores)
+
+    def _gather(self, jobs: Sequence[StoreJob], before_forward: bool = False) -> None:
+        """Copy the jobs' engine blocks into staging runs and queue their tier writes.
+        ``before_forward``: the step's forward overwrites them, so it waits for the copy."""
+        assert self.io is not None and self.ring is not None
+        for job in jobs:
             run = self.ring.take(len(job.block_ids))
             got = len(run) if run is not None else 0
             if got < len(job.block_ids):  # the ring is full: store what fits, never wait for room
@@ -262,7 +272,7 @@ class KVTierWorker:
             if run is None:
                 self._fail_store(job, None)
                 continue
-            ready = self.io.copy_out(job.block_ids[:got], run.rows)
+            ready = self.io.copy_out(job.block_ids[:got], run.rows, engine_waits=before_forward)
             fut = self._copy.submit(self._guarded, lambda job=job, run=run, ready=ready: self._write(job, run, ready),
                                     lambda job=job, run=run: self._fail_store(job, run))
             self._gathers.setdefault(job.req_id, {})[job.job_id] = fut
