@@ -1,0 +1,148 @@
+"""Exclusive DRAM live in a real vLLM engine (issue 41): the agents of one session, true tool waits.
+
+Workload (:func:`workload`): six agents of one session share a 4-block system
+prompt; each adds 4 private blocks on its first turn and 2 more on each of
+the next two (contexts of 8, 10 and 12 full 32-token blocks plus 5 new
+tokens). Their first turns run in agent order; then each waits on a tool of
+its own length (``WAITS_S``, announced through the SDK's tags, and true: the
+agents come back in that order) and takes its next turn.
+
+Capacities: HBM for about two contexts (24 usable blocks), DRAM for about
+three (30 blocks) or for less than one (6 blocks), no SSD. Served one request
+at a time (``max_num_seqs`` 1) and six at a time (``max_num_seqs`` 4: as many
+run as fit, the rest queue).
+
+Configurations, on the same engine settings:
+
+* ``none`` — vLLM with no connector (its own prefix cache only);
+* ``lru`` — placement ``lru-dram`` (write-through LRU), no hints;
+* ``kvtier-no-hints`` — placement ``kvtier`` with ``exclusive_dram``, requests untagged;
+* ``kvtier`` — the same with the SDK's tags and the true tool waits;
+* ``kvtier-write-through`` — ``kvtier`` with hints and DRAM written through (no
+  ``exclusive_dram``), at the larger DRAM.
+
+Reported from vLLM's own counters: prefill computed (prompt tokens less
+vLLM's local and external prefix-cache hits) and the DRAM copies kvtier stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from kvtier.sdk import tag_request
+
+from .engine_support import BLOCK_SIZE, ENGINE, TINY_LLAMA, make_model, run_child
+
+pytestmark = pytest.mark.slow
+
+AGENTS, TURNS, OUT, SUFFIX = 6, 3, 4, 5
+SYS_BLOCKS, FIRST_BLOCKS, GROW_BLOCKS = 4, 4, 2
+WAITS_S = (1.0, 2.0, 4.0, 3.0, 6.0, 5.0)  # tool waits, announced and true (the return order): the first to run
+# comes back first, the order LRU gets wrong
+HBM_BLOCKS = 24  # about two contexts
+DRAM_SIZES = {"dram-3-contexts": 30, "dram-under-1-context": 6}
+
+CONFIGS = {
+    "lru": ({"placement": "lru-dram"}, False),
+    "kvtier-no-hints": ({"placement": "kvtier", "exclusive_dram": True}, False),
+    "kvtier": ({"placement": "kvtier", "exclusive_dram": True}, True),
+}
+
+
+def _block_tokens(block_id: int) -> list[int]:
+    seed = int.from_bytes(hashlib.blake2b(f"x{block_id}".encode(), digest_size=8).digest(), "big")
+    return [(seed >> (j % 48)) % 997 + 3 for j in range(BLOCK_SIZE)]
+
+
+def workload() -> list[list[tuple[int, list[int]]]]:
+    """Turns, each a list of (agent, prompt tokens) in serving order."""
+    turns = []
+    for turn in range(TURNS):
+        order = range(AGENTS) if turn == 0 else sorted(range(AGENTS), key=lambda a: WAITS_S[a])
+        reqs = []
+        for a in order:
+            ids = list(range(SYS_BLOCKS)) + [1000 * (a + 1) + j for j in range(FIRST_BLOCKS + GROW_BLOCKS * turn)]
+            tokens = [t for b in ids for t in _block_tokens(b)] + [(a * 31 + turn * 7 + j) % 997 + 3
+                                                                   for j in range(SUFFIX)]
+            reqs.append((a, tokens))
+        turns.append(reqs)
+    return turns
+
+
+def _phases(hinted: bool, one_at_a_time: bool) -> list[dict]:
+    phases = [{"prompts": [[7, 8, 9, 10, 11]]}]  # warm-up (no full block), left out of every figure
+    for turn, reqs in enumerate(workload()):
+        last = turn == TURNS - 1
+        params = [tag_request({}, "session", f"agent-{a}", None if last else WAITS_S[a])["kv_transfer_params"]
+                  if hinted else None for a, _ in reqs]
+        groups = [[i] for i in range(len(reqs))] if one_at_a_time else [list(range(len(reqs)))]
+        for g in groups:
+            phases.append({"prompts": [reqs[i][1] for i in g],
+                           "kv_transfer_params": [params[i] for i in g] if hinted else None})
+    return phases
+
+
+def _measure(run: dict, phases: list[dict]) -> dict:
+    last = run["phases"][-1]
+    prompts = sum(len(p) for ph in phases[1:] for p in ph["prompts"])
+    counters = last["stats"].get("counters", {}) if last["stats"] else {}
+    return {"computed": int(prompts - last["local_hits"] - last["external_hits"]),
+            "hbm": int(last["local_hits"]), "external": int(last["external_hits"]),
+            "stored_dram": counters.get("stored_blocks_dram", 0), "write_backs": counters.get("write_back_blocks", 0),
+            "moved": counters.get("dram_moved_blocks", 0), "deferred": counters.get("load_deferred", 0),
+            "tokens": [o["token_ids"] for ph in run["phases"][1:] for o in ph["outputs"]]}
+
+
+def _run_all(tmp, max_num_seqs: int) -> dict:
+    model = make_model(tmp / "model")
+    engine = {**ENGINE, "num_gpu_blocks_override": HBM_BLOCKS + 1, "max_num_seqs": max_num_seqs,
+              "max_model_len": 512, "max_num_batched_tokens": 512}
+    one = max_num_seqs == 1
+    out = {}
+    runs = [("none", None, False)]
+    for size, dram in DRAM_SIZES.items():
+        runs += [(f"{name}@{size}", {"dram_capacity_blocks": dram, **extra}, hinted)
+                 for name, (extra, hinted) in CONFIGS.items()]
+    runs.append((f"kvtier-write-through@dram-3-contexts",
+                 {"dram_capacity_blocks": DRAM_SIZES["dram-3-contexts"], "placement": "kvtier"}, True))
+    for name, extra, hinted in runs:
+        phases = _phases(hinted, one)
+        tag = name.replace("@", "-")
+        spec = {"model": str(model), "max_tokens": OUT, "engine": engine, "logprobs": 0, "phases": phases}
+        if extra is not None:
+            spec["kvtier"] = {**extra, "stats_path": str(tmp / f"{tag}.stats.json")}
+        out[name] = _measure(run_child(tmp, tag, spec), phases)
+    print(f"\nmax_num_seqs {max_num_seqs}: {'config':<40}{'computed':>9}{'HBM hit':>9}{'kvtier hit':>11}"
+          f"{'DRAM stores':>12}{'write-backs':>12}{'moved up':>9}{'deferred':>9}")
+    for name, r in out.items():
+        print(f"{'':<15}{name:<40}{r['computed']:>9}{r['hbm']:>9}{r['external']:>11}{r['stored_dram']:>12}"
+              f"{r['write_backs']:>12}{r['moved']:>9}{r['deferred']:>9}")
+    return out
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=["max_num_seqs-1", "max_num_seqs-4"])
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return _run_all(tmp_path_factory.mktemp(f"exclusive-{request.param}"), request.param)
+
+
+@pytest.mark.parametrize("size", list(DRAM_SIZES))
+def test_kvtier_with_true_waits_computes_less_than_without_hints_lru_and_no_connector(runs: dict, size: str) -> None:
+    c = {name: r["computed"] for name, r in runs.items()}
+    kv = c[f"kvtier@{size}"]
+    assert kv < c[f"kvtier-no-hints@{size}"] and kv < c[f"lru@{size}"], c
+    assert kv <= c["none"], c
+
+
+def test_exclusive_dram_stores_fewer_host_copies_than_write_through_and_computes_no_more(runs: dict) -> None:
+    ex, wt = runs["kvtier@dram-3-contexts"], runs["kvtier-write-through@dram-3-contexts"]
+    assert 0 < ex["stored_dram"] < wt["stored_dram"], (ex, wt)
+    assert ex["stored_dram"] == ex["write_backs"]  # every DRAM copy is a block HBM gave up
+    assert ex["moved"] > 0  # and loads moved blocks back up
+    assert ex["computed"] <= wt["computed"], (ex, wt)
+
+
+def test_output_ids_are_identical_to_the_engine_with_no_connector(runs: dict) -> None:
+    for name, r in runs.items():
+        assert r["tokens"] == runs["none"]["tokens"], name
