@@ -16,6 +16,7 @@ from typing import Any
 from readme_tables import md_table, table
 
 from kvtier.replay.report import SUMMARY_HEADER, group_caption, main_point, summary_rows, sweep_rows
+from kvtier.placement.surface import LIVE
 
 
 def policy_table(report: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -242,6 +243,7 @@ def fleet_dev(data: dict[str, Any]) -> str:
 
 _SURFACE_LABELS = {
     "vllm": "what the vLLM connector runs (live)",
+    "vllm+exclusive+defer": "+ exclusive DRAM, deferred loads: the connector with `exclusive_dram: true` (live)",
     "vllm+exclusive": "+ exclusive DRAM",
     "vllm+order": "+ HBM order by predicted next use",
     "vllm+drop": "+ dead HBM blocks freed",
@@ -272,7 +274,7 @@ def surface_ablation(data: dict[str, Any]) -> str:
     body = []
     for s in data["surfaces"]:
         rows = [p["surfaces"][s] for p in pts]
-        body.append([f"`{s}`", _SURFACE_LABELS.get(s, ""), "live" if s == "vllm" else "modelled only"]
+        body.append([f"`{s}`", _SURFACE_LABELS.get(s, ""), "live" if s in LIVE else "modelled only"]
                     + [cell(r["prefill_tokens_computed"], r["bound_prefill_tokens"], r["ttft_p99_later_turns_s"])
                        for r in (_with_refs(row, p) for row, p in zip(rows, pts))])
     body.append(["`lru-dram`", "on `vllm`, for comparison", "live"]

@@ -19,14 +19,22 @@ decision table says how each flag is met). Must not decide anything itself.
   recent; nothing can move an idle block to the front of vLLM's free queue
   or make room sooner (``evict_blocks`` only forgets the hash), nothing can
   load into HBM without a request, and the connector writes every computed
-  block through to its host tiers and loads every hit it reports (it learns
-  of an HBM eviction only after the block is reused: no victim write). HBM
+  block through to its host tiers and loads every hit it reports. HBM
   pressure is vLLM's KV usage (blocks referenced by requests or holds, not
   idle cached ones, which vLLM counts as free), plus queued demand.
 * ``BASE+ADDITION[+ADDITION...]`` — a named surface with single decisions
   added (:data:`ADDITIONS`), each one flag: four of ``full``'s, and
-  ``defer``, which no other surface has. *Modelled only*: no live setup
-  carries out an addition yet.
+  ``defer``, which no other surface has. *Modelled only*, except the
+  setups in :data:`LIVE`.
+
+:data:`LIVE` names the surfaces a live setup runs: ``vllm`` is the vLLM
+connector as it comes (write-through); ``vllm+exclusive+defer`` is the
+connector with ``exclusive_dram: true``: it watches each block it would have
+written through (``BlockPool.unpin_blocks``' ``on_reuse``), copies it down to
+DRAM when vLLM hands the slot to another request (before that step's
+forward), moves a DRAM block up on load, and defers (``None`` from
+``get_num_new_matched_tokens``) a request whose prefix goes on in a block on
+its way down.
 """
 
 from __future__ import annotations
@@ -86,6 +94,12 @@ ADDITIONS: dict[str, Addition] = {
 }
 ALL = "all"  # every addition at once
 
+LIVE: dict[str, str] = {
+    "vllm": "the vLLM connector (write-through)",
+    "vllm+exclusive+defer": "the vLLM connector with exclusive_dram: true",
+}
+"""Surfaces a live setup runs, and which setup; every other surface is modelled only."""
+
 
 def _with(base: Surface, name: str, additions: list[str]) -> Surface:
     return replace(base, name=name, **{ADDITIONS[a].flag: ADDITIONS[a].value for a in additions})
@@ -116,4 +130,4 @@ def surfaces_help() -> str:
     return (f"BASE[+ADDITION...]. Bases: full (default: every decision, including HBM reordering and prefetch "
             f"into HBM, modelled only) or vllm (only what the live vLLM connector can do through vLLM's public "
             f"surface: hold and refresh HBM blocks, prefetch SSD to DRAM). Additions, one flag each, MODELLED ONLY "
-            f"(none runs live yet): {adds}; +{ALL}: every one of them. E.g. vllm+exclusive, vllm+order+drop")
+            f"(vllm+exclusive+defer runs live: the connector with exclusive_dram): {adds}; +{ALL}: every one of them. E.g. vllm+exclusive, vllm+order+drop")

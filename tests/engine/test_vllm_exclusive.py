@@ -8,7 +8,7 @@ its own length (``WAITS_S``, announced through the SDK's tags, and true: the
 agents come back in that order) and takes its next turn.
 
 Capacities: HBM for about two contexts (24 usable blocks), DRAM for about
-three (30 blocks) or for less than one (6 blocks), no SSD. Served one request
+three first-turn contexts (24 blocks) or for less than one (6 blocks), no SSD. Served one request
 at a time (``max_num_seqs`` 1) and six at a time (``max_num_seqs`` 4: as many
 run as fit, the rest queue).
 
@@ -42,7 +42,7 @@ SYS_BLOCKS, FIRST_BLOCKS, GROW_BLOCKS = 4, 4, 2
 WAITS_S = (1.0, 2.0, 4.0, 3.0, 6.0, 5.0)  # tool waits, announced and true (the return order): the first to run
 # comes back first, the order LRU gets wrong
 HBM_BLOCKS = 24  # about two contexts
-DRAM_SIZES = {"dram-3-contexts": 30, "dram-under-1-context": 6}
+DRAM_SIZES = {"dram-3-contexts": 24, "dram-under-1-context": 6}
 
 CONFIGS = {
     "lru": ({"placement": "lru-dram"}, False),

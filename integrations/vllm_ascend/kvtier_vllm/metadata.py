@@ -107,6 +107,7 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     staging_skipped_loads: int = 0  # blocks not loaded (recomputed): the staging ring was full
     remote_skipped_blocks: int = 0  # remote stores skipped because the remote writer fell behind
     remote_outcomes: dict[str, int] = field(default_factory=dict)  # the store clients' failed reads, errors, pins
+    write_backs_missed: int = 0  # write-back blocks failed: the engine called no handle_preemptions before its forward
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
@@ -125,4 +126,5 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
                                     self.staging_skipped_stores + other.staging_skipped_stores,
                                     self.staging_skipped_loads + other.staging_skipped_loads,
                                     self.remote_skipped_blocks + other.remote_skipped_blocks,
-                                    dict(Counter(self.remote_outcomes) + Counter(other.remote_outcomes)))
+                                    dict(Counter(self.remote_outcomes) + Counter(other.remote_outcomes)),
+                                    self.write_backs_missed + other.write_backs_missed)

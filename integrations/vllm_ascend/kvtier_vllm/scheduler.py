@@ -46,10 +46,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvtier.errors import ConfigError
 from kvtier.events import BlockRemoved, BlockStored, StoreFailed
 from kvtier.keys import BlockKey, Namespace, chain_foreign_keys
 from kvtier.manager import LoadPlan, StorePlan, TierManager, TierSpec
 from kvtier.placement import ToolWait, make_placement
+from kvtier.placement.surface import surface
 from kvtier.sdk.handles import (
     is_approximate_salt,
     request_approximate_segments,
@@ -67,6 +69,9 @@ from .placement import EnginePlacement
 from .settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
+
+EXCLUSIVE_SURFACE = "vllm+exclusive+defer"
+"""The replay's surface for the connector with ``exclusive_dram`` (kvtier.placement.surface.LIVE)."""
 
 
 @dataclass(slots=True)
@@ -200,6 +205,8 @@ class KVTierScheduler:
         self._write_backs: list[tuple[int, BlockKey, BlockKey | None, StorePlan]] = []
         self._stale_plans: set[int] = set()
         self._load_starts: dict[int, int] = {}  # exclusive: load plan id -> the request's first block loaded
+        if self.exclusive:  # what the replay models this setup as
+            self.placement.surface = surface(EXCLUSIVE_SURFACE)
         # (session, agent) -> its latest finished context (keys, vLLM hashes), for tool calls the hint server announces
         self._last_ctx: OrderedDict[tuple[str, str], tuple[list[BlockKey], list[Any]]] = OrderedDict()
         self._hints: Any = None
@@ -270,7 +277,12 @@ class KVTierScheduler:
         self._kv_cache_manager = kv_cache_manager
 
     def bind_gpu_block_pool(self, block_pool: Any) -> None:
-        """Keep the engine's block pool: HBM holds (public ``touch`` / ``free_blocks``) and free-block stats."""
+        """Keep the engine's block pool: HBM holds (public ``touch`` / ``free_blocks``), free-block stats and,
+        with exclusive DRAM, watched blocks (``unpin_blocks``; ``blocks``, the pool's list of blocks by id)."""
+        if self.exclusive and not callable(getattr(block_pool, "unpin_blocks", None)):
+            raise ConfigError("kv_connector_extra_config.exclusive_dram", True,
+                              "this vLLM's BlockPool has no unpin_blocks(blocks, on_reuse) (vLLM 0.32 has): "
+                              "leave exclusive_dram off")
         self._gpu_block_pool = block_pool
         self.placement.bind_block_pool(block_pool)
 
@@ -555,6 +567,8 @@ class KVTierScheduler:
             self.counters["store_skipped_backpressure_remote"] += worker_meta.remote_skipped_blocks
         for outcome, n in worker_meta.remote_outcomes.items():  # the workers' store clients: why reads missed
             self.counters[outcome if outcome.startswith("remote_") else f"remote_{outcome}"] += n
+        if worker_meta.write_backs_missed:
+            self.counters["write_back_missed"] += worker_meta.write_backs_missed
         if worker_meta.staging_skipped_stores:
             self.counters["store_skipped_staging"] += worker_meta.staging_skipped_stores
         if worker_meta.staging_skipped_loads:

@@ -35,7 +35,8 @@ loaded: a block that fails (absent, corrupt, foreign, I/O error) and every
 block after it in that request's load is reported as failed, so vLLM
 recomputes it. Engine blocks are read only after the step's forward and
 never after their request was released, except write-backs (exclusive DRAM),
-read in ``start_load_kv`` before the forward that reuses their slots.
+read in ``handle_preemptions``, the first hook of a step, before the forward
+that reuses their slots.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class _Results:
     skipped_blocks: int = 0  # SSD stores skipped for backpressure
     remote_skipped_blocks: int = 0  # remote stores skipped for backpressure
     staging_skipped_stores: int = 0  # blocks not gathered: the staging ring was full
+    write_backs_missed: int = 0  # write-back blocks failed: the engine did not call handle_preemptions first
     staging_skipped_loads: int = 0  # blocks not loaded: the staging ring was full
 
 
@@ -138,6 +140,7 @@ class KVTierWorker:
         self._lock = threading.Lock()
         self._results = _Results()
         self._gathers: dict[str, dict[int, Future[None]]] = {}  # req id -> store job id -> future
+        self._written_back: KVTierConnectorMetadata | None = None  # the step whose write-backs were copied out
         self._loads: set[str] = set()  # req ids with a load in flight
         self._release: set[str] = set()
         self._load_errors: set[int] = set()
@@ -220,12 +223,14 @@ class KVTierWorker:
     # ------------------------------------------------------------ per step
 
     def start_load_kv(self, meta: KVTierConnectorMetadata) -> None:
-        """Take releases and SSD deletions, copy out the write-backs (exclusive DRAM:
-        blocks whose slots this step's forward overwrites), then start this step's
-        loads (async)."""
+        """Take releases and SSD deletions, then start this step's loads (async).
+        vLLM 0.32 calls this *after* the forward when every load is asynchronous."""
         self._release.update(meta.release)
-        if meta.write_backs and self.io is not None:
-            self._gather(meta.write_backs, before_forward=True)
+        if meta.write_backs and self._written_back is not meta:  # the engine never called handle_preemptions:
+            for job in meta.write_backs:  # the slots are overwritten by now, so the write-backs fail (misses)
+                self._fail_store(job, None)
+            with self._lock:
+                self._results.write_backs_missed += sum(len(j.block_ids) for j in meta.write_backs)
         if meta.ssd_deletes and self._ssd is not None and self.writes_shared:  # the writing rank deletes
             keys = [BlockKey(k) for k in meta.ssd_deletes]
             self._ssd_thread.submit(self._ssd.delete_many, keys)
@@ -247,10 +252,15 @@ class KVTierWorker:
                           lambda job=job, run=run: self._post_read(job, run, [False] * len(job.keys)))
 
     def handle_preemptions(self, meta: KVTierConnectorMetadata) -> None:
-        """Before preempted requests' blocks are reused: finish reading them."""
+        """First thing of every step, before vLLM zeroes, copies into or computes any
+        block: finish reading preempted requests' blocks, and copy out this step's
+        write-backs (exclusive DRAM: blocks whose slots the step reuses)."""
         for req_id in meta.preempted:
             for fut in list(self._gathers.get(req_id, {}).values()):
                 fut.result()
+        if meta.write_backs and self.io is not None:
+            self._gather(meta.write_backs, before_forward=True)
+            self._written_back = meta
 
     def wait_for_save(self, meta: KVTierConnectorMetadata) -> None:
         """Copy this step's stores out of the engine blocks (on the engine's
@@ -326,9 +336,11 @@ class KVTierWorker:
         meta.remote_skipped_blocks = res.remote_skipped_blocks
         meta.remote_outcomes = self._remote_outcomes()
         meta.staging_skipped_stores = res.staging_skipped_stores
+        meta.write_backs_missed = res.write_backs_missed
         meta.staging_skipped_loads = res.staging_skipped_loads
         self._meta = meta if (meta.plans or meta.gathered or meta.busy_us or meta.skipped_blocks
-                              or meta.remote_skipped_blocks or meta.remote_outcomes or meta.staging_skipped_stores or meta.staging_skipped_loads) else None
+                              or meta.remote_skipped_blocks or meta.remote_outcomes or meta.staging_skipped_stores or meta.staging_skipped_loads
+                              or meta.write_backs_missed) else None
         return sending, recving
 
     REMOTE_COUNTERS = ("missing", "remote_errors", "checksum_failures", "decode_failures", "mismatches",
