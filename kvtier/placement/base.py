@@ -128,6 +128,11 @@ def ssd_promotion(mgr: TierManager, keys: Sequence[BlockKey]) -> MovePlan | None
     return mgr.prepare_move(on_ssd, "ssd", "dram", keep_source=True) if on_ssd else None
 
 
+UNPREDICTED_GAP_S = 10.0
+"""The wait a policy is told to expect when nobody predicted one (a user's turn, a tool
+before any history): the replay's and the live connector's alike."""
+
+
 @dataclass(frozen=True, slots=True)
 class ToolWait:
     """An agent just finished a request and will wait ``gap_s`` (known to the

@@ -61,7 +61,7 @@ from .codec import CODEC_STAGES, ColdCodec, ENCODE, transfer_stages
 from .belady import BeladyPolicy, DriftOracle, NextUseOracle
 from .model import Agent, Request, Session, Workload
 from ..placement import PlacementPolicy, ToolWait
-from ..placement.base import ssd_promotion
+from ..placement.base import UNPREDICTED_GAP_S, ssd_promotion
 from ..placement.surface import surface
 
 @dataclass(frozen=True, slots=True)
@@ -998,13 +998,13 @@ class Simulator:
     def _predict_gap(self, sr: _SessionRun, agent: Agent, nxt: Request) -> float:
         """The wait a policy is told to expect: for a tool, the hint plane's
         prediction (history blended per agent type); otherwise, or before any
-        history, 10 s. The true gap is never revealed."""
+        history, :data:`UNPREDICTED_GAP_S`. The true gap is never revealed."""
         if nxt.gap_cause == "tool":
             s = self.graph.session("replay", sr.sid)
             call = s.agents[agent.agent_id].tool_calls.get(f"{agent.agent_id}#{nxt.index}") if s else None
             if call is not None and call.predicted_s is not None:
                 return call.predicted_s
-        return 10.0
+        return UNPREDICTED_GAP_S
 
     def _record(self, run: _Run) -> None:
         req = run.req

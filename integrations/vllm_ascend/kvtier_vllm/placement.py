@@ -227,6 +227,7 @@ class EnginePlacement:
         self._hashes: dict[BlockKey, Any] = {}  # kvtier key -> vLLM block hash, for waiting agents' contexts
         self._agent_hashes: OrderedDict[AgentKey, list[BlockKey]] = OrderedDict()  # least recently waiting first
         self._waiting: dict[AgentKey, float] = {}  # agent -> when its wait started
+        self._user_waits: set[AgentKey] = set()  # waiting agents whose wait is a user's turn
         self._tool_history: deque[float] = deque(maxlen=512)
         self._timers: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._seq = itertools.count()
@@ -262,12 +263,15 @@ class EnginePlacement:
         started = self._waiting.pop(agent, None)
         if started is None:
             return False
-        self._tool_history.append(self.now - started)
+        if agent in self._user_waits:
+            self._user_waits.discard(agent)
+        else:
+            self._tool_history.append(self.now - started)
         self.prefetches.arrived(agent, self.now)
         return True
 
     def waiting_starts(self, agent: AgentKey, keys: Sequence[BlockKey], hashes: Sequence[Any],
-                       finishing_blocks: int) -> None:
+                       finishing_blocks: int, tool: bool = True) -> None:
         """Before the policy's ``on_wait_start``: remember the context's block hashes
         (to find its HBM blocks) and exclude the finishing request's own blocks
         (vLLM frees them right after) from the pressure the policy reads."""
@@ -277,12 +281,17 @@ class EnginePlacement:
         self._hashes.update(zip(keys[:n], hashes[:n]))
         self._agent_hashes[agent] = list(keys[:n])
         self._waiting[agent] = self.now
+        if tool:
+            self._user_waits.discard(agent)
+        else:  # a user's turn: its length is no tool's history
+            self._user_waits.add(agent)
         self._finishing_blocks = finishing_blocks
         while len(self._agent_hashes) > self.MAX_TRACKED_AGENTS:  # agents that never came back
             old, old_keys = self._agent_hashes.popitem(last=False)
             for k in old_keys:
                 self._hashes.pop(k, None)
             self._waiting.pop(old, None)
+            self._user_waits.discard(old)
             self.criticalities.pop(old, None)
 
     MAX_TRACKED_AGENTS = 4096
@@ -330,6 +339,7 @@ class EnginePlacement:
             if p.done_s is not None and p.arrived_s is None and now - p.done_s > self.PREFETCH_UNUSED_S:
                 self.prefetches.abandoned(agent)
                 self._waiting.pop(agent, None)
+                self._user_waits.discard(agent)
 
     PREFETCH_UNUSED_S = 120.0
     """A prefetch in DRAM this long with no request from its agent counts as wasted."""

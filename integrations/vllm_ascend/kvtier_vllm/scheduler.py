@@ -51,6 +51,7 @@ from kvtier.events import BlockRemoved, BlockStored, StoreFailed
 from kvtier.keys import BlockKey, Namespace, chain_foreign_keys
 from kvtier.manager import LoadPlan, StorePlan, TierManager, TierSpec
 from kvtier.placement import ToolWait, make_placement
+from kvtier.placement.base import UNPREDICTED_GAP_S
 from kvtier.placement.surface import surface
 from kvtier.sdk.handles import (
     is_approximate_salt,
@@ -617,10 +618,14 @@ class KVTierScheduler:
         return True
 
     def _agent_waits(self, st: _Req, wait_s: float | None) -> None:
-        """A tagged request finished. With a tool wait (``kvtier_tool_wait_s`` in its
-        ``kv_transfer_params``) its agent now waits: the placement policy decides
-        (hold its HBM blocks, order its host copies, schedule a prefetch). The
-        context is remembered for tool calls a hint server announces."""
+        """A tagged request finished: its agent now waits, on a tool for ``wait_s``
+        (``kvtier_tool_wait_s`` in its ``kv_transfer_params``) or else on its user
+        (predicted :data:`UNPREDICTED_GAP_S`, as the replay predicts a user's turn;
+        not with a hint server, where the framework announces its tool calls after this).
+        The placement policy decides (hold its HBM blocks, order its host copies,
+        schedule a prefetch). Without the user's turn the agent would stay busy in
+        kvtier's next-use order, its dead context kept ahead of agents that do come
+        back. The context is remembered for tool calls a hint server announces."""
         agent = self._agent(st)
         if agent is None:
             return
@@ -631,19 +636,24 @@ class KVTierScheduler:
             self._last_ctx.move_to_end(agent)
             while len(self._last_ctx) > self.MAX_TRACKED_AGENTS:
                 self._last_ctx.popitem(last=False)
-        if wait_s is not None and keys:
-            self._start_wait(agent, keys, hashes, wait_s, -(-int(st.request.num_tokens) // self.block_size))
+        if not keys:
+            return
+        finishing = -(-int(st.request.num_tokens) // self.block_size)
+        if wait_s is not None:
+            self._start_wait(agent, keys, hashes, wait_s, finishing)
+        elif self._hints is None and self._watcher is None:  # (a hint server announces tool calls after this)
+            self._start_wait(agent, keys, hashes, UNPREDICTED_GAP_S, finishing, "user")
 
     MAX_TRACKED_AGENTS = 4096
 
     def _start_wait(self, agent: tuple[str, str], keys: list[BlockKey], hashes: list[Any], wait_s: float,
-                    finishing_blocks: int) -> None:
-        self.placement.waiting_starts(agent, keys, hashes, finishing_blocks)
+                    finishing_blocks: int, cause: str = "tool") -> None:
+        self.placement.waiting_starts(agent, keys, hashes, finishing_blocks, tool=cause == "tool")
         try:
-            self.policy.on_wait_start(self.placement, ToolWait(agent, tuple(keys), "tool", wait_s))
+            self.policy.on_wait_start(self.placement, ToolWait(agent, tuple(keys), cause, wait_s))
         finally:
             self.placement.waiting_started()
-        self.counters["tool_waits"] += 1
+        self.counters["tool_waits" if cause == "tool" else "user_waits"] += 1
         self._pump_events()
 
     def _agent(self, st: _Req) -> tuple[str, str] | None:
