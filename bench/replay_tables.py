@@ -289,8 +289,9 @@ def surface_ablation(data: dict[str, Any]) -> str:
     first = pts[0]
     wall = sum(sum(p["wall_s"].values()) for p in pts)
     caption = (f"`kvtier` prefill computed (over the bound) and later-turn TTFT p99 with decisions of the full "
-               f"surface added to `--surface vllm` (issue 41): each alone, exclusive DRAM with the order or with "
-               f"dead blocks freed, all five, and all but each one. Dev traces ("
+               f"surface added to `--surface vllm` (issue 41): the connector's `exclusive_dram` setup (exclusive DRAM "
+               f"with deferred loads, live), each decision alone, exclusive DRAM with the order or with dead blocks "
+               f"freed, all five, and all but each one. Dev traces ("
                + ", ".join(f"{p['workload']['sessions']} sessions in the "
                            f"{'evaluation' if p['half'] == 'eval' else 'tuning'} half" for p in pts[::2])
                + "), DRAM 2x HBM, no SSD, FCFS admission for every run, `--skip-oversized`. Written by "
