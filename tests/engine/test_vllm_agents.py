@@ -207,8 +207,11 @@ def test_resumed_agents_hit_hbm_where_the_hold_applies(runs: dict) -> None:
     # every resumed agent found its whole context held: turn 2 (3 blocks) and 3 (5 blocks), four agents
     assert hbm["kvtier"] == AGENTS * (3 + 5) * BLOCK_SIZE, hbm
     stats = runs["kvtier"]["stats"]
-    assert stats["hbm_hold"]["held_blocks"] == 0  # every hold was given back
-    assert stats["counters"].get("hbm_held_blocks", 0) == AGENTS * (3 + 5)
+    # the agents' last turns carry no tool wait: each agent then waits on its user (as the replay has it), and
+    # the policy may hold its context for that turn too (TTL 1.5x the 10 s predicted); every other hold came back
+    assert stats["counters"]["user_waits"] == AGENTS and stats["counters"]["tool_waits"] == AGENTS * (TURNS - 1)
+    held_for_users = stats["counters"].get("hbm_held_blocks", 0) - AGENTS * (3 + 5)
+    assert stats["hbm_hold"]["held_blocks"] == held_for_users >= 0
     assert runs["kvtier-no-hold"]["stats"]["counters"].get("hbm_held_blocks", 0) == 0
 
 
