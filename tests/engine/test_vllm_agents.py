@@ -13,19 +13,22 @@ Capacities: 400 usable HBM blocks (vLLM ``num_gpu_blocks_override`` 401, one
 is its null block), a 64-block DRAM tier, no SSD; contexts and the other
 traffic do not fit together.
 
-Three connector configurations on the same engine settings:
+Four connector configurations on the same engine settings:
 
 * ``lru`` — placement ``lru-dram`` (write-through LRU, no agent actions), no hints;
 * ``kvtier`` — placement ``kvtier`` with hints: a waiting critical agent's HBM
   blocks are held within the critical reserve (5% of HBM at low pressure);
-* ``kvtier-no-hold`` — the same with ``hbm_hold`` false.
+* ``kvtier-no-hold`` — the same with ``hbm_hold`` false;
+* ``kvtier-exclusive`` — ``kvtier`` with ``exclusive_dram`` (the replay's
+  ``vllm+exclusive+defer`` surface).
 
 Reported from vLLM's own counters: prefill tokens computed, tokens served
 from HBM (vLLM's prefix cache), DRAM and SSD (kvtier), per-turn TTFT.
 
 Fidelity: ``kvtier replay``'s simulator runs the same requests (same block
 ids, sizes and order) with the same policy class, capacities, batch limits
-and the ``vllm`` engine surface, and must match the engine within 2% on
+and the engine surface of the setup (``vllm``; ``vllm+exclusive+defer`` for
+``kvtier-exclusive``), and must match the engine within 2% on
 prefill computed and on tokens hit per tier, per turn of the agents and in
 total.
 """
@@ -53,6 +56,7 @@ CONFIGS = {
     "lru": ({"placement": "lru-dram"}, False),
     "kvtier": ({"placement": "kvtier"}, True),
     "kvtier-no-hold": ({"placement": "kvtier", "hbm_hold": False}, True),
+    "kvtier-exclusive": ({"placement": "kvtier", "exclusive_dram": True}, True),
 }
 
 
@@ -97,7 +101,7 @@ def _engine_phases(tag: str, hinted: bool, waits_s: tuple[float, ...] = WAITS_S)
     return out
 
 
-def replay(policy: str) -> list[dict]:
+def replay(policy: str, surface: str = "vllm") -> list[dict]:
     """The simulator on the same requests; per phase: computed, hit_hbm, hit_dram, hit_ssd tokens."""
     from kvtier.placement import make_placement
     from kvtier.replay.model import Agent, Request, Session, Workload
@@ -129,7 +133,7 @@ def replay(policy: str) -> list[dict]:
     sessions.append(Session("noise", (Agent("root", None, "main", tuple(noise_reqs)),)))
     w = Workload("vllm-agents", BLOCK_SIZE, tuple(sessions), open_loop=True)
     cfg = SimConfig(hbm_blocks=HBM_BLOCKS, dram_blocks=DRAM_BLOCKS, ssd_blocks=0, max_batch_tokens=MAX_BATCH_TOKENS,
-                    max_running=AGENTS, surface="vllm")
+                    max_running=AGENTS, surface=surface)
     result = Simulator(w, cfg, make_placement(policy), parse_profile(DEFAULT_PROFILE)).run()
     out = [{"computed": 0, "hbm": 0, "dram": 0, "ssd": 0} for _ in phases]
     for rec in result.records:
@@ -197,7 +201,8 @@ def test_kvtier_with_hints_computes_the_least_prefill(runs: dict) -> None:
     # the figures the README quotes: without a hold nothing survives the other traffic
     prompts = sum(len(r["tokens"]) for ph in workload() for r in ph["requests"])
     assert computed == {"lru": prompts, "kvtier": prompts - AGENTS * (3 + 5) * BLOCK_SIZE,
-                        "kvtier-no-hold": prompts}, computed
+                        "kvtier-no-hold": prompts,
+                        "kvtier-exclusive": prompts - AGENTS * (3 + 5) * BLOCK_SIZE}, computed
     assert prompts == 27_620
 
 
@@ -221,9 +226,10 @@ def test_every_turn_reports_its_ttft(runs: dict) -> None:
             assert len(row["ttft_s"]) == AGENTS and all(t is not None and t > 0 for t in row["ttft_s"])
 
 
-@pytest.mark.parametrize("config,policy", [("kvtier", "kvtier"), ("lru", "lru-dram")])
-def test_the_replay_matches_the_engine_within_2_percent(runs: dict, config: str, policy: str) -> None:
-    engine_rows, sim_rows = runs[config]["rows"], replay(policy)
+@pytest.mark.parametrize("config,policy,surface", [("kvtier", "kvtier", "vllm"), ("lru", "lru-dram", "vllm"),
+                                                    ("kvtier-exclusive", "kvtier", "vllm+exclusive+defer")])
+def test_the_replay_matches_the_engine_within_2_percent(runs: dict, config: str, policy: str, surface: str) -> None:
+    engine_rows, sim_rows = runs[config]["rows"], replay(policy, surface)
     pairs = [("total", _totals(engine_rows), _totals(sim_rows))]
     pairs += [(f"agents turn {i + 1}", e, s)
               for i, (e, s) in enumerate(zip(_agent_turns(engine_rows), _agent_turns(sim_rows)))]

@@ -273,3 +273,25 @@ def test_exclusive_dram_is_refused_where_it_cannot_run() -> None:
                                  "exclusive_dram": True}, facts, env={})
     with pytest.raises(ConfigError, match="exclusive_dram.*true or false"):
         ConnectorSettings.build({"dram_capacity_blocks": 8, "exclusive_dram": "yes"}, facts, env={})
+
+
+def test_a_tagged_request_without_a_tool_wait_starts_its_users_turn() -> None:
+    """As the replay has it: an agent whose request ends with no tool wait waits on its
+    user (predicted 10 s), so kvtier's next-use order no longer counts it busy; the
+    user's think time is no tool's history."""
+    sched, kvm = _sched()
+    r1 = FakeRequest("r1", 4, params={"kvtier_session_id": "s", "kvtier_agent_id": "a"})
+    kvm.blocks["r1"] = [10, 11, 12, 13, 14]
+    sched.on_new_request(r1)
+    _step(sched, {"r1": r1.num_tokens})
+    sched.request_finished(r1)
+    assert (sched.counters["user_waits"], sched.counters["tool_waits"]) == (1, 0)
+    assert sched.placement.is_waiting(("s", "a"))
+    r2 = FakeRequest("r2", 5, params={"kvtier_session_id": "s", "kvtier_agent_id": "a"})
+    sched.on_new_request(r2)  # the user came back
+    assert not sched.placement.is_waiting(("s", "a")) and list(sched.placement.tool_history_s()) == []
+    untagged = FakeRequest("r3", 2)
+    kvm.blocks["r3"] = [20, 21, 22]
+    sched.on_new_request(untagged)
+    sched.request_finished(untagged)
+    assert sched.counters["user_waits"] == 1  # no agent, no wait
