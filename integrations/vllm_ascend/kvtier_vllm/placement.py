@@ -397,8 +397,9 @@ class EnginePlacement:
             self._releases.extend(tags)
 
     def offload(self, keys: Sequence[BlockKey], dst: str) -> int:
-        """The connector wrote the blocks through already: what ``dst`` holds counts;
-        the HBM copy stays until vLLM evicts it (nothing frees it sooner)."""
+        """What ``dst`` holds counts: written through already, or (exclusive DRAM) to
+        be copied down when vLLM reuses the HBM slot; the HBM copy stays until vLLM
+        evicts it (nothing frees it sooner)."""
         return len(self.manager.present(keys, dst)) if dst in self.manager.tier_names else 0
 
     def discard(self, keys: Sequence[BlockKey]) -> int:
