@@ -226,8 +226,7 @@ class EnginePlacement:
         self.graph_reader: Callable[[AgentKey], tuple[float, str | None] | None] | None = None
         self._hashes: dict[BlockKey, Any] = {}  # kvtier key -> vLLM block hash, for waiting agents' contexts
         self._agent_hashes: OrderedDict[AgentKey, list[BlockKey]] = OrderedDict()  # least recently waiting first
-        self._waiting: dict[AgentKey, float] = {}  # agent -> when its wait started
-        self._user_waits: set[AgentKey] = set()  # waiting agents whose wait is a user's turn
+        self._waiting: dict[AgentKey, tuple[float, bool]] = {}  # agent -> (when its wait started, on a tool)
         self._tool_history: deque[float] = deque(maxlen=512)
         self._timers: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._seq = itertools.count()
@@ -260,13 +259,11 @@ class EnginePlacement:
         self._arriving = req_id  # (for stage, until wait_ended or the next arrival)
         if agent is None:
             return False
-        started = self._waiting.pop(agent, None)
-        if started is None:
+        wait = self._waiting.pop(agent, None)
+        if wait is None:
             return False
-        if agent in self._user_waits:
-            self._user_waits.discard(agent)
-        else:
-            self._tool_history.append(self.now - started)
+        if wait[1]:  # a user's think time is no tool's history
+            self._tool_history.append(self.now - wait[0])
         self.prefetches.arrived(agent, self.now)
         return True
 
@@ -280,18 +277,13 @@ class EnginePlacement:
         n = min(len(keys), len(hashes))
         self._hashes.update(zip(keys[:n], hashes[:n]))
         self._agent_hashes[agent] = list(keys[:n])
-        self._waiting[agent] = self.now
-        if tool:
-            self._user_waits.discard(agent)
-        else:  # a user's turn: its length is no tool's history
-            self._user_waits.add(agent)
+        self._waiting[agent] = (self.now, tool)
         self._finishing_blocks = finishing_blocks
         while len(self._agent_hashes) > self.MAX_TRACKED_AGENTS:  # agents that never came back
             old, old_keys = self._agent_hashes.popitem(last=False)
             for k in old_keys:
                 self._hashes.pop(k, None)
             self._waiting.pop(old, None)
-            self._user_waits.discard(old)
             self.criticalities.pop(old, None)
 
     MAX_TRACKED_AGENTS = 4096
@@ -339,7 +331,6 @@ class EnginePlacement:
             if p.done_s is not None and p.arrived_s is None and now - p.done_s > self.PREFETCH_UNUSED_S:
                 self.prefetches.abandoned(agent)
                 self._waiting.pop(agent, None)
-                self._user_waits.discard(agent)
 
     PREFETCH_UNUSED_S = 120.0
     """A prefetch in DRAM this long with no request from its agent counts as wasted."""

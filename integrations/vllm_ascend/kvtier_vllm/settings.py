@@ -258,7 +258,7 @@ class ConnectorSettings:
         placement = extra.get("placement", cfg.placement.policy)
         # the config file's constants belong to its policy (kvtier tune writes both)
         placement_params = cfg.placement.params() if placement == cfg.placement.policy else {}
-        _check_placement(placement, placement_params)
+        policy = _check_placement(placement, placement_params)
         hold = extra.get("hbm_hold", True)
         if not isinstance(hold, bool):
             raise ConfigError("kv_connector_extra_config.hbm_hold", hold, "must be true or false")
@@ -317,8 +317,7 @@ class ConnectorSettings:
             raise ConfigError("kv_connector_extra_config.exclusive_dram", exclusive,
                               f"not built for models with {len(facts.window_blocks)} KV cache groups (sliding-window "
                               "hybrids) yet: leave it off (write-through)")
-        if exclusive and getattr(_placement(placement, placement_params),
-                                 "write_back_dram", None) != "evict":
+        if exclusive and policy.write_back_dram != "evict":
             raise ConfigError("kv_connector_extra_config.exclusive_dram", exclusive,
                               f"placement {placement!r} writes DRAM through; exclusive DRAM is for a placement that "
                               "writes a block down as HBM evicts it (kvtier)")
@@ -360,23 +359,19 @@ def _mib(extra: Mapping[str, Any], key: str, default: float) -> float:
     return value
 
 
-def _placement(name: Any, params: Mapping[str, float]) -> Any:
+def _check_placement(name: Any, params: Mapping[str, float]) -> Any:
+    """The placement, if the connector can run it live; a ``ConfigError`` naming the setting otherwise."""
     from kvtier.placement import make_placement
 
     setting = "kv_connector_extra_config.placement"
     if not isinstance(name, str):
         raise ConfigError(setting, name, "must be a placement policy name")
-    return make_placement(name, setting, params)
-
-
-def _check_placement(name: Any, params: Mapping[str, float]) -> None:
-    """A placement the connector can run live; a ``ConfigError`` naming the setting otherwise."""
-    setting = "kv_connector_extra_config.placement"
-    policy = _placement(name, params)
+    policy = make_placement(name, setting, params)
     if policy.needs_oracle:
         raise ConfigError(setting, name, "needs the future (an offline bound): replay only")
     if not policy.lower_tiers:
         raise ConfigError(setting, name, "uses no host tier: run vLLM without the connector for HBM-only caching")
+    return policy
 
 
 def _nested_copy(data: Mapping[str, Any]) -> dict[str, Any]:
