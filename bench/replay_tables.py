@@ -243,7 +243,9 @@ def fleet_dev(data: dict[str, Any]) -> str:
 
 _SURFACE_LABELS = {
     "vllm": "what the vLLM connector runs (live)",
-    "vllm+exclusive+defer": "+ exclusive DRAM, deferred loads: the connector with `exclusive_dram: true` (live)",
+    "vllm+exclusive+order+defer": "+ exclusive DRAM, HBM order (waiting agents), deferred loads: the connector "
+                                  "with `exclusive_dram: true` (live)",
+    "vllm+exclusive+defer": "+ exclusive DRAM, deferred loads (the connector's `exclusive_dram` before it ordered HBM)",
     "vllm+exclusive": "+ exclusive DRAM",
     "vllm+order": "+ HBM order by predicted next use",
     "vllm+drop": "+ dead HBM blocks freed",
@@ -289,9 +291,9 @@ def surface_ablation(data: dict[str, Any]) -> str:
     first = pts[0]
     wall = sum(sum(p["wall_s"].values()) for p in pts)
     caption = (f"`kvtier` prefill computed (over the bound) and later-turn TTFT p99 with decisions of the full "
-               f"surface added to `--surface vllm` (issue 41): the connector's `exclusive_dram` setup (exclusive DRAM "
-               f"with deferred loads, live), each decision alone, exclusive DRAM with the order or with dead blocks "
-               f"freed, all five, and all but each one. Dev traces ("
+               f"surface added to `--surface vllm` (issue 41): the connector's `exclusive_dram` setup (exclusive DRAM, "
+               f"waiting agents' HBM in next-use order, deferred loads: live), each decision alone, exclusive DRAM "
+               f"with the order or with dead blocks freed, all five, and all but each one. Dev traces ("
                + ", ".join(f"{p['workload']['sessions']} sessions in the "
                            f"{'evaluation' if p['half'] == 'eval' else 'tuning'} half" for p in pts[::2])
                + "), DRAM 2x HBM, no SSD, FCFS admission for every run, `--skip-oversized`. Written by "

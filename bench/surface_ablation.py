@@ -43,7 +43,7 @@ DECISIONS = ("exclusive", "order", "drop", "prefetch", "defer")  # kvtier.placem
 # rows of the table: the live surfaces (kvtier.placement.surface.LIVE), each decision on its own, exclusive DRAM with the order and with dead
 # blocks freed (at conc 8 exclusive DRAM alone costs prefill), all of them, all but each one (the decisions
 # interact: one alone can cost what several together gain), full
-SURFACES = ("vllm", "vllm+exclusive+defer", *(f"vllm+{d}" for d in DECISIONS), "vllm+exclusive+order", "vllm+exclusive+drop", "vllm+all",
+SURFACES = ("vllm", "vllm+exclusive+order+defer", "vllm+exclusive+defer", *(f"vllm+{d}" for d in DECISIONS), "vllm+exclusive+order", "vllm+exclusive+drop", "vllm+all",
             *("+".join(["vllm", *(d for d in DECISIONS if d != left)]) for left in DECISIONS), "full")
 HALVES = ("eval", "tune")
 POINTS = ("conc8", "pressure")

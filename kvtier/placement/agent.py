@@ -117,6 +117,9 @@ class AgentAware(PlacementPolicy):
             self._est = AgentNextUse(clock, trust=self.next_use_trust)
         return self._est.policy()
 
+    def next_use_rank(self, key: BlockKey) -> float | None:
+        return None if self._est is None else self._est.next_use(key)
+
     # ---------------------------------------------------------------- knobs
 
     def lead_s(self, t_back_s: float) -> float:

@@ -163,6 +163,12 @@ class PlacementPolicy:
         ``clock``) a policy object built over the placement's own estimate."""
         return self.eviction
 
+    def next_use_rank(self, key: BlockKey) -> float | None:
+        """Where ``key`` stands in the policy's order by predicted next use (higher: evicted
+        sooner), for a host that orders its own HBM (the live connector's free queue);
+        ``None`` for a policy without that order."""
+        return None
+
     def on_wait_start(self, ctx: PlacementContext, wait: ToolWait) -> None:
         """An agent starts waiting (tool call, user, sub-agents)."""
 

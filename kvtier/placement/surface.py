@@ -28,13 +28,17 @@ decision table says how each flag is met). Must not decide anything itself.
   setups in :data:`LIVE`.
 
 :data:`LIVE` names the surfaces a live setup runs: ``vllm`` is the vLLM
-connector as it comes (write-through); ``vllm+exclusive+defer`` is the
+connector as it comes (write-through); ``vllm+exclusive+order+defer`` is the
 connector with ``exclusive_dram: true``: it watches each block it would have
 written through (``BlockPool.unpin_blocks``' ``on_reuse``), copies it down to
 DRAM when vLLM hands the slot to another request (before that step's
-forward), moves a DRAM block up on load, and defers (``None`` from
+forward), moves a DRAM block up on load, puts waiting agents' idle HBM blocks
+in the policy's next-use order at the tail of vLLM's free queue (``touch``
+then ``free_blocks``, once vLLM has freed them), and defers (``None`` from
 ``get_num_new_matched_tokens``) a request whose prefix goes on in a block on
-its way down.
+its way down. Its order covers waiting agents' blocks only: ended agents'
+and untagged requests' blocks keep their LRU places ahead of them (the
+replay's ``order`` ranks every idle block).
 """
 
 from __future__ import annotations
@@ -96,7 +100,7 @@ ALL = "all"  # every addition at once
 
 LIVE: dict[str, str] = {
     "vllm": "the vLLM connector (write-through)",
-    "vllm+exclusive+defer": "the vLLM connector with exclusive_dram: true",
+    "vllm+exclusive+order+defer": "the vLLM connector with exclusive_dram: true",
 }
 """Surfaces a live setup runs, and which setup; every other surface is modelled only."""
 
@@ -130,4 +134,4 @@ def surfaces_help() -> str:
     return (f"BASE[+ADDITION...]. Bases: full (default: every decision, including HBM reordering and prefetch "
             f"into HBM, modelled only) or vllm (only what the live vLLM connector can do through vLLM's public "
             f"surface: hold and refresh HBM blocks, prefetch SSD to DRAM). Additions, one flag each, MODELLED ONLY "
-            f"(vllm+exclusive+defer runs live: the connector with exclusive_dram): {adds}; +{ALL}: every one of them. E.g. vllm+exclusive, vllm+order+drop")
+            f"(vllm+exclusive+order+defer runs live: the connector with exclusive_dram): {adds}; +{ALL}: every one of them. E.g. vllm+exclusive, vllm+order+drop")

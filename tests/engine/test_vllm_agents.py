@@ -20,14 +20,14 @@ Four connector configurations on the same engine settings:
   blocks are held within the critical reserve (5% of HBM at low pressure);
 * ``kvtier-no-hold`` — the same with ``hbm_hold`` false;
 * ``kvtier-exclusive`` — ``kvtier`` with ``exclusive_dram`` (the replay's
-  ``vllm+exclusive+defer`` surface).
+  ``vllm+exclusive+order+defer`` surface).
 
 Reported from vLLM's own counters: prefill tokens computed, tokens served
 from HBM (vLLM's prefix cache), DRAM and SSD (kvtier), per-turn TTFT.
 
 Fidelity: ``kvtier replay``'s simulator runs the same requests (same block
 ids, sizes and order) with the same policy class, capacities, batch limits
-and the engine surface of the setup (``vllm``; ``vllm+exclusive+defer`` for
+and the engine surface of the setup (``vllm``; ``vllm+exclusive+order+defer`` for
 ``kvtier-exclusive``), and must match the engine within 2% on
 prefill computed and on tokens hit per tier, per turn of the agents and in
 total.
@@ -227,7 +227,7 @@ def test_every_turn_reports_its_ttft(runs: dict) -> None:
 
 
 @pytest.mark.parametrize("config,policy,surface", [("kvtier", "kvtier", "vllm"), ("lru", "lru-dram", "vllm"),
-                                                    ("kvtier-exclusive", "kvtier", "vllm+exclusive+defer")])
+                                                    ("kvtier-exclusive", "kvtier", "vllm+exclusive+order+defer")])
 def test_the_replay_matches_the_engine_within_2_percent(runs: dict, config: str, policy: str, surface: str) -> None:
     engine_rows, sim_rows = runs[config]["rows"], replay(policy, surface)
     pairs = [("total", _totals(engine_rows), _totals(sim_rows))]

@@ -266,6 +266,26 @@ def test_host_tiers_evict_by_predicted_next_use(policy: str | None) -> None:
     eng.sched.manager.check_invariants()
 
 
+@pytest.mark.parametrize("hinted", [True, False])
+def test_exclusive_dram_puts_hbm_in_next_use_order(hinted: bool) -> None:
+    """With ``exclusive_dram`` the idle HBM blocks of waiting agents go to the tail of
+    vLLM's free queue in kvtier's next-use order (``touch`` / ``free_blocks``), once vLLM
+    has freed them: vLLM's own LRU reuse then takes the agent due furthest first. Three
+    agents run in order and start tool waits of 1, 9 and 5 s: untagged traffic that needs
+    all but one context's blocks leaves the one due first (the oldest, LRU's first victim).
+    Without hints every agent waits on its user and the order stays LRU's."""
+    eng = _Engine(16, placement="kvtier", exclusive_dram=True, hbm_hold=False)  # 15 usable: three 5-block requests
+    waits = (1.0, 9.0, 5.0)
+    for a, w in enumerate(waits):
+        eng.serve(f"a{a}", _ctx(a, 4), _tag(a, w if hinted else None))
+    eng.step()  # vLLM's next step: the last agent's blocks are freed by now
+    assert eng.sched.counters["hbm_ordered_blocks"] > 0 or not hinted
+    eng.serve("other", _ctx(9, eng.pool.get_num_free_blocks() - 5))
+    cached = {a: sum(bool(eng.pool.get_cached_block(h, [0])) for h in _ctx(a, 4)) for a in range(3)}
+    assert cached == ({0: 4, 1: 0, 2: 0} if hinted else {0: 0, 1: 0, 2: 4}), cached
+    assert all(eng.pool.blocks[i].ref_cnt == 0 for i in range(1, 16))  # no reference kept
+
+
 @pytest.mark.parametrize("announced,plane", [(True, "hosted"), (False, "hosted"), (True, "watched")])
 def test_a_shared_round_keeps_its_prefix_until_its_last_agent_ran(announced: bool, plane: str) -> None:
     """An all-gather round announced on the hint plane (``SessionHandle.shared_round``)

@@ -9,6 +9,10 @@ through vLLM 0.32's public surface from the scheduler-side connector —
   (:class:`HBMHolds`);
 * **refresh** idle HBM blocks to most recent (``touch`` then ``free_blocks``
   re-queues them at the tail of vLLM's free queue);
+* **order** (with ``exclusive_dram``) waiting agents' idle HBM blocks by the
+  policy's predicted next use, the same way: after an agent's wait starts,
+  its blocks and those of agents due sooner are re-queued at the tail, the
+  one due furthest first (:meth:`EnginePlacement.settle_order`);
 * order, demote, retire and drop copies in kvtier's own DRAM and SSD tiers;
 * **prefetch** a waiting agent's SSD blocks into DRAM ahead of its predicted
   return (the worker reads LMDB into the DRAM slab), counted on time, late
@@ -20,9 +24,10 @@ through vLLM 0.32's public surface from the scheduler-side connector —
 
 What vLLM does not let a connector do is refused here in the way the
 replay's ``vllm`` surface (:data:`kvtier.placement.surface.SURFACES`) models
-it: no reordering of vLLM's free queue towards eviction, no freeing of an
-idle HBM copy sooner (``evict_blocks`` only forgets the hash; the block keeps
-its place in the queue), no load into HBM without a request.
+it: no moving of an idle block towards the front of vLLM's free queue (the
+order above only re-queues at the tail), no freeing of an idle HBM copy
+sooner (``evict_blocks`` only forgets the hash; the block keeps its place in
+the queue), no load into HBM without a request.
 
 Must not touch tensors or do I/O (the worker moves the bytes), must not read
 a private attribute of vLLM, and must give back every block reference it took.
@@ -236,6 +241,11 @@ class EnginePlacement:
         self._promotions: list[MovePlan] = []  # to send to the workers this step
         self._arriving: str | None = None  # the request on_new_request is handling
         self._to_stage: list[tuple[str, tuple[BlockKey, ...]]] = []  # arrived requests' contexts (see stage)
+        # HBM order (exclusive DRAM): the policy's rank by predicted next use (higher: evicted sooner), and the
+        # agents whose wait started, to be put in that order in vLLM's free queue once vLLM has freed their
+        # blocks (-> checks left: kept due while the finished request's last block is still referenced)
+        self.next_use: Callable[[BlockKey], float | None] | None = None
+        self._order_due: dict[AgentKey, int] = {}
 
     # ------------------------------------------------------------ engine facts
 
@@ -279,6 +289,8 @@ class EnginePlacement:
         self._agent_hashes[agent] = list(keys[:n])
         self._waiting[agent] = (self.now, tool)
         self._finishing_blocks = finishing_blocks
+        if self.next_use is not None and self.holds is not None:
+            self._order_due[agent] = self.ORDER_CHECKS
         while len(self._agent_hashes) > self.MAX_TRACKED_AGENTS:  # agents that never came back
             old, old_keys = self._agent_hashes.popitem(last=False)
             for k in old_keys:
@@ -292,6 +304,67 @@ class EnginePlacement:
 
     def waiting_started(self) -> None:
         self._finishing_blocks = 0
+
+    ORDER_CHECKS = 4
+    """Scheduler calls an agent waits to be ordered while its finished request's blocks are still referenced."""
+    MAX_ORDER_BLOCKS = 4096
+    """Idle HBM blocks put in order at one call at most (those due soonest first): bounds the scheduler step."""
+
+    def settle_order(self) -> int:
+        """HBM order by predicted next use, through vLLM's public ``touch`` / ``free_blocks``:
+        for each agent whose wait started (once vLLM has freed its request's blocks), its idle
+        cached HBM blocks and those of every waiting agent due no later (the policy's rank)
+        go to the tail of vLLM's free queue, the furthest first, so vLLM's LRU reuse evicts
+        in next-use order among waiting agents; each agent's tail block first, as vLLM frees
+        them. Blocks of agents due later, of finished agents and of untagged requests keep
+        their places ahead. A block two agents share goes with the one due sooner. Returns
+        the blocks re-queued. O(waiting agents + blocks re-queued), those at most
+        :data:`MAX_ORDER_BLOCKS`."""
+        if not self._order_due or self.holds is None or self.next_use is None:
+            return 0
+        pool, rank, holds = self.holds.pool, self.next_use, self.holds
+        due, self._order_due = self._order_due, {}
+        ranks: dict[AgentKey, tuple[float, int]] = {}  # (rank, -how recently it started waiting): ties as LRU
+        for i, (agent, keys) in enumerate(self._agent_hashes.items()):
+            r = rank(keys[-1]) if keys and agent in self._waiting else None
+            if r is not None:
+                ranks[agent] = (r, -i)
+        blocks_of: dict[AgentKey, list[Any]] = {}
+
+        def blocks(agent: AgentKey) -> list[Any]:
+            if agent not in blocks_of:
+                blocks_of[agent] = holds.cached_prefix([self._hashes[k] for k in self._agent_hashes[agent]])
+            return blocks_of[agent]
+
+        top = None
+        for agent, checks in due.items():
+            if agent not in ranks:
+                continue
+            own = blocks(agent)
+            if own and own[-1].ref_cnt > 0 and checks > 1:  # its request's blocks are not freed yet
+                self._order_due[agent] = checks - 1
+                continue
+            top = ranks[agent] if top is None else max(top, ranks[agent])
+        if top is None:
+            return 0
+        chosen, n = [], 0
+        for agent in sorted((a for a, r in ranks.items() if r[0] <= top[0]), key=ranks.__getitem__):
+            if n >= self.MAX_ORDER_BLOCKS:
+                break
+            chosen.append(blocks(agent))
+            n += len(chosen[-1])
+        order: dict[int, Any] = {}  # block id -> block, in free-queue order (the last, the last evicted)
+        for agent_blocks in reversed(chosen):
+            for b in reversed(agent_blocks):
+                if b.ref_cnt == 0:
+                    order.pop(b.block_id, None)
+                    order[b.block_id] = b
+        if order:
+            idle = list(order.values())
+            pool.touch(idle)
+            pool.free_blocks(idle)
+            self.counters["hbm_ordered_blocks"] += len(idle)
+        return len(order)
 
     def wait_ended(self, agent: AgentKey) -> None:
         """After the policy's ``on_wait_end``: the agent's hold (if any is left) goes

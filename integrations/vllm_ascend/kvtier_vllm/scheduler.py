@@ -71,7 +71,7 @@ from .settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
 
-EXCLUSIVE_SURFACE = "vllm+exclusive+defer"
+EXCLUSIVE_SURFACE = "vllm+exclusive+order+defer"
 """The replay's surface for the connector with ``exclusive_dram`` (kvtier.placement.surface.LIVE)."""
 
 
@@ -206,8 +206,9 @@ class KVTierScheduler:
         self._write_backs: list[tuple[int, BlockKey, BlockKey | None, StorePlan]] = []
         self._stale_plans: set[int] = set()
         self._load_starts: dict[int, int] = {}  # exclusive: load plan id -> the request's first block loaded
-        if self.exclusive:  # what the replay models this setup as
+        if self.exclusive:  # what the replay models this setup as; HBM in the policy's next-use order
             self.placement.surface = surface(EXCLUSIVE_SURFACE)
+            self.placement.next_use = self.policy.next_use_rank
         # (session, agent) -> its latest finished context (keys, vLLM hashes), for tool calls the hint server announces
         self._last_ctx: OrderedDict[tuple[str, str], tuple[list[BlockKey], list[Any]]] = OrderedDict()
         self._hints: Any = None
@@ -313,6 +314,7 @@ class KVTierScheduler:
         and whether the load is asynchronous (always, when there are any). Reads
         the in-memory index only. The last prompt token is never offered: the
         engine must compute at least one token to sample."""
+        self.placement.settle_order()  # (before this pass allocates: the waits that started last step)
         st = self._state(request)
         keys = self._keys(st)
         max_blocks = min(len(keys), (request.num_tokens - 1) // self.block_size)
@@ -535,6 +537,7 @@ class KVTierScheduler:
         self.poll_hints()
         self.placement.scheduled(scheduler_output.num_scheduled_tokens)  # allocated by now: holds may go
         self.placement.tick()
+        self.placement.settle_order()
         meta = KVTierConnectorMetadata(loads=self._loads, release=self._release)
         for plan in self.placement.take_promotions():
             self._promote_plans[plan.plan_id] = plan
@@ -558,7 +561,9 @@ class KVTierScheduler:
 
     def update_connector_output(self, worker_meta: KVTierWorkerMetadata | None) -> None:
         """Apply the workers' results: complete store and load plans once every
-        worker reported, and forget store jobs whose blocks every worker read."""
+        worker reported, and forget store jobs whose blocks every worker read. (vLLM calls
+        this after freeing the step's finished requests: their agents' HBM blocks go in order.)"""
+        self.placement.settle_order()
         if worker_meta is None:
             return
         self.counters["worker_cpu_us"] += worker_meta.busy_us
