@@ -243,9 +243,11 @@ def fleet_dev(data: dict[str, Any]) -> str:
 
 _SURFACE_LABELS = {
     "vllm": "what the vLLM connector runs (live)",
-    "vllm+exclusive+order+defer": "+ exclusive DRAM, HBM order (waiting agents), deferred loads: the connector "
+    "vllm+exclusive+requeue+defer": "+ exclusive DRAM, waiting agents' HBM re-queued, deferred loads: the connector "
                                   "with `exclusive_dram: true` (live)",
+    "vllm+exclusive+order+defer": "+ exclusive DRAM, HBM in the full next-use order, deferred loads",
     "vllm+exclusive+defer": "+ exclusive DRAM, deferred loads (the connector's `exclusive_dram` before it ordered HBM)",
+    "vllm+requeue": "+ waiting agents' HBM re-queued in next-use order (the part of the order vLLM allows)",
     "vllm+exclusive": "+ exclusive DRAM",
     "vllm+order": "+ HBM order by predicted next use",
     "vllm+drop": "+ dead HBM blocks freed",

@@ -18,7 +18,7 @@ interrupted run resumes: empty it after changing the code. The merged file
 keeps each row as the replay wrote it and every command line.
 
 Usage: ``python bench/surface_ablation.py [--halves eval,tune] [--parallel 2]``,
-then ``python bench/readme_tables.py``. 64 replays, about 34 minutes two at a
+then ``python bench/readme_tables.py``. 76 replays, about 40 minutes two at a
 time on 2 cores shared with other work.
 """
 
@@ -39,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from replay_results import DEV_CONC, DEV_FRACTION, DEV_TRACE, PRESSURE_CONC, ROOT, _dev_hbm_blocks  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "replay-surface-ablation.json"
-DECISIONS = ("exclusive", "order", "drop", "prefetch", "defer")  # kvtier.placement.surface.ADDITIONS
+DECISIONS = ("exclusive", "order", "drop", "prefetch", "defer")  # kvtier.placement.surface.ALL_ADDITIONS
 # rows of the table: the live surfaces (kvtier.placement.surface.LIVE), each decision on its own, exclusive DRAM with the order and with dead
 # blocks freed (at conc 8 exclusive DRAM alone costs prefill), all of them, all but each one (the decisions
 # interact: one alone can cost what several together gain), full
-SURFACES = ("vllm", "vllm+exclusive+order+defer", "vllm+exclusive+defer", *(f"vllm+{d}" for d in DECISIONS), "vllm+exclusive+order", "vllm+exclusive+drop", "vllm+all",
+SURFACES = ("vllm", "vllm+exclusive+requeue+defer", "vllm+exclusive+order+defer", "vllm+exclusive+defer", "vllm+requeue", *(f"vllm+{d}" for d in DECISIONS), "vllm+exclusive+order", "vllm+exclusive+drop", "vllm+all",
             *("+".join(["vllm", *(d for d in DECISIONS if d != left)]) for left in DECISIONS), "full")
 HALVES = ("eval", "tune")
 POINTS = ("conc8", "pressure")

@@ -13,7 +13,7 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.placement import make_placement
-from kvtier.placement.surface import ADDITIONS, SURFACES, Surface, surface
+from kvtier.placement.surface import ADDITIONS, ALL_ADDITIONS, SURFACES, Surface, surface
 from kvtier.replay.generator import default_workload
 from kvtier.replay.model import Workload
 from kvtier.replay.profiles import DEFAULT_PROFILE, parse_profile
@@ -40,14 +40,15 @@ def test_full_and_vllm_are_unchanged() -> None:
 
 @pytest.mark.parametrize("name, flag", [("exclusive", {"hbm_victim_write": True}), ("order", {"hbm_demote": True}),
                                         ("drop", {"hbm_drop": True}), ("prefetch", {"prefetch_to": "hbm"}),
-                                        ("defer", {"defer_loads": True})])
+                                        ("defer", {"defer_loads": True}), ("requeue", {"hbm_requeue": True})])
 def test_each_addition_differs_from_vllm_in_exactly_its_flag(name: str, flag: dict[str, object]) -> None:
     s = surface(f"vllm+{name}")
     assert s.name == f"vllm+{name}"
     assert _differs(s, SURFACES["vllm"]) == flag
-    if name != "defer":  # four of full's decisions; full has no deferral (it lands the blocks and waits)
+    if name not in ("defer", "requeue"):  # four of full's decisions; full has no deferral (it lands the blocks and
+        # waits) and no re-queue (its order ranks every block)
         assert _differs(s, SURFACES["full"]).keys() == _differs(SURFACES["vllm"], SURFACES["full"]).keys() - flag.keys()
-    assert set(ADDITIONS) == {"exclusive", "order", "drop", "prefetch", "defer"}
+    assert set(ADDITIONS) == {"exclusive", "order", "drop", "prefetch", "defer", "requeue"}
 
 
 def test_all_is_every_addition_and_differs_from_full_only_where_vllm_cannot_follow() -> None:
@@ -61,7 +62,7 @@ def test_all_is_every_addition_and_differs_from_full_only_where_vllm_cannot_foll
 
 @pytest.mark.parametrize("name, message", [
     ("vllm+exclusiv", "--surface='vllm+exclusiv': unknown addition 'exclusiv' to surface 'vllm'; valid additions: "
-                      "exclusive, order, drop, prefetch, defer, all"),
+                      "exclusive, order, drop, prefetch, defer, requeue, all"),
     ("sglang+order", "--surface='sglang+order': unknown engine surface; valid: full, vllm"),
     ("vllm+order+order", "--surface='vllm+order+order': names an addition twice"),
     ("vllm+all+drop", "--surface='vllm+all+drop': names an addition twice"),
@@ -157,6 +158,25 @@ def test_order_evicts_hbm_by_predicted_next_use(name: str, victims: tuple[int, .
     assert sim.mgr.evict("hbm", 2) == victims
 
 
+@pytest.mark.parametrize("name, victims", [("vllm", (4, 3)), ("vllm+requeue", (103, 102))])
+def test_requeue_puts_the_agent_due_first_at_the_lru_tail(name: str, victims: tuple[int, ...]) -> None:
+    """Chain a's agent starts a 1 s tool wait, then chain b's (more recent) a 300 s one: LRU
+    (vllm) evicts a's tail first; with +requeue, a (due sooner) goes back to the tail
+    behind b, as the live connector re-queues vLLM's free queue, and b's tail goes first."""
+    from kvtier.placement import ToolWait
+
+    sim = Simulator(_two_agents(), SimConfig(hbm_blocks=16, dram_blocks=32, conc=2, surface=name),
+                    make_placement("kvtier"), PROFILE)
+    a, b = (1, 2, 3, 4), (100, 101, 102, 103)
+    for agent, keys, wait in (("a", a, 1.0), ("b", b, 300.0)):
+        sim.mgr.complete_store(sim.mgr.prepare_store("hbm", keys, None), True)
+        sim.policy.on_wait_start(sim, ToolWait((0, agent), keys, "tool", wait))
+        if sim.surface.hbm_requeue:
+            sim._requeue((0, agent), keys)  # (the simulator's step after a wait start)
+    assert sim.mgr.evict("hbm", 2) == victims
+    assert sim.counters.get("hbm_requeued_blocks", 0) == (12 if sim.surface.hbm_requeue else 0)
+
+
 @pytest.mark.parametrize("name, left", [("vllm", 8), ("vllm+drop", 4), ("vllm+order", 8), ("full", 8)])
 def test_drop_frees_dead_hbm_blocks_where_hbm_cannot_be_reordered(name: str, left: int) -> None:
     """When b's session ends, kvtier retires b's private blocks: on vllm nothing
@@ -212,7 +232,7 @@ def test_the_ablation_bench_runs_valid_surfaces_and_its_json_has_them_all() -> N
         spec.loader.exec_module(mod)
     finally:
         sys.path.remove(str(root / "bench"))
-    assert set(mod.DECISIONS) == set(ADDITIONS)
+    assert set(mod.DECISIONS) == set(ALL_ADDITIONS)
     for name in mod.SURFACES:
         assert surface(name).name == name
     data = json.loads((root / "bench" / "out" / "replay-surface-ablation.json").read_text())

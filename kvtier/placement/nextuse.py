@@ -29,7 +29,7 @@ remembered (the least recently claiming forgotten: their blocks then age).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from ..keys import BlockKey
 from ..policies.nextuse import NEVER, NextUsePolicy
@@ -144,3 +144,18 @@ class AgentNextUse:
     def _refresh(self, keys: Sequence[BlockKey]) -> None:
         for pol in self._policies:
             pol.refresh(keys)
+
+
+REQUEUE_MAX_BLOCKS = 4096
+"""Blocks re-queued after one wait start at most (those of the agents due soonest): bounds a scheduler step."""
+
+
+def requeue_order(ranks: Mapping[AgentKey, float], top: float) -> list[AgentKey]:
+    """The next-use order an LRU HBM can be given from its tail (vLLM's free queue; the
+    replay's ``+requeue``): after an agent of rank ``top`` starts waiting, the waiting
+    agents ranked no higher (``ranks``: by their next-use rank, in the order their waits
+    started), soonest due first; a tie goes to the one that started waiting last, as
+    LRU has it. The host re-queues their idle HBM blocks at the tail in the reverse of
+    this order (the first here ends up the last evicted)."""
+    recency = {a: i for i, a in enumerate(ranks)}
+    return sorted((a for a, r in ranks.items() if r <= top), key=lambda a: (ranks[a], -recency[a]))

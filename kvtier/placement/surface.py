@@ -28,17 +28,17 @@ decision table says how each flag is met). Must not decide anything itself.
   setups in :data:`LIVE`.
 
 :data:`LIVE` names the surfaces a live setup runs: ``vllm`` is the vLLM
-connector as it comes (write-through); ``vllm+exclusive+order+defer`` is the
+connector as it comes (write-through); ``vllm+exclusive+requeue+defer`` is the
 connector with ``exclusive_dram: true``: it watches each block it would have
 written through (``BlockPool.unpin_blocks``' ``on_reuse``), copies it down to
 DRAM when vLLM hands the slot to another request (before that step's
-forward), moves a DRAM block up on load, puts waiting agents' idle HBM blocks
-in the policy's next-use order at the tail of vLLM's free queue (``touch``
-then ``free_blocks``, once vLLM has freed them), and defers (``None`` from
-``get_num_new_matched_tokens``) a request whose prefix goes on in a block on
-its way down. Its order covers waiting agents' blocks only: ended agents'
-and untagged requests' blocks keep their LRU places ahead of them (the
-replay's ``order`` ranks every idle block).
+forward), moves a DRAM block up on load, re-queues waiting agents' idle HBM
+blocks in the policy's next-use order at the tail of vLLM's free queue
+(``touch`` then ``free_blocks``, once vLLM has freed them), and defers
+(``None`` from ``get_num_new_matched_tokens``) a request whose prefix goes on
+in a block on its way down. ``+requeue`` is that HBM order, and only that:
+ended agents' and untagged requests' blocks keep their LRU places (``+order``
+ranks every idle block, which no vLLM surface allows).
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ class Surface:
     # queue without HBM while those behind it are admitted (vLLM: get_num_new_matched_tokens -> None).
     # Off on ``full`` too: there the request lands them at once and waits for them holding its HBM.
     defer_loads: bool = False
+    # HBM stays LRU, but after each wait start the idle HBM blocks of the waiting agents due no later go to
+    # its tail in the policy's next-use order (vLLM: touch + free_blocks; kvtier.placement.nextuse.requeue_order)
+    hbm_requeue: bool = False
 
 
 SURFACES: dict[str, Surface] = {
@@ -95,12 +98,16 @@ ADDITIONS: dict[str, Addition] = {
     "defer": Addition("defer_loads", True, "a request whose prefix goes on in blocks still being copied down to "
                       "DRAM is deferred, without HBM, while those behind it are admitted (not on full either: "
                       "there it takes its HBM and waits for them)"),
+    "requeue": Addition("hbm_requeue", True, "HBM stays LRU, but when an agent starts waiting, its idle HBM blocks "
+                        "and those of waiting agents due back no later go to the tail in kvtier's next-use order "
+                        "(what vLLM's free queue allows: touch + free_blocks); other blocks keep their LRU places"),
 }
-ALL = "all"  # every addition at once
+ALL = "all"  # every addition at once but requeue, the part of the order vLLM's free queue allows (order has it)
+ALL_ADDITIONS = tuple(a for a in ADDITIONS if a != "requeue")
 
 LIVE: dict[str, str] = {
     "vllm": "the vLLM connector (write-through)",
-    "vllm+exclusive+order+defer": "the vLLM connector with exclusive_dram: true",
+    "vllm+exclusive+requeue+defer": "the vLLM connector with exclusive_dram: true",
 }
 """Surfaces a live setup runs, and which setup; every other surface is modelled only."""
 
@@ -125,7 +132,7 @@ def surface(name: str, setting: str = "--surface") -> Surface:
                                              f"{', '.join(valid)} (e.g. {base_name}+exclusive+order)")
     if len(set(added)) < len(added) or (ALL in added and len(added) > 1):
         raise ConfigError(setting, name, "names an addition twice")
-    return _with(base, name, list(ADDITIONS) if added == [ALL] else added)
+    return _with(base, name, list(ALL_ADDITIONS) if added == [ALL] else added)
 
 
 def surfaces_help() -> str:
@@ -134,4 +141,4 @@ def surfaces_help() -> str:
     return (f"BASE[+ADDITION...]. Bases: full (default: every decision, including HBM reordering and prefetch "
             f"into HBM, modelled only) or vllm (only what the live vLLM connector can do through vLLM's public "
             f"surface: hold and refresh HBM blocks, prefetch SSD to DRAM). Additions, one flag each, MODELLED ONLY "
-            f"(vllm+exclusive+order+defer runs live: the connector with exclusive_dram): {adds}; +{ALL}: every one of them. E.g. vllm+exclusive, vllm+order+drop")
+            f"(vllm+exclusive+requeue+defer runs live: the connector with exclusive_dram): {adds}; +{ALL}: every one of them but requeue. E.g. vllm+exclusive, vllm+order+drop")

@@ -62,6 +62,7 @@ from .belady import BeladyPolicy, DriftOracle, NextUseOracle
 from .model import Agent, Request, Session, Workload
 from ..placement import PlacementPolicy, ToolWait
 from ..placement.base import UNPREDICTED_GAP_S, ssd_promotion
+from ..placement.nextuse import REQUEUE_MAX_BLOCKS, requeue_order
 from ..placement.surface import surface
 
 @dataclass(frozen=True, slots=True)
@@ -344,6 +345,8 @@ class Simulator:
                                (self.codec.prior() if self.codec is not None else {}))
         self._prefetches: dict[tuple[int, str], _Prefetch] = {}
         self._waiting_agents: dict[tuple[int, str], float] = {}  # agent -> predicted return (s)
+        # agent -> its context while it waits, in the order the waits started (the surface's hbm_requeue)
+        self._waiting_ctx: dict[tuple[int, str], tuple[BlockKey, ...]] = {}
 
     # ------------------------------------------------------------------ setup
 
@@ -495,6 +498,7 @@ class Simulator:
             self._tool_history.append(waited_s)
             self.graph.end_tool_call("replay", sr.sid, agent.agent_id, f"{agent.agent_id}#{req.index}", self.now)
         self._waiting_agents.pop(agent_key, None)
+        self._waiting_ctx.pop(agent_key, None)
         self.graph.start_request("replay", sr.sid, agent.agent_id, str(req.index), self.now)
         run = _Run(sr, agent, req, self.now)
         self.policy.on_wait_end(self, agent_key, run.keys)
@@ -952,6 +956,7 @@ class Simulator:
         if last:
             sr.finished[agent.agent_id] = True
             sr.agents_left -= 1
+            self._waiting_ctx.pop((sr.idx, agent.agent_id), None)
         for child in sr.children_of.get(agent.agent_id, []):
             if child.spawn_after == index:
                 self._issue(sr, child, 0)
@@ -967,6 +972,8 @@ class Simulator:
             self._waiting_agents[(sr.idx, agent.agent_id)] = self.now + predicted
             self.policy.on_wait_start(self, ToolWait((sr.idx, agent.agent_id), tuple(ctx_keys), nxt.gap_cause,
                                                      predicted))
+            if self.surface.hbm_requeue:
+                self._requeue((sr.idx, agent.agent_id), tuple(ctx_keys))
             self._issue(sr, agent, index + 1)
         elif agent.parent_id is not None:
             parent = sr.session.agent(agent.parent_id)
@@ -975,6 +982,31 @@ class Simulator:
             self._end_session(sr)
         if self.progress is not None and not run.skipped and len(self.records) % 500 == 0:
             self.progress(len(self.records), self._total_requests)
+
+    def _requeue(self, agent_key: tuple[int, str], keys: tuple[BlockKey, ...]) -> None:
+        """``hbm_requeue``: ``agent_key`` started waiting with the context ``keys``: its HBM
+        blocks and those of every waiting agent due no later go to the LRU tail in the
+        policy's next-use order (:func:`~kvtier.placement.nextuse.requeue_order`), as the
+        live connector re-queues vLLM's free queue."""
+        self._waiting_ctx.pop(agent_key, None)
+        self._waiting_ctx[agent_key] = keys
+        ranks = {}
+        for a, ctx in self._waiting_ctx.items():
+            r = self.policy.next_use_rank(ctx[-1]) if ctx else None
+            if r is not None:
+                ranks[a] = r
+        if agent_key not in ranks:
+            return
+        chosen, n = [], 0
+        for a in requeue_order(ranks, ranks[agent_key]):
+            if n >= REQUEUE_MAX_BLOCKS:
+                break
+            present = self.mgr.present(self._waiting_ctx[a], "hbm")
+            chosen.append(present)
+            n += len(present)
+        for present in reversed(chosen):
+            self.mgr.touch(present, "hbm")
+        self.counters["hbm_requeued_blocks"] = self.counters.get("hbm_requeued_blocks", 0) + n
 
     def _cache_output_blocks(self, run: _Run) -> tuple[BlockKey, ...]:
         """Blocks the answer filled become cacheable: the next request of the same

@@ -20,14 +20,14 @@ Four connector configurations on the same engine settings:
   blocks are held within the critical reserve (5% of HBM at low pressure);
 * ``kvtier-no-hold`` — the same with ``hbm_hold`` false;
 * ``kvtier-exclusive`` — ``kvtier`` with ``exclusive_dram`` (the replay's
-  ``vllm+exclusive+order+defer`` surface).
+  ``vllm+exclusive+requeue+defer`` surface).
 
 Reported from vLLM's own counters: prefill tokens computed, tokens served
 from HBM (vLLM's prefix cache), DRAM and SSD (kvtier), per-turn TTFT.
 
 Fidelity: ``kvtier replay``'s simulator runs the same requests (same block
 ids, sizes and order) with the same policy class, capacities, batch limits
-and the engine surface of the setup (``vllm``; ``vllm+exclusive+order+defer`` for
+and the engine surface of the setup (``vllm``; ``vllm+exclusive+requeue+defer`` for
 ``kvtier-exclusive``), and must match the engine within 2% on
 prefill computed and on tokens hit per tier, per turn of the agents and in
 total.
@@ -35,10 +35,12 @@ total.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import pytest
 
+from kvtier.placement.base import UNPREDICTED_GAP_S
 from kvtier.sdk import tag_request
 
 from .engine_support import BLOCK_SIZE, ENGINE, TINY_LLAMA, make_model, run_child
@@ -57,7 +59,11 @@ CONFIGS = {
     "kvtier": ({"placement": "kvtier"}, True),
     "kvtier-no-hold": ({"placement": "kvtier", "hbm_hold": False}, True),
     "kvtier-exclusive": ({"placement": "kvtier", "exclusive_dram": True}, True),
+    "kvtier-exclusive-no-hold": ({"placement": "kvtier", "exclusive_dram": True, "hbm_hold": False}, True),
 }
+# kvtier-exclusive-no-hold: the agents announce the waits the replay's hint plane predicts (10 s each, no
+# history yet) and the other traffic is tagged as the replay's session of it, so the HBM order is the same
+PHASE_OPTIONS = {"kvtier-exclusive-no-hold": {"waits_s": (UNPREDICTED_GAP_S,) * AGENTS, "tag_noise": True}}
 
 
 def _block_tokens(block_id: int) -> list[int]:
@@ -87,7 +93,7 @@ def workload() -> list[dict]:
     return phases
 
 
-def _engine_phases(tag: str, hinted: bool, waits_s: tuple[float, ...] = WAITS_S) -> list[dict]:
+def _engine_phases(tag: str, hinted: bool, waits_s: tuple[float, ...] = WAITS_S, tag_noise: bool = False) -> list[dict]:
     # a warm-up request first (5 tokens: no full block, nothing cached or stored), so that the first
     # turn's TTFT is not the engine's first forward; left out of every figure
     out = [{"prompts": [[7, 8, 9, 10, 11]]}]
@@ -97,11 +103,13 @@ def _engine_phases(tag: str, hinted: bool, waits_s: tuple[float, ...] = WAITS_S)
             last = ph["turn"] == TURNS - 1
             params = [tag_request({}, f"{tag}-s{r['agent']}", "root", None if last else waits_s[r["agent"]])
                       ["kv_transfer_params"] for r in ph["requests"]]
+        elif tag_noise:  # the other traffic as the replay has it: one session taking turns with its user
+            params = [tag_request({}, f"{tag}-noise", "root", None)["kv_transfer_params"]]
         out.append({"prompts": [r["tokens"] for r in ph["requests"]], "kv_transfer_params": params})
     return out
 
 
-def replay(policy: str, surface: str = "vllm") -> list[dict]:
+def replay(policy: str, surface: str = "vllm", hold: bool = True) -> list[dict]:
     """The simulator on the same requests; per phase: computed, hit_hbm, hit_dram, hit_ssd tokens."""
     from kvtier.placement import make_placement
     from kvtier.replay.model import Agent, Request, Session, Workload
@@ -134,7 +142,10 @@ def replay(policy: str, surface: str = "vllm") -> list[dict]:
     w = Workload("vllm-agents", BLOCK_SIZE, tuple(sessions), open_loop=True)
     cfg = SimConfig(hbm_blocks=HBM_BLOCKS, dram_blocks=DRAM_BLOCKS, ssd_blocks=0, max_batch_tokens=MAX_BATCH_TOKENS,
                     max_running=AGENTS, surface=surface)
-    result = Simulator(w, cfg, make_placement(policy), parse_profile(DEFAULT_PROFILE)).run()
+    sim = Simulator(w, cfg, make_placement(policy), parse_profile(DEFAULT_PROFILE))
+    if not hold:  # the connector's hbm_hold: false refuses every hold
+        sim.surface = dataclasses.replace(sim.surface, hbm_hold=False)
+    result = sim.run()
     out = [{"computed": 0, "hbm": 0, "dram": 0, "ssd": 0} for _ in phases]
     for rec in result.records:
         name = w.sessions[rec.session].session_id
@@ -168,7 +179,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
               "max_num_batched_tokens": MAX_BATCH_TOKENS}
     out = {}
     for name, (extra, hinted) in CONFIGS.items():
-        phases = _engine_phases(name, hinted)
+        phases = _engine_phases(name, hinted, **PHASE_OPTIONS.get(name, {}))
         spec = {"model": str(model), "max_tokens": OUT, "engine": engine,
                 "kvtier": {"dram_capacity_blocks": DRAM_BLOCKS, "stats_path": str(tmp / f"{name}.stats.json"), **extra},
                 "phases": phases}
@@ -202,7 +213,8 @@ def test_kvtier_with_hints_computes_the_least_prefill(runs: dict) -> None:
     prompts = sum(len(r["tokens"]) for ph in workload() for r in ph["requests"])
     assert computed == {"lru": prompts, "kvtier": prompts - AGENTS * (3 + 5) * BLOCK_SIZE,
                         "kvtier-no-hold": prompts,
-                        "kvtier-exclusive": prompts - AGENTS * (3 + 5) * BLOCK_SIZE}, computed
+                        "kvtier-exclusive": prompts - AGENTS * (3 + 5) * BLOCK_SIZE,
+                        "kvtier-exclusive-no-hold": prompts - AGENTS * (3 + 5) * BLOCK_SIZE}, computed
     assert prompts == 27_620
 
 
@@ -226,13 +238,33 @@ def test_every_turn_reports_its_ttft(runs: dict) -> None:
             assert len(row["ttft_s"]) == AGENTS and all(t is not None and t > 0 for t in row["ttft_s"])
 
 
-@pytest.mark.parametrize("config,policy,surface", [("kvtier", "kvtier", "vllm"), ("lru", "lru-dram", "vllm"),
-                                                    ("kvtier-exclusive", "kvtier", "vllm+exclusive+order+defer")])
-def test_the_replay_matches_the_engine_within_2_percent(runs: dict, config: str, policy: str, surface: str) -> None:
-    engine_rows, sim_rows = runs[config]["rows"], replay(policy, surface)
+EXCLUSIVE = "vllm+exclusive+requeue+defer"
+
+
+@pytest.mark.parametrize("config,policy,surface,hold", [
+    ("kvtier", "kvtier", "vllm", True), ("lru", "lru-dram", "vllm", True),
+    ("kvtier-exclusive", "kvtier", EXCLUSIVE, True), ("kvtier-exclusive-no-hold", "kvtier", EXCLUSIVE, False)])
+def test_the_replay_matches_the_engine_within_2_percent(runs: dict, config: str, policy: str, surface: str,
+                                                        hold: bool) -> None:
+    engine_rows, sim_rows = runs[config]["rows"], replay(policy, surface, hold)
     pairs = [("total", _totals(engine_rows), _totals(sim_rows))]
     pairs += [(f"agents turn {i + 1}", e, s)
               for i, (e, s) in enumerate(zip(_agent_turns(engine_rows), _agent_turns(sim_rows)))]
     for label, e, s in pairs:
         for key in ("computed", "hbm", "dram", "ssd"):
             assert abs(e[key] - s[key]) <= 0.02 * max(e[key], s[key]), (label, key, e, s)
+
+
+def test_without_holds_the_hbm_order_keeps_the_agents_contexts(runs: dict) -> None:
+    """``exclusive_dram`` with holds off, six at a time: every waiting agent's idle HBM blocks go
+    behind the other traffic's in vLLM's free queue (``hbm_ordered_blocks``), so each resumed
+    agent finds its whole context in HBM, where the connector as it comes (``kvtier-no-hold``)
+    found none; the other traffic's blocks go down to DRAM as vLLM reuses their slots. The
+    replay predicts it, and without the re-queue (``vllm+exclusive+defer``) predicts less."""
+    res = runs["kvtier-exclusive-no-hold"]
+    counters = res["stats"]["counters"]
+    assert counters.get("hbm_held_blocks", 0) == 0
+    assert counters["hbm_ordered_blocks"] > 0 and counters["write_back_blocks"] > 0, counters
+    hbm = sum(r["hbm"] for r in _agent_turns(res["rows"]))
+    assert hbm == AGENTS * (3 + 5) * BLOCK_SIZE > sum(r["hbm"] for r in _agent_turns(runs["kvtier-no-hold"]["rows"]))
+    assert _totals(replay("kvtier", "vllm+exclusive+defer", False))["computed"] > _totals(res["rows"])["computed"]

@@ -46,6 +46,7 @@ from typing import Any
 from kvtier.keys import BlockKey
 from kvtier.manager import MovePlan, TierManager
 from kvtier.placement.base import ssd_promotion
+from kvtier.placement.nextuse import REQUEUE_MAX_BLOCKS, requeue_order
 from kvtier.placement.surface import SURFACES
 from kvtier.transfer.linkmodel import LinkModel
 
@@ -307,9 +308,6 @@ class EnginePlacement:
 
     ORDER_CHECKS = 4
     """Scheduler calls an agent waits to be ordered while its finished request's blocks are still referenced."""
-    MAX_ORDER_BLOCKS = 4096
-    """Idle HBM blocks put in order at one call at most (those due soonest first): bounds the scheduler step."""
-
     def settle_order(self) -> int:
         """HBM order by predicted next use, through vLLM's public ``touch`` / ``free_blocks``:
         for each agent whose wait started (once vLLM has freed its request's blocks), its idle
@@ -319,16 +317,16 @@ class EnginePlacement:
         them. Blocks of agents due later, of finished agents and of untagged requests keep
         their places ahead. A block two agents share goes with the one due sooner. Returns
         the blocks re-queued. O(waiting agents + blocks re-queued), those at most
-        :data:`MAX_ORDER_BLOCKS`."""
+        :data:`~kvtier.placement.nextuse.REQUEUE_MAX_BLOCKS`. The replay models it as ``+requeue``."""
         if not self._order_due or self.holds is None or self.next_use is None:
             return 0
         pool, rank, holds = self.holds.pool, self.next_use, self.holds
         due, self._order_due = self._order_due, {}
-        ranks: dict[AgentKey, tuple[float, int]] = {}  # (rank, -how recently it started waiting): ties as LRU
-        for i, (agent, keys) in enumerate(self._agent_hashes.items()):
+        ranks: dict[AgentKey, float] = {}  # (in the order their waits started)
+        for agent, keys in self._agent_hashes.items():
             r = rank(keys[-1]) if keys and agent in self._waiting else None
             if r is not None:
-                ranks[agent] = (r, -i)
+                ranks[agent] = r
         blocks_of: dict[AgentKey, list[Any]] = {}
 
         def blocks(agent: AgentKey) -> list[Any]:
@@ -348,8 +346,8 @@ class EnginePlacement:
         if top is None:
             return 0
         chosen, n = [], 0
-        for agent in sorted((a for a, r in ranks.items() if r[0] <= top[0]), key=ranks.__getitem__):
-            if n >= self.MAX_ORDER_BLOCKS:
+        for agent in requeue_order(ranks, top):
+            if n >= REQUEUE_MAX_BLOCKS:
                 break
             chosen.append(blocks(agent))
             n += len(chosen[-1])

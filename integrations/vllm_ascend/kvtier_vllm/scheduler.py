@@ -71,7 +71,7 @@ from .settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
 
-EXCLUSIVE_SURFACE = "vllm+exclusive+order+defer"
+EXCLUSIVE_SURFACE = "vllm+exclusive+requeue+defer"
 """The replay's surface for the connector with ``exclusive_dram`` (kvtier.placement.surface.LIVE)."""
 
 
