@@ -81,6 +81,8 @@ def test_a_slow_ssd_keeps_host_memory_bounded_and_outputs_unchanged(tmp_path: Pa
           f"{MARGIN_MIB} MiB")
     assert counters.get("stored_blocks_dram", 0) > 0 and stored_ssd_mib > 0
     assert counters.get("store_skipped_staging", 0) == 0  # the ring keeps up: the SSD queue is what overflows
-    # The bound mattered: far more was skipped than kvtier may hold, so an unbounded queue would show here.
-    assert skipped_mib > 2 * (held_mib + MARGIN_MIB)
+    # The bound mattered: more was skipped than kvtier may hold with the margin, so an unbounded queue, which
+    # would have held it, would fail the growth check below. (How much more depends on how fast the engine
+    # outruns the slowed writer on the machine: 187 MiB against 96 here on a loaded 2-core run.)
+    assert skipped_mib > held_mib + MARGIN_MIB
     assert added <= held_mib + MARGIN_MIB
