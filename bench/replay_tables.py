@@ -241,35 +241,38 @@ def fleet_dev(data: dict[str, Any]) -> str:
         + f"\n{targets}.\n"
 
 
+_BASE = "vllm-write-through"  # the connector as it comes: the ablation adds to it (bench/surface_ablation.py)
 _SURFACE_LABELS = {
-    "vllm": "what the vLLM connector runs (live)",
-    "vllm+exclusive+requeue+defer": "+ exclusive DRAM, waiting agents' HBM re-queued, deferred loads: the connector "
-                                  "with `exclusive_dram: true` (live)",
-    "vllm+exclusive+order+defer": "+ exclusive DRAM, HBM in the full next-use order, deferred loads",
-    "vllm+exclusive+defer": "+ exclusive DRAM, deferred loads (the connector's `exclusive_dram` before it ordered HBM)",
-    "vllm+requeue": "+ waiting agents' HBM re-queued in next-use order (the part of the order vLLM allows)",
-    "vllm+exclusive": "+ exclusive DRAM",
-    "vllm+order": "+ HBM order by predicted next use",
-    "vllm+drop": "+ dead HBM blocks freed",
-    "vllm+prefetch": "+ prefetch into HBM",
-    "vllm+defer": "+ defer until its blocks land",
-    "vllm+exclusive+order": "+ exclusive DRAM and the order",
-    "vllm+exclusive+drop": "+ exclusive DRAM, dead blocks freed",
-    "vllm+all": "+ all five",
+    _BASE: "what the vLLM connector runs as it comes (`exclusive_dram` off, live)",
+    "vllm": "+ exclusive DRAM, waiting agents' HBM re-queued, deferred loads: the recommended setup, the connector "
+            "with `exclusive_dram: true` (live)",
+    f"{_BASE}+exclusive+order+defer": "+ exclusive DRAM, HBM in the full next-use order, deferred loads",
+    f"{_BASE}+exclusive+defer": "+ exclusive DRAM, deferred loads (the connector's `exclusive_dram` before it "
+                                "ordered HBM)",
+    f"{_BASE}+requeue": "+ waiting agents' HBM re-queued in next-use order (the part of the order vLLM allows)",
+    f"{_BASE}+exclusive": "+ exclusive DRAM",
+    f"{_BASE}+order": "+ HBM order by predicted next use",
+    f"{_BASE}+drop": "+ dead HBM blocks freed",
+    f"{_BASE}+prefetch": "+ prefetch into HBM",
+    f"{_BASE}+defer": "+ defer until its blocks land",
+    f"{_BASE}+exclusive+order": "+ exclusive DRAM and the order",
+    f"{_BASE}+exclusive+drop": "+ exclusive DRAM, dead blocks freed",
+    f"{_BASE}+all": "+ all five",
     "full": "full surface",
 }
 _DECISIONS = ("exclusive", "order", "drop", "prefetch", "defer")
-_SURFACE_LABELS |= {"+".join(["vllm", *(d for d in _DECISIONS if d != left)]): f"+ all but {left}"
+_SURFACE_LABELS |= {"+".join([_BASE, *(d for d in _DECISIONS if d != left)]): f"+ all but {left}"
                     for left in _DECISIONS}
 _SURFACE_POINTS = ("eval-conc8", "eval-pressure", "tune-conc8", "tune-pressure")
 
 
 @table("replay-surface-ablation", "replay-surface-ablation.json")
 def surface_ablation(data: dict[str, Any]) -> str:
-    """``kvtier`` on ``--surface vllm`` with each full-surface decision added on its own
-    (bench/surface_ablation.py): prefill computed (over the bound) and later-turn TTFT p99
-    at both points of both halves, with lru-dram, the bound and the floor; then the
-    share of the vllm -> full gap each closes."""
+    """``kvtier`` on ``--surface vllm-write-through`` (the connector as it comes) with each
+    full-surface decision added on its own (bench/surface_ablation.py), and on ``vllm`` (the
+    recommended setup): prefill computed (over the bound) and later-turn TTFT p99 at both
+    points of both halves, with lru-dram, the bound and the floor; then the share of the
+    vllm-write-through -> full gap each closes."""
     pts = [data["points"][p] for p in _SURFACE_POINTS if p in data["points"]]
 
     def cell(computed: float, bound: float, ttft: float | None) -> str:
@@ -281,7 +284,7 @@ def surface_ablation(data: dict[str, Any]) -> str:
         body.append([f"`{s}`", _SURFACE_LABELS.get(s, ""), "live" if s in LIVE else "modelled only"]
                     + [cell(r["prefill_tokens_computed"], r["bound_prefill_tokens"], r["ttft_p99_later_turns_s"])
                        for r in (_with_refs(row, p) for row, p in zip(rows, pts))])
-    body.append(["`lru-dram`", "on `vllm`, for comparison", "live"]
+    body.append(["`lru-dram`", f"on `{_BASE}`, for comparison", "live"]
                 + [cell(p["lru-dram"]["prefill_tokens_computed"], p["references"]["bound_prefill_tokens"],
                         p["lru-dram"]["ttft_p99_later_turns_s"]) for p in pts])
     for name, key in (("bound", "bound"), ("floor (unbounded cache)", "floor")):
@@ -293,34 +296,35 @@ def surface_ablation(data: dict[str, Any]) -> str:
     first = pts[0]
     wall = sum(sum(p["wall_s"].values()) for p in pts)
     caption = (f"`kvtier` prefill computed (over the bound) and later-turn TTFT p99 with decisions of the full "
-               f"surface added to `--surface vllm` (issue 41): the connector's `exclusive_dram` setup (exclusive DRAM, "
-               f"waiting agents' HBM in next-use order, deferred loads: live), each decision alone, exclusive DRAM "
+               f"surface added to the connector as it comes, `--surface {_BASE}` (issue 41): the recommended setup, "
+               f"`vllm` (the connector's `exclusive_dram`: exclusive DRAM, waiting agents' HBM in next-use order, "
+               f"deferred loads: live), each decision alone, exclusive DRAM "
                f"with the order or with dead blocks freed, all five, and all but each one. Dev traces ("
                + ", ".join(f"{p['workload']['sessions']} sessions in the "
                            f"{'evaluation' if p['half'] == 'eval' else 'tuning'} half" for p in pts[::2])
                + "), DRAM 2x HBM, no SSD, FCFS admission for every run, `--skip-oversized`. Written by "
-               f"`python bench/surface_ablation.py`: per point, `{first['commands']['vllm']}` (the references and "
+               f"`python bench/surface_ablation.py`: per point, `{first['commands'][_BASE]}` (the references and "
                f"`lru-dram`; conc 16 points: `--hbm-blocks N --conc 16`, N the half's conc-8 HBM), then "
                f"`--policies kvtier --no-references --surface S` for every other surface S. "
                f"{sum(len(p['wall_s']) for p in pts)} replays, {wall / 60:.0f} min of replay wall time in all (two "
                f"at a time on 2 shared cores).\n\n")
     table_md = md_table(["surface", "adds", "runs", *heads], body)
-    # what each surface changes: the share of the vllm -> full prefill gap it closes, and TTFT p99 over vllm's
+    # what each surface changes: the share of the base -> full prefill gap it closes, and TTFT p99 over the base's
     # (a share of the TTFT gap would mislead where the gap is a fraction of a second)
     gap_body = []
     for s in data["surfaces"]:
-        if s == "vllm":
+        if s == _BASE:
             continue
         cells = []
         for p in pts:
-            v, f, r = p["surfaces"]["vllm"], p["surfaces"]["full"], p["surfaces"][s]
+            v, f, r = p["surfaces"][_BASE], p["surfaces"]["full"], p["surfaces"][s]
             key = "prefill_tokens_computed"
             share = (v[key] - r[key]) / (v[key] - f[key]) if v[key] != f[key] else float("nan")
             cells.append(f"{share:+.0%}, {r['ttft_p99_later_turns_s'] / v['ttft_p99_later_turns_s']:.2f}x")
         gap_body.append([f"`{s}`", *cells])
-    gap = ("\nWhat each surface changes against `vllm`: the share of the gap in prefill computed between `vllm` and "
-           "`full` that it closes (100%: down to `full`'s figure; above 100%: below it), and its later-turn TTFT "
-           "p99 over `vllm`'s:\n\n" + md_table(["surface", *heads], gap_body))
+    gap = (f"\nWhat each surface changes against `{_BASE}`: the share of the gap in prefill computed between "
+           f"`{_BASE}` and `full` that it closes (100%: down to `full`'s figure; above 100%: below it), and its "
+           f"later-turn TTFT p99 over `{_BASE}`'s:\n\n" + md_table(["surface", *heads], gap_body))
     return caption + table_md + gap
 
 

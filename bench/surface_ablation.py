@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Which full-surface decision carries kvtier's gain: each added on its own to ``--surface vllm`` (issue 41).
+"""Which full-surface decision carries kvtier's gain: each added on its own to the connector as it comes (issue 41).
 
 Owns: the replay commands of the surface ablation and the one JSON they make,
 ``bench/out/replay-surface-ablation.json``. Must not format tables
@@ -10,7 +10,8 @@ and the pressure point, conc 16 with HBM held at that conc-8 size (9,883
 blocks on the evaluation half, 10,686 on the tuning half); default DRAM (2x
 HBM), no SSD, FCFS admission, ``--skip-oversized``; both halves of the dev
 traces. At each point, one replay runs ``lru-dram`` and ``kvtier`` on
-``vllm`` with the floor and the bound; every other surface (:data:`SURFACES`)
+``vllm-write-through`` (the connector as it comes) with the floor and the
+bound; every other surface (:data:`SURFACES`)
 runs ``kvtier`` alone (``--no-references``: the references do not depend on
 the surface, they run LRU and Belady with no hints). Each replay writes its
 own ``--json`` into ``--work`` (``build/surface-ablation``), kept so that an
@@ -40,11 +41,14 @@ from replay_results import DEV_CONC, DEV_FRACTION, DEV_TRACE, PRESSURE_CONC, ROO
 
 OUT = ROOT / "bench" / "out" / "replay-surface-ablation.json"
 DECISIONS = ("exclusive", "order", "drop", "prefetch", "defer")  # kvtier.placement.surface.ALL_ADDITIONS
-# rows of the table: the live surfaces (kvtier.placement.surface.LIVE), each decision on its own, exclusive DRAM with the order and with dead
-# blocks freed (at conc 8 exclusive DRAM alone costs prefill), all of them, all but each one (the decisions
-# interact: one alone can cost what several together gain), full
-SURFACES = ("vllm", "vllm+exclusive+requeue+defer", "vllm+exclusive+order+defer", "vllm+exclusive+defer", "vllm+requeue", *(f"vllm+{d}" for d in DECISIONS), "vllm+exclusive+order", "vllm+exclusive+drop", "vllm+all",
-            *("+".join(["vllm", *(d for d in DECISIONS if d != left)]) for left in DECISIONS), "full")
+BASE = "vllm-write-through"  # the connector as it comes; the additions are named on it
+# rows of the table: the live surfaces (kvtier.placement.surface.LIVE: vllm = BASE+exclusive+requeue+defer), the
+# order in full instead of the re-queue, the live setup before it ordered HBM, each decision on its own, exclusive
+# DRAM with the order and with dead blocks freed (at conc 8 exclusive DRAM alone costs prefill), all of them, all
+# but each one (the decisions interact: one alone can cost what several together gain), full
+SURFACES = (BASE, "vllm", f"{BASE}+exclusive+order+defer", f"{BASE}+exclusive+defer", f"{BASE}+requeue",
+            *(f"{BASE}+{d}" for d in DECISIONS), f"{BASE}+exclusive+order", f"{BASE}+exclusive+drop", f"{BASE}+all",
+            *("+".join([BASE, *(d for d in DECISIONS if d != left)]) for left in DECISIONS), "full")
 HALVES = ("eval", "tune")
 POINTS = ("conc8", "pressure")
 
@@ -63,7 +67,7 @@ def commands(halves: tuple[str, ...]) -> dict[str, list[str]]:
         for point in POINTS:
             base = list(point_args(half, point))
             for s in SURFACES:
-                refs = ["--policies", "lru-dram,kvtier"] if s == "vllm" else ["--policies", "kvtier", "--no-references"]
+                refs = ["--policies", "lru-dram,kvtier"] if s == BASE else ["--policies", "kvtier", "--no-references"]
                 cmds[f"{half}-{point}-{s}"] = base + refs + ["--surface", s]
     return cmds
 
@@ -89,7 +93,7 @@ def run(name: str, args: list[str], work: Path) -> float:
 
 
 def merge(work: Path, cmds: dict[str, list[str]]) -> dict:
-    """One JSON: per ``HALF-POINT``, the references, ``lru-dram`` on vllm and ``kvtier`` per surface."""
+    """One JSON: per ``HALF-POINT``, the references, ``lru-dram`` on :data:`BASE` and ``kvtier`` per surface."""
     points: dict[str, dict] = {}
     header = None
     for name in cmds:

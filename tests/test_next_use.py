@@ -236,9 +236,9 @@ def test_exclusive_dram_holds_what_inclusive_dram_cannot():
 
 
 def test_the_vllm_surface_has_no_victim_write():
-    """vLLM reuses an evicted block before a connector hears of it: on that surface
-    kvtier writes through, exactly as its inclusive ablation does."""
-    assert _computed("kvtier", "vllm") == _computed("kvtier-inclusive", "vllm")
+    """vLLM reuses an evicted block before a connector without ``exclusive_dram`` hears of it:
+    on that surface kvtier writes through, exactly as its inclusive ablation does."""
+    assert _computed("kvtier", "vllm-write-through") == _computed("kvtier-inclusive", "vllm-write-through")
 
 
 def test_exclusive_dram_comes_close_to_one_tier_of_the_same_size():

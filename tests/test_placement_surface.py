@@ -1,5 +1,5 @@
 """The placement package stands alone, and the replay's engine surfaces do what
-:mod:`kvtier.placement.surface` says (the ``vllm`` surface is checked against
+:mod:`kvtier.placement.surface` says (the ``vllm`` surfaces are checked against
 the real engine in ``tests/engine/test_vllm_agents.py``)."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def test_the_placement_package_imports_no_simulator_and_no_engine() -> None:
 
 
 def test_an_unknown_surface_names_the_setting() -> None:
-    assert surface("vllm") is SURFACES["vllm"]
-    with pytest.raises(ConfigError, match="--surface='sglang': unknown engine surface; valid: full, vllm"):
+    assert surface("vllm") is SURFACES["vllm"] and surface("vllm-write-through") is SURFACES["vllm-write-through"]
+    with pytest.raises(ConfigError, match="--surface='sglang': unknown engine surface; valid: full, vllm, vllm-write-through"):
         surface("sglang")
 
 
@@ -41,8 +41,8 @@ def _two_agents() -> Workload:
                               Session("b", (Agent("root", None, "main", b),))), False)
 
 
-@pytest.mark.parametrize("name", ["full", "vllm"])
-def test_every_policy_runs_on_both_surfaces(name: str) -> None:
+@pytest.mark.parametrize("name", ["full", "vllm", "vllm-write-through"])
+def test_every_policy_runs_on_every_surface(name: str) -> None:
     for policy in ("lru-dram", "ttl", "minwaste", "tokencake", "kvflow", "kvtier"):
         cfg = SimConfig(hbm_blocks=16, dram_blocks=8, ssd_blocks=32, conc=2, surface=name)
         result = Simulator(_two_agents(), cfg, make_placement(policy), parse_profile(DEFAULT_PROFILE)).run()
@@ -55,12 +55,12 @@ def test_the_vllm_surface_prefetches_into_dram_not_hbm() -> None:
     the full surface it lands in HBM; on vLLM's, where a connector cannot fill
     HBM before a request exists, in DRAM, and the request loads it from there."""
     last = {}
-    for name in ("full", "vllm"):
+    for name in ("full", "vllm-write-through"):
         cfg = SimConfig(hbm_blocks=12, dram_blocks=8, ssd_blocks=32, conc=2, surface=name)
         result = Simulator(_two_agents(), cfg, make_placement("kvtier"), parse_profile(DEFAULT_PROFILE)).run()
         assert result.counters["prefetch_on_time"] == 1, name
         rec = max(result.records, key=lambda r: r.finish_s)
         last[name] = (rec.hit_hbm_tokens, rec.hit_dram_tokens, rec.hit_ssd_tokens)
-        if name == "vllm":
+        if name == "vllm-write-through":
             assert result.counters["offloaded_blocks"] == 0 and result.counters["discarded_blocks"] == 0
-    assert last == {"full": (256, 0, 0), "vllm": (128, 128, 0)}
+    assert last == {"full": (256, 0, 0), "vllm-write-through": (128, 128, 0)}

@@ -63,7 +63,7 @@ def _figures(row: dict) -> dict:
 # ------------------------------------------------------------------ identity
 
 
-@pytest.mark.parametrize("surface", ["full", "vllm"])
+@pytest.mark.parametrize("surface", ["full", "vllm", "vllm-write-through"])
 def test_raw_gives_the_results_of_no_codec(profile_path: Path, surface: str) -> None:
     raw = cold_codec("raw", profile_path)
     assert raw.identity and raw.capacity_blocks("dram", 123) == 123

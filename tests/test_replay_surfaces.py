@@ -1,5 +1,5 @@
-"""The ablation surfaces of issue 41 are what they claim: ``vllm`` with one decision
-of ``full`` added (``vllm+exclusive``, ``+order``, ``+drop``, ``+prefetch``),
+"""The ablation surfaces of issue 41 are what they claim: ``vllm-write-through`` (the
+connector as it comes) with one decision of ``full`` added (``+exclusive``, ``+order``, ``+drop``, ``+prefetch``),
 ``+defer``, and ``+all``; each sets exactly its flag, and the simulator does
 with it what ``kvtier replay --help`` says (``kvtier.placement.surface.ADDITIONS``)."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.placement import make_placement
-from kvtier.placement.surface import ADDITIONS, ALL_ADDITIONS, SURFACES, Surface, surface
+from kvtier.placement.surface import ADDITIONS, ALL_ADDITIONS, LIVE, SURFACES, Surface, surface
 from kvtier.replay.generator import default_workload
 from kvtier.replay.model import Workload
 from kvtier.replay.profiles import DEFAULT_PROFILE, parse_profile
@@ -30,43 +30,55 @@ def _differs(a: Surface, b: Surface) -> dict[str, object]:
 # ------------------------------------------------------------------ the names
 
 
-def test_full_and_vllm_are_unchanged() -> None:
+def test_full_and_vllm_write_through_are_unchanged() -> None:
     assert SURFACES["full"] == Surface("full")
-    assert _differs(SURFACES["vllm"], SURFACES["full"]) == {
+    assert _differs(SURFACES["vllm-write-through"], SURFACES["full"]) == {
         "hbm_demote": False, "hbm_drop": False, "prefetch_to": "dram", "choose_load": False,
         "write_through_always": True, "pressure_counts_idle": False, "hbm_victim_write": False}
-    assert surface("vllm") is SURFACES["vllm"] and surface("full") is SURFACES["full"]
+    assert surface("vllm-write-through") is SURFACES["vllm-write-through"] and surface("full") is SURFACES["full"]
+
+
+def test_vllm_is_the_recommended_live_setup_and_refuses_what_it_has() -> None:
+    """``vllm`` is the connector with ``exclusive_dram: true``: write-through's flags with
+    exclusive DRAM, the HBM re-queue and deferred loads; adding one of those again is refused."""
+    assert _differs(SURFACES["vllm"], SURFACES["vllm-write-through"]) == {
+        "hbm_victim_write": True, "hbm_requeue": True, "defer_loads": True}
+    assert replace(surface("vllm-write-through+exclusive+requeue+defer"), name="vllm") == SURFACES["vllm"]
+    assert set(LIVE) == {"vllm", "vllm-write-through"}
+    with pytest.raises(ConfigError, match="surface 'vllm' already has exclusive, defer"):
+        surface("vllm+exclusive+order+defer")
+    assert _differs(surface("vllm+order"), SURFACES["vllm"]) == {"hbm_demote": True}
 
 
 @pytest.mark.parametrize("name, flag", [("exclusive", {"hbm_victim_write": True}), ("order", {"hbm_demote": True}),
                                         ("drop", {"hbm_drop": True}), ("prefetch", {"prefetch_to": "hbm"}),
                                         ("defer", {"defer_loads": True}), ("requeue", {"hbm_requeue": True})])
 def test_each_addition_differs_from_vllm_in_exactly_its_flag(name: str, flag: dict[str, object]) -> None:
-    s = surface(f"vllm+{name}")
-    assert s.name == f"vllm+{name}"
-    assert _differs(s, SURFACES["vllm"]) == flag
+    s = surface(f"vllm-write-through+{name}")
+    assert s.name == f"vllm-write-through+{name}"
+    assert _differs(s, SURFACES["vllm-write-through"]) == flag
     if name not in ("defer", "requeue"):  # four of full's decisions; full has no deferral (it lands the blocks and
         # waits) and no re-queue (its order ranks every block)
-        assert _differs(s, SURFACES["full"]).keys() == _differs(SURFACES["vllm"], SURFACES["full"]).keys() - flag.keys()
+        assert _differs(s, SURFACES["full"]).keys() == _differs(SURFACES["vllm-write-through"], SURFACES["full"]).keys() - flag.keys()
     assert set(ADDITIONS) == {"exclusive", "order", "drop", "prefetch", "defer", "requeue"}
 
 
 def test_all_is_every_addition_and_differs_from_full_only_where_vllm_cannot_follow() -> None:
-    every = surface("vllm+all")
-    assert every == replace(surface("vllm+exclusive+order+drop+prefetch+defer"), name="vllm+all")
+    every = surface("vllm-write-through+all")
+    assert every == replace(surface("vllm-write-through+exclusive+order+drop+prefetch+defer"), name="vllm-write-through+all")
     assert _differs(every, SURFACES["full"]) == {"choose_load": False, "write_through_always": True,
                                                  "pressure_counts_idle": False, "defer_loads": True}
-    assert _differs(surface("vllm+order+exclusive"), SURFACES["vllm"]) == {"hbm_demote": True,
+    assert _differs(surface("vllm-write-through+order+exclusive"), SURFACES["vllm-write-through"]) == {"hbm_demote": True,
                                                                            "hbm_victim_write": True}
 
 
 @pytest.mark.parametrize("name, message", [
-    ("vllm+exclusiv", "--surface='vllm+exclusiv': unknown addition 'exclusiv' to surface 'vllm'; valid additions: "
+    ("vllm-write-through+exclusiv", "--surface='vllm-write-through+exclusiv': unknown addition 'exclusiv' to surface 'vllm-write-through'; valid additions: "
                       "exclusive, order, drop, prefetch, defer, requeue, all"),
-    ("sglang+order", "--surface='sglang+order': unknown engine surface; valid: full, vllm"),
-    ("vllm+order+order", "--surface='vllm+order+order': names an addition twice"),
-    ("vllm+all+drop", "--surface='vllm+all+drop': names an addition twice"),
-    ("vllm+", "unknown addition '' to surface 'vllm'"),
+    ("sglang+order", "--surface='sglang+order': unknown engine surface; valid: full, vllm, vllm-write-through"),
+    ("vllm-write-through+order+order", "--surface='vllm-write-through+order+order': names an addition twice"),
+    ("vllm-write-through+all+drop", "--surface='vllm-write-through+all+drop': names an addition twice"),
+    ("vllm-write-through+", "unknown addition '' to surface 'vllm-write-through'"),
 ])
 def test_an_unknown_or_repeated_name_errors_naming_the_valid_ones(name: str, message: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -89,10 +101,10 @@ def test_the_cli_refuses_an_unknown_addition_before_any_work() -> None:
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "replay", "--surface", "vllm+bogus", "--no-references"],
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "replay", "--surface", "vllm-write-through+bogus", "--no-references"],
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2
-    assert "unknown addition 'bogus' to surface 'vllm'; valid additions: exclusive, order" in proc.stderr
+    assert "unknown addition 'bogus' to surface 'vllm-write-through'; valid additions: exclusive, order" in proc.stderr
 
 
 # ------------------------------------------------------- what each one does
@@ -119,7 +131,7 @@ def _two_agents() -> Workload:
     return two_agents()
 
 
-@pytest.mark.parametrize("name", [*(f"vllm+{a}" for a in ADDITIONS), "vllm+all"])
+@pytest.mark.parametrize("name", [*(f"vllm-write-through+{a}" for a in ADDITIONS), "vllm-write-through+all"])
 def test_every_policy_completes_on_every_ablation_surface(name: str) -> None:
     for policy in ("lru-dram", "ttl", "minwaste", "tokencake", "kvflow", "kvtier"):
         _, result = _run(_two_agents(), name, 16, 8, 2, policy)
@@ -127,15 +139,15 @@ def test_every_policy_completes_on_every_ablation_surface(name: str) -> None:
 
 
 def test_exclusive_dram_holds_what_hbm_does_not() -> None:
-    """Write-through (vllm) leaves DRAM copies of blocks HBM holds; with the victim
-    write (vllm+exclusive) a block is in one of the two, never both."""
+    """Write-through (vllm-write-through) leaves DRAM copies of blocks HBM holds; with the victim
+    write (vllm-write-through+exclusive) a block is in one of the two, never both."""
     w = _small()
     keys = {k for s in w.sessions for a in s.agents for r in a.requests for k in r.block_ids}
     both = {}
-    for name in ("vllm", "vllm+exclusive"):
+    for name in ("vllm-write-through", "vllm-write-through+exclusive"):
         mgr = _run(w, name, 1200, 2400, 4)[0].mgr
         both[name] = len(mgr.present(mgr.present(keys, "hbm"), "dram"))
-    assert both["vllm"] > 0 and both["vllm+exclusive"] == 0
+    assert both["vllm-write-through"] > 0 and both["vllm-write-through+exclusive"] == 0
 
 
 def _two_chains(name: str) -> tuple[Simulator, tuple[int, ...], tuple[int, ...]]:
@@ -149,19 +161,19 @@ def _two_chains(name: str) -> tuple[Simulator, tuple[int, ...], tuple[int, ...]]
     return sim, a, b
 
 
-@pytest.mark.parametrize("name, victims", [("vllm", (4, 3)), ("vllm+order", (103, 102)), ("full", (103, 102)),
-                                           ("vllm+drop", (4, 3))])
+@pytest.mark.parametrize("name, victims", [("vllm-write-through", (4, 3)), ("vllm-write-through+order", (103, 102)), ("full", (103, 102)),
+                                           ("vllm-write-through+drop", (4, 3))])
 def test_order_evicts_hbm_by_predicted_next_use(name: str, victims: tuple[int, ...]) -> None:
     """vLLM's HBM is LRU: a's tail goes first though b is dead; with the order
-    (vllm+order, as full) b's tail goes first. Dropping alone leaves the order LRU."""
+    (vllm-write-through+order, as full) b's tail goes first. Dropping alone leaves the order LRU."""
     sim, _, _ = _two_chains(name)
     assert sim.mgr.evict("hbm", 2) == victims
 
 
-@pytest.mark.parametrize("name, victims", [("vllm", (4, 3)), ("vllm+requeue", (103, 102))])
+@pytest.mark.parametrize("name, victims", [("vllm-write-through", (4, 3)), ("vllm-write-through+requeue", (103, 102))])
 def test_requeue_puts_the_agent_due_first_at_the_lru_tail(name: str, victims: tuple[int, ...]) -> None:
     """Chain a's agent starts a 1 s tool wait, then chain b's (more recent) a 300 s one: LRU
-    (vllm) evicts a's tail first; with +requeue, a (due sooner) goes back to the tail
+    (vllm-write-through) evicts a's tail first; with +requeue, a (due sooner) goes back to the tail
     behind b, as the live connector re-queues vLLM's free queue, and b's tail goes first."""
     from kvtier.placement import ToolWait
 
@@ -177,9 +189,9 @@ def test_requeue_puts_the_agent_due_first_at_the_lru_tail(name: str, victims: tu
     assert sim.counters.get("hbm_requeued_blocks", 0) == (12 if sim.surface.hbm_requeue else 0)
 
 
-@pytest.mark.parametrize("name, left", [("vllm", 8), ("vllm+drop", 4), ("vllm+order", 8), ("full", 8)])
+@pytest.mark.parametrize("name, left", [("vllm-write-through", 8), ("vllm-write-through+drop", 4), ("vllm-write-through+order", 8), ("full", 8)])
 def test_drop_frees_dead_hbm_blocks_where_hbm_cannot_be_reordered(name: str, left: int) -> None:
-    """When b's session ends, kvtier retires b's private blocks: on vllm nothing
+    """When b's session ends, kvtier retires b's private blocks: on vllm-write-through nothing
     happens in HBM; with +drop they leave HBM at once; where HBM can be reordered
     (+order, full) they become the next victims instead and stay readable."""
     sim, a, b = _two_chains(name)
@@ -190,28 +202,28 @@ def test_drop_frees_dead_hbm_blocks_where_hbm_cannot_be_reordered(name: str, lef
 
 def test_prefetch_lands_in_hbm_as_on_full() -> None:
     """The scenario of tests/test_placement_surface.py: part of the last agent's context
-    is prefetched back before its predicted return; vllm lands it in DRAM, +prefetch in HBM."""
+    is prefetched back before its predicted return; vllm-write-through lands it in DRAM, +prefetch in HBM."""
     last = {}
-    for name in ("vllm", "vllm+prefetch", "full"):
+    for name in ("vllm-write-through", "vllm-write-through+prefetch", "full"):
         sim = Simulator(_two_agents(), SimConfig(hbm_blocks=12, dram_blocks=8, ssd_blocks=32, conc=2, surface=name),
                         make_placement("kvtier"), PROFILE)
         result = sim.run()
         rec = max(result.records, key=lambda r: r.finish_s)
         last[name] = (rec.hit_hbm_tokens, rec.hit_dram_tokens, rec.hit_ssd_tokens)
-    assert last == {"vllm": (128, 128, 0), "vllm+prefetch": (256, 0, 0), "full": (256, 0, 0)}
+    assert last == {"vllm-write-through": (128, 128, 0), "vllm-write-through+prefetch": (256, 0, 0), "full": (256, 0, 0)}
 
 
 def test_defer_waits_for_victims_on_their_way_without_hbm() -> None:
     """With exclusive DRAM, requests want blocks HBM evicted that are still being
     copied down: without deferral they take their HBM and land them early; with
     it they wait in the queue, and none lands early. Alone, deferral has nothing
-    to wait for (no victim write, no SSD): the same run as vllm, request for request."""
+    to wait for (no victim write, no SSD): the same run as vllm-write-through, request for request."""
     w = _small()
-    excl = _run(w, "vllm+exclusive", 1200, 2400, 4)[1].counters
-    defer = _run(w, "vllm+exclusive+defer", 1200, 2400, 4)[1].counters
+    excl = _run(w, "vllm-write-through+exclusive", 1200, 2400, 4)[1].counters
+    defer = _run(w, "vllm-write-through+exclusive+defer", 1200, 2400, 4)[1].counters
     assert excl["victims_landed_early"] > 0 and "deferred_admissions" not in excl
     assert defer["victims_landed_early"] == 0 and defer["deferred_admissions"] > 0
-    alone, vllm = _run(w, "vllm+defer", 1200, 2400, 4)[1], _run(w, "vllm", 1200, 2400, 4)[1]
+    alone, vllm = _run(w, "vllm-write-through+defer", 1200, 2400, 4)[1], _run(w, "vllm-write-through", 1200, 2400, 4)[1]
     assert alone.records == vllm.records
     assert "deferred_admissions" not in alone.counters
 
@@ -240,7 +252,7 @@ def test_the_ablation_bench_runs_valid_surfaces_and_its_json_has_them_all() -> N
     for point in data["points"].values():
         assert set(point["surfaces"]) == set(mod.SURFACES)
         assert {r["surface"] for r in point["surfaces"].values()} == set(mod.SURFACES)
-        assert point["lru-dram"]["surface"] == "vllm" and point["references"]["bound_prefill_tokens"] > 0
+        assert point["lru-dram"]["surface"] == "vllm-write-through" and point["references"]["bound_prefill_tokens"] > 0
         rows = [*point["surfaces"].values(), point["lru-dram"]]  # like for like: same point, tiers and admission
         ref = point["references"]
         assert {(r["conc"], r["hbm_blocks"], r["dram_blocks"], r["ssd_blocks"], r["admission"]) for r in rows} == {

@@ -2,43 +2,47 @@
 
 Owns: :class:`Surface` (one flag per kind of decision), :data:`SURFACES`,
 the named surfaces the replay can model, and :data:`ADDITIONS`, the single
-decisions that can be added to one by name (``vllm+exclusive``,
-``vllm+order+drop``, ``vllm+all``: issue 41's ablation). A policy decides the
-same way on every surface; the surface says what its host does with a
-decision: the replay simulator reads it (``kvtier replay --surface``), and
-the live vLLM connector is the ``vllm`` surface by construction (its README's
-decision table says how each flag is met). Must not decide anything itself.
+decisions that can be added to one by name (``vllm-write-through+exclusive``,
+``vllm-write-through+order+drop``, ``vllm-write-through+all``: issue 41's
+ablation). A policy decides the same way on every surface; the surface says
+what its host does with a decision: the replay simulator reads it (``kvtier
+replay --surface``), and the live vLLM connector is the ``vllm`` surface
+(``exclusive_dram: true``, recommended) or the ``vllm-write-through`` one by
+construction (its README's decision table says how each flag is met). Must
+not decide anything itself.
 
 * ``full`` — an engine whose HBM cache kvtier manages block by block:
   reorder, drop and prefetch into HBM, choose load or recompute, copy a
   block down to DRAM as HBM evicts it (SGLang HiCache's write-back). The
   replay's default; results on it are *modelled only* where a real engine
   does not let a connector do this.
-* ``vllm`` — what vLLM 0.32's public connector surface allows: hold idle
-  HBM blocks (``BlockPool.touch`` / ``free_blocks``) and refresh them to most
-  recent; nothing can move an idle block to the front of vLLM's free queue
-  or make room sooner (``evict_blocks`` only forgets the hash), nothing can
-  load into HBM without a request, and the connector writes every computed
-  block through to its host tiers and loads every hit it reports. HBM
-  pressure is vLLM's KV usage (blocks referenced by requests or holds, not
-  idle cached ones, which vLLM counts as free), plus queued demand.
+* ``vllm-write-through`` — the vLLM connector as it comes (``exclusive_dram``
+  off), through vLLM 0.32's public connector surface: hold idle HBM blocks
+  (``BlockPool.touch`` / ``free_blocks``) and refresh them to most recent;
+  nothing can move an idle block to the front of vLLM's free queue or make
+  room sooner (``evict_blocks`` only forgets the hash), nothing can load into
+  HBM without a request, and the connector writes every computed block
+  through to its host tiers and loads every hit it reports. HBM pressure is
+  vLLM's KV usage (blocks referenced by requests or holds, not idle cached
+  ones, which vLLM counts as free), plus queued demand.
+* ``vllm`` — the recommended live setup, the connector as the integration
+  README's "Enable it" configures it (``exclusive_dram: true``):
+  ``vllm-write-through`` with ``exclusive``, ``requeue`` and ``defer``
+  (:data:`ADDITIONS`). It watches each block it would have written through
+  (``BlockPool.unpin_blocks``' ``on_reuse``), copies it down to DRAM when
+  vLLM hands the slot to another request (before that step's forward), moves
+  a DRAM block up on load, re-queues waiting agents' idle HBM blocks in the
+  policy's next-use order at the tail of vLLM's free queue (``touch`` then
+  ``free_blocks``, once vLLM has freed them), and defers (``None`` from
+  ``get_num_new_matched_tokens``) a request whose prefix goes on in a block
+  on its way down. ``requeue`` is that HBM order, and only that: ended
+  agents' and untagged requests' blocks keep their LRU places (``order``
+  ranks every idle block, which no vLLM surface allows).
 * ``BASE+ADDITION[+ADDITION...]`` — a named surface with single decisions
-  added (:data:`ADDITIONS`), each one flag: four of ``full``'s, and
-  ``defer``, which no other surface has. *Modelled only*, except the
-  setups in :data:`LIVE`.
-
-:data:`LIVE` names the surfaces a live setup runs: ``vllm`` is the vLLM
-connector as it comes (write-through); ``vllm+exclusive+requeue+defer`` is the
-connector with ``exclusive_dram: true``: it watches each block it would have
-written through (``BlockPool.unpin_blocks``' ``on_reuse``), copies it down to
-DRAM when vLLM hands the slot to another request (before that step's
-forward), moves a DRAM block up on load, re-queues waiting agents' idle HBM
-blocks in the policy's next-use order at the tail of vLLM's free queue
-(``touch`` then ``free_blocks``, once vLLM has freed them), and defers
-(``None`` from ``get_num_new_matched_tokens``) a request whose prefix goes on
-in a block on its way down. ``+requeue`` is that HBM order, and only that:
-ended agents' and untagged requests' blocks keep their LRU places (``+order``
-ranks every idle block, which no vLLM surface allows).
+  added (:data:`ADDITIONS`), each one flag: four of ``full``'s, ``defer``,
+  which ``full`` has not, and ``requeue``. *Modelled only*: :data:`LIVE`
+  names the surfaces a live setup runs. An addition the base already has is
+  refused.
 """
 
 from __future__ import annotations
@@ -69,10 +73,13 @@ class Surface:
     hbm_requeue: bool = False
 
 
+_WRITE_THROUGH = Surface("vllm-write-through", hbm_demote=False, hbm_drop=False, prefetch_to="dram",
+                         choose_load=False, write_through_always=True, pressure_counts_idle=False,
+                         hbm_victim_write=False)
 SURFACES: dict[str, Surface] = {
     "full": Surface("full"),
-    "vllm": Surface("vllm", hbm_demote=False, hbm_drop=False, prefetch_to="dram", choose_load=False,
-                    write_through_always=True, pressure_counts_idle=False, hbm_victim_write=False),
+    "vllm": replace(_WRITE_THROUGH, name="vllm", hbm_victim_write=True, hbm_requeue=True, defer_loads=True),
+    "vllm-write-through": _WRITE_THROUGH,
 }
 
 
@@ -106,8 +113,8 @@ ALL = "all"  # every addition at once but requeue, the part of the order vLLM's 
 ALL_ADDITIONS = tuple(a for a in ADDITIONS if a != "requeue")
 
 LIVE: dict[str, str] = {
-    "vllm": "the vLLM connector (write-through)",
-    "vllm+exclusive+requeue+defer": "the vLLM connector with exclusive_dram: true",
+    "vllm": "the vLLM connector with exclusive_dram: true (recommended)",
+    "vllm-write-through": "the vLLM connector with exclusive_dram: false (write-through)",
 }
 """Surfaces a live setup runs, and which setup; every other surface is modelled only."""
 
@@ -132,13 +139,22 @@ def surface(name: str, setting: str = "--surface") -> Surface:
                                              f"{', '.join(valid)} (e.g. {base_name}+exclusive+order)")
     if len(set(added)) < len(added) or (ALL in added and len(added) > 1):
         raise ConfigError(setting, name, "names an addition twice")
-    return _with(base, name, list(ALL_ADDITIONS) if added == [ALL] else added)
+    added = list(ALL_ADDITIONS) if added == [ALL] else added
+    has = [a for a in added if getattr(base, ADDITIONS[a].flag) == ADDITIONS[a].value]
+    if has and added != list(ALL_ADDITIONS):
+        raise ConfigError(setting, name, f"surface {base_name!r} already has {', '.join(has)}"
+                                         + (" (vllm-write-through is the vLLM connector without them)"
+                                            if base_name == "vllm" else ""))
+    return _with(base, name, added)
 
 
 def surfaces_help() -> str:
     """What ``--surface`` accepts, for the CLI's help."""
     adds = "; ".join(f"+{n}: {a.means}" for n, a in ADDITIONS.items())
     return (f"BASE[+ADDITION...]. Bases: full (default: every decision, including HBM reordering and prefetch "
-            f"into HBM, modelled only) or vllm (only what the live vLLM connector can do through vLLM's public "
-            f"surface: hold and refresh HBM blocks, prefetch SSD to DRAM). Additions, one flag each, MODELLED ONLY "
-            f"(vllm+exclusive+requeue+defer runs live: the connector with exclusive_dram): {adds}; +{ALL}: every one of them but requeue. E.g. vllm+exclusive, vllm+order+drop")
+            f"into HBM, modelled only); vllm (what the live vLLM connector does as its README recommends, with "
+            f"exclusive_dram: true: hold and refresh HBM blocks, waiting agents' idle HBM blocks re-queued in "
+            f"next-use order, exclusive DRAM, deferred loads, prefetch SSD to DRAM); vllm-write-through (the "
+            f"connector with exclusive_dram off: every computed block written through to DRAM). Additions, one "
+            f"flag each, MODELLED ONLY: {adds}; +{ALL}: every one of them but requeue. "
+            f"E.g. vllm-write-through+exclusive, vllm+order")

@@ -89,7 +89,8 @@ class SimConfig:
     # HBM would: a request is admitted only while the running requests' blocks, its own included, fit here.
     running_limit_blocks: int | None = None
     # What the engine lets placement do (kvtier.placement.surface): "full" (every decision, modelled only
-    # where an engine does not allow it) or "vllm" (what the live vLLM connector can carry out).
+    # where an engine does not allow it), "vllm" (what the live vLLM connector carries out, recommended setup) or
+    # "vllm-write-through" (the connector without exclusive_dram), with additions (BASE+ADDITION, modelled only).
     surface: str = "full"
     # The codec of the cold tiers (kvtier.replay.codec); None (or raw): stored as is. dram_blocks and
     # ssd_blocks stay byte budgets in raw blocks; tier_blocks() is what a compressed tier holds.

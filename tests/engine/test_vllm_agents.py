@@ -19,15 +19,15 @@ Four connector configurations on the same engine settings:
 * ``kvtier`` — placement ``kvtier`` with hints: a waiting critical agent's HBM
   blocks are held within the critical reserve (5% of HBM at low pressure);
 * ``kvtier-no-hold`` — the same with ``hbm_hold`` false;
-* ``kvtier-exclusive`` — ``kvtier`` with ``exclusive_dram`` (the replay's
-  ``vllm+exclusive+requeue+defer`` surface).
+* ``kvtier-exclusive`` — ``kvtier`` with ``exclusive_dram``, the recommended
+  setup (the replay's ``vllm`` surface).
 
 Reported from vLLM's own counters: prefill tokens computed, tokens served
 from HBM (vLLM's prefix cache), DRAM and SSD (kvtier), per-turn TTFT.
 
 Fidelity: ``kvtier replay``'s simulator runs the same requests (same block
 ids, sizes and order) with the same policy class, capacities, batch limits
-and the engine surface of the setup (``vllm``; ``vllm+exclusive+requeue+defer`` for
+and the engine surface of the setup (``vllm-write-through``; ``vllm`` for
 ``kvtier-exclusive``), and must match the engine within 2% on
 prefill computed and on tokens hit per tier, per turn of the agents and in
 total.
@@ -109,7 +109,7 @@ def _engine_phases(tag: str, hinted: bool, waits_s: tuple[float, ...] = WAITS_S,
     return out
 
 
-def replay(policy: str, surface: str = "vllm", hold: bool = True) -> list[dict]:
+def replay(policy: str, surface: str = "vllm-write-through", hold: bool = True) -> list[dict]:
     """The simulator on the same requests; per phase: computed, hit_hbm, hit_dram, hit_ssd tokens."""
     from kvtier.placement import make_placement
     from kvtier.replay.model import Agent, Request, Session, Workload
@@ -238,11 +238,11 @@ def test_every_turn_reports_its_ttft(runs: dict) -> None:
             assert len(row["ttft_s"]) == AGENTS and all(t is not None and t > 0 for t in row["ttft_s"])
 
 
-EXCLUSIVE = "vllm+exclusive+requeue+defer"
+EXCLUSIVE = "vllm"  # the connector with exclusive_dram (kvtier.placement.surface.LIVE)
 
 
 @pytest.mark.parametrize("config,policy,surface,hold", [
-    ("kvtier", "kvtier", "vllm", True), ("lru", "lru-dram", "vllm", True),
+    ("kvtier", "kvtier", "vllm-write-through", True), ("lru", "lru-dram", "vllm-write-through", True),
     ("kvtier-exclusive", "kvtier", EXCLUSIVE, True), ("kvtier-exclusive-no-hold", "kvtier", EXCLUSIVE, False)])
 def test_the_replay_matches_the_engine_within_2_percent(runs: dict, config: str, policy: str, surface: str,
                                                         hold: bool) -> None:
@@ -260,11 +260,11 @@ def test_without_holds_the_hbm_order_keeps_the_agents_contexts(runs: dict) -> No
     behind the other traffic's in vLLM's free queue (``hbm_ordered_blocks``), so each resumed
     agent finds its whole context in HBM, where the connector as it comes (``kvtier-no-hold``)
     found none; the other traffic's blocks go down to DRAM as vLLM reuses their slots. The
-    replay predicts it, and without the re-queue (``vllm+exclusive+defer``) predicts less."""
+    replay predicts it, and without the re-queue (``vllm-write-through+exclusive+defer``) predicts less."""
     res = runs["kvtier-exclusive-no-hold"]
     counters = res["stats"]["counters"]
     assert counters.get("hbm_held_blocks", 0) == 0
     assert counters["hbm_ordered_blocks"] > 0 and counters["write_back_blocks"] > 0, counters
     hbm = sum(r["hbm"] for r in _agent_turns(res["rows"]))
     assert hbm == AGENTS * (3 + 5) * BLOCK_SIZE > sum(r["hbm"] for r in _agent_turns(runs["kvtier-no-hold"]["rows"]))
-    assert _totals(replay("kvtier", "vllm+exclusive+defer", False))["computed"] > _totals(res["rows"])["computed"]
+    assert _totals(replay("kvtier", "vllm-write-through+exclusive+defer", False))["computed"] > _totals(res["rows"])["computed"]

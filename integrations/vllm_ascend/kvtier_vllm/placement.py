@@ -23,7 +23,7 @@ through vLLM 0.32's public surface from the scheduler-side connector —
   and timers (fired on scheduler steps).
 
 What vLLM does not let a connector do is refused here in the way the
-replay's ``vllm`` surface (:data:`kvtier.placement.surface.SURFACES`) models
+replay's ``vllm`` surfaces (:data:`kvtier.placement.surface.SURFACES`) model
 it: no moving of an idle block towards the front of vLLM's free queue (the
 order above only re-queues at the tail), no freeing of an idle HBM copy
 sooner (``evict_blocks`` only forgets the hash; the block keeps its place in
@@ -52,8 +52,9 @@ from kvtier.transfer.linkmodel import LinkModel
 
 AgentKey = tuple[str, str]
 
-SURFACE = SURFACES["vllm"]
-"""The replay's model of what this module can do (kept in step with it by the fidelity test)."""
+SURFACE = SURFACES["vllm-write-through"]
+"""The replay's model of what this module can do without ``exclusive_dram`` (kept in step with it by the
+fidelity test); the scheduler sets ``vllm`` with it."""
 
 DEFAULT_LINKS: dict[str, tuple[float, float]] = {
     # (latency s, bytes/s) until the worker's own transfers are observed: host DRAM over PCIe 5

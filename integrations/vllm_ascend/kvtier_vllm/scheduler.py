@@ -71,8 +71,9 @@ from .settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
 
-EXCLUSIVE_SURFACE = "vllm+exclusive+requeue+defer"
-"""The replay's surface for the connector with ``exclusive_dram`` (kvtier.placement.surface.LIVE)."""
+EXCLUSIVE_SURFACE = "vllm"
+"""The replay's surface for the connector with ``exclusive_dram``, the recommended setup
+(kvtier.placement.surface.LIVE); without it the connector is ``vllm-write-through``."""
 
 
 @dataclass(slots=True)
