@@ -13,7 +13,8 @@ both halves are run at ``--hbm-fraction 0.25``, conc 8, with the default DRAM
 and at the pressure point (conc 16, HBM held at that conc-8 size, default
 DRAM, no SSD: twice the sessions on the same memory);
 the evaluation half with SSD once more on the ``vllm`` engine surface
-(``--surface vllm``: only what the live vLLM connector carries out).
+(``--surface vllm``: only what the live vLLM connector carries out in its
+recommended setup, ``exclusive_dram: true``).
 The SLO capacity (largest conc meeting later-turn TTFT p99 <= 20 s and p50
 interactivity >= 30 tokens/s/user) is searched on the evaluation half at the
 HBM capacity that ``--hbm-fraction 0.25`` gives at conc 8.

@@ -1,6 +1,6 @@
 """Exclusive DRAM and the order by predicted next use: holds that protect one tier
 only (the manager), the eviction order (policy and estimate), and the two
-mechanisms through the real simulator on both engine surfaces."""
+mechanisms through the real simulator on the ``full`` and ``vllm-write-through`` surfaces."""
 
 from __future__ import annotations
 
@@ -235,7 +235,7 @@ def test_exclusive_dram_holds_what_inclusive_dram_cannot():
     assert exclusive < _computed("lru-dram")
 
 
-def test_the_vllm_surface_has_no_victim_write():
+def test_the_vllm_write_through_surface_has_no_victim_write():
     """vLLM reuses an evicted block before a connector without ``exclusive_dram`` hears of it:
     on that surface kvtier writes through, exactly as its inclusive ablation does."""
     assert _computed("kvtier", "vllm-write-through") == _computed("kvtier-inclusive", "vllm-write-through")

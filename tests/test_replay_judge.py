@@ -170,7 +170,7 @@ def test_split_halves_are_disjoint_fixed_and_cover_the_set() -> None:
     (["--split", "eval"], "--split='eval'"),
     (["--jobs", "0"], "argument --jobs: must be an integer >= 1, got '0'"),
     (["--admission", "sjf"], "unknown admission order; valid: fcfs, critical-first, oldest-app"),
-    (["--surface", "sglang"], "--surface='sglang': unknown engine surface; valid: full, vllm"),
+    (["--surface", "sglang"], "--surface='sglang': unknown engine surface; valid: full, vllm, vllm-write-through"),
     (["--trace", "/nonexistent/trace.json"], "'/nonexistent/trace.json' does not exist"),
 ])
 def test_cli_bad_flags_are_one_line_naming_them(args: list[str], says: str) -> None:

@@ -20,6 +20,7 @@ from kvtier.replay.profiles import DEFAULT_PROFILE, parse_profile
 from kvtier.replay.sim import SimConfig, Simulator
 
 FLAGS = [f.name for f in fields(Surface) if f.name != "name"]
+WT = "vllm-write-through"  # the vLLM connector as it comes: the base the additions are named on
 PROFILE = parse_profile(DEFAULT_PROFILE)
 
 
@@ -45,35 +46,39 @@ def test_vllm_is_the_recommended_live_setup_and_refuses_what_it_has() -> None:
         "hbm_victim_write": True, "hbm_requeue": True, "defer_loads": True}
     assert replace(surface("vllm-write-through+exclusive+requeue+defer"), name="vllm") == SURFACES["vllm"]
     assert set(LIVE) == {"vllm", "vllm-write-through"}
-    with pytest.raises(ConfigError, match="surface 'vllm' already has exclusive, defer"):
+    with pytest.raises(ConfigError, match="surface 'vllm' already has 'exclusive' .*; valid additions: order, drop, "
+                                          "prefetch, all"):
         surface("vllm+exclusive+order+defer")
+    # every addition at once, named in any order, is the same surface
+    assert _differs(surface("vllm-write-through+drop+exclusive+order+prefetch+defer"),
+                    surface("vllm-write-through+all")) == {}
     assert _differs(surface("vllm+order"), SURFACES["vllm"]) == {"hbm_demote": True}
 
 
 @pytest.mark.parametrize("name, flag", [("exclusive", {"hbm_victim_write": True}), ("order", {"hbm_demote": True}),
                                         ("drop", {"hbm_drop": True}), ("prefetch", {"prefetch_to": "hbm"}),
                                         ("defer", {"defer_loads": True}), ("requeue", {"hbm_requeue": True})])
-def test_each_addition_differs_from_vllm_in_exactly_its_flag(name: str, flag: dict[str, object]) -> None:
+def test_each_addition_differs_from_vllm_write_through_in_exactly_its_flag(name: str, flag: dict[str, object]) -> None:
     s = surface(f"vllm-write-through+{name}")
     assert s.name == f"vllm-write-through+{name}"
     assert _differs(s, SURFACES["vllm-write-through"]) == flag
     if name not in ("defer", "requeue"):  # four of full's decisions; full has no deferral (it lands the blocks and
         # waits) and no re-queue (its order ranks every block)
-        assert _differs(s, SURFACES["full"]).keys() == _differs(SURFACES["vllm-write-through"], SURFACES["full"]).keys() - flag.keys()
+        assert _differs(s, SURFACES["full"]).keys() == _differs(SURFACES[WT], SURFACES["full"]).keys() - flag.keys()
     assert set(ADDITIONS) == {"exclusive", "order", "drop", "prefetch", "defer", "requeue"}
 
 
 def test_all_is_every_addition_and_differs_from_full_only_where_vllm_cannot_follow() -> None:
     every = surface("vllm-write-through+all")
-    assert every == replace(surface("vllm-write-through+exclusive+order+drop+prefetch+defer"), name="vllm-write-through+all")
+    assert every == replace(surface(f"{WT}+exclusive+order+drop+prefetch+defer"), name=f"{WT}+all")
     assert _differs(every, SURFACES["full"]) == {"choose_load": False, "write_through_always": True,
                                                  "pressure_counts_idle": False, "defer_loads": True}
-    assert _differs(surface("vllm-write-through+order+exclusive"), SURFACES["vllm-write-through"]) == {"hbm_demote": True,
+    assert _differs(surface(f"{WT}+order+exclusive"), SURFACES[WT]) == {"hbm_demote": True,
                                                                            "hbm_victim_write": True}
 
 
 @pytest.mark.parametrize("name, message", [
-    ("vllm-write-through+exclusiv", "--surface='vllm-write-through+exclusiv': unknown addition 'exclusiv' to surface 'vllm-write-through'; valid additions: "
+    (f"{WT}+exclusiv", f"--surface='{WT}+exclusiv': unknown addition 'exclusiv' to surface '{WT}'; valid additions: "
                       "exclusive, order, drop, prefetch, defer, requeue, all"),
     ("sglang+order", "--surface='sglang+order': unknown engine surface; valid: full, vllm, vllm-write-through"),
     ("vllm-write-through+order+order", "--surface='vllm-write-through+order+order': names an addition twice"),
@@ -101,7 +106,7 @@ def test_the_cli_refuses_an_unknown_addition_before_any_work() -> None:
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "replay", "--surface", "vllm-write-through+bogus", "--no-references"],
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "replay", "--surface", f"{WT}+bogus", "--no-references"],
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2
     assert "unknown addition 'bogus' to surface 'vllm-write-through'; valid additions: exclusive, order" in proc.stderr
@@ -161,7 +166,7 @@ def _two_chains(name: str) -> tuple[Simulator, tuple[int, ...], tuple[int, ...]]
     return sim, a, b
 
 
-@pytest.mark.parametrize("name, victims", [("vllm-write-through", (4, 3)), ("vllm-write-through+order", (103, 102)), ("full", (103, 102)),
+@pytest.mark.parametrize("name, victims", [(WT, (4, 3)), (f"{WT}+order", (103, 102)), ("full", (103, 102)),
                                            ("vllm-write-through+drop", (4, 3))])
 def test_order_evicts_hbm_by_predicted_next_use(name: str, victims: tuple[int, ...]) -> None:
     """vLLM's HBM is LRU: a's tail goes first though b is dead; with the order
@@ -189,7 +194,7 @@ def test_requeue_puts_the_agent_due_first_at_the_lru_tail(name: str, victims: tu
     assert sim.counters.get("hbm_requeued_blocks", 0) == (12 if sim.surface.hbm_requeue else 0)
 
 
-@pytest.mark.parametrize("name, left", [("vllm-write-through", 8), ("vllm-write-through+drop", 4), ("vllm-write-through+order", 8), ("full", 8)])
+@pytest.mark.parametrize("name, left", [(WT, 8), (f"{WT}+drop", 4), (f"{WT}+order", 8), ("full", 8)])
 def test_drop_frees_dead_hbm_blocks_where_hbm_cannot_be_reordered(name: str, left: int) -> None:
     """When b's session ends, kvtier retires b's private blocks: on vllm-write-through nothing
     happens in HBM; with +drop they leave HBM at once; where HBM can be reordered
@@ -210,7 +215,7 @@ def test_prefetch_lands_in_hbm_as_on_full() -> None:
         result = sim.run()
         rec = max(result.records, key=lambda r: r.finish_s)
         last[name] = (rec.hit_hbm_tokens, rec.hit_dram_tokens, rec.hit_ssd_tokens)
-    assert last == {"vllm-write-through": (128, 128, 0), "vllm-write-through+prefetch": (256, 0, 0), "full": (256, 0, 0)}
+    assert last == {WT: (128, 128, 0), f"{WT}+prefetch": (256, 0, 0), "full": (256, 0, 0)}
 
 
 def test_defer_waits_for_victims_on_their_way_without_hbm() -> None:
@@ -223,8 +228,8 @@ def test_defer_waits_for_victims_on_their_way_without_hbm() -> None:
     defer = _run(w, "vllm-write-through+exclusive+defer", 1200, 2400, 4)[1].counters
     assert excl["victims_landed_early"] > 0 and "deferred_admissions" not in excl
     assert defer["victims_landed_early"] == 0 and defer["deferred_admissions"] > 0
-    alone, vllm = _run(w, "vllm-write-through+defer", 1200, 2400, 4)[1], _run(w, "vllm-write-through", 1200, 2400, 4)[1]
-    assert alone.records == vllm.records
+    alone, base = _run(w, "vllm-write-through+defer", 1200, 2400, 4)[1], _run(w, "vllm-write-through", 1200, 2400, 4)[1]
+    assert alone.records == base.records
     assert "deferred_admissions" not in alone.counters
 
 

@@ -24,7 +24,7 @@ and the transfer model through the :class:`PlacementContext`:
   - *exclusive DRAM*: a block goes down to DRAM when HBM evicts it (a victim
     cache), not as it is computed, and the DRAM copy of what HBM holds is
     the first to go (the simulator carries it out where the engine surface
-    has a victim write; vLLM's has none, so there it writes through);
+    has a victim write: ``vllm`` has one, ``vllm-write-through`` none, so there it writes through);
   - *the order by predicted next use* in every tier it manages
     (:mod:`kvtier.placement.nextuse`): finished agents' blocks first,
     waiting agents' by when their wait started (plus ``next_use_trust`` x

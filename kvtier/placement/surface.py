@@ -132,19 +132,18 @@ def surface(name: str, setting: str = "--surface") -> Surface:
         raise ConfigError(setting, name, f"unknown engine surface; valid: {', '.join(SURFACES)}")
     if not added:
         return base
-    valid = [*ADDITIONS, ALL]
+    lacks = [a for a in ADDITIONS if getattr(base, ADDITIONS[a].flag) != ADDITIONS[a].value]
+    valid = [*lacks, ALL]
     for a in added:
         if a not in valid:
-            raise ConfigError(setting, name, f"unknown addition {a!r} to surface {base_name!r}; valid additions: "
-                                             f"{', '.join(valid)} (e.g. {base_name}+exclusive+order)")
+            why = (f"surface {base_name!r} already has {a!r}" + (" (vllm-write-through is the vLLM connector "
+                   "without exclusive_dram)" if base_name == "vllm" else "") if a in ADDITIONS
+                   else f"unknown addition {a!r} to surface {base_name!r}")
+            raise ConfigError(setting, name, f"{why}; valid additions: {', '.join(valid)} "
+                                             f"(e.g. {base_name}+{'+'.join(lacks[:2])})")
     if len(set(added)) < len(added) or (ALL in added and len(added) > 1):
         raise ConfigError(setting, name, "names an addition twice")
     added = list(ALL_ADDITIONS) if added == [ALL] else added
-    has = [a for a in added if getattr(base, ADDITIONS[a].flag) == ADDITIONS[a].value]
-    if has and added != list(ALL_ADDITIONS):
-        raise ConfigError(setting, name, f"surface {base_name!r} already has {', '.join(has)}"
-                                         + (" (vllm-write-through is the vLLM connector without them)"
-                                            if base_name == "vllm" else ""))
     return _with(base, name, added)
 
 

@@ -308,7 +308,8 @@ class Simulator:
         self._pinned_blocks = 0
         self._pin_sizes: dict[BlockKey, int] = {}  # pinned chain tail -> blocks it protects
         self.lower = [t for t in self.mgr.tier_names if t != "hbm"]
-        # write computed blocks through to the lower tiers (a live vLLM connector always does)
+        # write computed blocks through to the lower tiers (the vLLM connector as it comes does; with
+        # exclusive_dram, to SSD only)
         self._write_through_on = policy.write_through or (self.surface.write_through_always and bool(self.lower))
         self.now = 0.0
         self._seq = itertools.count()
