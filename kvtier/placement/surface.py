@@ -135,16 +135,19 @@ def surface(name: str, setting: str = "--surface") -> Surface:
     lacks = [a for a in ADDITIONS if getattr(base, ADDITIONS[a].flag) != ADDITIONS[a].value]
     valid = [*lacks, ALL]
     for a in added:
-        if a not in valid:
-            why = (f"surface {base_name!r} already has {a!r}" + (" (vllm-write-through is the vLLM connector "
-                   "without exclusive_dram)" if base_name == "vllm" else "") if a in ADDITIONS
-                   else f"unknown addition {a!r} to surface {base_name!r}")
-            raise ConfigError(setting, name, f"{why}; valid additions: {', '.join(valid)} "
-                                             f"(e.g. {base_name}+{'+'.join(lacks[:2])})")
+        if a in valid:
+            continue
+        if a not in ADDITIONS:
+            why = f"unknown addition {a!r} to surface {base_name!r}"
+        else:
+            why = f"surface {base_name!r} already has {a!r}"
+            if base_name == "vllm":
+                why += " (vllm-write-through is the vLLM connector without exclusive_dram)"
+        raise ConfigError(setting, name, f"{why}; valid additions: {', '.join(valid)} "
+                                         f"(e.g. {base_name}+{'+'.join(lacks[:2])})")
     if len(set(added)) < len(added) or (ALL in added and len(added) > 1):
         raise ConfigError(setting, name, "names an addition twice")
-    added = list(ALL_ADDITIONS) if added == [ALL] else added
-    return _with(base, name, added)
+    return _with(base, name, list(ALL_ADDITIONS) if added == [ALL] else added)
 
 
 def surfaces_help() -> str:
