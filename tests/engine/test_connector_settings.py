@@ -71,6 +71,7 @@ def test_placement_defaults_to_kvtier_and_takes_the_replay_names() -> None:
     ({"copy_threads": 0}, "copy_threads=0: must be an integer in 1..64"),
     ({"device_staging_mib": 0}, "device_staging_mib=0: must be a number > 0"),
     ({"side_stream": "yes"}, "side_stream='yes': must be true or false"),
+    ({"lockstep_transfers": 1}, "lockstep_transfers=1: must be true or false"),
     ({"record_path": 3}, "record_path=3: must be a directory path"),
     ({"record_max_mib": -1}, "record_max_mib=-1: must be a number > 0"),
     ({"copy_threads": 2.5}, "copy_threads=2.5: must be an integer in 1..64"),

@@ -10,7 +10,13 @@ agents come back in that order) and takes its next turn.
 Capacities: HBM for about two contexts (24 usable blocks), DRAM for about
 three first-turn contexts (24 blocks) or for less than one (6 blocks), no SSD. Served one request
 at a time (``max_num_seqs`` 1) and six at a time (``max_num_seqs`` 4: as many
-run as fit, the rest queue).
+run as fit, the rest queue). Every engine core runs in the caller's process
+(:data:`IN_PROCESS`), and six at a time the connector runs with
+``lockstep_transfers`` (a load or write-back a step starts has finished when the
+step ends), so which requests share a step depends on the requests alone, not on when a thread
+or a process got there first: each configuration's figures repeat exactly, where
+with the defaults they moved from run to run and machine to machine (hints
+against no hints 1,882 against 1,818 on one run, 1,754 against 2,042 on another).
 
 Configurations, on the same engine settings:
 
@@ -39,10 +45,17 @@ pytestmark = pytest.mark.slow
 
 AGENTS, TURNS, OUT, SUFFIX = 6, 3, 4, 5
 SYS_BLOCKS, FIRST_BLOCKS, GROW_BLOCKS = 4, 4, 2
-WAITS_S = (1.0, 2.0, 4.0, 3.0, 6.0, 5.0)  # tool waits, announced and true (the return order): the first to run
-# comes back first, the order LRU gets wrong
+WAITS_S = (1.0, 2.0, 4.0, 3.0, 6.0, 5.0)  # tool waits, announced and true in order (the return order: the
+# first to run comes back first, the order LRU gets wrong), not in time: the agents come back as soon as the
+# engine is free (the test does not sleep), within a second or two of a 3 s run. Announced 10x longer
+# (10 to 60 s), hints lost to no hints one at a time (1,946 against 1,882): see test_hints_never_do_harm.
 HBM_BLOCKS = 24  # about two contexts
 DRAM_SIZES = {"dram-3-contexts": 24, "dram-under-1-context": 6}
+
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+"""The engine core in the child's own process, so ``LLM.generate`` hands it a turn's requests
+before its first step (in a process of its own it may start on the first before the others
+arrive, and how many share that step then depends on timing); it also starts twice as fast."""
 
 CONFIGS = {
     "lru": ({"placement": "lru-dram"}, False),
@@ -113,8 +126,8 @@ def _run_all(tmp, max_num_seqs: int) -> dict:
         tag = name.replace("@", "-")
         spec = {"model": str(model), "max_tokens": OUT, "engine": engine, "logprobs": 2, "phases": phases}
         if extra is not None:
-            spec["kvtier"] = {**extra, "stats_path": str(tmp / f"{tag}.stats.json")}
-        out[name] = _measure(run_child(tmp, tag, spec), phases)
+            spec["kvtier"] = {**extra, "stats_path": str(tmp / f"{tag}.stats.json"), "lockstep_transfers": not one}
+        out[name] = _measure(run_child(tmp, tag, spec, env=IN_PROCESS), phases)
     print(f"\nmax_num_seqs {max_num_seqs}: {'config':<40}{'computed':>9}{'HBM hit':>9}{'kvtier hit':>11}"
           f"{'DRAM stores':>12}{'write-backs':>12}{'moved up':>9}{'deferred':>9}")
     for name, r in out.items():
@@ -128,34 +141,16 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return _run_all(tmp_path_factory.mktemp(f"exclusive-{request.param}"), request.param)
 
 
-def test_kvtier_with_true_waits_computes_less_than_without_hints_and_lru(request: pytest.FixtureRequest,
-                                                                        runs: dict) -> None:
-    """DRAM for about three contexts: the true waits order it (the agent that comes back
-    next keeps its blocks), so hints beat no hints, and both beat write-through LRU. Six at
-    a time only the second holds (see :func:`test_hints_never_do_harm`)."""
-    c = {name: r["computed"] for name, r in runs.items()}
-    kv = c["kvtier@dram-3-contexts"]
-    assert c["kvtier-no-hints@dram-3-contexts"] < c["lru@dram-3-contexts"] and kv < c["lru@dram-3-contexts"], c
-    if "max_num_seqs-1" in request.node.nodeid:
-        assert kv < c["kvtier-no-hints@dram-3-contexts"], c
-
-
 @pytest.mark.parametrize("size", list(DRAM_SIZES))
-def test_hints_never_do_harm(request: pytest.FixtureRequest, runs: dict, size: str) -> None:
-    """``kvtier`` with true waits never computes more than LRU or than vLLM with no
-    connector, and one request at a time less than without hints, at either DRAM size:
-    the waits order HBM (the agent due first keeps its blocks) as well as DRAM. Six at a
-    time, hints against no hints is left unasserted: which requests share a step then
-    depends on when the connector's asynchronous loads finish and on the wall-clock
-    TTLs of holds, so on the machine's speed. Measured (hints against no hints): on
-    the machine of 2026-12-02, DRAM 3 contexts hints ahead, DRAM under one context
-    3,098 / 2,970 / 2,842 against 3,162; on a 2-core AMX machine on 2026-12-03,
-    1,882 against 1,818 (hints 64 tokens, 3.5%, behind) and 2,810 against 3,130."""
+def test_hints_never_do_harm(runs: dict, size: str) -> None:
+    """At either DRAM size, one request at a time and six: ``kvtier`` with the true tool
+    waits computes less prefill than without hints and than write-through LRU, and never
+    more than vLLM with no connector. The waits order HBM (the agent due first keeps its
+    blocks) as well as DRAM (the agent due last gives up its blocks first)."""
     c = {name: r["computed"] for name, r in runs.items()}
     kv = c[f"kvtier@{size}"]
-    assert kv <= c[f"lru@{size}"] and kv <= c["none"], c
-    if "max_num_seqs-1" in request.node.nodeid:
-        assert kv < c[f"kvtier-no-hints@{size}"], c
+    assert kv < c[f"kvtier-no-hints@{size}"] and kv < c[f"lru@{size}"] and kv <= c["none"], c
+    assert c[f"kvtier-no-hints@{size}"] < c[f"lru@{size}"], c
 
 
 def test_a_request_whose_blocks_are_on_their_way_down_is_deferred(request: pytest.FixtureRequest, runs: dict) -> None:
@@ -177,54 +172,33 @@ def test_exclusive_dram_copies_down_only_what_hbm_gives_up_and_computes_less(run
     assert ex["stored_dram"] == ex["write_backs"] > 0 and wt["write_backs"] == 0 < wt["stored_dram"], (ex, wt)
     assert ex["moved"] > 0
     assert ex["computed"] < wt["computed"], (ex, wt)
+    assert ex["stored_dram"] < wt["stored_dram"], (ex, wt)  # and here it keeps fewer host copies
 
 
-def test_one_at_a_time_the_figures_the_readme_quotes(request: pytest.FixtureRequest, runs: dict) -> None:
-    """One request at a time the engine is repeatable: the README quotes these."""
-    if "max_num_seqs-4" in request.node.nodeid:
-        pytest.skip("six at a time the batches fall differently from run to run")
+FIGURES = {
+    1: {"none": 3674, "lru@dram-3-contexts": 3674, "kvtier-no-hints@dram-3-contexts": 1882,
+        "kvtier@dram-3-contexts": 1754, "kvtier-write-through@dram-3-contexts": 2650,
+        "lru@dram-under-1-context": 3674, "kvtier-no-hints@dram-under-1-context": 3290,
+        "kvtier@dram-under-1-context": 2586},
+    4: {"none": 3674, "lru@dram-3-contexts": 3418, "kvtier-no-hints@dram-3-contexts": 1946,
+        "kvtier@dram-3-contexts": 1754, "kvtier-write-through@dram-3-contexts": 2714,
+        "lru@dram-under-1-context": 3674, "kvtier-no-hints@dram-under-1-context": 3290,
+        "kvtier@dram-under-1-context": 3002},
+}
+"""Prefill tokens computed, per ``max_num_seqs``: what the README quotes."""
+
+
+def test_the_figures_the_readme_quotes(request: pytest.FixtureRequest, runs: dict) -> None:
+    """The engine is repeatable here (see the module's docstring): the README quotes these."""
     c = {name: r["computed"] for name, r in runs.items()}
-    assert c == {"none": 3674, "lru@dram-3-contexts": 3674, "kvtier-no-hints@dram-3-contexts": 1882,
-                 "kvtier@dram-3-contexts": 1754, "kvtier-write-through@dram-3-contexts": 2650,
-                 "lru@dram-under-1-context": 3674, "kvtier-no-hints@dram-under-1-context": 3290,
-                 "kvtier@dram-under-1-context": 2586}, c
-    stores = {name: r["stored_dram"] for name, r in runs.items()}
-    # the hinted exclusive run keeps fewer host copies than write-through, and computes less
-    assert stores["kvtier@dram-3-contexts"] < stores["kvtier-write-through@dram-3-contexts"], stores
+    assert c == FIGURES[1 if "max_num_seqs-1" in request.node.nodeid else 4], c
 
 
-NEAR_TIE = 0.05  # nats: two bf16 steps of this model's logits (vLLM's connector path alone moves some by one)
-
-
-def _same_greedy(ref: dict, got: dict) -> str | None:
-    """None when ``got``'s output ids are ``ref``'s, or differ only at a near tie: every logprob
-    before the first differing token within :data:`NEAR_TIE` of ``ref``'s, and there ``got``'s
-    token within it of ``ref``'s choice in ``ref``'s own top two (the rest of that output is not
-    compared); else what differs. A wrong block in the context moves logprobs far more."""
-    for i, (want, have, lp_want, lp_have) in enumerate(zip(ref["tokens"], got["tokens"], ref["logprobs"],
-                                                          got["logprobs"])):
-        for pos, (a, b) in enumerate(zip(want, have)):
-            if a == b:
-                if abs(lp_want[pos][str(a)] - lp_have[pos][str(b)]) > NEAR_TIE:
-                    return f"output {i} token {pos}: logprob {lp_have[pos]} against {lp_want[pos]}"
-                continue
-            if str(b) not in lp_want[pos] or lp_want[pos][str(a)] - lp_want[pos][str(b)] > NEAR_TIE:
-                return f"output {i} token {pos}: {b} against {a} ({lp_have[pos]} against {lp_want[pos]})"
-            break
-    return None
-
-
-def test_output_ids_are_identical_to_the_engine_with_no_connector(request: pytest.FixtureRequest, runs: dict) -> None:
-    """Greedy output ids as without kvtier's loads. The reference is ``lru-dram`` at the larger
-    DRAM: vLLM's connector path, every token computed (as much prefill as no connector).
-    One request at a time every configuration's ids, the engine with no connector's included,
-    are identical to it (every engine computes with the same threads: ``conftest.py``). Six at
-    a time (the batches differ with what each engine hits, and this random-weight model's
-    bf16 logits move with them, by a step at most) they may differ from it only at a near tie
-    (:func:`_same_greedy`)."""
-    ref = runs["lru@dram-3-contexts"]
+def test_output_ids_are_identical_to_the_engine_with_no_connector(runs: dict) -> None:
+    """Greedy output ids as without kvtier, for every configuration, one request at a time
+    and six. Every engine computes with one OpenMP thread (``conftest.py``). (Logprobs can
+    still differ by a few 1e-3 where a request's prefix hit ends at another block, so its
+    prefill is split differently: measured on one output of 18 in one configuration.)"""
+    ref = runs["none"]
     for name, r in runs.items():
-        if "max_num_seqs-1" in request.node.nodeid:
-            assert r["tokens"] == ref["tokens"], name
-        else:
-            assert _same_greedy(ref, r) is None, (name, _same_greedy(ref, r))
+        assert r["tokens"] == ref["tokens"], name

@@ -133,6 +133,42 @@ def test_a_released_request_is_reported_only_after_its_blocks_were_read(worker) 
     assert sending == {"r1"}
 
 
+@pytest.mark.parametrize("lockstep", [True, False])
+def test_lockstep_transfers_report_a_steps_transfers_in_that_steps_get_finished(tmp_path, lockstep: bool) -> None:
+    """``lockstep_transfers``: the first ``get_finished`` after a store or a load reports it
+    done, however slow the disk, so the engine's schedule does not depend on thread timing.
+    Without it a slow SSD write is reported by a later call."""
+    w, caches = _build({"dram_capacity_blocks": 4, "ssd_path": str(tmp_path), "lockstep_transfers": lockstep}, seed=3)
+    put_many, get_many = w._ssd.put_many, w._ssd.get_many_into
+
+    def slow_put(items):
+        time.sleep(0.3)
+        return put_many(items)
+
+    def slow_get(*args, **kwargs):
+        time.sleep(0.3)
+        return get_many(*args, **kwargs)
+
+    w._ssd.put_many, w._ssd.get_many_into = slow_put, slow_get
+    try:
+        job = StoreJob(job_id=1, req_id="r1", block_ids=(1, 2), keys=(10, 11), parents=(None, 10),
+                       writes=(TierWrite(1, "dram", (0, 1), (0, 1)), TierWrite(2, "ssd", (0, 1), ())))
+        w.wait_for_save(KVTierConnectorMetadata(stores=[job]))
+        w.get_finished(set())
+        meta = w.take_worker_meta()
+        plans = {} if meta is None else {pid: oks for pid, (_, oks) in meta.plans.items()}
+        if not lockstep:
+            assert 2 not in plans  # the SSD write is still sleeping
+            _drain(w, {2})
+            return
+        assert plans == {1: [True, True], 2: [True, True]}
+        w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r2", 3, (10, 11), ("ssd", "ssd"), (0, 0), (6, 7))]))
+        assert w.get_finished(set()) == (set(), {"r2"})
+        assert _blocks_equal(caches, 1, 6) and _blocks_equal(caches, 2, 7)
+    finally:
+        w.shutdown()
+
+
 def test_worker_metadata_aggregates_over_ranks() -> None:
     a = KVTierWorkerMetadata({1: (1, [True, True])}, {5: 1})
     b = KVTierWorkerMetadata({1: (1, [True, False]), 2: (1, [True])}, {5: 1})

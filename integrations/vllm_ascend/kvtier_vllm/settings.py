@@ -48,6 +48,10 @@ EXTRA_KEYS: dict[str, str] = {
     "copy_threads": "threads that share one DRAM copy of 2 MiB or more, the worker's own included (default 2: "
                     "a second thread of kvtier's C module, awake for 0.5 ms after each copy; 1 keeps every copy "
                     "on one thread, leaving the other cores to a CPU engine's forward)",
+    "lockstep_transfers": "true: every transfer a step starts (loads, stores, write-backs) has finished when the "
+                          "step reports what finished (get_finished waits for it), so the schedule depends on the "
+                          "requests alone, not on thread timing: reproducible runs, the step the replay models. "
+                          "Costs the overlap of copies with the forward. Default false",
     "policy": "eviction policy of the DRAM and SSD tiers (a registered kvtier policy name; default: the placement's)",
     "placement": "placement policy, the same object the replay runs (default: the config file's placement.policy, "
                  "kvtier; lru-dram for write-through LRU with no agent actions; ttl, kvflow, tokencake, ...): see "
@@ -205,6 +209,7 @@ class ConnectorSettings:
     remote: RemoteSettings | None = None
     cold: ColdCodecRule | None = None
     approximate_rope: tuple[float, int] | None = None  # approximate_shifted_segments on: the RoPE to re-rotate by
+    lockstep_transfers: bool = False
 
     @classmethod
     def build(
@@ -285,6 +290,9 @@ class ConnectorSettings:
         if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or not 1 <= copy_threads <= 64:
             raise ConfigError("kv_connector_extra_config.copy_threads", copy_threads, "must be an integer in 1..64")
         device_staging_mib = _mib(extra, "device_staging_mib", 64)
+        lockstep = extra.get("lockstep_transfers", False)
+        if not isinstance(lockstep, bool):
+            raise ConfigError("kv_connector_extra_config.lockstep_transfers", lockstep, "must be true or false")
         side_stream = extra.get("side_stream", True)
         if not isinstance(side_stream, bool):
             raise ConfigError("kv_connector_extra_config.side_stream", side_stream, "must be true or false")
@@ -325,7 +333,7 @@ class ConnectorSettings:
                    exclusive, eviction_set, watch, extra.get("hint_watch_token"), int(queue_mib * (1 << 20)),
                    int(staging_mib * (1 << 20)), copy_threads, int(device_staging_mib * (1 << 20)), side_stream,
                    record_path, int(record_mib * (1 << 20)), placement_params, remote, cold,
-                   facts.rope if approximate else None)
+                   facts.rope if approximate else None, lockstep)
 
     def rank_ssd_path(self, tp_rank: int, tp_size: int) -> Path | None:
         """The LMDB directory of one TP rank (each rank stores its own shard)."""

@@ -290,6 +290,8 @@ class KVTierWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(released requests whose blocks are no longer read, requests whose load finished).
         Scatters finished loads into the engine blocks first (engine thread)."""
+        if self.settings.lockstep_transfers:
+            self._drain()
         self._reclaim_scattered()
         with self._lock:
             res, self._results = self._results, _Results()
@@ -342,6 +344,16 @@ class KVTierWorker:
                               or meta.remote_skipped_blocks or meta.remote_outcomes or meta.staging_skipped_stores or meta.staging_skipped_loads
                               or meta.write_backs_missed) else None
         return sending, recving
+
+    def _drain(self) -> None:
+        """``lockstep_transfers``: wait until every transfer queued so far has finished. Each
+        of the worker's thread pools has one thread and runs in order, so a no-op queued
+        behind its work returns once that work is done; twice over, for a read one thread
+        hands on to another (DRAM or SSD, then the remote tier)."""
+        pools = [self._copy, self._ssd_thread, *(w.thread for w in self._writers.values())]
+        for _ in range(2):
+            for pool in pools:
+                pool.submit(int).result()
 
     REMOTE_COUNTERS = ("missing", "remote_errors", "checksum_failures", "decode_failures", "mismatches",
                        "key_mismatches", "removed_corrupt", "put_pinned_blocks", "put_direct_blocks",
