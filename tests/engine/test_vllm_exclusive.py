@@ -48,7 +48,8 @@ SYS_BLOCKS, FIRST_BLOCKS, GROW_BLOCKS = 4, 4, 2
 WAITS_S = (1.0, 2.0, 4.0, 3.0, 6.0, 5.0)  # tool waits, announced and true in order (the return order: the
 # first to run comes back first, the order LRU gets wrong), not in time: the agents come back as soon as the
 # engine is free (the test does not sleep), within a second or two of a 3 s run. Announced 10x longer
-# (10 to 60 s), hints lost to no hints one at a time (1,946 against 1,882): see test_hints_never_do_harm.
+# (10 to 60 s), hints lost to no hints one at a time (1,946 against 1,882): the README's vLLM section has
+# the cause (issue 41, not fixed yet).
 HBM_BLOCKS = 24  # about two contexts
 DRAM_SIZES = {"dram-3-contexts": 24, "dram-under-1-context": 6}
 

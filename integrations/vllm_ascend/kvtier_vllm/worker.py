@@ -349,8 +349,9 @@ class KVTierWorker:
         """``lockstep_transfers``: wait until every transfer queued so far has finished. Each
         of the worker's thread pools has one thread and runs in order, so a no-op queued
         behind its work returns once that work is done; twice over, for a read one thread
-        hands on to another (DRAM or SSD, then the remote tier)."""
-        pools = [self._copy, self._ssd_thread, *(w.thread for w in self._writers.values())]
+        hands on to another (DRAM or SSD, then the remote tier). The SSD writer is the SSD thread:
+        each pool once."""
+        pools = dict.fromkeys([self._copy, self._ssd_thread, *(w.thread for w in self._writers.values())])
         for _ in range(2):
             for pool in pools:
                 pool.submit(int).result()
