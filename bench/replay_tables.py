@@ -49,18 +49,18 @@ def default_sweep(report: dict[str, Any]) -> str:
 
 @table("tune-kvtier", "tune-kvtier.json")
 def tune_kvtier(data: dict[str, Any]) -> str:
-    """The tuning half's search of KVTier.next_use_trust (bench/tune_kvtier.py)."""
+    """The tuning half's search of KVTier.next_use_trust and KVTier.user_wait_s (bench/tune_kvtier.py)."""
     concs = data["concs"]
     body = []
     for r in data["rows"]:
-        v = f"{r['next_use_trust']:g}"
-        chosen = r["next_use_trust"] == data["chosen_next_use_trust"]
-        body.append([f"**{v}** (shipped)" if chosen else v]
-                    + [f"{r[f'conc{c}_prefill_tokens_computed'] / 1e6:.2f}" for c in concs]
-                    + [f"{r[f'conc{c}_ttft_p99_later_turns_s']:.1f}" for c in concs])
+        chosen = (r["next_use_trust"], r["user_wait_s"]) == (data["chosen_next_use_trust"], data["chosen_user_wait_s"])
+        cells = [f"{r['next_use_trust']:g}", f"{r['user_wait_s']:g}" if r["next_use_trust"] else "(any)"]
+        body.append([f"**{c}**" for c in cells[:1]] + [f"**{cells[1]}** (shipped)"] if chosen else cells)
+        body[-1] += ([f"{r[f'conc{c}_prefill_tokens_computed'] / 1e6:.2f}" for c in concs]
+                     + [f"{r[f'conc{c}_ttft_p99_later_turns_s']:.1f}" for c in concs])
     caption = (f"Tuning half ({data['sessions']} sessions), HBM {data['hbm_blocks']:,}, DRAM {data['dram_blocks']:,} "
                f"blocks, no SSD, conc {' and '.join(map(str, concs))}:\n\n")
-    return caption + md_table(["trust in the predicted wait"]
+    return caption + md_table(["trust in the predicted wait", "user_wait_s"]
                               + [f"prefill computed, conc {c} (M tok)" for c in concs]
                               + [f"later-turn TTFT p99, conc {c} (s)" for c in concs], body)
 

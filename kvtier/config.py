@@ -445,6 +445,7 @@ class PlacementConfig:
     critical_at: float | None = None
     demote_after_s: float | None = None
     prefetch_lead_factor: float | None = None
+    user_wait_s: float | None = None
     SECTION: ClassVar[str] = "placement"
 
     def __post_init__(self) -> None:

@@ -186,6 +186,26 @@ def test_a_tool_wait_never_ranks_an_agent_behind_untagged_traffic_of_the_same_ag
         assert mgr.evict("dram", 1) == (first,), trust
 
 
+def test_an_agent_that_may_be_done_goes_before_long_tool_waits_where_a_users_turn_would_not():
+    """A turn that calls no tool: in the replay a user's turn (``user_wait_s``, a knob, 60 s)
+    or the agent's end; live, without a hint server, either (``turn_end``,
+    ``TURN_END_GAP_S``). As a user's turn, an agent stopped 5 s after another went on a
+    60 s tool outlives it; as a turn end, it goes first, as a finished agent would."""
+    from kvtier.placement.base import TURN_END_GAP_S
+
+    for user_wait_s, done_wait_s, first in ((60.0, None, 1), (300.0, None, 2), (60.0, TURN_END_GAP_S, 2)):
+        clock = _Clock()
+        policy = make_placement("kvtier", params={"user_wait_s": user_wait_s, "next_use_trust": 0.5})
+        policy.eviction_for("dram", clock)
+        est = policy._est
+        assert (est.user_wait_s, est.trust) == (user_wait_s, 0.5)
+        mgr = _tier(est, (1,), (2,))
+        est.waiting((0, "tool"), (1,), 60.0)  # t=0: a 60 s tool wait
+        clock.t = 5.0
+        est.waiting((0, "done"), (2,), done_wait_s)  # t=5: a turn without a tool call
+        assert mgr.evict("dram", 1) == (first,), (user_wait_s, done_wait_s)
+
+
 def test_the_estimate_forgets_blocks_no_tier_holds():
     clock = _Clock()
     est = AgentNextUse(clock, max_agents=2)

@@ -53,7 +53,7 @@ def test_an_edited_number_is_caught(rt) -> None:
     assert changed == [name]
 
 
-def test_the_shipped_kvtier_constant_is_the_one_tuned_on_the_tuning_half() -> None:
+def test_the_shipped_kvtier_constants_are_the_ones_tuned_on_the_tuning_half() -> None:
     import json
 
     from kvtier.placement.agent import KVTier
@@ -61,3 +61,4 @@ def test_the_shipped_kvtier_constant_is_the_one_tuned_on_the_tuning_half() -> No
     tuned = json.loads((ROOT / "bench" / "out" / "tune-kvtier.json").read_text())
     assert tuned["split"] == "tune"
     assert KVTier.next_use_trust == tuned["chosen_next_use_trust"]
+    assert KVTier.user_wait_s == tuned["chosen_user_wait_s"]

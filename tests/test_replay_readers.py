@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import math
 import tarfile
 import tempfile
 import time
@@ -652,3 +653,18 @@ def test_mooncake_partial_block_id_is_kept_apart(tmp_path: Path) -> None:
     assert r0.block_ids == r1.block_ids and r0.partial_block is not None and r1.partial_block is None
     assert r0.partial_block not in r0.block_ids
     assert all(s.root.requests[0].partial_block is None for s in w.reblock(1024).sessions)
+
+
+@needs_traces
+def test_the_turn_end_wait_is_the_tuning_halfs_median_after_an_end_turn() -> None:
+    """``TURN_END_GAP_S``: what follows a turn that called no tool, over the tuning half,
+    a user's turn (its gap) or the agent's end (never), at the median."""
+    from kvtier.placement.base import TURN_END_GAP_S
+    from kvtier.replay.run import split_workload
+
+    w = split_workload(load_trace(DEV_TARBALL), "tune")
+    gaps = [r.gap_s for s in w.sessions for a in s.agents for r in a.requests[1:] if r.gap_cause == "user"]
+    ends = sum(len(s.agents) for s in w.sessions)
+    mixture = sorted(gaps) + [math.inf] * ends
+    assert (len(gaps), ends) == (385, 77)
+    assert mixture[len(mixture) // 2] == TURN_END_GAP_S

@@ -97,6 +97,7 @@ class AgentAware(PlacementPolicy):
     demote_after_s: float | None = None  # a wait predicted at least this long demotes (write-through to SSD only)
     next_use: bool = False  # order every tier it manages by predicted next use (kvtier.placement.nextuse)
     next_use_trust = 0.0  # weight of the predicted wait in the next-use rank (0: by wait start alone)
+    user_wait_s = 60.0  # the wait the next-use order expects after a turn that called no tool (a user's turn)
     stage_queued = False  # promote a queued request's SSD blocks into DRAM when it arrives
     lead_factor = 1.25  # a prefetch starts this many transfer times before the predicted return
 
@@ -114,7 +115,7 @@ class AgentAware(PlacementPolicy):
         if not self.next_use or clock is None:
             return self.eviction
         if self._est is None:
-            self._est = AgentNextUse(clock, trust=self.next_use_trust)
+            self._est = AgentNextUse(clock, trust=self.next_use_trust, user_wait_s=self.user_wait_s)
         return self._est.policy()
 
     def next_use_rank(self, key: BlockKey) -> float | None:

@@ -132,6 +132,17 @@ UNPREDICTED_GAP_S = 10.0
 """The wait a policy is told to expect when nobody predicted one (a user's turn, a tool
 before any history): the replay's and the live connector's alike."""
 
+TURN_END_GAP_S = 116.0
+"""The wait a policy is told to expect after a turn that announced no tool call, where
+nothing will say whether the agent is done (live, hints in ``kv_transfer_params`` only:
+no hint server reports agent ends). The median, over the dev traces' tuning half, of
+what follows an ``end_turn``: a user's turn (385, its true gap) or the agent's end (77,
+never); ``tests/test_replay_readers.py`` recomputes it. The replay knows which of the
+two it is (a user's turn, :data:`UNPREDICTED_GAP_S` with ``user_wait_s`` in the
+next-use order, or ``on_agent_end``), as a client that reports agent ends makes it
+known live; a user's turn expected at 60 s left agents done with their last turn
+outliving agents on tool waits of 40-60 s, and hints then did harm."""
+
 
 @dataclass(frozen=True, slots=True)
 class ToolWait:
@@ -140,7 +151,7 @@ class ToolWait:
 
     agent_key: tuple[int, str]
     keys: tuple[BlockKey, ...]  # the agent's context blocks (prompt + output) in HBM order
-    cause: str  # "tool" | "user" | "subagent_join"
+    cause: str  # "tool" | "user" | "subagent_join" | "turn_end" (a user's turn or the end: unknown, live)
     predicted_gap_s: float
 
 

@@ -51,6 +51,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "(used by policies without the next-use order)"),
     Knob("prefetch_lead_factor", 0.0, 20.0, (1.0, 1.5, 3.0),
          "a prefetch starts this many transfer times before an agent's predicted return"),
+    Knob("user_wait_s", 0.0, 86400.0, (60.0, 120.0, 300.0, 900.0),
+         "the wait the next-use order expects after a turn that called no tool (a user's turn, or an "
+         "agent that is done), and for a block no agent claimed"),
 )}
 
 
@@ -93,7 +96,7 @@ def apply_params(policy: Any, params: Mapping[str, Any], setting: str = "placeme
                           f"gives an empty reserve range ({lo:g} > {hi:g})")
     policy.rho_bounds = (lo, hi)
     policy.rho = lo
-    for name in ("next_use_trust", "critical_at", "demote_after_s"):
+    for name in ("next_use_trust", "critical_at", "demote_after_s", "user_wait_s"):
         if name in values:
             setattr(policy, name, values[name])
     if "prefetch_lead_factor" in values:

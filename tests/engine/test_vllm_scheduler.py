@@ -275,10 +275,14 @@ def test_exclusive_dram_is_refused_where_it_cannot_run() -> None:
         ConnectorSettings.build({"dram_capacity_blocks": 8, "exclusive_dram": "yes"}, facts, env={})
 
 
-def test_a_tagged_request_without_a_tool_wait_starts_its_users_turn() -> None:
-    """As the replay has it: an agent whose request ends with no tool wait waits on its
-    user (predicted 10 s), so kvtier's next-use order no longer counts it busy; the
-    user's think time is no tool's history."""
+def test_a_tagged_request_without_a_tool_wait_starts_a_turn_end() -> None:
+    """An agent whose request ends with no tool wait waits on its user, or is done:
+    nothing will say which (no hint server), so it is a ``turn_end`` of
+    ``TURN_END_GAP_S``: kvtier's next-use order no longer counts it busy and ranks it
+    that far ahead (x ``next_use_trust``), behind agents on shorter tool waits; the
+    wait is no tool's history."""
+    from kvtier.placement.base import TURN_END_GAP_S
+
     sched, kvm = _sched()
     r1 = FakeRequest("r1", 4, params={"kvtier_session_id": "s", "kvtier_agent_id": "a"})
     kvm.blocks["r1"] = [10, 11, 12, 13, 14]
@@ -287,6 +291,9 @@ def test_a_tagged_request_without_a_tool_wait_starts_its_users_turn() -> None:
     sched.request_finished(r1)
     assert (sched.counters["user_waits"], sched.counters["tool_waits"]) == (1, 0)
     assert sched.placement.is_waiting(("s", "a"))
+    est = sched.policy._est
+    ahead = est._rank[("s", "a")] + est._clock()
+    assert ahead == pytest.approx(sched.policy.next_use_trust * TURN_END_GAP_S, abs=1.0)
     r2 = FakeRequest("r2", 5, params={"kvtier_session_id": "s", "kvtier_agent_id": "a"})
     sched.on_new_request(r2)  # the user came back
     assert not sched.placement.is_waiting(("s", "a")) and list(sched.placement.tool_history_s()) == []

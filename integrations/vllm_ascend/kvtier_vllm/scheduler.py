@@ -51,7 +51,7 @@ from kvtier.events import BlockRemoved, BlockStored, StoreFailed
 from kvtier.keys import BlockKey, Namespace, chain_foreign_keys
 from kvtier.manager import LoadPlan, StorePlan, TierManager, TierSpec
 from kvtier.placement import ToolWait, make_placement
-from kvtier.placement.base import UNPREDICTED_GAP_S
+from kvtier.placement.base import TURN_END_GAP_S
 from kvtier.placement.surface import surface
 from kvtier.sdk.handles import (
     is_approximate_salt,
@@ -625,9 +625,10 @@ class KVTierScheduler:
 
     def _agent_waits(self, st: _Req, wait_s: float | None) -> None:
         """A tagged request finished: its agent now waits, on a tool for ``wait_s``
-        (``kvtier_tool_wait_s`` in its ``kv_transfer_params``) or else on its user
-        (predicted :data:`UNPREDICTED_GAP_S`, as the replay predicts a user's turn;
-        not with a hint server, where the framework announces its tool calls after this).
+        (``kvtier_tool_wait_s`` in its ``kv_transfer_params``) or else on its user or
+        on nothing, for it may be done (cause ``turn_end``, predicted
+        :data:`TURN_END_GAP_S`; not with a hint server, where the framework announces
+        its tool calls after this, and its agents' ends).
         The placement policy decides (hold its HBM blocks, order its host copies,
         schedule a prefetch). Without the user's turn the agent would stay busy in
         kvtier's next-use order, its dead context kept ahead of agents that do come
@@ -648,7 +649,7 @@ class KVTierScheduler:
         if wait_s is not None:
             self._start_wait(agent, keys, hashes, wait_s, finishing)
         elif self._hints is None and self._watcher is None:  # (a hint server announces tool calls after this)
-            self._start_wait(agent, keys, hashes, UNPREDICTED_GAP_S, finishing, "user")
+            self._start_wait(agent, keys, hashes, TURN_END_GAP_S, finishing, "turn_end")
 
     MAX_TRACKED_AGENTS = 4096
 
