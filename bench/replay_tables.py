@@ -246,6 +246,9 @@ _SURFACE_LABELS = {
     _BASE: "what the vLLM connector runs as it comes (`exclusive_dram` off, live)",
     "vllm": "+ exclusive DRAM, waiting agents' HBM re-queued, deferred loads: the recommended setup, the connector "
             "with `exclusive_dram: true` (live)",
+    "vllm/agent-ends-unknown": "`vllm` where the client's hints are in `kv_transfer_params` only (`--agent-ends "
+                               "unknown`): no hint server tells kvtier an agent is done, so a turn without a tool "
+                               "call is a `turn_end` wait (live)",
     f"{_BASE}+exclusive+order+defer": "+ exclusive DRAM, HBM in the full next-use order, deferred loads",
     f"{_BASE}+exclusive+defer": "+ exclusive DRAM, deferred loads (the connector's `exclusive_dram` before it "
                                 "ordered HBM)",
@@ -281,7 +284,7 @@ def surface_ablation(data: dict[str, Any]) -> str:
     body = []
     for s in data["surfaces"]:
         rows = [p["surfaces"][s] for p in pts]
-        body.append([f"`{s}`", _SURFACE_LABELS.get(s, ""), "live" if s in LIVE else "modelled only"]
+        body.append([f"`{s}`", _SURFACE_LABELS.get(s, ""), "live" if s.split("/")[0] in LIVE else "modelled only"]
                     + [cell(r["prefill_tokens_computed"], r["bound_prefill_tokens"], r["ttft_p99_later_turns_s"])
                        for r in (_with_refs(row, p) for row, p in zip(rows, pts))])
     body.append(["`lru-dram`", f"on `{_BASE}`, for comparison", "live"]

@@ -13,13 +13,15 @@ traces. At each point, one replay runs ``lru-dram`` and ``kvtier`` on
 ``vllm-write-through`` (the connector as it comes) with the floor and the
 bound; every other surface (:data:`SURFACES`)
 runs ``kvtier`` alone (``--no-references``: the references do not depend on
-the surface, they run LRU and Belady with no hints). Each replay writes its
+the surface, they run LRU and Belady with no hints), and the recommended
+surface once more with ``--agent-ends unknown`` (:data:`ROW_ARGS`: hints in
+``kv_transfer_params`` only, no hint server telling kvtier an agent is done). Each replay writes its
 own ``--json`` into ``--work`` (``build/surface-ablation``), kept so that an
 interrupted run resumes: empty it after changing the code. The merged file
 keeps each row as the replay wrote it and every command line.
 
 Usage: ``python bench/surface_ablation.py [--halves eval,tune] [--parallel 2]``,
-then ``python bench/readme_tables.py``. 76 replays, about 40 minutes two at a
+then ``python bench/readme_tables.py``. 80 replays, about 42 minutes two at a
 time on 2 cores shared with other work.
 """
 
@@ -49,6 +51,11 @@ BASE = "vllm-write-through"  # the connector as it comes; the additions are name
 SURFACES = (BASE, "vllm", f"{BASE}+exclusive+order+defer", f"{BASE}+exclusive+defer", f"{BASE}+requeue",
             *(f"{BASE}+{d}" for d in DECISIONS), f"{BASE}+exclusive+order", f"{BASE}+exclusive+drop", f"{BASE}+all",
             *("+".join([BASE, *(d for d in DECISIONS if d != left)]) for left in DECISIONS), "full")
+# rows that are a surface run with more of the replay's options: the recommended setup when the client's
+# hints are in kv_transfer_params only (no hint server reporting agents' ends: --agent-ends unknown)
+ENDS_UNKNOWN = "vllm/agent-ends-unknown"
+ROW_ARGS: dict[str, list[str]] = {ENDS_UNKNOWN: ["--surface", "vllm", "--agent-ends", "unknown"]}
+SURFACES = (*SURFACES[:2], ENDS_UNKNOWN, *SURFACES[2:])
 HALVES = ("eval", "tune")
 POINTS = ("conc8", "pressure")
 
@@ -68,12 +75,12 @@ def commands(halves: tuple[str, ...]) -> dict[str, list[str]]:
             base = list(point_args(half, point))
             for s in SURFACES:
                 refs = ["--policies", "lru-dram,kvtier"] if s == BASE else ["--policies", "kvtier", "--no-references"]
-                cmds[f"{half}-{point}-{s}"] = base + refs + ["--surface", s]
+                cmds[f"{half}-{point}-{s}"] = base + refs + ROW_ARGS.get(s, ["--surface", s])
     return cmds
 
 
 def run(name: str, args: list[str], work: Path) -> float:
-    out = work / f"{name}.json"
+    out = work / f"{name.replace('/', '_')}.json"
     if out.exists():
         return 0.0
     shown = "kvtier replay " + shlex.join(args)
@@ -97,7 +104,7 @@ def merge(work: Path, cmds: dict[str, list[str]]) -> dict:
     points: dict[str, dict] = {}
     header = None
     for name in cmds:
-        path = work / f"{name}.json"
+        path = work / f"{name.replace('/', '_')}.json"
         if not path.exists():
             continue
         rep = json.loads(path.read_text())

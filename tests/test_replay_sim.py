@@ -139,3 +139,45 @@ def test_slo_capacity_search_finds_the_largest_passing_conc() -> None:
     above = mid["max_conc"] + 1
     if above in by_conc:  # and the next conc up, when measured, failed
         assert by_conc[above]["ttft_p99_s"] > bound
+
+
+def test_with_agent_ends_unknown_a_turn_without_a_tool_call_is_a_turn_end() -> None:
+    """``agent_ends=False`` (``--agent-ends unknown``: hints in kv_transfer_params only): the
+    policy is never told an agent or a session ended; the sub-agent's and the root's last
+    turns, and a user's turn, start ``turn_end`` waits of ``TURN_END_GAP_S``, as the live
+    connector starts them. With ends reported, the same turns end the agents."""
+    from kvtier.placement.base import TURN_END_GAP_S, PlacementPolicy
+
+    class Recorder(PlacementPolicy):
+        name = "recorder"
+
+        def __init__(self) -> None:
+            self.seen: list[tuple] = []
+
+        def on_wait_start(self, ctx, wait) -> None:
+            self.seen.append(("wait", wait.agent_key[1], wait.cause, wait.predicted_gap_s))
+
+        def on_agent_end(self, ctx, agent_key, keys) -> None:
+            self.seen.append(("end", agent_key[1]))
+
+        def on_session_end(self, ctx, session) -> None:
+            self.seen.append(("session end",))
+
+    base = _tiny_session()
+    root = base.sessions[0].agents[0]
+    r3 = Request(3, 900, 4, tuple(range(14)), 40.0, "user", "end_turn", 0.0)  # the user replies to r2
+    w = replace(base, sessions=(Session("s", (replace(root, requests=root.requests + (r3,)),
+                                              base.sessions[0].agents[1])),))
+    w.check_invariants()
+    seen = {}
+    for ends in (True, False):
+        policy = Recorder()
+        Simulator(w, SimConfig(hbm_blocks=1000, conc=1, agent_ends=ends), policy, PROFILE).run()
+        seen[ends] = policy.seen
+    assert [s for s in seen[True] if s[0] != "wait" or s[2] != "tool"] == [
+        ("wait", "root", "subagent_join", pytest.approx(10.0)), ("end", "sub"),
+        ("wait", "root", "user", 10.0), ("end", "root"), ("session end",)]
+    turn_end = ("wait", "root", "turn_end", TURN_END_GAP_S)
+    assert [s for s in seen[False] if s[0] != "wait" or s[2] != "tool"] == [
+        ("wait", "root", "subagent_join", pytest.approx(10.0)), ("wait", "sub", "turn_end", TURN_END_GAP_S),
+        turn_end, turn_end]

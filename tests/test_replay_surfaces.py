@@ -250,13 +250,15 @@ def test_the_ablation_bench_runs_valid_surfaces_and_its_json_has_them_all() -> N
     finally:
         sys.path.remove(str(root / "bench"))
     assert set(mod.DECISIONS) == set(ALL_ADDITIONS)
-    for name in mod.SURFACES:
-        assert surface(name).name == name
+    for name in mod.SURFACES:  # a row with more options (ROW_ARGS) runs the surface its --surface names
+        args = mod.ROW_ARGS.get(name, ["--surface", name])
+        assert surface(args[args.index("--surface") + 1]).name == name.split("/")[0]
     data = json.loads((root / "bench" / "out" / "replay-surface-ablation.json").read_text())
     assert data["surfaces"] == list(mod.SURFACES)
     for point in data["points"].values():
         assert set(point["surfaces"]) == set(mod.SURFACES)
-        assert {r["surface"] for r in point["surfaces"].values()} == set(mod.SURFACES)
+        assert {r["surface"] + ("/agent-ends-unknown" if r.get("agent_ends") == "unknown" else "")
+                for r in point["surfaces"].values()} == set(mod.SURFACES)
         assert point["lru-dram"]["surface"] == "vllm-write-through" and point["references"]["bound_prefill_tokens"] > 0
         rows = [*point["surfaces"].values(), point["lru-dram"]]  # like for like: same point, tiers and admission
         ref = point["references"]

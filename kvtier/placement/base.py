@@ -140,8 +140,9 @@ what follows an ``end_turn``: a user's turn (385, its true gap) or the agent's e
 never); ``tests/test_replay_readers.py`` recomputes it. The replay knows which of the
 two it is (a user's turn, :data:`UNPREDICTED_GAP_S` with ``user_wait_s`` in the
 next-use order, or ``on_agent_end``), as a client that reports agent ends makes it
-known live; a user's turn expected at 60 s left agents done with their last turn
-outliving agents on tool waits of 40-60 s, and hints then did harm."""
+known live, unless told the ends are unknown (``--agent-ends unknown``: then it starts
+these waits as the connector does). A user's turn expected at 60 s left agents done
+with their last turn outliving agents on tool waits of 40-60 s, and hints then did harm."""
 
 
 @dataclass(frozen=True, slots=True)

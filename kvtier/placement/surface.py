@@ -39,11 +39,14 @@ not decide anything itself.
   agents' and untagged requests' blocks keep their LRU places (``order``
   ranks every idle block, which no vLLM surface allows).
 
-On every surface the replay knows when an agent is done (``on_agent_end``),
-as the live connector does from a hint server's agent ends. With hints in
-``kv_transfer_params`` alone, a turn without a tool wait may be the agent's
-last: live it starts a ``turn_end`` wait
-(:data:`~kvtier.placement.base.TURN_END_GAP_S`), which no surface models.
+By default the replay knows when an agent is done (``on_agent_end``), as the
+live connector does from a hint server's agent ends. With hints in
+``kv_transfer_params`` alone (the recommended setup as "Enable it" shows it,
+without a hint server), a turn without a tool wait may be the agent's last:
+live it starts a ``turn_end`` wait
+(:data:`~kvtier.placement.base.TURN_END_GAP_S`), and nothing ends; ``kvtier
+replay --agent-ends unknown`` models that on any surface (not an engine's
+decision, but what the client tells kvtier).
 * ``BASE+ADDITION[+ADDITION...]`` — a named surface with single decisions
   added (:data:`ADDITIONS`), each one flag: four of ``full``'s, ``defer``,
   which ``full`` has not, and ``requeue``. *Modelled only*: :data:`LIVE`

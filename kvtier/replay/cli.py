@@ -130,6 +130,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(TokenCake's), oldest-app (oldest session first, critical agents ahead)")
     p.add_argument("--surface", default="full", metavar="NAME",
                    help="what the engine lets placement do: " + surfaces_help())
+    p.add_argument("--agent-ends", default="reported", choices=["reported", "unknown"],
+                   help="whether the policy learns when an agent is done: reported (default; live, the SDK's agent "
+                        "ends through a hint server) or unknown (hints in kv_transfer_params only: a turn without a "
+                        "tool call, a user's turn or the agent's last, is a turn_end wait of TURN_END_GAP_S, as the "
+                        "live connector then has it; the references do not depend on it)")
     p.add_argument("--split", default="all", choices=["all", "tune", "eval"],
                    help="traces: replay the tuning half (1st, 3rd, ... session by sorted id), the evaluation half "
                         "(2nd, 4th, ...) or all (default)")
@@ -383,7 +388,7 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
         time_scale=args.time_scale,
         trace_name=trace_name, extra=extra,
         skip_oversized=args.skip_oversized, admission=args.admission, surface=args.surface,
-        references=not args.no_references and not fleet,
+        agent_ends=args.agent_ends == "reported", references=not args.no_references and not fleet,
         jobs=args.jobs or default_jobs(),
         slo_ttft_p99_s=args.slo_ttft_p99, slo_interactivity=args.slo_interactivity,
         config_policy=config_policy, config_params=config_params,

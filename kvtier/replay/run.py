@@ -98,6 +98,7 @@ class ReplaySpec:
     skip_oversized: bool = False
     admission: str = "fcfs"
     surface: str = "full"  # what the engine lets placement do (kvtier.placement.surface)
+    agent_ends: bool = True  # the policy learns agents' ends (a hint server's); False: kv_transfer_params only
     references: bool = True
     jobs: int = 1
     slo_ttft_p99_s: float | None = None  # SLO capacity search: later-turn TTFT p99 bound (s)
@@ -152,7 +153,8 @@ def sim_config(spec: ReplaySpec, conc: int, hbm_blocks: int) -> SimConfig:
     return SimConfig(hbm_blocks=hbm_blocks, dram_blocks=dram, ssd_blocks=spec.ssd_blocks, conc=conc,
                      max_batch_tokens=spec.max_batch_tokens, warmup_s=spec.warmup_s, gap_cap_s=spec.gap_cap_s,
                      max_sessions=spec.max_sessions, time_scale=spec.time_scale, skip_requests=skip,
-                     admission=spec.admission, surface=spec.surface, cold_codec=spec.cold_codec)
+                     admission=spec.admission, surface=spec.surface, cold_codec=spec.cold_codec,
+                     agent_ends=spec.agent_ends)
 
 
 # ------------------------------------------------------------ capacity check
@@ -385,6 +387,7 @@ def run_point(spec: ReplaySpec, policy_name: str, conc: int, hbm_blocks: int,
         row |= fleet_fields(spec, result)
     row["admission"] = cfg.admission
     row["surface"] = cfg.surface
+    row["agent_ends"] = "reported" if cfg.agent_ends else "unknown"
     row["skipped_requests"] = result.counters.get("skipped_requests", 0)
     row["wall_s"] = wall
     row["block_touches_per_s"] = result.block_touches / wall if wall > 0 else None
@@ -487,6 +490,7 @@ def report_header(spec: ReplaySpec) -> dict[str, Any]:
                      "distinct_blocks": w.num_distinct_blocks()},
         "admission": spec.admission,
         "surface": spec.surface,
+        "agent_ends": "reported" if spec.agent_ends else "unknown",
         "skip_oversized": spec.skip_oversized,
         **({"cold_codec": spec.cold_codec.describe()} if spec.cold_codec is not None else {}),
         **({"fleet": {"engines": spec.engines, "routing": spec.routing, "remote_blocks": spec.remote_blocks,

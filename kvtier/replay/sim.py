@@ -61,7 +61,7 @@ from .codec import CODEC_STAGES, ColdCodec, ENCODE, transfer_stages
 from .belady import BeladyPolicy, DriftOracle, NextUseOracle
 from .model import Agent, Request, Session, Workload
 from ..placement import PlacementPolicy, ToolWait
-from ..placement.base import UNPREDICTED_GAP_S, ssd_promotion
+from ..placement.base import TURN_END_GAP_S, UNPREDICTED_GAP_S, ssd_promotion
 from ..placement.nextuse import REQUEUE_MAX_BLOCKS, requeue_order
 from ..placement.surface import surface
 
@@ -95,6 +95,12 @@ class SimConfig:
     # The codec of the cold tiers (kvtier.replay.codec); None (or raw): stored as is. dram_blocks and
     # ssd_blocks stay byte budgets in raw blocks; tier_blocks() is what a compressed tier holds.
     cold_codec: ColdCodec | None = None
+    # Whether the policy learns when an agent or a session is done (``on_agent_end``,
+    # ``on_session_end``), as live from a hint server's agent ends. False: hints in
+    # kv_transfer_params only (the connector's recommended setup without a hint server): a turn
+    # without a tool call, a user's turn or the agent's last, starts a ``turn_end`` wait of
+    # TURN_END_GAP_S, as the live connector does, and nothing ends.
+    agent_ends: bool = True
 
     def tier_blocks(self, tier: str) -> int:
         """Blocks ``tier`` holds: its capacity, times the cold codec's ratio where it compresses ``tier``."""
@@ -469,7 +475,8 @@ class Simulator:
     def _end_session(self, sr: _SessionRun) -> None:
         self.session_latency_s.append(self.now - sr.start_s)
         self.graph.end_session("replay", sr.sid, self.now)
-        self.policy.on_session_end(self, sr.idx)
+        if self.cfg.agent_ends:
+            self.policy.on_session_end(self, sr.idx)
         self._start_next_session()
 
     def _issue(self, sr: _SessionRun, agent: Agent, index: int) -> None:
@@ -964,18 +971,19 @@ class Simulator:
                 self._issue(sr, child, 0)
         if last:
             self.graph.end_agent("replay", sr.sid, agent.agent_id, self.now)
-            self.policy.on_agent_end(self, (sr.idx, agent.agent_id), tuple(ctx_keys))
+            if self.cfg.agent_ends:
+                self.policy.on_agent_end(self, (sr.idx, agent.agent_id), tuple(ctx_keys))
+            else:  # to the policy, as any turn without a tool call: it may come back
+                self._wait_starts(sr, agent, ctx_keys, "turn_end", TURN_END_GAP_S)
         if not last:
             nxt = agent.requests[index + 1]
             if nxt.gap_cause == "tool":
                 self.graph.start_tool_call("replay", sr.sid, agent.agent_id, f"{agent.agent_id}#{index + 1}",
                                            "tool", expected_s=None, now_s=self.now)
-            predicted = self._predict_gap(sr, agent, nxt)
-            self._waiting_agents[(sr.idx, agent.agent_id)] = self.now + predicted
-            self.policy.on_wait_start(self, ToolWait((sr.idx, agent.agent_id), tuple(ctx_keys), nxt.gap_cause,
-                                                     predicted))
-            if self.surface.hbm_requeue:
-                self._requeue((sr.idx, agent.agent_id), tuple(ctx_keys))
+            if nxt.gap_cause == "user" and not self.cfg.agent_ends:
+                self._wait_starts(sr, agent, ctx_keys, "turn_end", TURN_END_GAP_S)
+            else:
+                self._wait_starts(sr, agent, ctx_keys, nxt.gap_cause, self._predict_gap(sr, agent, nxt))
             self._issue(sr, agent, index + 1)
         elif agent.parent_id is not None:
             parent = sr.session.agent(agent.parent_id)
@@ -984,6 +992,16 @@ class Simulator:
             self._end_session(sr)
         if self.progress is not None and not run.skipped and len(self.records) % 500 == 0:
             self.progress(len(self.records), self._total_requests)
+
+    def _wait_starts(self, sr: _SessionRun, agent: Agent, ctx_keys: Sequence[BlockKey], cause: str,
+                     predicted: float) -> None:
+        """``agent`` stopped with the context ``ctx_keys``; the policy is told to expect it
+        back in ``predicted`` s (never the true gap)."""
+        key = (sr.idx, agent.agent_id)
+        self._waiting_agents[key] = self.now + predicted
+        self.policy.on_wait_start(self, ToolWait(key, tuple(ctx_keys), cause, predicted))
+        if self.surface.hbm_requeue:
+            self._requeue(key, tuple(ctx_keys))
 
     def _requeue(self, agent_key: tuple[int, str], keys: tuple[BlockKey, ...]) -> None:
         """``hbm_requeue``: ``agent_key`` started waiting with the context ``keys``: its HBM
