@@ -249,6 +249,8 @@ _SURFACE_LABELS = {
     "vllm/agent-ends-unknown": "`vllm` where the client's hints are in `kv_transfer_params` only (`--agent-ends "
                                "unknown`): no hint server tells kvtier an agent is done, so a turn without a tool "
                                "call is a `turn_end` wait (live)",
+    "vllm/tool-waits-announced": "`vllm` told each tool wait's true length (`--tool-waits announced`, an "
+                                 "oracle) where every other row predicts it from the waits seen so far",
     f"{_BASE}+exclusive+order+defer": "+ exclusive DRAM, HBM in the full next-use order, deferred loads",
     f"{_BASE}+exclusive+defer": "+ exclusive DRAM, deferred loads (the connector's `exclusive_dram` before it "
                                 "ordered HBM)",

@@ -14,14 +14,16 @@ traces. At each point, one replay runs ``lru-dram`` and ``kvtier`` on
 bound; every other surface (:data:`SURFACES`)
 runs ``kvtier`` alone (``--no-references``: the references do not depend on
 the surface, they run LRU and Belady with no hints), and the recommended
-surface once more with ``--agent-ends unknown`` (:data:`ROW_ARGS`: hints in
-``kv_transfer_params`` only, no hint server telling kvtier an agent is done). Each replay writes its
+surface with ``--agent-ends unknown`` (:data:`ROW_ARGS`: hints in
+``kv_transfer_params`` only, no hint server telling kvtier an agent is done)
+and with ``--tool-waits announced`` (the true tool waits instead of the
+hint plane's predictions). Each replay writes its
 own ``--json`` into ``--work`` (``build/surface-ablation``), kept so that an
 interrupted run resumes: empty it after changing the code. The merged file
 keeps each row as the replay wrote it and every command line.
 
 Usage: ``python bench/surface_ablation.py [--halves eval,tune] [--parallel 2]``,
-then ``python bench/readme_tables.py``. 80 replays, about 42 minutes two at a
+then ``python bench/readme_tables.py``. 84 replays, about 45 minutes two at a
 time on 2 cores shared with other work.
 """
 
@@ -51,11 +53,14 @@ BASE = "vllm-write-through"  # the connector as it comes; the additions are name
 SURFACES = (BASE, "vllm", f"{BASE}+exclusive+order+defer", f"{BASE}+exclusive+defer", f"{BASE}+requeue",
             *(f"{BASE}+{d}" for d in DECISIONS), f"{BASE}+exclusive+order", f"{BASE}+exclusive+drop", f"{BASE}+all",
             *("+".join([BASE, *(d for d in DECISIONS if d != left)]) for left in DECISIONS), "full")
-# rows that are a surface run with more of the replay's options: the recommended setup when the client's
-# hints are in kv_transfer_params only (no hint server reporting agents' ends: --agent-ends unknown)
+# rows that are a surface run with more of the replay's options, on the recommended setup:
+# hints in kv_transfer_params only (no hint server reporting agents' ends: --agent-ends unknown), and the
+# tool waits' true lengths announced instead of predicted from history (an oracle: what prediction costs)
 ENDS_UNKNOWN = "vllm/agent-ends-unknown"
-ROW_ARGS: dict[str, list[str]] = {ENDS_UNKNOWN: ["--surface", "vllm", "--agent-ends", "unknown"]}
-SURFACES = (*SURFACES[:2], ENDS_UNKNOWN, *SURFACES[2:])
+WAITS_ANNOUNCED = "vllm/tool-waits-announced"
+ROW_ARGS: dict[str, list[str]] = {ENDS_UNKNOWN: ["--surface", "vllm", "--agent-ends", "unknown"],
+                                  WAITS_ANNOUNCED: ["--surface", "vllm", "--tool-waits", "announced"]}
+SURFACES = (*SURFACES[:2], ENDS_UNKNOWN, WAITS_ANNOUNCED, *SURFACES[2:])
 HALVES = ("eval", "tune")
 POINTS = ("conc8", "pressure")
 

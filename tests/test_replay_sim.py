@@ -181,3 +181,31 @@ def test_with_agent_ends_unknown_a_turn_without_a_tool_call_is_a_turn_end() -> N
     assert [s for s in seen[False] if s[0] != "wait" or s[2] != "tool"] == [
         ("wait", "root", "subagent_join", pytest.approx(10.0)), ("wait", "sub", "turn_end", TURN_END_GAP_S),
         turn_end, turn_end]
+
+
+def test_announced_tool_waits_tell_the_policy_each_true_gap() -> None:
+    """``tool_waits="announced"`` (``--tool-waits announced``): every tool wait the policy
+    sees is the true gap, capped as the sim caps it; predicted (the default), the first is
+    the hint plane's no-history guess. A bad value names the setting."""
+    from kvtier.errors import ConfigError
+    from kvtier.placement.base import UNPREDICTED_GAP_S, PlacementPolicy
+
+    class Recorder(PlacementPolicy):
+        name = "recorder"
+
+        def __init__(self) -> None:
+            self.tool: list[float] = []
+
+        def on_wait_start(self, ctx, wait) -> None:
+            if wait.cause == "tool":
+                self.tool.append(wait.predicted_gap_s)
+
+    w = _tiny_session()  # root r2 comes 3 s after a tool call
+    seen = {}
+    for waits, cap in (("predicted", None), ("announced", None), ("announced", 2.5)):
+        policy = Recorder()
+        Simulator(w, SimConfig(hbm_blocks=1000, conc=1, tool_waits=waits, gap_cap_s=cap), policy, PROFILE).run()
+        seen[(waits, cap)] = policy.tool
+    assert seen == {("predicted", None): [UNPREDICTED_GAP_S], ("announced", None): [3.0], ("announced", 2.5): [2.5]}
+    with pytest.raises(ConfigError, match="--tool-waits.*'exact'.*valid: predicted, announced"):
+        Simulator(w, SimConfig(hbm_blocks=1000, tool_waits="exact"), Recorder(), PROFILE)

@@ -69,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..placement.surface import surfaces_help
     from .profiles import HARDWARE, MODELS
     from .run import DEFAULT_POLICIES
+    from .sim import TOOL_WAITS
 
     p.add_argument("--trace", metavar="PATH",
                    help="AgentX/Weka JSON, Mooncake JSONL, or a directory or tarball of them "
@@ -135,6 +136,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ends through a hint server) or unknown (hints in kv_transfer_params only: a turn without a "
                         "tool call, a user's turn or the agent's last, is a turn_end wait of TURN_END_GAP_S, as the "
                         "live connector then has it; the references do not depend on it)")
+    p.add_argument("--tool-waits", default="predicted", choices=list(TOOL_WAITS),
+                   help="what a policy is told of a tool wait: predicted (default: the hint plane's prediction "
+                        "from the waits seen so far) or announced (its true length, as an agent that announces "
+                        "exactly how long its tool takes: an oracle, to measure what prediction error costs)")
     p.add_argument("--split", default="all", choices=["all", "tune", "eval"],
                    help="traces: replay the tuning half (1st, 3rd, ... session by sorted id), the evaluation half "
                         "(2nd, 4th, ...) or all (default)")
@@ -388,7 +393,7 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
         time_scale=args.time_scale,
         trace_name=trace_name, extra=extra,
         skip_oversized=args.skip_oversized, admission=args.admission, surface=args.surface,
-        agent_ends=args.agent_ends == "reported", references=not args.no_references and not fleet,
+        agent_ends=args.agent_ends == "reported", tool_waits=args.tool_waits, references=not args.no_references and not fleet,
         jobs=args.jobs or default_jobs(),
         slo_ttft_p99_s=args.slo_ttft_p99, slo_interactivity=args.slo_interactivity,
         config_policy=config_policy, config_params=config_params,
@@ -555,5 +560,6 @@ def _command_rounds(args: argparse.Namespace, progress) -> int:
 
 def _default_policies() -> str:
     from .run import DEFAULT_POLICIES
+    from .sim import TOOL_WAITS
 
     return ",".join(DEFAULT_POLICIES)

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..agents import AgentGraph, GraphLimits
+from ..errors import ConfigError
 from ..keys import BlockKey
 from ..manager import TierManager, TierSpec
 from ..policies import make_policy
@@ -64,6 +65,9 @@ from ..placement import PlacementPolicy, ToolWait
 from ..placement.base import TURN_END_GAP_S, UNPREDICTED_GAP_S, ssd_promotion
 from ..placement.nextuse import REQUEUE_MAX_BLOCKS, requeue_order
 from ..placement.surface import surface
+
+TOOL_WAITS = ("predicted", "announced")  # SimConfig.tool_waits
+
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
@@ -101,6 +105,10 @@ class SimConfig:
     # without a tool call, a user's turn or the agent's last, starts a ``turn_end`` wait of
     # TURN_END_GAP_S, as the live connector does, and nothing ends.
     agent_ends: bool = True
+    # What a policy is told of a tool wait: "predicted" (the hint plane's prediction from the tool waits seen
+    # so far) or "announced" (the trace's true gap, as the sim applies it: an agent that announces exactly
+    # how long its tool will take, as kv_transfer_params' kvtier_tool_wait_s does in the engine tests).
+    tool_waits: str = "predicted"
 
     def tier_blocks(self, tier: str) -> int:
         """Blocks ``tier`` holds: its capacity, times the cold codec's ratio where it compresses ``tier``."""
@@ -292,6 +300,8 @@ class Simulator:
         self.block_size = workload.block_size
         self.hbm_capacity_blocks = config.hbm_blocks
         self.surface = surface(config.surface)
+        if config.tool_waits not in TOOL_WAITS:
+            raise ConfigError("--tool-waits", config.tool_waits, f"valid: {', '.join(TOOL_WAITS)}")
         self.bytes_per_block = profile.kv_bytes_per_block(self.block_size)
         codec = config.cold_codec
         self.codec = codec if codec is not None and not codec.identity else None  # None: blocks stored raw
@@ -1049,8 +1059,11 @@ class Simulator:
 
     def _predict_gap(self, sr: _SessionRun, agent: Agent, nxt: Request) -> float:
         """The wait a policy is told to expect: for a tool, the hint plane's
-        prediction (history blended per agent type); otherwise, or before any
-        history, :data:`UNPREDICTED_GAP_S`. The true gap is never revealed."""
+        prediction (history blended per agent type), or the true gap where the
+        tool waits are ``announced``; otherwise, or before any history,
+        :data:`UNPREDICTED_GAP_S`. Else the true gap is never revealed."""
+        if nxt.gap_cause == "tool" and self.cfg.tool_waits == "announced":
+            return nxt.gap_s if self.cfg.gap_cap_s is None else min(nxt.gap_s, self.cfg.gap_cap_s)
         if nxt.gap_cause == "tool":
             s = self.graph.session("replay", sr.sid)
             call = s.agents[agent.agent_id].tool_calls.get(f"{agent.agent_id}#{nxt.index}") if s else None

@@ -16,7 +16,9 @@ logprobs (``outputs``), vLLM's own TTFT and cached-token count per request
 cache hit counters (``external_hits`` from kvtier, ``local_hits`` from its own
 prefix cache; cumulative), and with ``"rss": true`` in a phase the resident
 memory of the process tree at its start, its peak (sampled every 20 ms until
-the connector is idle) and its end.
+the connector is idle) and its end. A phase with ``"after": [k, wait_s]``
+starts ``wait_s`` seconds after phase ``k``'s answers came back (an agent back
+from a tool of that length), not at once.
 """
 
 from __future__ import annotations
@@ -171,7 +173,12 @@ def main(spec_path: str, out_path: str | None) -> None:
 
     sp = sampling()
 
+    answered: list[float] = []  # when each phase's answers came back (perf_counter)
+
     def run_phase(llm: LLM, phase: dict) -> dict:
+        if phase.get("after") is not None:  # back from a tool: wait_s after phase k's answers
+            k, wait_s = phase["after"]
+            time.sleep(max(0.0, answered[k] + wait_s - time.perf_counter()))
         if phase.get("reset_prefix_cache"):
             _wait_idle(stats_path)
             result.setdefault("resets", []).append(bool(llm.reset_prefix_cache()))
@@ -188,7 +195,8 @@ def main(spec_path: str, out_path: str | None) -> None:
         prompts = [TokensPrompt(prompt_token_ids=p) if salt is None
                    else TokensPrompt(prompt_token_ids=p, cache_salt=salt) for p, salt in zip(phase["prompts"], salts)]
         outs = llm.generate(prompts, sps, use_tqdm=False)
-        gen_s, cpu_s = time.perf_counter() - t1, _tree_cpu_s() - cpu1
+        answered.append(time.perf_counter())
+        gen_s, cpu_s = answered[-1] - t1, _tree_cpu_s() - cpu1
         rows, timings = [], []
         for o in outs:
             c = o.outputs[0]
