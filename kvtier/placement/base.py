@@ -142,7 +142,11 @@ two it is (a user's turn, :data:`UNPREDICTED_GAP_S` with ``user_wait_s`` in the
 next-use order, or ``on_agent_end``), as a client that reports agent ends makes it
 known live, unless told the ends are unknown (``--agent-ends unknown``: then it starts
 these waits as the connector does). A user's turn expected at 60 s left agents done
-with their last turn outliving agents on tool waits of 40-60 s, and hints then did harm."""
+with their last turn outliving agents on tool waits of 40-60 s, and hints then did harm.
+Replayed that way (``--surface vllm --agent-ends unknown``, tuning half, DRAM 2x HBM),
+116 s computed the least prefill of four values: for 116 / 60 / 300 / 900 s, 19.47 /
+19.54 / 19.48 / 19.49M at conc 8 with ``--hbm-fraction 0.25``, and 23.72 / 23.77 /
+23.89 / 23.88M at conc 16 on that HBM."""
 
 
 @dataclass(frozen=True, slots=True)
