@@ -393,7 +393,8 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
         time_scale=args.time_scale,
         trace_name=trace_name, extra=extra,
         skip_oversized=args.skip_oversized, admission=args.admission, surface=args.surface,
-        agent_ends=args.agent_ends == "reported", tool_waits=args.tool_waits, references=not args.no_references and not fleet,
+        agent_ends=args.agent_ends == "reported", tool_waits=args.tool_waits,
+        references=not args.no_references and not fleet,
         jobs=args.jobs or default_jobs(),
         slo_ttft_p99_s=args.slo_ttft_p99, slo_interactivity=args.slo_interactivity,
         config_policy=config_policy, config_params=config_params,
@@ -560,6 +561,5 @@ def _command_rounds(args: argparse.Namespace, progress) -> int:
 
 def _default_policies() -> str:
     from .run import DEFAULT_POLICIES
-    from .sim import TOOL_WAITS
 
     return ",".join(DEFAULT_POLICIES)

@@ -126,7 +126,8 @@ def _run_all(tmp, max_num_seqs: int) -> dict:
         runs += [(f"{name}@{size}", {"dram_capacity_blocks": dram, **extra}, hinted, 1.0)
                  for name, (extra, hinted) in CONFIGS.items()]
     big = DRAM_SIZES["dram-3-contexts"]
-    runs.append(("kvtier-write-through@dram-3-contexts", {"dram_capacity_blocks": big, "placement": "kvtier"}, True, 1.0))
+    runs.append(("kvtier-write-through@dram-3-contexts", {"dram_capacity_blocks": big, "placement": "kvtier"}, True,
+                 1.0))
     runs.append(("kvtier-long-waits@dram-3-contexts", {"dram_capacity_blocks": big, **CONFIGS["kvtier"][0]}, True,
                  LONG_WAITS))
     for name, extra, hinted, scale in runs:
