@@ -1006,7 +1006,7 @@ class Simulator:
     def _wait_starts(self, sr: _SessionRun, agent: Agent, ctx_keys: Sequence[BlockKey], cause: str,
                      predicted: float) -> None:
         """``agent`` stopped with the context ``ctx_keys``; the policy is told to expect it
-        back in ``predicted`` s (never the true gap)."""
+        back in ``predicted`` s (a prediction; the true gap only where tool waits are announced)."""
         key = (sr.idx, agent.agent_id)
         self._waiting_agents[key] = self.now + predicted
         self.policy.on_wait_start(self, ToolWait(key, tuple(ctx_keys), cause, predicted))
