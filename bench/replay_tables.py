@@ -53,11 +53,12 @@ def tune_kvtier(data: dict[str, Any]) -> str:
     concs = data["concs"]
     body = []
     for r in data["rows"]:
-        chosen = (r["next_use_trust"], r["user_wait_s"]) == (data["chosen_next_use_trust"], data["chosen_user_wait_s"])
-        cells = [f"{r['next_use_trust']:g}", f"{r['user_wait_s']:g}" if r["next_use_trust"] else "(any)"]
-        body.append([f"**{c}**" for c in cells[:1]] + [f"**{cells[1]}** (shipped)"] if chosen else cells)
-        body[-1] += ([f"{r[f'conc{c}_prefill_tokens_computed'] / 1e6:.2f}" for c in concs]
-                     + [f"{r[f'conc{c}_ttft_p99_later_turns_s']:.1f}" for c in concs])
+        pair = (r["next_use_trust"], r["user_wait_s"])
+        trust, wait = f"{pair[0]:g}", f"{pair[1]:g}" if pair[0] else "(any)"
+        if pair == (data["chosen_next_use_trust"], data["chosen_user_wait_s"]):
+            trust, wait = f"**{trust}**", f"**{wait}** (shipped)"
+        body.append([trust, wait] + [f"{r[f'conc{c}_prefill_tokens_computed'] / 1e6:.2f}" for c in concs]
+                    + [f"{r[f'conc{c}_ttft_p99_later_turns_s']:.1f}" for c in concs])
     caption = (f"Tuning half ({data['sessions']} sessions), HBM {data['hbm_blocks']:,}, DRAM {data['dram_blocks']:,} "
                f"blocks, no SSD, conc {' and '.join(map(str, concs))}:\n\n")
     return caption + md_table(["trust in the predicted wait", "user_wait_s"]

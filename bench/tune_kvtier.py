@@ -19,7 +19,7 @@ Must not read the evaluation half: the README reports the chosen constant
 there (``bench/replay_results.py``), and ``tests/test_readme_tables.py``
 checks that the shipped constants are the ones chosen here.
 
-Usage: ``python bench/tune_kvtier.py [--jobs N]`` (about 25 minutes on 2 cores).
+Usage: ``python bench/tune_kvtier.py [--jobs N]`` (about 12 minutes on 2 cores).
 """
 
 from __future__ import annotations
