@@ -11,7 +11,7 @@ import pytest
 from kvtier.replay import default_workload
 from kvtier.replay.generator import GeneratorConfig
 from kvtier.replay.model import Agent, Request, Session, Workload
-from kvtier.placement import make_placement
+from kvtier.placement import PlacementPolicy, make_placement
 from kvtier.replay.profiles import get_profile
 from kvtier.replay.run import ReplaySpec, run_point
 from kvtier.replay.sim import SimConfig, Simulator
@@ -141,27 +141,30 @@ def test_slo_capacity_search_finds_the_largest_passing_conc() -> None:
         assert by_conc[above]["ttft_p99_s"] > bound
 
 
+class _Recorder(PlacementPolicy):
+    """What the simulator tells a placement policy: wait starts, agent and session ends."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.seen: list[tuple] = []
+
+    def on_wait_start(self, ctx, wait) -> None:
+        self.seen.append(("wait", wait.agent_key[1], wait.cause, wait.predicted_gap_s))
+
+    def on_agent_end(self, ctx, agent_key, keys) -> None:
+        self.seen.append(("end", agent_key[1]))
+
+    def on_session_end(self, ctx, session) -> None:
+        self.seen.append(("session end",))
+
+
 def test_with_agent_ends_unknown_a_turn_without_a_tool_call_is_a_turn_end() -> None:
     """``agent_ends=False`` (``--agent-ends unknown``: hints in kv_transfer_params only): the
     policy is never told an agent or a session ended; the sub-agent's and the root's last
     turns, and a user's turn, start ``turn_end`` waits of ``TURN_END_GAP_S``, as the live
     connector starts them. With ends reported, the same turns end the agents."""
-    from kvtier.placement.base import TURN_END_GAP_S, PlacementPolicy
-
-    class Recorder(PlacementPolicy):
-        name = "recorder"
-
-        def __init__(self) -> None:
-            self.seen: list[tuple] = []
-
-        def on_wait_start(self, ctx, wait) -> None:
-            self.seen.append(("wait", wait.agent_key[1], wait.cause, wait.predicted_gap_s))
-
-        def on_agent_end(self, ctx, agent_key, keys) -> None:
-            self.seen.append(("end", agent_key[1]))
-
-        def on_session_end(self, ctx, session) -> None:
-            self.seen.append(("session end",))
+    from kvtier.placement.base import TURN_END_GAP_S
 
     base = _tiny_session()
     root = base.sessions[0].agents[0]
@@ -171,7 +174,7 @@ def test_with_agent_ends_unknown_a_turn_without_a_tool_call_is_a_turn_end() -> N
     w.check_invariants()
     seen = {}
     for ends in (True, False):
-        policy = Recorder()
+        policy = _Recorder()
         Simulator(w, SimConfig(hbm_blocks=1000, conc=1, agent_ends=ends), policy, PROFILE).run()
         seen[ends] = policy.seen
     assert [s for s in seen[True] if s[0] != "wait" or s[2] != "tool"] == [
@@ -188,24 +191,14 @@ def test_announced_tool_waits_tell_the_policy_each_true_gap() -> None:
     sees is the true gap, capped as the sim caps it; predicted (the default), the first is
     the hint plane's no-history guess. A bad value names the setting."""
     from kvtier.errors import ConfigError
-    from kvtier.placement.base import UNPREDICTED_GAP_S, PlacementPolicy
-
-    class Recorder(PlacementPolicy):
-        name = "recorder"
-
-        def __init__(self) -> None:
-            self.tool: list[float] = []
-
-        def on_wait_start(self, ctx, wait) -> None:
-            if wait.cause == "tool":
-                self.tool.append(wait.predicted_gap_s)
+    from kvtier.placement.base import UNPREDICTED_GAP_S
 
     w = _tiny_session()  # root r2 comes 3 s after a tool call
     seen = {}
     for waits, cap in (("predicted", None), ("announced", None), ("announced", 2.5)):
-        policy = Recorder()
+        policy = _Recorder()
         Simulator(w, SimConfig(hbm_blocks=1000, conc=1, tool_waits=waits, gap_cap_s=cap), policy, PROFILE).run()
-        seen[(waits, cap)] = policy.tool
+        seen[(waits, cap)] = [e[3] for e in policy.seen if e[0] == "wait" and e[2] == "tool"]
     assert seen == {("predicted", None): [UNPREDICTED_GAP_S], ("announced", None): [3.0], ("announced", 2.5): [2.5]}
     with pytest.raises(ConfigError, match="--tool-waits.*'exact'.*valid: predicted, announced"):
-        Simulator(w, SimConfig(hbm_blocks=1000, tool_waits="exact"), Recorder(), PROFILE)
+        Simulator(w, SimConfig(hbm_blocks=1000, tool_waits="exact"), _Recorder(), PROFILE)
