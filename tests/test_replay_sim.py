@@ -202,3 +202,74 @@ def test_announced_tool_waits_tell_the_policy_each_true_gap() -> None:
     assert seen == {("predicted", None): [UNPREDICTED_GAP_S], ("announced", None): [3.0], ("announced", 2.5): [2.5]}
     with pytest.raises(ConfigError, match="--tool-waits.*'exact'.*valid: predicted, announced"):
         Simulator(w, SimConfig(hbm_blocks=1000, tool_waits="exact"), _Recorder(), PROFILE)
+
+
+def _two_forks(prompt_blocks: int = 6, shared: int = 4) -> Workload:
+    """Two sessions whose first requests share ``shared`` leading blocks and arrive together."""
+    def one(name: str, own: int) -> Session:
+        ids = tuple(range(shared)) + tuple(own + j for j in range(prompt_blocks - shared))
+        return Session(name, (Agent(name, None, "main", (Request(0, prompt_blocks * 64 + 5, 4, ids, 0.0, "start",
+                                                                     "end_turn", 0.0),)),))
+    return Workload("forks", 64, (one("a", 100), one("b", 200)), open_loop=True)
+
+
+def test_vllm_scheduler_shares_blocks_scheduled_earlier_in_the_step() -> None:
+    """``scheduler="vllm"``: vLLM caches a block when it allocates it, so a request admitted
+    after another in the same step finds the blocks that one's chunk covers as HBM hits, and
+    the step computes them once; ``plain`` finds only computed blocks, so both requests
+    compute the shared prefix."""
+    w = _two_forks()
+    out = {}
+    for sched in ("plain", "vllm"):
+        cfg = SimConfig(hbm_blocks=100, conc=2, max_batch_tokens=4096, scheduler=sched)
+        res = Simulator(w, cfg, make_placement("lru"), PROFILE).run()
+        out[sched] = sorted((r.hit_hbm_tokens, r.computed_tokens) for r in res.records)
+        assert len({r.first_token_s for r in res.records}) == 1  # one step served both
+    assert out == {"plain": [(0, 389), (0, 389)], "vllm": [(0, 389), (4 * 64, 389 - 4 * 64)]}
+
+
+def test_vllm_scheduler_admits_only_while_the_step_has_tokens_left() -> None:
+    """Steps of 200 tokens: the first request's chunk takes all of the first, so vLLM admits
+    the second only in the next step (the first's last 189 tokens leave 11), by when the
+    first's chunks cover the 4 shared blocks: they are hits. ``plain`` admits both at once,
+    before any block is computed. A bad value names the setting."""
+    from kvtier.errors import ConfigError
+
+    w = _two_forks()
+    out = {}
+    for sched in ("plain", "vllm"):
+        cfg = SimConfig(hbm_blocks=100, conc=2, max_batch_tokens=200, scheduler=sched)
+        res = Simulator(w, cfg, make_placement("lru"), PROFILE).run()
+        out[sched] = [(r.hit_hbm_tokens, r.computed_tokens) for r in sorted(res.records, key=lambda r: r.session)]
+    assert out == {"plain": [(0, 389), (0, 389)], "vllm": [(0, 389), (4 * 64, 389 - 4 * 64)]}
+    with pytest.raises(ConfigError, match="--scheduler.*'sglang'.*valid: plain, vllm"):
+        Simulator(w, SimConfig(hbm_blocks=100, scheduler="sglang"), make_placement("lru"), PROFILE)
+
+
+def test_live_write_backs_claim_their_dram_slot_when_they_leave_hbm() -> None:
+    """Exclusive DRAM: on ``full`` (modelled only) an HBM victim takes the DRAM slot the
+    admission's loads free (a swap through a staging buffer); on ``vllm`` it claims a DRAM
+    slot as it leaves HBM, as the connector's write-back does in ``on_reuse``, so with DRAM
+    full of blocks the admission is loading, it finds no room and is dropped."""
+    from kvtier.placement.surface import SURFACES
+
+    assert SURFACES["full"].victim_swap and not SURFACES["vllm"].victim_swap
+    # a: 4 blocks, then b: 4 other blocks evict a's from a 5-block HBM into a 4-block DRAM,
+    # then a again: its 4 DRAM blocks load while b's go down (HBM can hold only one context)
+    a0 = Request(0, 4 * 64 + 5, 4, (1, 2, 3, 4), 0.0, "start", "tool_use", 0.0)
+    a1 = Request(1, 4 * 64 + 5, 4, (1, 2, 3, 4), 5.0, "tool", "end_turn", 0.0)
+    b0 = Request(0, 4 * 64 + 5, 4, (11, 12, 13, 14), 1.0, "start", "end_turn", 1.0)
+    w = Workload("swap", 64, (Session("a", (Agent("a", None, "main", (a0, a1)),)),
+                              Session("b", (Agent("b", None, "main", (b0,)),))), open_loop=True)
+    out = {}
+    for surface in ("full", "vllm"):
+        cfg = SimConfig(hbm_blocks=5, dram_blocks=4, conc=2, surface=surface)
+        sim = Simulator(w, cfg, make_placement("kvtier"), PROFILE)
+        res = sim.run()
+        sim.mgr.check_invariants()
+        a_again = next(r for r in res.records if r.agent_id == "a" and r.index == 1)
+        out[surface] = (a_again.hit_dram_tokens, res.counters.get("write_back_no_room", 0),
+                        len(sim.mgr.present([11, 12, 13, 14], "dram")))
+    assert out["full"][0] == out["vllm"][0] == 4 * 64  # a's blocks load from DRAM on both
+    assert out["full"][1] == 0 and out["full"][2] > 0  # swapped: b's blocks take the slots a's loads free
+    assert out["vllm"][1] > 0 and out["vllm"][2] == 0  # live: no room while a's blocks still fill DRAM

@@ -35,7 +35,8 @@ def test_full_and_vllm_write_through_are_unchanged() -> None:
     assert SURFACES["full"] == Surface("full")
     assert _differs(SURFACES["vllm-write-through"], SURFACES["full"]) == {
         "hbm_demote": False, "hbm_drop": False, "prefetch_to": "dram", "choose_load": False,
-        "write_through_always": True, "pressure_counts_idle": False, "hbm_victim_write": False}
+        "write_through_always": True, "pressure_counts_idle": False, "hbm_victim_write": False,
+        "victim_swap": False}  # (a live write-back claims its DRAM slot as it leaves HBM: no staging swap)
     assert surface("vllm-write-through") is SURFACES["vllm-write-through"] and surface("full") is SURFACES["full"]
 
 
@@ -72,7 +73,8 @@ def test_all_is_every_addition_and_differs_from_full_only_where_vllm_cannot_foll
     every = surface("vllm-write-through+all")
     assert every == replace(surface(f"{WT}+exclusive+order+drop+prefetch+defer"), name=f"{WT}+all")
     assert _differs(every, SURFACES["full"]) == {"choose_load": False, "write_through_always": True,
-                                                 "pressure_counts_idle": False, "defer_loads": True}
+                                                 "pressure_counts_idle": False, "defer_loads": True,
+                                                 "victim_swap": False}
     assert _differs(surface(f"{WT}+order+exclusive"), SURFACES[WT]) == {"hbm_demote": True,
                                                                            "hbm_victim_write": True}
 

@@ -80,11 +80,16 @@ class Surface:
     # HBM stays LRU, but after each wait start the idle HBM blocks of the waiting agents due no later go to
     # its tail in the policy's next-use order (vLLM: touch + free_blocks; kvtier.placement.nextuse.requeue_order)
     hbm_requeue: bool = False
+    # Where a block going down to DRAM (hbm_victim_write) finds room. True: the slot a load of the same
+    # admission frees, through a staging buffer (the victims and the loads swap places; modelled only).
+    # False: it claims a DRAM slot when it leaves HBM, evicting there in the policy's order (or is dropped
+    # when nothing there can go), as the live connector's write-back does in ``on_reuse``.
+    victim_swap: bool = True
 
 
 _WRITE_THROUGH = Surface("vllm-write-through", hbm_demote=False, hbm_drop=False, prefetch_to="dram",
                          choose_load=False, write_through_always=True, pressure_counts_idle=False,
-                         hbm_victim_write=False)
+                         hbm_victim_write=False, victim_swap=False)
 SURFACES: dict[str, Surface] = {
     "full": Surface("full"),
     "vllm": replace(_WRITE_THROUGH, name="vllm", hbm_victim_write=True, hbm_requeue=True, defer_loads=True),

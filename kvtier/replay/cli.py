@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..placement.surface import surfaces_help
     from .profiles import HARDWARE, MODELS
     from .run import DEFAULT_POLICIES
-    from .sim import TOOL_WAITS
+    from .sim import SCHEDULERS, TOOL_WAITS
 
     p.add_argument("--trace", metavar="PATH",
                    help="AgentX/Weka JSON, Mooncake JSONL, or a directory or tarball of them "
@@ -140,6 +140,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="what a policy is told of a tool wait: predicted (default: the hint plane's prediction "
                         "from the waits seen so far) or announced (its true length, as an agent that announces "
                         "exactly how long its tool takes: an oracle, to measure what prediction error costs)")
+    p.add_argument("--scheduler", default="plain", choices=list(SCHEDULERS),
+                   help="how the engine admits requests each step: plain (default: up to the running limit, "
+                        "whatever the step's token budget; a block is a prefix hit once computed) or vllm (vLLM "
+                        "0.32's scheduler: admitted only while the step has tokens left, and a block scheduled "
+                        "earlier in the step is a prefix hit, as vLLM caches a block when it allocates it)")
     p.add_argument("--split", default="all", choices=["all", "tune", "eval"],
                    help="traces: replay the tuning half (1st, 3rd, ... session by sorted id), the evaluation half "
                         "(2nd, 4th, ...) or all (default)")
@@ -393,7 +398,7 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
         time_scale=args.time_scale,
         trace_name=trace_name, extra=extra,
         skip_oversized=args.skip_oversized, admission=args.admission, surface=args.surface,
-        agent_ends=args.agent_ends == "reported", tool_waits=args.tool_waits,
+        agent_ends=args.agent_ends == "reported", tool_waits=args.tool_waits, scheduler=args.scheduler,
         references=not args.no_references and not fleet,
         jobs=args.jobs or default_jobs(),
         slo_ttft_p99_s=args.slo_ttft_p99, slo_interactivity=args.slo_interactivity,

@@ -100,6 +100,7 @@ class ReplaySpec:
     surface: str = "full"  # what the engine lets placement do (kvtier.placement.surface)
     agent_ends: bool = True  # the policy learns agents' ends (a hint server's); False: kv_transfer_params only
     tool_waits: str = "predicted"  # or "announced": the policy is told each tool wait's true length
+    scheduler: str = "plain"  # or "vllm": admission within the step's token budget, blocks cached at allocation
     references: bool = True
     jobs: int = 1
     slo_ttft_p99_s: float | None = None  # SLO capacity search: later-turn TTFT p99 bound (s)
@@ -155,7 +156,7 @@ def sim_config(spec: ReplaySpec, conc: int, hbm_blocks: int) -> SimConfig:
                      max_batch_tokens=spec.max_batch_tokens, warmup_s=spec.warmup_s, gap_cap_s=spec.gap_cap_s,
                      max_sessions=spec.max_sessions, time_scale=spec.time_scale, skip_requests=skip,
                      admission=spec.admission, surface=spec.surface, cold_codec=spec.cold_codec,
-                     agent_ends=spec.agent_ends, tool_waits=spec.tool_waits)
+                     agent_ends=spec.agent_ends, tool_waits=spec.tool_waits, scheduler=spec.scheduler)
 
 
 # ------------------------------------------------------------ capacity check
@@ -390,6 +391,7 @@ def run_point(spec: ReplaySpec, policy_name: str, conc: int, hbm_blocks: int,
     row["surface"] = cfg.surface
     row["agent_ends"] = "reported" if cfg.agent_ends else "unknown"
     row["tool_waits"] = cfg.tool_waits
+    row["scheduler"] = cfg.scheduler
     row["skipped_requests"] = result.counters.get("skipped_requests", 0)
     row["wall_s"] = wall
     row["block_touches_per_s"] = result.block_touches / wall if wall > 0 else None
@@ -494,6 +496,7 @@ def report_header(spec: ReplaySpec) -> dict[str, Any]:
         "surface": spec.surface,
         "agent_ends": "reported" if spec.agent_ends else "unknown",
         "tool_waits": spec.tool_waits,
+        "scheduler": spec.scheduler,
         "skip_oversized": spec.skip_oversized,
         **({"cold_codec": spec.cold_codec.describe()} if spec.cold_codec is not None else {}),
         **({"fleet": {"engines": spec.engines, "routing": spec.routing, "remote_blocks": spec.remote_blocks,

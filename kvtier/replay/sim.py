@@ -67,6 +67,7 @@ from ..placement.nextuse import REQUEUE_MAX_BLOCKS, requeue_order
 from ..placement.surface import surface
 
 TOOL_WAITS = ("predicted", "announced")  # SimConfig.tool_waits
+SCHEDULERS = ("plain", "vllm")  # SimConfig.scheduler
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +110,11 @@ class SimConfig:
     # so far) or "announced" (the trace's true gap, as the sim applies it: an agent that announces exactly
     # how long its tool will take, as kv_transfer_params' kvtier_tool_wait_s does in the engine tests).
     tool_waits: str = "predicted"
+    # How the engine admits requests each step (SCHEDULERS): "plain" (up to max_running, whatever the step's
+    # token budget; a block is a prefix hit once computed) or "vllm" (vLLM 0.32's scheduler: a request is
+    # admitted only while the step has tokens left, and a block counts as a prefix hit for the requests
+    # admitted after the step that schedules it, as vLLM caches a block when it allocates it).
+    scheduler: str = "plain"
 
     def tier_blocks(self, tier: str) -> int:
         """Blocks ``tier`` holds: its capacity, times the cold codec's ratio where it compresses ``tier``."""
@@ -163,7 +169,7 @@ class _Run:
     __slots__ = (
         "sess", "agent", "req", "keys", "ready_s", "prefill_left", "ctx_tokens", "decode_left",
         "first_token_s", "held", "store_plan", "computed_keys", "loads_pending", "load_ready_s",
-        "hit", "computed_tokens", "uncached", "reserved", "prefetch", "skipped",
+        "hit", "computed_tokens", "uncached", "reserved", "prefetch", "skipped", "take",
     )
 
     def __init__(self, sess: "_SessionRun", agent: Agent, req: Request, ready_s: float) -> None:
@@ -184,6 +190,7 @@ class _Run:
         self.reserved = 0  # HBM blocks reserved for the decode
         self.prefetch: _Prefetch | None = None  # a prefetch for this request that arrived in time
         self.skipped = False  # in SimConfig.skip_requests: never admitted, never recorded
+        self.take = 0  # scheduler "vllm": prompt tokens the pass being admitted schedules for it
 
 
 class _Prefetch:
@@ -302,6 +309,11 @@ class Simulator:
         self.surface = surface(config.surface)
         if config.tool_waits not in TOOL_WAITS:
             raise ConfigError("--tool-waits", config.tool_waits, f"valid: {', '.join(TOOL_WAITS)}")
+        if config.scheduler not in SCHEDULERS:
+            raise ConfigError("--scheduler", config.scheduler, f"valid: {', '.join(SCHEDULERS)}")
+        self._vllm_sched = config.scheduler == "vllm"
+        # scheduler "vllm": the blocks prefilling runs store in HBM, by key: (run, position in its keys)
+        self._prefill_owner: dict[BlockKey, tuple[_Run, int]] = {}
         self.bytes_per_block = profile.kv_bytes_per_block(self.block_size)
         codec = config.cold_codec
         self.codec = codec if codec is not None and not codec.identity else None  # None: blocks stored raw
@@ -314,7 +326,8 @@ class Simulator:
         self._victim_cache = (policy.write_back_dram == "evict" and self.surface.hbm_victim_write
                               and "dram" in policy.lower_tiers and config.tier_blocks("dram") > 0)
         self._victims: list[tuple[BlockKey, BlockKey | None]] = []  # HBM victims to write down
-        self._victims_on_way: dict[BlockKey, tuple[BlockKey | None, float]] = {}  # copying down: parent, lands at
+        # copying down: parent, lands at, and its DRAM store (the slot it claimed; None: claimed when it lands)
+        self._victims_on_way: dict[BlockKey, tuple[BlockKey | None, float, Any]] = {}
         self._to_stage: list[Sequence[BlockKey]] = []  # contexts of requests that arrived (see stage)
         self._deferred: list[tuple[_Run, Any]] = []  # taken off the queue's head during one admission pass
         self.mgr = TierManager(self._tier_specs(), pin_budget_blocks=config.hbm_blocks,
@@ -558,7 +571,8 @@ class Simulator:
         if self._admission_blocked:
             return
         deferred = self._deferred  # skipped this pass, keeping their places (a surface's defer_loads)
-        while self.waiting and len(self.prefilling) + len(self.decoding) < self.cfg.max_running:
+        budget = self._plan_running() if self._vllm_sched else 1
+        while self.waiting and len(self.prefilling) + len(self.decoding) < self.cfg.max_running and budget > 0:
             run = self.waiting.head()
             if self._load_not_ready(run):
                 deferred.append((run, self.waiting.pop_entry()))
@@ -577,9 +591,41 @@ class Simulator:
                     run.loads_pending += 1
                     run.load_ready_s = max(run.load_ready_s, done)
                     self._at(done, self._victims_out, run)
+            if self._vllm_sched and not run.loads_pending:
+                run.take = min(run.prefill_left, budget)
+                budget -= run.take
         if deferred:
             self.waiting.put_back([entry for _, entry in deferred])
             deferred.clear()
+
+    def _plan_running(self) -> int:
+        """Scheduler "vllm": the prompt tokens this pass's step gives the running
+        prefills (each run's ``take``, in the order :meth:`_step` serves them);
+        returns the tokens left for new requests, as vLLM schedules its running
+        requests before it admits any waiting one."""
+        budget = self.cfg.max_batch_tokens - len(self.decoding)
+        for run in self.prefilling:
+            run.take = 0 if run.loads_pending or budget <= 0 else min(run.prefill_left, budget)
+            budget -= run.take
+        return budget
+
+    def _scheduled_in_hbm(self, keys: Sequence[BlockKey], n: int) -> int:
+        """Scheduler "vllm": how many of ``keys[n:]`` (not readable in any tier) a prefilling
+        request has already been scheduled to compute, by this pass or an earlier one:
+        vLLM caches a block when it allocates it, so a request admitted after that
+        finds it as a prefix hit in HBM (and the forward pass computes it once)."""
+        owner, bs = self._prefill_owner, self.block_size
+        m = n
+        while m < len(keys):
+            entry = owner.get(keys[m])
+            if entry is None:
+                break
+            run, pos = entry
+            done = sum(run.hit.values()) + run.computed_tokens - run.prefill_left + run.take
+            if (pos + 1) * bs > done:
+                break
+            m += 1
+        return m - n
 
     def _load_not_ready(self, run: _Run) -> bool:
         """Whether ``run`` is deferred: on a surface with ``defer_loads``, its cached
@@ -655,10 +701,12 @@ class Simulator:
         tail = self._deepest_ready_hbm(keys, n_used)
         if tail is not None:
             mgr.acquire((tail,))
+        n_sched = self._scheduled_in_hbm(keys, n_used) if self._vllm_sched and n_used == hit.num_blocks else 0
+        n_own = n_used + n_sched  # the rest this request computes
         store_plan = None
-        if ok and n_used < len(keys):
-            store_plan = mgr.prepare_store("hbm", keys[n_used:], keys[n_used - 1] if n_used else None)
-            if store_plan is None or len(store_plan.keys) + len(store_plan.skipped) < len(keys) - n_used:
+        if ok and n_own < len(keys):
+            store_plan = mgr.prepare_store("hbm", keys[n_own:], keys[n_own - 1] if n_own else None)
+            if store_plan is None or len(store_plan.keys) + len(store_plan.skipped) < len(keys) - n_own:
                 ok = False
         reserve = need - len(keys)
         if ok and reserve > 0 and not mgr.reserve("hbm", reserve):
@@ -692,7 +740,12 @@ class Simulator:
                     mgr.touch(keys, tier)
         run.held, run.reserved, run.store_plan = tail, max(0, reserve), store_plan
         run.computed_keys = store_plan.keys if store_plan is not None else ()
-        run.hit["hbm"] = used_tiers.count(hbm_idx) * bs
+        run.hit["hbm"] = (used_tiers.count(hbm_idx) + n_sched) * bs
+        if self._vllm_sched and store_plan is not None:
+            first = len(keys) - len(store_plan.keys) - len(store_plan.skipped)
+            owner = self._prefill_owner
+            for i, key in enumerate(keys[first:], first):
+                owner.setdefault(key, (run, i))
         for plan in moves:
             run.hit[plan.src] += len(plan.keys) * bs
             done = self._transfer(plan.src, "hbm", len(plan.keys))
@@ -832,21 +885,33 @@ class Simulator:
                 mgr.touch((key,), "dram")
                 continue
             todo.append((key, parent))
+        plans: list[Any] = [None] * len(todo)
+        if not self.surface.victim_swap:  # each claims its DRAM slot now (the live write-back)
+            kept = []
+            for key, parent in todo:
+                plan = mgr.prepare_store("dram", (key,), parent)
+                if plan is None or not plan.keys:
+                    self.counters["write_back_no_room"] = self.counters.get("write_back_no_room", 0) + 1
+                    continue
+                kept.append(((key, parent), plan))
+            todo, plans = [k for k, _ in kept], [p for _, p in kept]
+            after = None
         if not todo:
             return None
         done = self._transfer("hbm", "dram", len(todo),  # one copy for the lot
                               self._num_to_encode([key for key, _ in todo], "dram"))
         lands = done if after is None else max(done, after)
-        self._victims_on_way.update((key, (parent, lands)) for key, parent in todo)
+        self._victims_on_way.update((key, (parent, lands, plan)) for (key, parent), plan in zip(todo, plans))
         self._at(lands, self._store_victims, todo)
         return done
 
     def _store_victims(self, todo: list[tuple[BlockKey, BlockKey | None]]) -> None:
         on_way = self._victims_on_way
         for key, parent in todo:
-            if on_way.pop(key, None) is None:
+            entry = on_way.pop(key, None)
+            if entry is None:
                 continue  # landed early (:meth:`_land_victims`)
-            self._store_victim(key, parent)
+            self._store_victim(key, parent, entry[2])
         if self.surface.defer_loads:  # a deferred request may find its blocks now
             self._admission_blocked = False
 
@@ -864,12 +929,15 @@ class Simulator:
                     break
                 continue
             lands = max(lands, entry[1])
-            self._store_victim(key, entry[0])
+            self._store_victim(key, entry[0], entry[2])
             self.counters["victims_landed_early"] += 1
         return lands
 
-    def _store_victim(self, key: BlockKey, parent: BlockKey | None) -> None:
+    def _store_victim(self, key: BlockKey, parent: BlockKey | None, plan: Any = None) -> None:
         mgr = self.mgr
+        if plan is not None:  # its slot was claimed when it left HBM
+            mgr.complete_store(plan, True)
+            return
         if mgr.contains(key, "hbm") or mgr.contains(key, "dram") or mgr.is_pending(key, "dram"):
             return  # back in HBM, or stored again meanwhile
         plan = mgr.prepare_store("dram", (key,), parent)
@@ -949,6 +1017,11 @@ class Simulator:
         run.first_token_s = self.now
         run.decode_left = run.req.output_tokens - 1
         if run.store_plan is not None:
+            if self._vllm_sched:
+                owner = self._prefill_owner
+                for key in run.keys:
+                    if owner.get(key, (None,))[0] is run:
+                        del owner[key]
             self.mgr.complete_store(run.store_plan, True)
             self._retail(run)
             first = run.keys.index(run.computed_keys[0]) if run.computed_keys else 0

@@ -103,6 +103,7 @@ class _Match:
     num_remote: int = 0
     keys: tuple[BlockKey, ...] = ()  # approximate reuse: the keys to load (segment masters in place of own)
     shifts: tuple[int, ...] = ()  # and by how many positions each block's keys turn
+    held: tuple[BlockKey, ...] = ()  # the local hit, referenced until its load is planned (see _hold_match)
 
 
 @dataclass(slots=True)
@@ -316,6 +317,7 @@ class KVTierScheduler:
         the in-memory index only. The last prompt token is never offered: the
         engine must compute at least one token to sample."""
         self.placement.settle_order()  # (before this pass allocates: the waits that started last step)
+        self._drop_match(request.request_id)  # asked again (its allocation failed, or it was deferred)
         st = self._state(request)
         keys = self._keys(st)
         max_blocks = min(len(keys), (request.num_tokens - 1) // self.block_size)
@@ -344,9 +346,22 @@ class KVTierScheduler:
         if hit.num_blocks + remote == 0:
             return 0, False
         end = start + hit.num_blocks + remote
+        held = tuple(keys[start:start + hit.num_blocks])
+        self.manager.acquire(held)
         self._matches[request.request_id] = _Match(start, hit.num_blocks, remote, tuple(keys[start:end]),
-                                                   tuple(shifts[start:end]) if any(shifts[start:end]) else ())
+                                                   tuple(shifts[start:end]) if any(shifts[start:end]) else (), held)
         return (hit.num_blocks + remote) * self.block_size, True
+
+    def _drop_match(self, req_id: str) -> _Match | None:
+        """Forget ``req_id``'s answered lookup, releasing its hit. The hit is referenced
+        from the lookup until the load is planned: in between, vLLM allocates the
+        request's blocks, and with ``exclusive_dram`` each HBM block it reuses is
+        written back to DRAM, which could otherwise evict a block just matched (the
+        load then came back short and vLLM recomputed what it had counted as a hit)."""
+        match = self._matches.pop(req_id, None)
+        if match is not None and match.held:
+            self.manager.release(match.held)
+        return match
 
     def _lanes_hit(self, st: _Req, start: int, max_blocks: int) -> tuple[int, bool]:
         """A hybrid model's hit past block ``start``: the longest run every
@@ -442,7 +457,7 @@ class KVTierScheduler:
                                  group_block_ids: Sequence[Sequence[int]] | None = None) -> None:
         """Plan the load of ``num_external_tokens`` into the request's new blocks
         (``block_ids``: the first group's; ``group_block_ids``: every group's)."""
-        match = self._matches.pop(request.request_id, None)
+        match = self._drop_match(request.request_id)  # (the load plan references what it reads)
         if num_external_tokens == 0 or match is None:
             return
         st = self._state(request)
@@ -456,6 +471,7 @@ class KVTierScheduler:
         local = min(n, match.num_blocks)
         plan = self.manager.prepare_load(keys[:local]) if local else None
         got = len(plan.keys) if plan is not None else 0
+        self.counters["load_short_blocks"] += local - got  # (none: the match was held until now)
         remote = tuple(keys[local:]) if got == local else ()  # the remote run must follow the local one
         if got + len(remote) == 0:  # cannot happen within one step; the worker fails every block
             job = LoadJob(request.request_id, 0, (), (), (), targets)
@@ -604,7 +620,7 @@ class KVTierScheduler:
         """Forget ``request``; True (keep its blocks) while a worker still reads
         them for a store, or writes them for a load."""
         st = self._reqs.pop(request.request_id, None)
-        self._matches.pop(request.request_id, None)
+        self._drop_match(request.request_id)
         self._remote_lookups.pop(request.request_id, None)
         self.placement.finished(request.request_id)
         wait_s = request_tool_wait_s(getattr(request, "kv_transfer_params", None))
