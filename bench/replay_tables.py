@@ -252,6 +252,9 @@ _SURFACE_LABELS = {
                                "call is a `turn_end` wait (live)",
     "vllm/tool-waits-announced": "`vllm` told each tool wait's true length (`--tool-waits announced`, an "
                                  "oracle) where every other row predicts it from the waits seen so far",
+    "vllm/scheduler-vllm": "`vllm` with vLLM's admission (`--scheduler vllm`: only while the step has tokens "
+                           "left, and a block allocated earlier in the step is a hit; the references and every "
+                           "other row admit up to the running limit)",
     f"{_BASE}+exclusive+order+defer": "+ exclusive DRAM, HBM in the full next-use order, deferred loads",
     f"{_BASE}+exclusive+defer": "+ exclusive DRAM, deferred loads (the connector's `exclusive_dram` before it "
                                 "ordered HBM)",

@@ -17,13 +17,15 @@ the surface, they run LRU and Belady with no hints), and the recommended
 surface with ``--agent-ends unknown`` (:data:`ROW_ARGS`: hints in
 ``kv_transfer_params`` only, no hint server telling kvtier an agent is done)
 and with ``--tool-waits announced`` (the true tool waits instead of the
-hint plane's predictions). Each replay writes its
+hint plane's predictions), and with ``--scheduler vllm`` (vLLM's admission: within
+the step's token budget, a block a request allocated is a hit for the next; the
+references keep the plain admission). Each replay writes its
 own ``--json`` into ``--work`` (``build/surface-ablation``), kept so that an
 interrupted run resumes: empty it after changing the code. The merged file
 keeps each row as the replay wrote it and every command line.
 
 Usage: ``python bench/surface_ablation.py [--halves eval,tune] [--parallel 2]``,
-then ``python bench/readme_tables.py``. 84 replays, about 45 minutes two at a
+then ``python bench/readme_tables.py``. 88 replays, about 45 minutes two at a
 time on 2 cores shared with other work.
 """
 
@@ -56,11 +58,14 @@ SURFACES = (BASE, "vllm", f"{BASE}+exclusive+order+defer", f"{BASE}+exclusive+de
 # rows that are a surface run with more of the replay's options, on the recommended setup:
 # hints in kv_transfer_params only (no hint server reporting agents' ends: --agent-ends unknown), and the
 # tool waits' true lengths announced instead of predicted from history (an oracle: what prediction costs)
+# and vLLM's admission (--scheduler vllm: within the step's token budget, blocks shared once allocated)
 ENDS_UNKNOWN = "vllm/agent-ends-unknown"
 WAITS_ANNOUNCED = "vllm/tool-waits-announced"
+VLLM_SCHEDULER = "vllm/scheduler-vllm"
 ROW_ARGS: dict[str, list[str]] = {ENDS_UNKNOWN: ["--surface", "vllm", "--agent-ends", "unknown"],
-                                  WAITS_ANNOUNCED: ["--surface", "vllm", "--tool-waits", "announced"]}
-SURFACES = (*SURFACES[:2], ENDS_UNKNOWN, WAITS_ANNOUNCED, *SURFACES[2:])
+                                  WAITS_ANNOUNCED: ["--surface", "vllm", "--tool-waits", "announced"],
+                                  VLLM_SCHEDULER: ["--surface", "vllm", "--scheduler", "vllm"]}
+SURFACES = (*SURFACES[:2], ENDS_UNKNOWN, WAITS_ANNOUNCED, VLLM_SCHEDULER, *SURFACES[2:])
 HALVES = ("eval", "tune")
 POINTS = ("conc8", "pressure")
 

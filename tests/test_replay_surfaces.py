@@ -261,6 +261,7 @@ def test_the_ablation_bench_runs_valid_surfaces_and_its_json_has_them_all() -> N
         assert set(point["surfaces"]) == set(mod.SURFACES)
         assert {r["surface"] + ("/agent-ends-unknown" if r.get("agent_ends") == "unknown" else "")
                 + ("/tool-waits-announced" if r.get("tool_waits") == "announced" else "")
+                + ("/scheduler-vllm" if r.get("scheduler") == "vllm" else "")
                 for r in point["surfaces"].values()} == set(mod.SURFACES)
         assert point["lru-dram"]["surface"] == "vllm-write-through" and point["references"]["bound_prefill_tokens"] > 0
         rows = [*point["surfaces"].values(), point["lru-dram"]]  # like for like: same point, tiers and admission
