@@ -194,14 +194,14 @@ def test_exclusive_dram_copies_down_only_what_hbm_gives_up_and_computes_less(run
 
 
 FIGURES = {
-    1: {"none": 3674, "lru@dram-3-contexts": 3674, "kvtier-no-hints@dram-3-contexts": 1882,
+    1: {"none": 3674, "lru@dram-3-contexts": 3674, "kvtier-no-hints@dram-3-contexts": 1978,
         "kvtier@dram-3-contexts": 1754, "kvtier-write-through@dram-3-contexts": 2650,
-        "lru@dram-under-1-context": 3674, "kvtier-no-hints@dram-under-1-context": 3290,
+        "lru@dram-under-1-context": 3674, "kvtier-no-hints@dram-under-1-context": 3386,
         "kvtier@dram-under-1-context": 2586, "kvtier-long-waits@dram-3-contexts": 1754},
-    4: {"none": 3674, "lru@dram-3-contexts": 3418, "kvtier-no-hints@dram-3-contexts": 1946,
-        "kvtier@dram-3-contexts": 1754, "kvtier-write-through@dram-3-contexts": 2714,
+    4: {"none": 3674, "lru@dram-3-contexts": 3290, "kvtier-no-hints@dram-3-contexts": 2074,
+        "kvtier@dram-3-contexts": 1946, "kvtier-write-through@dram-3-contexts": 2714,
         "lru@dram-under-1-context": 3674, "kvtier-no-hints@dram-under-1-context": 3290,
-        "kvtier@dram-under-1-context": 3002, "kvtier-long-waits@dram-3-contexts": 1754},
+        "kvtier@dram-under-1-context": 3002, "kvtier-long-waits@dram-3-contexts": 1946},
 }
 """Prefill tokens computed, per ``max_num_seqs``: what the README quotes."""
 
