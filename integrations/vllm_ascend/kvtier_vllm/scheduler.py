@@ -103,7 +103,7 @@ class _Match:
     num_remote: int = 0
     keys: tuple[BlockKey, ...] = ()  # approximate reuse: the keys to load (segment masters in place of own)
     shifts: tuple[int, ...] = ()  # and by how many positions each block's keys turn
-    held: tuple[BlockKey, ...] = ()  # the local hit, referenced until its load is planned (see _hold_match)
+    held: tuple[BlockKey, ...] = ()  # the local hit, referenced until its load is planned (see _drop_match)
 
 
 @dataclass(slots=True)
