@@ -273,3 +273,25 @@ def test_live_write_backs_claim_their_dram_slot_when_they_leave_hbm() -> None:
     assert out["full"][0] == out["vllm"][0] == 4 * 64  # a's blocks load from DRAM on both
     assert out["full"][1] == 0 and out["full"][2] > 0  # swapped: b's blocks take the slots a's loads free
     assert out["vllm"][1] > 0 and out["vllm"][2] == 0  # live: no room while a's blocks still fill DRAM
+
+
+def test_vllm_scheduler_runs_another_request_while_one_loads() -> None:
+    """One running slot. ``a`` comes back (its blocks now only in DRAM: ``b`` took HBM)
+    while ``b`` decodes, and ``c`` queues behind it. When ``b`` ends, ``a`` is admitted
+    with a load: vLLM parks it without a running slot until the load is done
+    (WAITING_FOR_REMOTE_KVS), so ``c`` runs first; ``plain`` gives ``a`` the slot."""
+    a0 = Request(0, 4 * 64 + 5, 4, (1, 2, 3, 4), 0.0, "start", "tool_use", 0.0)
+    a1 = Request(1, 4 * 64 + 5, 4, (1, 2, 3, 4), 5.0, "tool", "end_turn", 0.0)
+    b0 = Request(0, 4 * 64 + 5, 200, (11, 12, 13, 14), 0.0, "start", "end_turn", 4.9)
+    c0 = Request(0, 2 * 64 + 5, 4, (21, 22), 0.0, "start", "end_turn", 5.04)
+    w = Workload("hold", 64, tuple(Session(n, (Agent(n, None, "main", r),))
+                                   for n, r in (("a", (a0, a1)), ("b", (b0,)), ("c", (c0,)))), open_loop=True)
+    order = {}
+    for sched in ("plain", "vllm"):
+        cfg = SimConfig(hbm_blocks=8, dram_blocks=16, conc=3, max_running=1, surface="vllm-write-through",
+                        scheduler=sched)
+        res = Simulator(w, cfg, make_placement("lru-dram"), PROFILE).run()
+        recs = sorted(res.records, key=lambda r: r.first_token_s)
+        assert next(r for r in recs if r.session == 0 and r.index == 1).hit_dram_tokens == 4 * 64
+        order[sched] = [(r.agent_id, r.index) for r in recs]
+    assert order == {"plain": [("a", 0), ("b", 0), ("a", 1), ("c", 0)], "vllm": [("a", 0), ("b", 0), ("c", 0), ("a", 1)]}

@@ -143,8 +143,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler", default="plain", choices=list(SCHEDULERS),
                    help="how the engine admits requests each step: plain (default: up to the running limit, "
                         "whatever the step's token budget; a block is a prefix hit once computed) or vllm (vLLM "
-                        "0.32's scheduler: admitted only while the step has tokens left, and a block scheduled "
-                        "earlier in the step is a prefix hit, as vLLM caches a block when it allocates it)")
+                        "0.32's scheduler: admitted only while the step has tokens left, a block scheduled "
+                        "earlier in the step is a prefix hit, as vLLM caches a block when it allocates it, and a "
+                        "request loading from DRAM or SSD takes no running slot until its load is done)")
     p.add_argument("--split", default="all", choices=["all", "tune", "eval"],
                    help="traces: replay the tuning half (1st, 3rd, ... session by sorted id), the evaluation half "
                         "(2nd, 4th, ...) or all (default)")

@@ -112,8 +112,9 @@ class SimConfig:
     tool_waits: str = "predicted"
     # How the engine admits requests each step (SCHEDULERS): "plain" (up to max_running, whatever the step's
     # token budget; a block is a prefix hit once computed) or "vllm" (vLLM 0.32's scheduler: a request is
-    # admitted only while the step has tokens left, and a block counts as a prefix hit for the requests
-    # admitted after the step that schedules it, as vLLM caches a block when it allocates it).
+    # admitted only while the step has tokens left, a block counts as a prefix hit for the requests
+    # admitted after the step that schedules it, as vLLM caches a block when it allocates it, and a
+    # request admitted with a load from a lower tier takes no running slot until the load is done).
     scheduler: str = "plain"
 
     def tier_blocks(self, tier: str) -> int:
@@ -169,7 +170,7 @@ class _Run:
     __slots__ = (
         "sess", "agent", "req", "keys", "ready_s", "prefill_left", "ctx_tokens", "decode_left",
         "first_token_s", "held", "store_plan", "computed_keys", "loads_pending", "load_ready_s",
-        "hit", "computed_tokens", "uncached", "reserved", "prefetch", "skipped", "take",
+        "hit", "computed_tokens", "uncached", "reserved", "prefetch", "skipped", "take", "holding",
     )
 
     def __init__(self, sess: "_SessionRun", agent: Agent, req: Request, ready_s: float) -> None:
@@ -191,6 +192,9 @@ class _Run:
         self.prefetch: _Prefetch | None = None  # a prefetch for this request that arrived in time
         self.skipped = False  # in SimConfig.skip_requests: never admitted, never recorded
         self.take = 0  # scheduler "vllm": prompt tokens the pass being admitted schedules for it
+        # scheduler "vllm": admitted with a load from a lower tier, not running yet (vLLM's
+        # WAITING_FOR_REMOTE_KVS): it takes no running slot until the load is done and a slot is free
+        self.holding = False
 
 
 class _Prefetch:
@@ -568,11 +572,11 @@ class Simulator:
     # ---------------------------------------------------------------- admission
 
     def _admit_waiting(self) -> None:
+        budget = self._plan_running() if self._vllm_sched else 1
         if self._admission_blocked:
             return
         deferred = self._deferred  # skipped this pass, keeping their places (a surface's defer_loads)
-        budget = self._plan_running() if self._vllm_sched else 1
-        while self.waiting and len(self.prefilling) + len(self.decoding) < self.cfg.max_running and budget > 0:
+        while self.waiting and self._num_running() < self.cfg.max_running and budget > 0:
             run = self.waiting.head()
             if self._load_not_ready(run):
                 deferred.append((run, self.waiting.pop_entry()))
@@ -585,13 +589,14 @@ class Simulator:
                 break
             self.waiting.pop()
             self.prefilling.append(run)
+            run.holding = self._vllm_sched and run.loads_pending > 0
             if self._victims:  # the slots it takes are reused once their old blocks are copied out
                 done = self._write_victims(run.load_ready_s if run.loads_pending else None)
                 if done is not None:
                     run.loads_pending += 1
                     run.load_ready_s = max(run.load_ready_s, done)
                     self._at(done, self._victims_out, run)
-            if self._vllm_sched and not run.loads_pending:
+            if self._vllm_sched and not run.loads_pending and not run.holding:
                 run.take = min(run.prefill_left, budget)
                 budget -= run.take
         if deferred:
@@ -605,9 +610,29 @@ class Simulator:
         requests before it admits any waiting one."""
         budget = self.cfg.max_batch_tokens - len(self.decoding)
         for run in self.prefilling:
-            run.take = 0 if run.loads_pending or budget <= 0 else min(run.prefill_left, budget)
+            run.take = 0 if run.loads_pending or run.holding or budget <= 0 else min(run.prefill_left, budget)
+            budget -= run.take
+        # then, first of the waiting ones, those whose load is done (vLLM's kv_holding_waiting), in order:
+        # each runs, at the end of the running list, while a slot and tokens are left
+        ready = [r for r in self.prefilling if r.holding and not r.loads_pending]
+        running = self._num_running()
+        for run in ready:
+            if running >= self.cfg.max_running or budget <= 0:
+                break
+            run.holding = False
+            running += 1
+            self.prefilling.remove(run)
+            self.prefilling.append(run)
+            run.take = min(run.prefill_left, budget)
             budget -= run.take
         return budget
+
+    def _num_running(self) -> int:
+        """Requests holding a running slot (``max_running``): under scheduler "vllm", not
+        those admitted with a load that have not run yet (``holding``)."""
+        if not self._vllm_sched:
+            return len(self.prefilling) + len(self.decoding)
+        return len(self.decoding) + sum(1 for r in self.prefilling if not r.holding)
 
     def _scheduled_in_hbm(self, keys: Sequence[BlockKey], n: int) -> int:
         """Scheduler "vllm": how many of ``keys[n:]`` (not readable in any tier) a prefilling
@@ -971,7 +996,7 @@ class Simulator:
         for run in self.prefilling:
             if budget <= 0:
                 break
-            if run.loads_pending:
+            if run.loads_pending or run.holding:
                 continue
             take = min(run.prefill_left, budget)
             chunks.append((run, take))
