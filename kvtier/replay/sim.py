@@ -113,7 +113,8 @@ class SimConfig:
     # How the engine admits requests each step (SCHEDULERS): "plain" (up to max_running, whatever the step's
     # token budget; a block is a prefix hit once computed) or "vllm" (vLLM 0.32's scheduler: a request is
     # admitted only while the step has tokens left, a block counts as a prefix hit for the requests
-    # admitted after the step that schedules it, as vLLM caches a block when it allocates it, and a
+    # admitted after the request that schedules it, in that step or later, as vLLM caches a block when it
+    # allocates it, and a
     # request admitted with a load from a lower tier takes no running slot until the load is done).
     scheduler: str = "plain"
 
@@ -646,6 +647,8 @@ class Simulator:
             if entry is None:
                 break
             run, pos = entry
+            if run.holding:  # (vLLM caches a loading request's blocks only once its load is done)
+                break
             done = sum(run.hit.values()) + run.computed_tokens - run.prefill_left + run.take
             if (pos + 1) * bs > done:
                 break
@@ -779,7 +782,7 @@ class Simulator:
             run.loads_pending += 1
             run.load_ready_s = max(run.load_ready_s, done)
             self._at(done, self._on_load_done, run, plan)
-        self._load_beyond(run, n_used, hit.num_blocks)
+        self._load_beyond(run, n_used + n_sched, hit.num_blocks + n_sched)
         hit_tokens = sum(run.hit.values())
         # vLLM recomputes at least the last token of a fully cached prompt
         run.computed_tokens = max(1, req.input_tokens - hit_tokens)
@@ -914,6 +917,8 @@ class Simulator:
         if not self.surface.victim_swap:  # each claims its DRAM slot now (the live write-back)
             kept = []
             for key, parent in todo:
+                if mgr.is_pending(key, "dram"):  # on its way there already
+                    continue
                 plan = mgr.prepare_store("dram", (key,), parent)
                 if plan is None or not plan.keys:
                     self.counters["write_back_no_room"] = self.counters.get("write_back_no_room", 0) + 1
@@ -1005,8 +1010,10 @@ class Simulator:
             weighted_ctx += take * run.ctx_tokens
         batch = len(self.decoding)
         decode_ctx = sum(r.ctx_tokens for r in self.decoding)
-        if not chunks and not batch:  # only prefills waiting for their loads
-            self.now = max(self.now, min(r.load_ready_s for r in self.prefilling))
+        if not chunks and not batch:  # only prefills waiting for their loads (or, "vllm", for a running slot)
+            pending = [r.load_ready_s for r in self.prefilling if r.loads_pending]
+            if pending:
+                self.now = max(self.now, min(pending))
             return
         dt = self.profile.step_time_s(prefill_tokens, weighted_ctx / prefill_tokens if prefill_tokens else 0,
                                       batch, decode_ctx)

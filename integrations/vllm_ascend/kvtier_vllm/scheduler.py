@@ -354,10 +354,12 @@ class KVTierScheduler:
 
     def _drop_match(self, req_id: str) -> _Match | None:
         """Forget ``req_id``'s answered lookup, releasing its hit. The hit is referenced
-        from the lookup until the load is planned: in between, vLLM allocates the
-        request's blocks, and with ``exclusive_dram`` each HBM block it reuses is
-        written back to DRAM, which could otherwise evict a block just matched (the
-        load then came back short and vLLM recomputed what it had counted as a hit)."""
+        from the lookup until the load is planned (or the request is asked again, or
+        ends): in between, vLLM allocates the request's blocks, and with
+        ``exclusive_dram`` each HBM block it reuses is written back to DRAM, which could
+        otherwise evict a block just matched (the load then came back short and vLLM
+        recomputed what it had counted as a hit). Released, the blocks go back into
+        their tier's order as just used: a lookup that finds them counts as a use."""
         match = self._matches.pop(req_id, None)
         if match is not None and match.held:
             self.manager.release(match.held)
@@ -887,6 +889,8 @@ class KVTierScheduler:
         self._masters.clear()
         self.placement.release_all()  # stale KV must go, waiting agents or not
         self._remote_known.clear()  # the shared store is other engines' too: this engine only forgets it
+        for req_id in list(self._matches):  # a held lookup (its allocation failed) would keep stale blocks
+            self._drop_match(req_id)
         for _, _, _, plan in self._write_backs:  # (vLLM reset its prefix cache first: every watched block came)
             self.manager.complete_store(plan, False)
         self._write_backs.clear()
