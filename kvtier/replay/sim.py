@@ -319,6 +319,7 @@ class Simulator:
         self._vllm_sched = config.scheduler == "vllm"
         # scheduler "vllm": the blocks prefilling runs store in HBM, by key: (run, position in its keys)
         self._prefill_owner: dict[BlockKey, tuple[_Run, int]] = {}
+        self._num_holding = 0  # scheduler "vllm": runs in self.prefilling that are ``holding``
         self.bytes_per_block = profile.kv_bytes_per_block(self.block_size)
         codec = config.cold_codec
         self.codec = codec if codec is not None and not codec.identity else None  # None: blocks stored raw
@@ -590,7 +591,9 @@ class Simulator:
                 break
             self.waiting.pop()
             self.prefilling.append(run)
-            run.holding = self._vllm_sched and run.loads_pending > 0
+            if self._vllm_sched and run.loads_pending:
+                run.holding = True
+                self._num_holding += 1
             if self._victims:  # the slots it takes are reused once their old blocks are copied out
                 done = self._write_victims(run.load_ready_s if run.loads_pending else None)
                 if done is not None:
@@ -621,6 +624,7 @@ class Simulator:
             if running >= self.cfg.max_running or budget <= 0:
                 break
             run.holding = False
+            self._num_holding -= 1
             running += 1
             self.prefilling.remove(run)
             self.prefilling.append(run)
@@ -631,9 +635,7 @@ class Simulator:
     def _num_running(self) -> int:
         """Requests holding a running slot (``max_running``): under scheduler "vllm", not
         those admitted with a load that have not run yet (``holding``)."""
-        if not self._vllm_sched:
-            return len(self.prefilling) + len(self.decoding)
-        return len(self.decoding) + sum(1 for r in self.prefilling if not r.holding)
+        return len(self.prefilling) + len(self.decoding) - self._num_holding
 
     def _scheduled_in_hbm(self, keys: Sequence[BlockKey], n: int) -> int:
         """Scheduler "vllm": how many of ``keys[n:]`` (not readable in any tier) a prefilling
@@ -769,11 +771,9 @@ class Simulator:
         run.held, run.reserved, run.store_plan = tail, max(0, reserve), store_plan
         run.computed_keys = store_plan.keys if store_plan is not None else ()
         run.hit["hbm"] = (used_tiers.count(hbm_idx) + n_sched) * bs
-        if self._vllm_sched and store_plan is not None:
-            first = len(keys) - len(store_plan.keys) - len(store_plan.skipped)
-            owner = self._prefill_owner
-            for i, key in enumerate(keys[first:], first):
-                owner.setdefault(key, (run, i))
+        if self._vllm_sched and store_plan is not None and store_plan.keys:
+            owner, computes = self._prefill_owner, set(store_plan.keys)
+            owner.update((key, (run, i)) for i, key in enumerate(keys[n_own:], n_own) if key in computes)
         for plan in moves:
             run.hit[plan.src] += len(plan.keys) * bs
             done = self._transfer(plan.src, "hbm", len(plan.keys))
@@ -1051,9 +1051,8 @@ class Simulator:
         if run.store_plan is not None:
             if self._vllm_sched:
                 owner = self._prefill_owner
-                for key in run.keys:
-                    if owner.get(key, (None,))[0] is run:
-                        del owner[key]
+                for key in run.computed_keys:
+                    del owner[key]
             self.mgr.complete_store(run.store_plan, True)
             self._retail(run)
             first = run.keys.index(run.computed_keys[0]) if run.computed_keys else 0
