@@ -56,6 +56,6 @@ if [ "$#" -eq 0 ] && [ "${KVTIERTEST_SKIP_ENGINE:-0}" != "1" ]; then
     "$VLLM_VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
   fi
   # the remote extra: two engines share blocks through a real mooncake_master (tests/engine/test_vllm_remote.py)
-  "$VLLM_VENV/bin/python" -m pip install -q $PIP_PATIENT -e ".[test,remote]"
+  "$VLLM_VENV/bin/python" -m pip install -q $PIP_PATIENT -e ".[test,remote,agents]"
   KVTIERTEST_REQUIRE_VLLM=1 "$VLLM_VENV/bin/python" -m pytest -q tests/engine
 fi

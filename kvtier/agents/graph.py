@@ -166,9 +166,12 @@ class AgentGraph:
     Not thread-safe: one owner (the hints server's event loop, or replay).
     """
 
-    def __init__(self, limits: GraphLimits | None = None) -> None:
+    def __init__(self, limits: GraphLimits | None = None, *, global_fallback: bool = False) -> None:
+        """``global_fallback``: predict a tool never seen from the waits of all tools
+        (:class:`DurationHistory`); off in the replay's graph, on where the engine
+        connector hosts the hint server."""
         self.limits = limits or GraphLimits()
-        self.history = DurationHistory(self.limits.max_history_keys)
+        self.history = DurationHistory(self.limits.max_history_keys, global_fallback=global_fallback)
         self._tenants: dict[str, dict[str, Session]] = {}
         self._client_sessions: dict[tuple[str, str], int] = {}
         self.num_sessions = 0
@@ -428,8 +431,9 @@ class AgentGraph:
         return None
 
     def end_tool_call(self, tenant: str, session_id: str, agent_id: str, call_id: str,
-                      now_s: float) -> Refusal | None:
-        """The tool call returned; its duration feeds the history."""
+                      now_s: float, observed: bool = True) -> Refusal | None:
+        """The tool call returned; its duration feeds the history unless not ``observed``
+        (a call timed out or cancelled: its end is not when the tool returned)."""
         found = self._agent(tenant, session_id, agent_id, now_s)
         if type(found) is Refusal:
             return found
@@ -439,6 +443,8 @@ class AgentGraph:
             return _unknown("tool_call", "tool_call_id", call_id)
         s.num_tool_calls -= 1
         self.num_tool_calls -= 1
+        if not observed:
+            return None
         self.history.observe(a.agent_type, call.tool_name, now_s - call.started_s)
         if call.predicted_s is not None:
             self.history.observe_error(call.predicted_s, now_s - call.started_s)

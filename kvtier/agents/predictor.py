@@ -1,6 +1,6 @@
 """Tool-duration prediction: client estimates blended with observed history.
 
-Owns: per (agent type, tool) EWMA statistics, a bounded empirical sample of
+Owns: per (agent type, tool), per tool and (optionally used) over-all EWMA statistics, a bounded empirical sample of
 durations per tool (for quantiles and distributions), and the running error
 of the predictions it made. Pure: no clock, no I/O; the caller passes
 durations in seconds. Must stay bounded: at most ``max_keys`` statistics
@@ -45,10 +45,12 @@ class DurationHistory:
 
     ALPHA = 0.3
     MIN_SAMPLES = 3
+    GLOBAL = ("", "\0all tools")  # the entry over every tool (a name no tool has)
 
-    def __init__(self, max_keys: int, max_samples: int = 256) -> None:
+    def __init__(self, max_keys: int, max_samples: int = 256, *, global_fallback: bool = False) -> None:
         self.max_keys = max_keys
         self.max_samples = max_samples
+        self.global_fallback = global_fallback
         self._stats: dict[tuple[str, str], list[float]] = {}  # key -> [ewma, count]
         self._samples: dict[str, deque[float]] = {}  # tool -> recent durations
         self._err_n = 0
@@ -65,6 +67,8 @@ class DurationHistory:
         if agent_type:
             self._observe((agent_type, tool), duration_s)
         self._observe(("", tool), duration_s)
+        if self.global_fallback:
+            self._observe(self.GLOBAL, duration_s)
         samples = self._samples.get(tool)
         if samples is None:
             if len(self._samples) >= self.max_keys:
@@ -85,11 +89,15 @@ class DurationHistory:
     def predict_s(self, agent_type: str, tool: str, client_s: float | None) -> float | None:
         """Blend ``client_s`` with history: ``w * ewma + (1 - w) * client_s``,
         ``w = n / (n + 3)``, using the agent type's entry when it has at least
-        3 samples, else the tool's pooled entry. Only one of them known: that
-        one; neither: ``None``."""
+        3 samples, else the tool's pooled entry, else (with ``global_fallback``)
+        the entry over all tools. Only one of them known: that one; neither:
+        ``None``. (A stream-derived agent's type is its session: per (session,
+        tool), then per tool, then over all.)"""
         entry = self._stats.get((agent_type, tool))
         if entry is None or entry[1] < self.MIN_SAMPLES:
             entry = self._stats.get(("", tool))
+        if (entry is None or entry[1] < self.MIN_SAMPLES) and self.global_fallback:
+            entry = self._stats.get(self.GLOBAL)
         if entry is None or entry[1] < self.MIN_SAMPLES:
             return client_s
         if client_s is None:

@@ -480,7 +480,8 @@ class HintApplier:
         if not (sid and aid and cid and len(sid) <= n and len(aid) <= n and len(cid) <= n and status in _TOOL_STATUS):
             bad = self._ids(("session_id", sid), ("agent_id", aid), ("tool_call_id", cid))
             return bad or _bad_enum("status", status, pb.ToolStatus)
-        return self.graph.end_tool_call(tenant, sid, aid, cid, now_s)
+        ok = status in (pb.TOOL_STATUS_OK, pb.TOOL_STATUS_ERROR, pb.TOOL_STATUS_UNSPECIFIED)
+        return self.graph.end_tool_call(tenant, sid, aid, cid, now_s, observed=ok)
 
     def _s_shared_round_start(self, tenant: str, m: Any, now_s: float, client_id: str) -> Refusal | None:
         sid, rid, keys = m.session_id, m.round_id, m.shared_block_keys

@@ -219,9 +219,11 @@ class KVTierScheduler:
         self.hint_address: str | None = None
         self._next_poll_s = 0.0
         if settings.hint_server:
+            from kvtier.agents import AgentGraph
             from kvtier.hints.server import BackgroundHintServer
 
-            self._hints = BackgroundHintServer()
+            # a tool never seen yet is predicted from all tools' waits (the request-stream hints' agents have no type)
+            self._hints = BackgroundHintServer(graph=AgentGraph(global_fallback=True))
             self.hint_address = self._hints.start(settings.hint_server)
             self.placement.graph_reader = self._graph_facts
             log.info("kvtier: hint server hosted in the scheduler process at %s", self.hint_address)
@@ -735,13 +737,31 @@ class KVTierScheduler:
                     facts[(s.session_id, aid)] = (float(crit.get(aid, 0.0)), a.parent_id)
                     if a.ended_s is not None:
                         ended.add((s.session_id, aid))
+            scored.append(graph.history.error())
             return calls, facts, ended, rounds
 
+        scored: list[Any] = []
         try:
-            return self._hints.call(read, timeout_s=1.0)
+            got = self._hints.call(read, timeout_s=1.0)
+            self._note_prediction_error(scored[0])
+            return got
         except Exception as exc:  # a stuck hint loop must not stop the scheduler
             log.warning("kvtier: reading the hosted hint server failed: %s", exc)
             return None
+
+    def _note_prediction_error(self, err: Any) -> None:
+        """The hosted server's tool-wait predictions scored so far, as counters:
+        ``tool_wait_predictions`` and ``tool_wait_abs_error_ms`` (their ratio is the mean
+        absolute error) and ``tool_wait_under_predictions`` (the tool came back later)."""
+        new = err.num_predictions - self.counters["tool_wait_predictions"]
+        if new <= 0:
+            return
+        self.counters["tool_wait_predictions"] += new
+        total_ms = round(err.mean_abs_error_s * err.num_predictions * 1000)
+        self.counters["tool_wait_abs_error_ms"] += max(0, total_ms - self.counters["tool_wait_abs_error_ms"])
+        under = round(err.under_fraction * err.num_predictions)
+        self.counters["tool_wait_under_predictions"] += max(0, under - self.counters["tool_wait_under_predictions"])
+        self._stats_dirty = True
 
     def _apply_hints(self, now: float, calls: list[tuple[str, str, float | None]],
                      facts: dict[tuple[str, str], tuple[float, str | None]], ended: set[tuple[str, str]],
@@ -760,9 +780,14 @@ class KVTierScheduler:
             self.policy.on_session_end(self.placement, sid)
             self.counters["sessions_ended"] += 1
         self._pump_events()
+        # an agent with a request in the engine is not waiting, whatever the server says: its call's end may
+        # not have reached the server yet (a wait started then would hold a running agent's blocks)
+        busy = {(st.session_id, st.agent_id) for st in self._reqs.values()} if calls else set()
         for sid, aid, returns_s in calls:
             agent = (sid, aid)
             known = self._last_ctx.get(agent)
+            if agent in busy:
+                continue
             if known and not self.placement.is_waiting(agent):
                 keys, hashes = known
                 self._start_wait(agent, keys, hashes,

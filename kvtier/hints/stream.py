@@ -1,0 +1,368 @@
+"""Hints from the request stream: what an unmodified agent already sends.
+
+Claude Code, Codex, Qwen Code and apps on the OpenAI or Anthropic clients do not
+call kvtier's SDK, yet every request says who it belongs to (a session header,
+``prompt_cache_key``, ``user`` or ``metadata``; else the conversation's first
+messages) and the protocol itself says when the agent waits on a tool: a
+response that ends in a tool call starts the wait, and the same agent's next
+request, carrying the tool result, ends it. :class:`StreamHints` turns a
+request / response pair into
+
+* the ``kv_transfer_params`` tags :func:`kvtier.sdk.tag_request` would have
+  written (``kvtier_session_id``, ``kvtier_agent_id``), and
+* hint events for a hint server (``session_start``, ``agent_spawn``,
+  ``tool_call_start``, ``tool_call_end``), the same events the SDK sends; the
+  server's :class:`~kvtier.agents.predictor.DurationHistory` predicts each
+  wait per (session, tool), then per tool, then over all tools.
+
+Identifiers are correlation metadata, never authorization: an id is used only
+when it is a string of at most :attr:`StreamLimits.max_id_bytes` bytes with no
+control characters (else the request falls back to its fingerprint, counted),
+and it is scoped to the caller's tenant (a digest of the ``Authorization``
+header) before it reaches the engine, so two tenants' equal ids never meet.
+Agents: one per (session, agent header or system prompt + first message), so a
+client that reuses a session id for unrelated conversations gets one agent per
+conversation; the first agent of a session is the parent of the others.
+
+Owns: parsing request and response bodies of the OpenAI chat completions and
+Anthropic messages APIs (JSON and server-sent events), the bounded per-session
+state (sessions, agents, tool calls in flight) and its counters.
+Must not: do I/O, read a clock (callers pass ``now``), import an engine, or
+trust a field's type: every body here comes from a client.
+
+>>> h = StreamHints()
+>>> d = h.request("openai", {"x-session-id": "s1"}, {"messages": [
+...     {"role": "system", "content": "planner"}, {"role": "user", "content": "go"}]}, now=0.0)
+>>> sorted(d.params), [e[0] for e in d.events]
+(['kvtier_agent_id', 'kvtier_session_id'], ['session_start', 'agent_spawn'])
+>>> [e[0] for e in h.response(d, [("call_1", "bash")], now=1.0)]
+['tool_call_start']
+>>> d2 = h.request("openai", {"x-session-id": "s1"}, {"messages": [
+...     {"role": "system", "content": "planner"}, {"role": "user", "content": "go"},
+...     {"role": "assistant", "tool_calls": []}, {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]}, now=4.0)
+>>> [(e[0], e[1]["status"]) for e in d2.events]
+[('tool_call_end', 'ok')]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from ..sdk.handles import AGENT_ID_PARAM, KV_TRANSFER_PARAMS, SESSION_ID_PARAM
+
+SESSION_HEADERS = ("x-claude-code-session-id", "x-qwen-code-session-id", "x-session-id", "session-id",
+                   "x-codex-session-id", "x-opencode-session-id")
+"""Request headers that name a session, first found wins (lower case, as ASGI gives them)."""
+AGENT_HEADERS = ("x-agent-id", "x-claude-code-agent-id")
+"""Request headers that name an agent within its session."""
+APIS = ("openai", "anthropic")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamLimits:
+    """Bounds on what the request stream may make kvtier remember."""
+
+    max_id_bytes: int = 256
+    max_sessions: int = 10_000
+    max_agents_per_session: int = 64
+    max_calls_per_agent: int = 32
+    call_ttl_s: float = 900.0  # a tool call with no result after this long is ended (status timeout)
+    fingerprint_chars: int = 4096  # of the system prompt and first message, hashed for a fingerprint
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"StreamLimits.{name}={getattr(self, name)!r}: must be > 0")
+
+
+@dataclass(slots=True)
+class _Agent:
+    calls: dict[str, tuple[str, float]] = field(default_factory=dict)  # call id -> (tool name, started)
+
+
+@dataclass(slots=True)
+class _Session:
+    root: str
+    agents: OrderedDict[str, _Agent] = field(default_factory=OrderedDict)
+
+
+@dataclass(frozen=True, slots=True)
+class Derived:
+    """What one request told: its tags (``params``, for ``kv_transfer_params``) and hint events."""
+
+    session_id: str
+    agent_id: str
+    params: dict[str, str]
+    events: list[tuple[str, dict[str, Any]]]
+
+
+def _digest(*parts: str, n: int = 16) -> str:
+    h = hashlib.blake2b(digest_size=n // 2)
+    for p in parts:
+        h.update(p.encode("utf-8", "surrogatepass"))
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _text(content: Any) -> str:
+    """A message's content as text (a string, or the text of its parts); anything else as JSON."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) and isinstance(p.get("text"), str)
+                       else json.dumps(p, sort_keys=True, default=str) for p in content)
+    return "" if content is None else json.dumps(content, sort_keys=True, default=str)
+
+
+class StreamHints:
+    """Request-stream hints, one instance per server process. Not thread-safe:
+    call from one event loop. Memory: at most ``max_sessions`` sessions of at
+    most ``max_agents_per_session`` agents of at most ``max_calls_per_agent``
+    calls in flight, least recently used forgotten first."""
+
+    def __init__(self, limits: StreamLimits | None = None) -> None:
+        self.limits = limits or StreamLimits()
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._deadlines: list[tuple[float, str, str, str]] = []  # (expires, session, agent, call id)
+        self.counters: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    # ------------------------------------------------------------ requests
+
+    def request(self, api: str, headers: Mapping[str, str], body: Any, now: float) -> Derived | None:
+        """Tags and events for one request body of ``api`` (``openai``: chat
+        completions; ``anthropic``: messages). ``None`` when the body is not a
+        JSON object with messages, or already carries the SDK's tags (an SDK hint wins)."""
+        if api not in APIS:
+            raise ValueError(f"StreamHints.request: api={api!r}; valid: {', '.join(APIS)}")
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            self.counters["requests_unparsed"] += 1
+            return None
+        params = body.get(KV_TRANSFER_PARAMS)
+        if isinstance(params, dict) and (SESSION_ID_PARAM in params or AGENT_ID_PARAM in params):
+            self.counters["requests_sdk_tagged"] += 1
+            return None
+        self.counters["requests"] += 1
+        events: list[tuple[str, dict[str, Any]]] = self._expire(now)
+        tenant = _digest(headers.get("authorization", ""), n=8)
+        system, first, results = self._read(api, body)
+        convo = _digest(system[: self.limits.fingerprint_chars], first[: self.limits.fingerprint_chars])
+        raw = self._session_id(headers, body)
+        if raw is None:
+            self.counters["sessions_fingerprinted"] += 1
+        sid = "s-" + _digest(tenant, "h" if raw is not None else "f", raw if raw is not None else convo)
+        agent_hdr = next((v for v in (self._valid(headers.get(h)) for h in AGENT_HEADERS) if v is not None), None)
+        aid = "a-" + _digest(agent_hdr, n=12) if agent_hdr is not None else "a-" + convo[:12]
+        sess = self._sessions.get(sid)
+        if sess is None:
+            sess = self._sessions[sid] = _Session(root=aid)
+            while len(self._sessions) > self.limits.max_sessions:
+                self._sessions.popitem(last=False)
+                self.counters["sessions_forgotten"] += 1
+            events.append(("session_start", {"session_id": sid}))
+        self._sessions.move_to_end(sid)
+        agent = sess.agents.get(aid)
+        if agent is None:
+            agent = sess.agents[aid] = _Agent()
+            while len(sess.agents) > self.limits.max_agents_per_session:
+                sess.agents.popitem(last=False)
+                self.counters["agents_forgotten"] += 1
+            parent = "" if aid == sess.root else sess.root
+            # agent_type = the session: the hint server's history predicts waits per (session, tool)
+            events.append(("agent_spawn", {"session_id": sid, "agent_id": aid, "parent_agent_id": parent,
+                                           "agent_type": sid}))
+            self.counters["agents"] += 1
+        sess.agents.move_to_end(aid)
+        for cid, (name, _t0) in list(agent.calls.items()):  # the agent is back: its calls are over
+            status = "ok" if cid in results or (results and not results & agent.calls.keys()) else "cancelled"
+            del agent.calls[cid]
+            events.append(("tool_call_end", {"session_id": sid, "agent_id": aid, "tool_call_id": cid,
+                                             "status": status}))
+            self.counters[f"tool_calls_ended_{status}"] += 1
+        return Derived(sid, aid, {SESSION_ID_PARAM: sid, AGENT_ID_PARAM: aid}, events)
+
+    def _valid(self, value: Any) -> str | None:
+        """``value`` when it may serve as an id: a non-empty string of at most
+        ``max_id_bytes`` UTF-8 bytes without control characters; else ``None`` (counted)."""
+        if value is None:
+            return None
+        if (not isinstance(value, str) or not value or len(value) > self.limits.max_id_bytes
+                or len(value.encode("utf-8", "surrogatepass")) > self.limits.max_id_bytes
+                or any(ord(c) < 32 or ord(c) == 127 for c in value)):
+            self.counters["ids_refused"] += 1
+            return None
+        return value
+
+    def _session_id(self, headers: Mapping[str, str], body: dict[str, Any]) -> str | None:
+        for h in SESSION_HEADERS:
+            if h in headers:
+                v = self._valid(headers[h])
+                if v is not None:
+                    return "hdr:" + v
+        for key in ("prompt_cache_key", "user"):
+            if key in body:
+                v = self._valid(body[key])
+                if v is not None:
+                    return f"{key}:{v}"
+        meta = body.get("metadata")
+        if isinstance(meta, dict):
+            for key in ("session_id", "user_id"):
+                if key in meta:
+                    v = self._valid(meta[key])
+                    if v is not None:
+                        return f"metadata.{key}:{v}"
+        return None
+
+    def _read(self, api: str, body: dict[str, Any]) -> tuple[str, str, set[str]]:
+        """(system prompt, first conversation message, ids of the tool results that end the body)."""
+        msgs = [m for m in body["messages"] if isinstance(m, dict)]
+        system = _text(body.get("system")) if api == "anthropic" else ""
+        i = 0
+        if api == "openai":
+            while i < len(msgs) and msgs[i].get("role") in ("system", "developer"):
+                system += _text(msgs[i].get("content"))
+                i += 1
+        first = _text(msgs[i].get("content")) if i < len(msgs) else ""
+        results: set[str] = set()
+        if api == "openai":
+            for m in reversed(msgs):
+                if m.get("role") != "tool":
+                    break
+                cid = m.get("tool_call_id")
+                results.add(cid if isinstance(cid, str) else "")
+        elif msgs and msgs[-1].get("role") == "user" and isinstance(msgs[-1].get("content"), list):
+            for part in msgs[-1]["content"]:
+                if isinstance(part, dict) and part.get("type") == "tool_result":
+                    cid = part.get("tool_use_id")
+                    results.add(cid if isinstance(cid, str) else "")
+        return system, first, results
+
+    # ------------------------------------------------------------ responses
+
+    def response(self, derived: Derived, calls: Iterable[tuple[str, str]], now: float
+                 ) -> list[tuple[str, dict[str, Any]]]:
+        """The response to ``derived``'s request ended in these tool calls ``(id, name)``
+        (none: the agent's turn is over): events that start their waits."""
+        sess = self._sessions.get(derived.session_id)
+        agent = sess.agents.get(derived.agent_id) if sess is not None else None
+        events: list[tuple[str, dict[str, Any]]] = []
+        for cid, name in calls:
+            if agent is None:
+                self.counters["tool_calls_forgotten"] += 1
+                break
+            cid = self._valid(cid) or "call-" + _digest(derived.agent_id, str(now), str(len(agent.calls)), n=12)
+            name = self._valid(name) or "unknown"
+            if cid in agent.calls:
+                continue
+            if len(agent.calls) >= self.limits.max_calls_per_agent:
+                self.counters["tool_calls_refused"] += 1
+                continue
+            agent.calls[cid] = (name, now)
+            heapq.heappush(self._deadlines, (now + self.limits.call_ttl_s, derived.session_id, derived.agent_id, cid))
+            events.append(("tool_call_start", {"session_id": derived.session_id, "agent_id": derived.agent_id,
+                                               "tool_call_id": cid, "tool_name": name}))
+            self.counters["tool_calls"] += 1
+        return events
+
+    def expire(self, now: float) -> list[tuple[str, dict[str, Any]]]:
+        """End (status ``timeout``) every tool call whose result did not come within ``call_ttl_s``."""
+        return self._expire(now)
+
+    def _expire(self, now: float) -> list[tuple[str, dict[str, Any]]]:
+        events: list[tuple[str, dict[str, Any]]] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, sid, aid, cid = heapq.heappop(self._deadlines)
+            sess = self._sessions.get(sid)
+            agent = sess.agents.get(aid) if sess is not None else None
+            if agent is None or agent.calls.pop(cid, None) is None:
+                continue
+            events.append(("tool_call_end", {"session_id": sid, "agent_id": aid, "tool_call_id": cid,
+                                             "status": "timeout"}))
+            self.counters["tool_calls_ended_timeout"] += 1
+        if len(self._deadlines) > 4 * self.limits.max_sessions:  # calls answered long ago: drop their deadlines
+            self._deadlines = [d for d in self._deadlines if d[1] in self._sessions
+                               and d[3] in getattr(self._sessions[d[1]].agents.get(d[2]), "calls", ())]
+            heapq.heapify(self._deadlines)
+        return events
+
+
+class ResponseCalls:
+    """The tool calls ``(id, name)`` of one response, fed its body in chunks as they
+    are sent: a JSON body (OpenAI chat completion or Anthropic message) or
+    server-sent events (their ``data:`` lines). At most ``max_bytes`` are kept
+    unparsed; beyond that the response is given up (``overflow``, no calls)."""
+
+    def __init__(self, streaming: bool, max_bytes: int = 4 << 20) -> None:
+        self.streaming, self.max_bytes = streaming, max_bytes
+        self._buf = bytearray()
+        self._calls: dict[Any, list[str]] = {}  # index or id -> [id, name]
+        self.overflow = False
+
+    def feed(self, chunk: bytes) -> None:
+        if self.overflow:
+            return
+        self._buf += chunk
+        if self.streaming:
+            *lines, rest = self._buf.split(b"\n")
+            self._buf = bytearray(rest)
+            for line in lines:
+                self._line(bytes(line))
+        if len(self._buf) > self.max_bytes:
+            self.overflow, self._buf = True, bytearray()
+
+    def _line(self, line: bytes) -> None:
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            return
+        data = line[5:].strip()
+        if not data or data == b"[DONE]":
+            return
+        try:
+            ev = json.loads(data)
+        except ValueError:
+            return
+        if isinstance(ev, dict):
+            self._event(ev)
+
+    def _event(self, ev: dict[str, Any]) -> None:
+        for choice in ev.get("choices") or ():  # OpenAI chunk or completion
+            if not isinstance(choice, dict):
+                continue
+            msg = choice.get("delta") if isinstance(choice.get("delta"), dict) else choice.get("message")
+            for tc in (msg.get("tool_calls") or ()) if isinstance(msg, dict) else ():
+                if not isinstance(tc, dict):
+                    continue
+                fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
+                slot = self._calls.setdefault(("i", choice.get("index"), tc.get("index", len(self._calls))), ["", ""])
+                if isinstance(tc.get("id"), str) and not slot[0]:
+                    slot[0] = tc["id"]
+                if isinstance(fn.get("name"), str) and not slot[1]:
+                    slot[1] = fn["name"]
+        block = ev.get("content_block") if ev.get("type") == "content_block_start" else None
+        blocks = [block] if isinstance(block, dict) else (ev.get("content") if ev.get("type") == "message" else None)
+        for b in blocks or ():  # Anthropic message, or a stream's content_block_start
+            if isinstance(b, dict) and b.get("type") == "tool_use":
+                self._calls[("a", len(self._calls))] = [b.get("id") if isinstance(b.get("id"), str) else "",
+                                                         b.get("name") if isinstance(b.get("name"), str) else ""]
+
+    def calls(self) -> list[tuple[str, str]]:
+        """The calls found, once the whole body was fed."""
+        if not self.streaming and not self.overflow and self._buf:
+            try:
+                body = json.loads(bytes(self._buf))
+            except ValueError:
+                body = None
+            self._buf = bytearray()
+            if isinstance(body, dict):
+                self._event(body)
+        elif self.streaming and self._buf:
+            self._line(bytes(self._buf))
+            self._buf = bytearray()
+        return [(c[0], c[1]) for c in self._calls.values()]

