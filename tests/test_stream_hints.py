@@ -132,6 +132,7 @@ def test_one_session_id_reused_for_unrelated_conversations() -> None:
     one = h.request("openai", {"x-session-id": "reused"}, _chat("write a poem"), now=0.0)
     two = h.request("openai", {"x-session-id": "reused"}, _chat("sum these numbers"), now=0.0)
     assert one.session_id == two.session_id and one.agent_id != two.agent_id
+    assert two.events[0][1]["parent_agent_id"] == ""  # a peer (same system prompt), not a sub-agent
     h.response(one, [("c1", "search")], now=1.0)
     again = h.request("openai", {"x-session-id": "reused"}, _chat("sum these numbers", {
         "role": "assistant", "content": "5"}, {"role": "user", "content": "and now?"}), now=2.0)

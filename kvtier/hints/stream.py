@@ -22,7 +22,9 @@ and it is scoped to the caller's tenant (a digest of the ``Authorization``
 header) before it reaches the engine, so two tenants' equal ids never meet.
 Agents: one per (session, agent header or system prompt + first message), so a
 client that reuses a session id for unrelated conversations gets one agent per
-conversation; the first agent of a session is the parent of the others.
+conversation. An agent with another system prompt than the session's first
+agent, or named by an agent header, is its sub-agent (a child in the graph);
+one with the same system prompt is a peer (a root of its own).
 
 Owns: parsing request and response bodies of the OpenAI chat completions and
 Anthropic messages APIs (JSON and server-sent events), the bounded per-session
@@ -88,6 +90,7 @@ class _Agent:
 @dataclass(slots=True)
 class _Session:
     root: str
+    root_system: str  # digest of the first agent's system prompt
     agents: OrderedDict[str, _Agent] = field(default_factory=OrderedDict)
 
 
@@ -160,9 +163,10 @@ class StreamHints:
         sid = "s-" + _digest(tenant, "h" if raw is not None else "f", raw if raw is not None else convo)
         agent_hdr = next((v for v in (self._valid(headers.get(h)) for h in AGENT_HEADERS) if v is not None), None)
         aid = "a-" + _digest(agent_hdr, n=12) if agent_hdr is not None else "a-" + convo[:12]
+        sys_digest = _digest(system[: self.limits.fingerprint_chars])
         sess = self._sessions.get(sid)
         if sess is None:
-            sess = self._sessions[sid] = _Session(root=aid)
+            sess = self._sessions[sid] = _Session(root=aid, root_system=sys_digest)
             while len(self._sessions) > self.limits.max_sessions:
                 self._sessions.popitem(last=False)
                 self.counters["sessions_forgotten"] += 1
@@ -174,7 +178,10 @@ class StreamHints:
             while len(sess.agents) > self.limits.max_agents_per_session:
                 sess.agents.popitem(last=False)
                 self.counters["agents_forgotten"] += 1
-            parent = "" if aid == sess.root else sess.root
+            # another system prompt (or an agent header): a sub-agent of the session's first agent; the same
+            # system prompt with another first message: a peer conversation, a root of its own
+            sub = aid != sess.root and (agent_hdr is not None or sys_digest != sess.root_system)
+            parent = sess.root if sub else ""
             # agent_type = the session: the hint server's history predicts waits per (session, tool)
             events.append(("agent_spawn", {"session_id": sid, "agent_id": aid, "parent_agent_id": parent,
                                            "agent_type": sid}))
