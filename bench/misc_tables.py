@@ -258,3 +258,25 @@ def engine_approx(data: dict[str, Any]) -> str:
                      f"{'equal' if e['outputs_equal_plain'] else 'DIFFERENT'}"])
     return caption + md_table(["model", "prefill computed (tokens)", "blocks re-rotated", "greedy token agreement",
                                "max logprob diff", "phase wall time vs no cache", "exact requests after"], body)
+
+
+# --- tool_wait_predictor.json ------------------------------------------------------------------------------
+
+
+@table("tool-wait-predictor", "tool_wait_predictor.json")
+def tool_wait_predictor(data: dict[str, Any]) -> str:
+    ev, tu = data["splits"]["eval"], data["splits"]["tune"]
+
+    def err(split: dict[str, Any], method: str) -> str:
+        p = split["overall"][method]["predicted_only"]
+        return f"{p['median_abs_error_s']:.1f} / {p['p90_abs_error_s']:.1f}"
+
+    rows = [[f"`{m}`", f"{ev['overall'][m]['predicted']:,} of {ev['overall'][m]['waits']:,}", err(ev, m),
+             f"{ev['overall'][m]['predicted_only']['under_fraction']:.0%}", err(tu, m)]
+            for m in data["methods"]]
+    caption = (f"Tool waits of `{data['trace_set']}` fed in time order (`python bench/tool_wait_predictor.py`, "
+               f"commit {data['commit'][:7]}); true wait median {ev['true_wait_s']['median']:g} s, p90 "
+               f"{ev['true_wait_s']['p90']:g} s on the evaluation half. The traces name no tool, so per tool "
+               f"is one row, this one.\n\n")
+    return caption + md_table(["method", "predicted (eval)", "median / p90 abs error, s (eval)",
+                               "waits longer than predicted (eval)", "median / p90 abs error, s (tune)"], rows)
