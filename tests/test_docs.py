@@ -83,7 +83,7 @@ def test_every_documented_command_parses(where: str, command: str, tmp_path, mon
 
 
 def test_the_readme_sdk_snippet_runs_with_no_server() -> None:
-    (snippet,) = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "HintClient" in b]
+    (snippet,) = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if 'HintClient("127.0.0.1:50051")' in b]
     code = "def run_tool():\n    pass\n" + snippet.replace("127.0.0.1:50051", "127.0.0.1:1")  # nothing listens
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr

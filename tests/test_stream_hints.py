@@ -27,12 +27,13 @@ def _kinds(events: list) -> list[str]:
 def test_a_session_header_an_agent_per_conversation_and_a_tool_wait_from_call_to_result() -> None:
     h = StreamHints()
     d = h.request("openai", {"x-claude-code-session-id": "abc"}, _chat("task one"), now=0.0)
-    assert d is not None and _kinds(d.events) == ["session_start", "agent_spawn"]
+    assert d is not None and d.events == []  # the server hears of a session at its first tool call
     assert d.params == {"kvtier_session_id": d.session_id, "kvtier_agent_id": d.agent_id}
-    assert d.events[1][1]["parent_agent_id"] == "" and d.events[1][1]["agent_type"] == d.session_id
     started = h.response(d, [("call_7", "pytest")], now=1.0)
-    assert started == [("tool_call_start", {"session_id": d.session_id, "agent_id": d.agent_id,
-                                            "tool_call_id": "call_7", "tool_name": "pytest"})]
+    assert _kinds(started) == ["session_start", "agent_spawn", "tool_call_start"]
+    assert started[1][1]["parent_agent_id"] == "" and started[1][1]["agent_type"] == d.session_id
+    assert started[2] == ("tool_call_start", {"session_id": d.session_id, "agent_id": d.agent_id,
+                                              "tool_call_id": "call_7", "tool_name": "pytest"})
     back = _chat("task one", {"role": "assistant", "tool_calls": [{"id": "call_7"}]},
                  {"role": "tool", "tool_call_id": "call_7", "content": "3 passed"})
     d2 = h.request("openai", {"x-claude-code-session-id": "abc"}, back, now=9.0)
@@ -42,9 +43,13 @@ def test_a_session_header_an_agent_per_conversation_and_a_tool_wait_from_call_to
     # a sub-agent: another system prompt in the same session, a child of the first agent
     sub = h.request("openai", {"x-claude-code-session-id": "abc"},
                     _chat("look up X", system={"role": "system", "content": "you are a searcher"}), now=10.0)
-    assert sub.session_id == d.session_id and sub.agent_id != d.agent_id
-    assert sub.events == [("agent_spawn", {"session_id": d.session_id, "agent_id": sub.agent_id,
-                                           "parent_agent_id": d.agent_id, "agent_type": d.session_id})]
+    assert sub.session_id == d.session_id and sub.agent_id != d.agent_id and sub.events == []
+    assert h.response(sub, [("c9", "search")], now=11.0)[0] == (
+        "agent_spawn", {"session_id": d.session_id, "agent_id": sub.agent_id, "parent_agent_id": d.agent_id,
+                        "agent_type": d.session_id})
+    # a plain chat (no tool call) never reaches the hint server
+    chat = h.request("openai", {"x-session-id": "chat"}, _chat("hello"), now=12.0)
+    assert chat.events == [] and h.response(chat, [], now=13.0) == []
 
 
 def test_anthropic_bodies_and_the_session_fallbacks() -> None:
@@ -84,7 +89,7 @@ def test_a_huge_or_control_character_id_falls_back_to_the_fingerprint(bad: objec
 
 
 def test_ten_thousand_sessions_from_one_client_stay_bounded() -> None:
-    h = StreamHints(StreamLimits(max_sessions=1000))
+    h = StreamHints(StreamLimits(max_sessions=1000, call_ttl_s=1e6))
     tracemalloc.start()
     for i in range(10_000):
         d = h.request("openai", {"x-session-id": f"s{i}"}, _chat(f"task {i}"), now=float(i))
@@ -95,17 +100,24 @@ def test_ten_thousand_sessions_from_one_client_stay_bounded() -> None:
     assert peak < 32 << 20, peak
     # a forgotten session's tool result is a new session, not an error
     back = _chat("task 0", {"role": "tool", "tool_call_id": "c0", "content": "late"})
-    kinds = _kinds(h.request("openai", {"x-session-id": "s0"}, back, now=1e4).events)
-    assert "session_start" in kinds and "tool_call_end" in kinds  # (the kept sessions' calls timed out)
-    assert len(h._deadlines) <= 4 * 1000 + 1
+    again = h.request("openai", {"x-session-id": "s0"}, back, now=1e4)
+    assert _kinds(again.events) == ["tool_call_end", "session_end"]  # it pushed out the oldest kept session
+    assert _kinds(h.response(again, [("c0b", "bash")], now=1e4))[:2] == ["session_start", "agent_spawn"]
+    assert len(h._deadlines) <= 2 * h._live_calls + 1024 + 1
+    # the forgotten sessions ended on the server too, their calls cancelled
+    assert h.counters["tool_calls_ended_cancelled"] == 9001
 
 
 def test_tenants_with_the_same_session_id_never_meet() -> None:
     h = StreamHints()
     a = h.request("openai", {"x-session-id": "shared", "authorization": "Bearer key-a"}, _chat("t"), now=0.0)
     b = h.request("openai", {"x-session-id": "shared", "authorization": "Bearer key-b"}, _chat("t"), now=0.0)
-    assert a.session_id != b.session_id and _kinds(b.events) == ["session_start", "agent_spawn"]
+    assert a.session_id != b.session_id
     h.response(a, [("c1", "bash")], now=1.0)
+    # an x-api-key (Anthropic's header) is a tenant too
+    k1 = h.request("anthropic", {"x-session-id": "shared", "x-api-key": "k1"}, {"messages": []}, now=0.0)
+    k2 = h.request("anthropic", {"x-session-id": "shared", "x-api-key": "k2"}, {"messages": []}, now=0.0)
+    assert k1.session_id != k2.session_id
     # tenant b sends a tool result for tenant a's call id: a's call stays in flight
     b2 = h.request("openai", {"x-session-id": "shared", "authorization": "Bearer key-b"},
                    _chat("t", {"role": "tool", "tool_call_id": "c1", "content": "x"}), now=2.0)
@@ -132,11 +144,13 @@ def test_one_session_id_reused_for_unrelated_conversations() -> None:
     one = h.request("openai", {"x-session-id": "reused"}, _chat("write a poem"), now=0.0)
     two = h.request("openai", {"x-session-id": "reused"}, _chat("sum these numbers"), now=0.0)
     assert one.session_id == two.session_id and one.agent_id != two.agent_id
-    assert two.events[0][1]["parent_agent_id"] == ""  # a peer (same system prompt), not a sub-agent
+    spawn = [e for e in h.response(two, [("c2", "sum")], now=0.5) if e[0] == "agent_spawn"]
+    assert spawn[0][1]["parent_agent_id"] == ""  # a peer (same system prompt), not a sub-agent
     h.response(one, [("c1", "search")], now=1.0)
     again = h.request("openai", {"x-session-id": "reused"}, _chat("sum these numbers", {
         "role": "assistant", "content": "5"}, {"role": "user", "content": "and now?"}), now=2.0)
-    assert again.agent_id == two.agent_id and again.events == []  # c1 is still in flight
+    assert again.agent_id == two.agent_id  # its own call c2 ends (cancelled); c1 is still in flight
+    assert [(e[1]["tool_call_id"], e[1]["status"]) for e in again.events] == [("c2", "cancelled")]
     cancelled = h.request("openai", {"x-session-id": "reused"}, _chat("write a poem", {
         "role": "assistant", "content": ""}, {"role": "user", "content": "never mind"}), now=3.0)
     assert [e[1]["status"] for e in cancelled.events] == ["cancelled"]  # back without the result
@@ -199,7 +213,142 @@ def test_a_timed_out_call_does_not_teach_the_predictor() -> None:
     g = AgentGraph(global_fallback=True)
     assert g.start_session("t", "s", 0.0) is None
     assert g.spawn_agent("t", "s", "a", 0.0, agent_type="s") is None
-    for i in range(4):
-        g.start_tool_call("t", "s", "a", f"c{i}", "bash", expected_s=None, now_s=10.0 * i)
-        g.end_tool_call("t", "s", "a", f"c{i}", now_s=10.0 * i + 2.0, observed=i < 3)
+    for i in range(4):  # three calls of 2 s; the fourth timed out after 100 s and is not a duration
+        g.start_tool_call("t", "s", "a", f"c{i}", "bash", expected_s=None, now_s=200.0 * i)
+        g.end_tool_call("t", "s", "a", f"c{i}", now_s=200.0 * i + (2.0 if i < 3 else 100.0), observed=i < 3)
     assert g.history.predict_s("s", "bash", None) == pytest.approx(2.0)
+
+
+def test_the_hint_server_does_not_learn_from_a_timed_out_or_cancelled_call() -> None:
+    from kvtier.hints.apply import HintApplier
+    from kvtier.hints._gen import hints_pb2 as pb
+
+    g = AgentGraph(global_fallback=True)
+    app = HintApplier(g)
+    assert g.start_session("t", "s", 0.0) is None and g.spawn_agent("t", "s", "a", 0.0, agent_type="s") is None
+    for i, (status, took) in enumerate([(pb.TOOL_STATUS_OK, 2.0)] * 3 + [(pb.TOOL_STATUS_TIMEOUT, 300.0),
+                                                                        (pb.TOOL_STATUS_CANCELLED, 90.0)]):
+        g.start_tool_call("t", "s", "a", f"c{i}", "bash", expected_s=None, now_s=1000.0 * i)
+        end = pb.ToolCallEnd(session_id="s", agent_id="a", tool_call_id=f"c{i}", status=status)
+        assert app._s_tool_call_end("t", end, 1000.0 * i + took, "client") is None
+    assert g.history.predict_s("s", "bash", None) == pytest.approx(2.0)
+
+
+def test_two_results_for_one_of_two_calls_end_the_other_cancelled_in_any_order() -> None:
+    for order in (["c1", "c2"], ["c2", "c1"]):
+        h = StreamHints()
+        d = h.request("openai", {"x-session-id": "s"}, _chat("t"), now=0.0)
+        h.response(d, [(c, "bash") for c in order], now=1.0)
+        back = h.request("openai", {"x-session-id": "s"}, _chat("t", {"role": "assistant", "content": ""},
+                         {"role": "tool", "tool_call_id": "c1", "content": "x"},
+                         {"role": "user", "content": "(a note the client added)"}), now=2.0)
+        assert {e[1]["tool_call_id"]: e[1]["status"] for e in back.events} == {"c1": "ok", "c2": "cancelled"}
+
+
+# --- the ASGI middleware (kvtier_vllm.middleware), against a stand-in app: no vLLM needed ---------------------
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict]] = []
+
+    def emit(self, kind: str, **fields: object) -> bool:
+        self.events.append((kind, fields))
+        return True
+
+
+def _asgi(mw, path: str, body: bytes, response: list[dict], chunks: int = 1, headers: list | None = None):
+    """Run one request through ``mw`` whose app answers ``response`` (ASGI messages); what the app received
+    (headers, body) and what the client got."""
+    import asyncio
+
+    seen: dict = {}
+
+    async def app(scope, receive, send):
+        got = b""
+        while True:
+            msg = await receive()
+            got += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        seen["headers"], seen["body"] = dict(scope["headers"]), got
+        for m in response:
+            await send(m)
+
+    mw.app = app
+    parts = [body[i * len(body) // chunks:(i + 1) * len(body) // chunks] for i in range(chunks)]
+    inbox = [{"type": "http.request", "body": p, "more_body": i < chunks - 1} for i, p in enumerate(parts)]
+    sent: list[dict] = []
+
+    async def receive():
+        return inbox.pop(0) if inbox else {"type": "http.disconnect"}
+
+    async def send(m):
+        sent.append(m)
+
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": "",
+             "headers": (headers or []) + [(b"content-length", str(len(body)).encode())]}
+    asyncio.run(mw(scope, receive, send))
+    return seen, sent
+
+
+def _middleware():
+    from kvtier_vllm.middleware import RequestStreamHints
+
+    mw = RequestStreamHints(None)
+    mw._client, mw._client_tried = _Recorder(), True
+    return mw
+
+
+def test_the_middleware_tags_the_body_and_reads_tool_calls_from_json_and_sse() -> None:
+    mw = _middleware()
+    req = json.dumps({**_chat("fix ü"), "kv_transfer_params": {"other": 1}}).encode()
+    answer = json.dumps({"choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+        "tool_calls": [{"id": "c1", "function": {"name": "bash", "arguments": "{}"}}]}}]}).encode()
+    seen, sent = _asgi(mw, "/v1/chat/completions", req, [
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]},
+        {"type": "http.response.body", "body": answer[:9], "more_body": True},
+        {"type": "http.response.body", "body": answer[9:], "more_body": False}], chunks=3,
+        headers=[(b"x-session-id", b"s1")])
+    body = json.loads(seen["body"])
+    assert body["kv_transfer_params"]["other"] == 1 and "kvtier_session_id" in body["kv_transfer_params"]
+    assert seen["headers"][b"content-length"] == str(len(seen["body"])).encode()
+    assert b"".join(m.get("body", b"") for m in sent) == answer  # the response is untouched
+    assert [k for k, _ in mw._client.events] == ["session_start", "agent_spawn", "tool_call_start"]
+    # a streamed response (the content type says so, whatever the body's "stream" was)
+    sse = b'data: {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c2", "function": ' \
+          b'{"name": "grep"}}]}}]}\n\ndata: [DONE]\n\n'
+    back = json.dumps({**_chat("fix ü", {"role": "assistant", "content": ""},
+                              {"role": "tool", "tool_call_id": "c1", "content": "ok"}), "stream": "false"}).encode()
+    _asgi(mw, "/v1/chat/completions", back, [
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]},
+        {"type": "http.response.body", "body": sse, "more_body": False}], headers=[(b"x-session-id", b"s1")])
+    assert [(k, f.get("tool_call_id")) for k, f in mw._client.events[3:]] == [("tool_call_end", "c1"),
+                                                                               ("tool_call_start", "c2")]
+
+
+def test_the_middleware_passes_through_what_it_cannot_or_must_not_read() -> None:
+    mw = _middleware()
+    ok = [{"type": "http.response.start", "status": 200, "headers": []},
+          {"type": "http.response.body", "body": b"{}", "more_body": False}]
+    for path, body in [("/v1/chat/completions", b"not json"), ("/v1/completions", b'{"prompt": "x"}'),
+                       ("/v1/chat/completions", json.dumps({**_chat("x"), "kv_transfer_params": "odd"}).encode()),
+                       ("/v1/chat/completions", json.dumps({**_chat("x"), "kv_transfer_params": {
+                           "kvtier_session_id": "sdk", "kvtier_agent_id": "a"}}).encode())]:
+        seen, sent = _asgi(mw, path, body, ok)
+        assert seen["body"] == body and sent == ok, path
+    # an error response teaches nothing
+    seen, sent = _asgi(mw, "/v1/messages", json.dumps({"messages": [{"role": "user", "content": "q"}]}).encode(),
+                       [{"type": "http.response.start", "status": 401, "headers": []},
+                        {"type": "http.response.body", "body": b'{"content": [{"type": "tool_use", "id": "t", '
+                                                               b'"name": "x"}], "type": "message"}'}])
+    assert mw._client.events == []
+
+
+def test_per_session_entries_never_push_out_the_shared_fallbacks() -> None:
+    h = DurationHistory(max_keys=16, global_fallback=True)
+    for i in range(200):  # 200 sessions, one call each: far more (session, tool) keys than fit
+        h.observe(f"s-{i}", "pytest", 3.0)
+    assert len(h) <= 16
+    assert h.predict_s("s-new", "pytest", None) == pytest.approx(3.0)  # the tool's pooled entry survived
+    assert h.predict_s("s-new", "never-seen", None) == pytest.approx(3.0)  # and the all-tools one

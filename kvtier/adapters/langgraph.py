@@ -54,9 +54,16 @@ class KVTierCallbackHandler(BaseCallbackHandler):
         self.events = 0
 
     def tag(self, model: Any, agent: str) -> Any:
-        """``model`` bound to send this session's and ``agent``'s ids in ``kv_transfer_params``."""
-        return model.bind(extra_body={KV_TRANSFER_PARAMS: {SESSION_ID_PARAM: self.session_id,
-                                                           AGENT_ID_PARAM: agent}})
+        """``model`` bound to send this session's and ``agent``'s ids in ``kv_transfer_params``; the model's own
+        ``extra_body`` (a ``ChatOpenAI(extra_body=...)``, or one bound before) is kept, merged."""
+        bound = getattr(model, "kwargs", None)
+        inner = getattr(model, "bound", model)
+        body = dict(getattr(inner, "extra_body", None) or {})
+        body.update((bound or {}).get("extra_body") or {})
+        params = dict(body.get(KV_TRANSFER_PARAMS) or {})
+        params.update({SESSION_ID_PARAM: self.session_id, AGENT_ID_PARAM: agent})
+        body[KV_TRANSFER_PARAMS] = params
+        return model.bind(extra_body=body)
 
     def _emit(self, kind: str, **fields: Any) -> None:
         if not self._started:
@@ -110,5 +117,9 @@ class KVTierCallbackHandler(BaseCallbackHandler):
             return
         for name in sorted(self._agents):
             self.client.emit("agent_end", session_id=self.session_id, agent_id=name, status="completed")
+            self.events += 1
         self.client.emit("session_end", session_id=self.session_id)
+        self.events += 1
+        self._agents.clear()
+        self._root = None
         self._started = False

@@ -17,11 +17,12 @@ Per run hook (:class:`agents.RunHooks`):
 * ``on_tool_start`` / ``on_tool_end``: ``tool_call_start`` / ``tool_call_end``
   with the tool's name and the SDK's tool call id: the wait the hint server
   predicts and the connector keeps the agent's KV for;
-* ``on_handoff``: the edge (the next agent's parent);
-* ``on_agent_end``: ``agent_end``.
+* ``on_handoff``: the edge (the next agent's parent).
 
-One hooks object is one session (``session_id``, random by default); call
-:meth:`KVTierRunHooks.end_session` when it is over.
+One hooks object is one session (``session_id``, random by default), over as
+many runs as the conversation takes; :meth:`KVTierRunHooks.end_session` ends
+its agents and the session. The tags stay on the ``Agent`` objects' settings:
+give concurrent sessions their own ``Agent`` objects (``agent.clone()``).
 
 Owns: that mapping. Must not: block (the client queues), or raise into the run.
 """
@@ -93,12 +94,15 @@ class KVTierRunHooks(RunHooks):
         self._emit("tool_call_end", session_id=self.session_id, agent_id=str(agent.name), tool_call_id=cid,
                    status="ok")
 
-    async def on_agent_end(self, context: Any, agent: Any, output: Any) -> None:
-        self._emit("agent_end", session_id=self.session_id, agent_id=str(agent.name), status="completed")
-        self._agents.discard(str(agent.name))
-
     def end_session(self) -> None:
-        """The session is over (its private KV may go first)."""
-        if self._started:
-            self.client.emit("session_end", session_id=self.session_id)
-            self._started = False
+        """The session is over: its agents end (their private KV may go first). An agent's final answer is
+        not its end: the user may go on in another run with these hooks."""
+        if not self._started:
+            return
+        for name in sorted(self._agents):
+            self.client.emit("agent_end", session_id=self.session_id, agent_id=name, status="completed")
+            self.events += 1
+        self.client.emit("session_end", session_id=self.session_id)
+        self.events += 1
+        self._agents.clear()
+        self._started = False

@@ -80,7 +80,10 @@ class DurationHistory:
         entry = self._stats.get(key)
         if entry is None:
             if len(self._stats) >= self.max_keys:
-                del self._stats[next(iter(self._stats))]
+                # the oldest scoped entry goes; the pooled per-tool and all-tools entries, the fallbacks every
+                # scope shares, stay (unless nothing else is left)
+                old = next((k for k in self._stats if k[0]), None) or next(iter(self._stats))
+                del self._stats[old]
             self._stats[key] = [duration_s, 1.0]
         else:
             entry[0] += self.ALPHA * (duration_s - entry[0])

@@ -13,13 +13,17 @@ request / response pair into
 * hint events for a hint server (``session_start``, ``agent_spawn``,
   ``tool_call_start``, ``tool_call_end``), the same events the SDK sends; the
   server's :class:`~kvtier.agents.predictor.DurationHistory` predicts each
-  wait per (session, tool), then per tool, then over all tools.
+  wait per (session, tool), then per tool, then over all tools. A session and
+  its agents reach the server with their first tool call (plain chat never
+  takes a slot there); a session or agent pushed out of the bounds below ends
+  there too, its calls ``cancelled``.
 
 Identifiers are correlation metadata, never authorization: an id is used only
 when it is a string of at most :attr:`StreamLimits.max_id_bytes` bytes with no
 control characters (else the request falls back to its fingerprint, counted),
-and it is scoped to the caller's tenant (a digest of the ``Authorization``
-header) before it reaches the engine, so two tenants' equal ids never meet.
+and it is scoped to the caller's tenant (a digest of the ``Authorization`` and
+``x-api-key`` headers) before it reaches the engine, so two tenants' equal ids
+never meet.
 Agents: one per (session, agent header or system prompt + first message), so a
 client that reuses a session id for unrelated conversations gets one agent per
 conversation. An agent with another system prompt than the session's first
@@ -35,10 +39,10 @@ trust a field's type: every body here comes from a client.
 >>> h = StreamHints()
 >>> d = h.request("openai", {"x-session-id": "s1"}, {"messages": [
 ...     {"role": "system", "content": "planner"}, {"role": "user", "content": "go"}]}, now=0.0)
->>> sorted(d.params), [e[0] for e in d.events]
-(['kvtier_agent_id', 'kvtier_session_id'], ['session_start', 'agent_spawn'])
+>>> sorted(d.params), d.events
+(['kvtier_agent_id', 'kvtier_session_id'], [])
 >>> [e[0] for e in h.response(d, [("call_1", "bash")], now=1.0)]
-['tool_call_start']
+['session_start', 'agent_spawn', 'tool_call_start']
 >>> d2 = h.request("openai", {"x-session-id": "s1"}, {"messages": [
 ...     {"role": "system", "content": "planner"}, {"role": "user", "content": "go"},
 ...     {"role": "assistant", "tool_calls": []}, {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]}, now=4.0)
@@ -73,7 +77,9 @@ class StreamLimits:
     max_sessions: int = 10_000
     max_agents_per_session: int = 64
     max_calls_per_agent: int = 32
-    call_ttl_s: float = 900.0  # a tool call with no result after this long is ended (status timeout)
+    max_calls: int = 100_000  # in flight over all sessions (the hint server's own bound)
+    call_ttl_s: float = 500.0  # a tool call with no result after this long is ended (status timeout); under
+    # the hint server's session TTL (600 s), so a call never outlives its session there
     fingerprint_chars: int = 4096  # of the system prompt and first message, hashed for a fingerprint
 
     def __post_init__(self) -> None:
@@ -84,6 +90,8 @@ class StreamLimits:
 
 @dataclass(slots=True)
 class _Agent:
+    parent: str  # "" for a root
+    announced: bool = False  # agent_spawn sent (with its first tool call)
     calls: dict[str, tuple[str, float]] = field(default_factory=dict)  # call id -> (tool name, started)
 
 
@@ -91,6 +99,7 @@ class _Agent:
 class _Session:
     root: str
     root_system: str  # digest of the first agent's system prompt
+    announced: bool = False  # session_start sent (with its first tool call)
     agents: OrderedDict[str, _Agent] = field(default_factory=OrderedDict)
 
 
@@ -132,6 +141,7 @@ class StreamHints:
         self.limits = limits or StreamLimits()
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._deadlines: list[tuple[float, str, str, str]] = []  # (expires, session, agent, call id)
+        self._live_calls = 0  # calls in flight, over all sessions
         self.counters: Counter[str] = Counter()
 
     def __len__(self) -> int:
@@ -154,7 +164,7 @@ class StreamHints:
             return None
         self.counters["requests"] += 1
         events: list[tuple[str, dict[str, Any]]] = self._expire(now)
-        tenant = _digest(headers.get("authorization", ""), n=8)
+        tenant = _digest(headers.get("authorization", ""), headers.get("x-api-key", ""), n=32)
         system, first, results = self._read(api, body)
         convo = _digest(system[: self.limits.fingerprint_chars], first[: self.limits.fingerprint_chars])
         raw = self._session_id(headers, body)
@@ -168,32 +178,51 @@ class StreamHints:
         if sess is None:
             sess = self._sessions[sid] = _Session(root=aid, root_system=sys_digest)
             while len(self._sessions) > self.limits.max_sessions:
-                self._sessions.popitem(last=False)
-                self.counters["sessions_forgotten"] += 1
-            events.append(("session_start", {"session_id": sid}))
+                old_sid, old = self._sessions.popitem(last=False)
+                events += self._forget_session(old_sid, old)
         self._sessions.move_to_end(sid)
         agent = sess.agents.get(aid)
         if agent is None:
-            agent = sess.agents[aid] = _Agent()
-            while len(sess.agents) > self.limits.max_agents_per_session:
-                sess.agents.popitem(last=False)
-                self.counters["agents_forgotten"] += 1
             # another system prompt (or an agent header): a sub-agent of the session's first agent; the same
             # system prompt with another first message: a peer conversation, a root of its own
             sub = aid != sess.root and (agent_hdr is not None or sys_digest != sess.root_system)
-            parent = sess.root if sub else ""
-            # agent_type = the session: the hint server's history predicts waits per (session, tool)
-            events.append(("agent_spawn", {"session_id": sid, "agent_id": aid, "parent_agent_id": parent,
-                                           "agent_type": sid}))
+            agent = sess.agents[aid] = _Agent(parent=sess.root if sub else "")
+            while len(sess.agents) > self.limits.max_agents_per_session:
+                old_aid, old = next(iter(sess.agents.items()))
+                if old_aid == aid:
+                    break
+                del sess.agents[old_aid]
+                events += self._forget_agent(sid, old_aid, old)
             self.counters["agents"] += 1
         sess.agents.move_to_end(aid)
-        for cid, (name, _t0) in list(agent.calls.items()):  # the agent is back: its calls are over
-            status = "ok" if cid in results or (results and not results & agent.calls.keys()) else "cancelled"
-            del agent.calls[cid]
-            events.append(("tool_call_end", {"session_id": sid, "agent_id": aid, "tool_call_id": cid,
-                                             "status": status}))
-            self.counters[f"tool_calls_ended_{status}"] += 1
+        matched = bool(results & agent.calls.keys())  # (before any is removed)
+        for cid in list(agent.calls):  # the agent is back: its calls are over
+            status = "ok" if cid in results or (results and not matched) else "cancelled"
+            events.append(self._end_call(sid, aid, agent, cid, status))
         return Derived(sid, aid, {SESSION_ID_PARAM: sid, AGENT_ID_PARAM: aid}, events)
+
+    def _end_call(self, sid: str, aid: str, agent: _Agent, cid: str, status: str) -> tuple[str, dict[str, Any]]:
+        del agent.calls[cid]
+        self._live_calls -= 1
+        self.counters[f"tool_calls_ended_{status}"] += 1
+        return ("tool_call_end", {"session_id": sid, "agent_id": aid, "tool_call_id": cid, "status": status})
+
+    def _forget_agent(self, sid: str, aid: str, agent: _Agent) -> list[tuple[str, dict[str, Any]]]:
+        """An agent pushed out of its session's bound: its calls end (``cancelled``), and it ends on the server."""
+        self.counters["agents_forgotten"] += 1
+        events = [self._end_call(sid, aid, agent, cid, "cancelled") for cid in list(agent.calls)]
+        if agent.announced:
+            events.append(("agent_end", {"session_id": sid, "agent_id": aid, "status": "cancelled"}))
+        return events
+
+    def _forget_session(self, sid: str, sess: _Session) -> list[tuple[str, dict[str, Any]]]:
+        """A session pushed out by newer ones: its calls end and the server forgets it too."""
+        self.counters["sessions_forgotten"] += 1
+        events = [e for aid, agent in sess.agents.items()
+                  for e in [self._end_call(sid, aid, agent, cid, "cancelled") for cid in list(agent.calls)]]
+        if sess.announced:
+            events.append(("session_end", {"session_id": sid}))
+        return events
 
     def _valid(self, value: Any) -> str | None:
         """``value`` when it may serve as an id: a non-empty string of at most
@@ -237,18 +266,18 @@ class StreamHints:
                 system += _text(msgs[i].get("content"))
                 i += 1
         first = _text(msgs[i].get("content")) if i < len(msgs) else ""
-        results: set[str] = set()
-        if api == "openai":
-            for m in reversed(msgs):
-                if m.get("role") != "tool":
-                    break
+        results: set[str] = set()  # tool results after the last assistant message (a client may add a note)
+        for m in reversed(msgs):
+            if m.get("role") == "assistant":
+                break
+            if api == "openai" and m.get("role") == "tool":
                 cid = m.get("tool_call_id")
                 results.add(cid if isinstance(cid, str) else "")
-        elif msgs and msgs[-1].get("role") == "user" and isinstance(msgs[-1].get("content"), list):
-            for part in msgs[-1]["content"]:
-                if isinstance(part, dict) and part.get("type") == "tool_result":
-                    cid = part.get("tool_use_id")
-                    results.add(cid if isinstance(cid, str) else "")
+            elif api == "anthropic" and m.get("role") == "user" and isinstance(m.get("content"), list):
+                for part in m["content"]:
+                    if isinstance(part, dict) and part.get("type") == "tool_result":
+                        cid = part.get("tool_use_id")
+                        results.add(cid if isinstance(cid, str) else "")
         return system, first, results
 
     # ------------------------------------------------------------ responses
@@ -257,25 +286,46 @@ class StreamHints:
                  ) -> list[tuple[str, dict[str, Any]]]:
         """The response to ``derived``'s request ended in these tool calls ``(id, name)``
         (none: the agent's turn is over): events that start their waits."""
-        sess = self._sessions.get(derived.session_id)
-        agent = sess.agents.get(derived.agent_id) if sess is not None else None
+        sid, aid = derived.session_id, derived.agent_id
+        sess = self._sessions.get(sid)
+        agent = sess.agents.get(aid) if sess is not None else None
         events: list[tuple[str, dict[str, Any]]] = []
         for cid, name in calls:
             if agent is None:
                 self.counters["tool_calls_forgotten"] += 1
                 break
-            cid = self._valid(cid) or "call-" + _digest(derived.agent_id, str(now), str(len(agent.calls)), n=12)
+            cid = self._valid(cid) or "call-" + _digest(aid, str(now), str(len(agent.calls)), n=12)
             name = self._valid(name) or "unknown"
             if cid in agent.calls:
                 continue
-            if len(agent.calls) >= self.limits.max_calls_per_agent:
+            if len(agent.calls) >= self.limits.max_calls_per_agent or self._live_calls >= self.limits.max_calls:
                 self.counters["tool_calls_refused"] += 1
                 continue
+            events += self._announce(sid, sess, aid, agent)  # the server learns of an agent at its first tool call
             agent.calls[cid] = (name, now)
+            self._live_calls += 1
             heapq.heappush(self._deadlines, (now + self.limits.call_ttl_s, derived.session_id, derived.agent_id, cid))
             events.append(("tool_call_start", {"session_id": derived.session_id, "agent_id": derived.agent_id,
                                                "tool_call_id": cid, "tool_name": name}))
             self.counters["tool_calls"] += 1
+        return events
+
+    def _announce(self, sid: str, sess: _Session, aid: str, agent: _Agent) -> list[tuple[str, dict[str, Any]]]:
+        """``session_start`` / ``agent_spawn`` not sent yet (a parent before its child). Only sessions whose agents
+        call tools reach the hint server: plain chat never takes a slot there."""
+        events: list[tuple[str, dict[str, Any]]] = []
+        if not sess.announced:
+            sess.announced = True
+            events.append(("session_start", {"session_id": sid}))
+        if agent.parent and agent.parent in sess.agents:
+            events += self._announce(sid, sess, agent.parent, sess.agents[agent.parent])
+        elif agent.parent:
+            agent.parent = ""  # its parent was forgotten: a root
+        if not agent.announced:
+            agent.announced = True
+            # agent_type = the session: the hint server's history predicts waits per (session, tool)
+            events.append(("agent_spawn", {"session_id": sid, "agent_id": aid, "parent_agent_id": agent.parent,
+                                           "agent_type": sid}))
         return events
 
     def expire(self, now: float) -> list[tuple[str, dict[str, Any]]]:
@@ -288,16 +338,22 @@ class StreamHints:
             _, sid, aid, cid = heapq.heappop(self._deadlines)
             sess = self._sessions.get(sid)
             agent = sess.agents.get(aid) if sess is not None else None
-            if agent is None or agent.calls.pop(cid, None) is None:
+            if agent is None or cid not in agent.calls:
                 continue
-            events.append(("tool_call_end", {"session_id": sid, "agent_id": aid, "tool_call_id": cid,
-                                             "status": "timeout"}))
-            self.counters["tool_calls_ended_timeout"] += 1
-        if len(self._deadlines) > 4 * self.limits.max_sessions:  # calls answered long ago: drop their deadlines
+            events.append(self._end_call(sid, aid, agent, cid, "timeout"))
+        if len(self._deadlines) > 2 * self._live_calls + 1024:  # calls answered long ago: drop their deadlines
             self._deadlines = [d for d in self._deadlines if d[1] in self._sessions
                                and d[3] in getattr(self._sessions[d[1]].agents.get(d[2]), "calls", ())]
             heapq.heapify(self._deadlines)
         return events
+
+
+def _list(value: Any) -> list[Any] | tuple[()]:
+    return value if isinstance(value, list) else ()
+
+
+def _scalar(value: Any) -> Any:
+    return value if isinstance(value, (int, str)) or value is None else repr(value)[:64]
 
 
 class ResponseCalls:
@@ -339,28 +395,32 @@ class ResponseCalls:
             self._event(ev)
 
     def _event(self, ev: dict[str, Any]) -> None:
-        for choice in ev.get("choices") or ():  # OpenAI chunk or completion
+        for choice in _list(ev.get("choices")):  # OpenAI chunk or completion
             if not isinstance(choice, dict):
                 continue
             msg = choice.get("delta") if isinstance(choice.get("delta"), dict) else choice.get("message")
-            for tc in (msg.get("tool_calls") or ()) if isinstance(msg, dict) else ():
+            for tc in _list(msg.get("tool_calls")) if isinstance(msg, dict) else ():
                 if not isinstance(tc, dict):
                     continue
                 fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
-                slot = self._calls.setdefault(("i", choice.get("index"), tc.get("index", len(self._calls))), ["", ""])
+                index = tc.get("index", len(self._calls))
+                key = ("i", _scalar(choice.get("index")), _scalar(index))
+                slot = self._calls.setdefault(key, ["", ""])
                 if isinstance(tc.get("id"), str) and not slot[0]:
                     slot[0] = tc["id"]
                 if isinstance(fn.get("name"), str) and not slot[1]:
                     slot[1] = fn["name"]
         block = ev.get("content_block") if ev.get("type") == "content_block_start" else None
-        blocks = [block] if isinstance(block, dict) else (ev.get("content") if ev.get("type") == "message" else None)
-        for b in blocks or ():  # Anthropic message, or a stream's content_block_start
+        blocks = [block] if isinstance(block, dict) else (_list(ev.get("content")) if ev.get("type") == "message" else ())
+        for b in blocks:  # Anthropic message, or a stream's content_block_start
             if isinstance(b, dict) and b.get("type") == "tool_use":
                 self._calls[("a", len(self._calls))] = [b.get("id") if isinstance(b.get("id"), str) else "",
                                                          b.get("name") if isinstance(b.get("name"), str) else ""]
 
     def calls(self) -> list[tuple[str, str]]:
-        """The calls found, once the whole body was fed."""
+        """The calls found, once the whole body was fed (none after an overflow)."""
+        if self.overflow:
+            return []
         if not self.streaming and not self.overflow and self._buf:
             try:
                 body = json.loads(bytes(self._buf))

@@ -119,8 +119,9 @@ def test_openai_agents_sdk_run_hooks(served) -> None:
     s = client.stats()
     client.close()
     assert s.num_dropped == 0, s
-    # session_start, agent_spawn, tool_call_start, tool_call_end, agent_end, session_end
-    assert hooks.events == 5, hooks.events
+    # session_start, agent_spawn, tool_call_start, tool_call_end; then agent_end, session_end
+    assert hooks.events == 6, hooks.events
+    assert s.rejected == 0 and s.duplicates == 0, s  # the server took every event
     c = _wait_for(stats, "tool_waits", before + 1)
     assert c.get("tool_waits", 0) >= before + 1, c  # the connector kept the coder's KV over the tool's second
 
@@ -181,6 +182,8 @@ def test_langgraph_callback_handler(served) -> None:
     s = client.stats()
     client.close()
     assert s.num_dropped == 0, s
-    assert hints.events == 4, hints.events  # session_start, agent_spawn, tool_call_start, tool_call_end
+    # session_start, agent_spawn, tool_call_start, tool_call_end; then agent_end, session_end
+    assert hints.events == 6, hints.events
+    assert s.rejected == 0 and s.duplicates == 0, s  # the server took every event
     c = _wait_for(stats, "tool_waits", before + 1)
     assert c.get("tool_waits", 0) >= before + 1, c

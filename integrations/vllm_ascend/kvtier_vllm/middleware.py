@@ -47,11 +47,14 @@ class RequestStreamHints:
         self._client: Any = None
         self._client_tried = False
         self._metrics: Any = None
+        self._exported: dict[str, int] = {}  # StreamHints counters as last sent to Prometheus
         self._logged: set[str] = set()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        api = PATHS.get(scope.get("path", "")) if scope.get("type") == "http" and scope.get("method") == "POST" \
-            else None
+        api = None
+        if scope.get("type") == "http" and scope.get("method") == "POST":
+            path, root = scope.get("path", ""), scope.get("root_path", "")
+            api = PATHS.get(path[len(root):] if root and path.startswith(root) else path)
         if api is None:
             await self.app(scope, receive, send)
             return
@@ -65,9 +68,9 @@ class RequestStreamHints:
             size += len(chunks[-1])
             more = msg.get("more_body", False)
         raw = b"".join(chunks)
-        derived, body, streaming = None, raw, False
+        derived, body = None, raw
         try:
-            derived, body, streaming = self._on_request(api, scope, raw, size)
+            derived, body = self._on_request(api, scope, raw, size)
         except Exception as exc:  # never fail a request for a hint
             self._trouble("request", exc)
         if body is not raw:
@@ -77,51 +80,60 @@ class RequestStreamHints:
         if derived is None:
             await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
             return
-        watcher = ResponseCalls(streaming)
-        status: list[int] = [0]
+        watcher: list[ResponseCalls] = []  # made when the response starts: streaming or not, by its content type
 
         async def watch(msg: dict) -> None:
             try:
-                if msg["type"] == "http.response.start":
-                    status[0] = int(msg.get("status", 0))
-                elif msg["type"] == "http.response.body" and status[0] == 200:
-                    watcher.feed(msg.get("body", b""))
+                if msg["type"] == "http.response.start" and int(msg.get("status", 0)) == 200:
+                    ctype = dict(msg.get("headers") or ()).get(b"content-type", b"")
+                    watcher.append(ResponseCalls(streaming=ctype.startswith(b"text/event-stream")))
+                elif msg["type"] == "http.response.body" and watcher:
+                    watcher[0].feed(msg.get("body", b""))
                     if not msg.get("more_body", False):
-                        self._emit(self.hints.response(derived, watcher.calls(), time.monotonic()))
+                        self._emit(self.hints.response(derived, watcher.pop().calls(), time.monotonic()))
+                        self._export()
             except Exception as exc:
                 self._trouble("response", exc)
             await send(msg)
 
         await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), watch)
 
-    def _on_request(self, api: str, scope: dict, raw: bytes, size: int) -> tuple[Any, bytes, bool]:
+    def _on_request(self, api: str, scope: dict, raw: bytes, size: int) -> tuple[Any, bytes]:
         if size > MAX_BODY_BYTES:
             self._count("requests_too_large")
-            return None, raw, False
+            return None, raw
         try:
             body = json.loads(raw)
         except ValueError:
             self._count("requests_unparsed")
-            return None, raw, False
+            return None, raw
+        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if params is not None and not isinstance(params, dict):  # vLLM judges that body, unchanged
+            self._count("requests_odd_kv_transfer_params")
+            return None, raw
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
-        before = dict(self.hints.counters)
+        self._hint_client(scope)  # (made on the first request: the address is in the app's vLLM config)
         derived = self.hints.request(api, headers, body, time.monotonic())
-        for k, v in self.hints.counters.items():
-            if v != before.get(k, 0):
-                self._count(k, v - before.get(k, 0))
+        self._export()
         if derived is None:
-            return None, raw, False
-        params = body.get("kv_transfer_params") if isinstance(body.get("kv_transfer_params"), dict) else {}
-        body["kv_transfer_params"] = {**params, **derived.params}
-        self._emit(derived.events, scope)
-        return derived, json.dumps(body).encode(), bool(body.get("stream"))
+            return None, raw
+        body["kv_transfer_params"] = {**(params or {}), **derived.params}
+        self._emit(derived.events)
+        return derived, json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+    def _export(self) -> None:
+        """StreamHints' counters that moved since the last call, to Prometheus."""
+        for k, v in list(self.hints.counters.items()):
+            if v != self._exported.get(k, 0):
+                self._count(k, v - self._exported.get(k, 0))
+                self._exported[k] = v
 
     # ------------------------------------------------------------ hint events
 
-    def _emit(self, events: list[tuple[str, dict[str, Any]]], scope: dict | None = None) -> None:
+    def _emit(self, events: list[tuple[str, dict[str, Any]]]) -> None:
         if not events:
             return
-        client = self._hint_client(scope)
+        client = self._client
         for kind, fields in events:
             self._count(f"events_{kind}")
             if client is not None and not client.emit(kind, **fields):
@@ -158,10 +170,14 @@ class RequestStreamHints:
         metrics.labels(kind=name).inc(n)
 
     def _trouble(self, where: str, exc: Exception) -> None:
-        self._count(f"errors_{where}")
-        if where not in self._logged:
-            self._logged.add(where)
-            log.exception("kvtier: request-stream hints failed on a %s (passed through; logged once): %s", where, exc)
+        try:
+            self._count(f"errors_{where}")
+            if where not in self._logged:
+                self._logged.add(where)
+                log.exception("kvtier: request-stream hints failed on a %s (passed through; logged once): %s",
+                              where, exc)
+        except Exception:  # never let accounting break a response
+            pass
 
 
 def _hint_target(scope: dict) -> tuple[str, str | None] | None:
