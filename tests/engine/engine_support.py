@@ -33,6 +33,30 @@ SMALL_LLAMA: dict[str, Any] = {**TINY_LLAMA, "hidden_size": 512, "intermediate_s
 where the engine's fixed per-step cost should not dominate (256 KiB of KV per block)."""
 
 
+def listen_port() -> int:
+    """A free TCP port on 127.0.0.1 below the kernel's ephemeral range, for a server a test starts later.
+    A port from ``bind(0)`` lies inside that range, where any client's outgoing connection (a ZMQ
+    subscriber reconnecting every 100 ms while the engine starts, a health poll) may take it first: the
+    server's bind then fails with "Address already in use" (seen once in CI)."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
 def make_model(directory: Path, weights: bool = True, config: dict[str, Any] | None = None) -> Path:
     """Write a Llama ``config.json`` (default: the tiny model) and, with ``weights``,
     seeded random weights (``model.safetensors``) large enough that the output

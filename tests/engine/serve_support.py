@@ -6,23 +6,21 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
-from .engine_support import BLOCK_SIZE
+from .engine_support import BLOCK_SIZE, listen_port
 
 ENV = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0",  # a named tool choice follows the tool's JSON schema (bounded)
        "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a server started later (below the ephemeral range: see ``engine_support.listen_port``)."""
+    return listen_port()
 
 
 class Server:

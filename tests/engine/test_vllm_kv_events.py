@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import json
-import socket
 import threading
 
 import pytest
@@ -17,21 +16,15 @@ import pytest
 from kvtier.kvevents.subscriber import KVEventSubscriber
 from kvtier.kvevents.wire import KVBlockRemoved, KVBlockStored
 
-from .engine_support import BLOCK_SIZE, ENGINE, make_model, run_child
+from .engine_support import BLOCK_SIZE, ENGINE, listen_port, make_model, run_child
 
 pytestmark = pytest.mark.slow
 
 DRAM_BLOCKS = 12
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_dram_stores_and_evictions_reach_a_subscriber_in_vllm_hashes(tmp_path) -> None:
-    pub, replay = _free_port(), _free_port()
+    pub, replay = listen_port(), listen_port()
     stats = tmp_path / "events.stats.json"
     prompts = [[(p * 131 + j * 7) % 997 + 3 for j in range(5 * BLOCK_SIZE + 3)] for p in range(4)]  # 5 full blocks
     spec = {"model": str(make_model(tmp_path / "model")), "max_tokens": 2,

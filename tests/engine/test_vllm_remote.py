@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
-from .engine_support import BLOCK_SIZE, ENGINE, ServedEngine, make_model, run_child
+from .engine_support import BLOCK_SIZE, ENGINE, ServedEngine, make_model, run_child, listen_port
 
 pytestmark = pytest.mark.slow
 
@@ -48,9 +47,7 @@ def _require_mooncake() -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return listen_port()  # below the ephemeral range (see engine_support.listen_port)
 
 
 def _tokens(seed: int, n: int) -> list[int]:
