@@ -200,8 +200,32 @@ def test_announced_tool_waits_tell_the_policy_each_true_gap() -> None:
         Simulator(w, SimConfig(hbm_blocks=1000, conc=1, tool_waits=waits, gap_cap_s=cap), policy, PROFILE).run()
         seen[(waits, cap)] = [e[3] for e in policy.seen if e[0] == "wait" and e[2] == "tool"]
     assert seen == {("predicted", None): [UNPREDICTED_GAP_S], ("announced", None): [3.0], ("announced", 2.5): [2.5]}
-    with pytest.raises(ConfigError, match="--tool-waits.*'exact'.*valid: predicted, announced"):
+    with pytest.raises(ConfigError, match="--tool-waits.*'exact'.*valid: predicted, predicted-stream, announced"):
         Simulator(w, SimConfig(hbm_blocks=1000, tool_waits="exact"), _Recorder(), PROFILE)
+
+
+def test_predicted_stream_waits_are_learned_per_session_first() -> None:
+    """``tool_waits="predicted-stream"``: the chain the request-stream middleware's hints get (they name
+    no agent type): per (session, tool), then per tool. Session ``b``'s agent, of the same type as
+    ``a``'s, waits 1 s where ``a``'s waited 20 s: after three of its own waits it is predicted from
+    them; with ``predicted`` (per agent type, as the SDK names it) ``a``'s waits still weigh in."""
+    def session(name: str, base: int, gap_s: float, n: int) -> Session:
+        reqs = tuple(Request(i, 64 * (2 + i), 4, tuple(range(base, base + 2 + i)), 0.0 if i == 0 else gap_s,
+                             "start" if i == 0 else "tool", "tool_use" if i < n - 1 else "end_turn", 0.0)
+                     for i in range(n))
+        return Session(name, (Agent("root", None, "main", reqs),))
+
+    w = Workload("two", 64, (session("a", 0, 20.0, 5), session("b", 1000, 1.0, 6)), False)
+    w.check_invariants()
+    seen = {}
+    for waits in ("predicted", "predicted-stream"):
+        policy = _Recorder()
+        Simulator(w, SimConfig(hbm_blocks=1000, conc=1, tool_waits=waits), policy, PROFILE).run()
+        seen[waits] = [e[3] for e in policy.seen if e[0] == "wait" and e[2] == "tool"]
+    assert len(seen["predicted"]) == len(seen["predicted-stream"]) == 4 + 5
+    assert seen["predicted"][:4] == seen["predicted-stream"][:4]  # session a: the same history either way
+    assert seen["predicted-stream"][-1] == pytest.approx(1.0)  # b's own three waits and more
+    assert seen["predicted"][-1] > 5.0  # per agent type: a's 20 s waits still in the average
 
 
 def _two_forks(prompt_blocks: int = 6, shared: int = 4) -> Workload:

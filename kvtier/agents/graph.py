@@ -168,8 +168,8 @@ class AgentGraph:
 
     def __init__(self, limits: GraphLimits | None = None, *, global_fallback: bool = False) -> None:
         """``global_fallback``: predict a tool never seen from the waits of all tools
-        (:class:`DurationHistory`); off in the replay's graph, on where the engine
-        connector hosts the hint server."""
+        (:class:`DurationHistory`); on where the engine connector hosts the hint
+        server, and in the replay's graph with ``--tool-waits predicted-stream``."""
         self.limits = limits or GraphLimits()
         self.history = DurationHistory(self.limits.max_history_keys, global_fallback=global_fallback)
         self._tenants: dict[str, dict[str, Session]] = {}

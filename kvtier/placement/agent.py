@@ -144,6 +144,11 @@ class AgentAware(PlacementPolicy):
 
     def on_wait_start(self, ctx: PlacementContext, wait: ToolWait) -> None:
         agent = wait.agent_key
+        # A wait started again before it ended is re-timed (live: the tool call a hint server announces after
+        # the turn's end started a turn_end wait): the earlier decision's prefetch goes, and its reserve unless
+        # this decision reserves again (a pin of the same context replaces the earlier one).
+        self._timers.pop(agent, None)
+        was_reserved = self._reserved.pop(agent, None) is not None
         self._turns[agent] = self._turns.get(agent, 0) + 1
         if self._est is not None:
             self._est.waiting(agent, wait.keys, None if wait.cause == "user" else wait.predicted_gap_s)
@@ -155,6 +160,8 @@ class AgentAware(PlacementPolicy):
         keys = wait.keys
         n_hbm = ctx.blocks_in(keys, "hbm")
         if not n_hbm:
+            if was_reserved:
+                ctx.unpin(keys)
             return
         critical = self.space and ctx.criticality(agent) >= self.critical_at
         decision = "keep"
@@ -182,6 +189,8 @@ class AgentAware(PlacementPolicy):
                 if self.time:  # back in time for the predicted return, from wherever it is by then
                     self._schedule_prefetch(ctx, agent, keys, wait,
                                             ctx.transfer_time_s(n_hbm, f"{self.swap_to}->hbm"))
+        if was_reserved and decision != "reserve":
+            ctx.unpin(keys)
         ctx.count(f"decision_{decision}")
 
     def on_wait_end(self, ctx: PlacementContext, agent_key: AgentKey, keys: Sequence[BlockKey]) -> None:

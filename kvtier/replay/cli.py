@@ -138,8 +138,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "live connector then has it; the references do not depend on it)")
     p.add_argument("--tool-waits", default="predicted", choices=list(TOOL_WAITS),
                    help="what a policy is told of a tool wait: predicted (default: the hint plane's prediction "
-                        "from the waits seen so far) or announced (its true length, as an agent that announces "
-                        "exactly how long its tool takes: an oracle, to measure what prediction error costs)")
+                        "from the waits seen so far, per agent type as the SDK names it, then per tool), "
+                        "predicted-stream (the chain of hints derived from the request stream, which name no agent "
+                        "type: per session and tool, then per tool, then over all tools) or announced (its true "
+                        "length, as an agent that announces exactly how long its tool takes: an oracle, to measure "
+                        "what prediction error costs)")
     p.add_argument("--scheduler", default="plain", choices=list(SCHEDULERS),
                    help="how the engine admits requests each step: plain (default: up to the running limit, "
                         "whatever the step's token budget; a block is a prefix hit once computed) or vllm (vLLM "

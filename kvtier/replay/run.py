@@ -99,7 +99,7 @@ class ReplaySpec:
     admission: str = "fcfs"
     surface: str = "full"  # what the engine lets placement do (kvtier.placement.surface)
     agent_ends: bool = True  # the policy learns agents' ends (a hint server's); False: kv_transfer_params only
-    tool_waits: str = "predicted"  # or "announced": the policy is told each tool wait's true length
+    tool_waits: str = "predicted"  # or "predicted-stream" (the request-stream chain), "announced" (true lengths)
     scheduler: str = "plain"  # or "vllm": admission within the step's token budget, blocks cached at allocation
     references: bool = True
     jobs: int = 1

@@ -66,7 +66,7 @@ from ..placement.base import TURN_END_GAP_S, UNPREDICTED_GAP_S, ssd_promotion
 from ..placement.nextuse import REQUEUE_MAX_BLOCKS, requeue_order
 from ..placement.surface import surface
 
-TOOL_WAITS = ("predicted", "announced")  # SimConfig.tool_waits
+TOOL_WAITS = ("predicted", "predicted-stream", "announced")  # SimConfig.tool_waits
 SCHEDULERS = ("plain", "vllm")  # SimConfig.scheduler
 
 
@@ -107,8 +107,11 @@ class SimConfig:
     # TURN_END_GAP_S, as the live connector does, and nothing ends.
     agent_ends: bool = True
     # What a policy is told of a tool wait: "predicted" (the hint plane's prediction from the tool waits seen
-    # so far) or "announced" (the trace's true gap, as the sim applies it: an agent that announces exactly
-    # how long its tool will take, as kv_transfer_params' kvtier_tool_wait_s does in the engine tests).
+    # so far, per agent type as an SDK announces it, then per tool), "predicted-stream" (the chain the
+    # request-stream middleware's hints get, where nothing names an agent type: per (session, tool), then per
+    # tool, then over all tools, as the connector's hosted hint server has it) or "announced" (the trace's true
+    # gap, as the sim applies it: an agent that announces exactly how long its tool will take, as
+    # kv_transfer_params' kvtier_tool_wait_s does in the engine tests).
     tool_waits: str = "predicted"
     # How the engine admits requests each step (SCHEDULERS): "plain" (up to max_running, whatever the step's
     # token budget; a block is a prefix hit once computed) or "vllm" (vLLM 0.32's scheduler: a request is
@@ -377,7 +380,8 @@ class Simulator:
                                             max_sessions_per_client=big, max_agents=big, max_agents_per_session=big,
                                             max_tool_calls=big, max_tool_calls_per_session=big,
                                             max_edges_per_session=big, max_shared_rounds_per_session=big,
-                                            max_stored_block_key_bytes=big, session_ttl_s=float(big)))
+                                            max_stored_block_key_bytes=big, session_ttl_s=float(big)),
+                                global_fallback=config.tool_waits == "predicted-stream")
         self.links = LinkModel(prior=dict(getattr(profile, "_link_to_cost", {})) |
                                (self.codec.prior() if self.codec is not None else {}))
         self._prefetches: dict[tuple[int, str], _Prefetch] = {}
@@ -486,7 +490,7 @@ class Simulator:
         sr = _SessionRun(idx, self._sessions[idx], self.now)
         root = sr.session.root
         self.graph.start_session("replay", sr.sid, self.now)
-        self.graph.spawn_agent("replay", sr.sid, root.agent_id, self.now, agent_type=root.agent_type,
+        self.graph.spawn_agent("replay", sr.sid, root.agent_id, self.now, agent_type=self._agent_type(sr, root),
                                expected_num_requests=self._declared_requests(root))
         if not root.requests:
             self._end_session(sr)
@@ -520,7 +524,7 @@ class Simulator:
         if index == 0 and agent.parent_id is not None:  # the framework announces the sub-agent
             join = f"{agent.parent_id}@{agent.join_before}" if agent.join_before is not None else ""
             self.graph.spawn_agent("replay", sr.sid, agent.agent_id, self.now, parent_id=agent.parent_id,
-                                   agent_type=agent.agent_type, join_group=join,
+                                   agent_type=self._agent_type(sr, agent), join_group=join,
                                    expected_num_requests=self._declared_requests(agent))
             if agent.join_before is not None:
                 self.graph.add_dependency("replay", sr.sid, agent.agent_id, agent.parent_id, self.now)
@@ -1160,6 +1164,11 @@ class Simulator:
                 self.mgr.complete_store(plan, True)
                 self._write_through(plan.keys, run.keys[-1] if n else None, (run.sess.idx, agent.agent_id))
         return nxt[:upto]
+
+    def _agent_type(self, sr: _SessionRun, agent: Agent) -> str:
+        """The agent type the hint plane keys tool-wait history by: the trace's, as an SDK announces it; the
+        session with ``predicted-stream``, as :class:`~kvtier.hints.stream.StreamHints` derives it."""
+        return sr.sid if self.cfg.tool_waits == "predicted-stream" else agent.agent_type
 
     def _predict_gap(self, sr: _SessionRun, agent: Agent, nxt: Request) -> float:
         """The wait a policy is told to expect: for a tool, the hint plane's

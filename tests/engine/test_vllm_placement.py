@@ -196,7 +196,9 @@ def test_a_tool_call_announced_to_the_hosted_hint_server_starts_the_wait() -> No
     """``hint_server`` in the extra config: the scheduler process serves the hint
     plane; a tool call the agent framework announces there starts that agent's
     wait (its requests carry only the session and agent ids), and the DAG says
-    it is critical: the policy holds its HBM blocks."""
+    it is critical: the policy holds its HBM blocks. The request's end starts a
+    ``turn_end`` wait first (the call is announced only after the response), which
+    the announced call re-times: one hold, not two."""
     from kvtier.sdk import HintClient
 
     eng = _Engine(101, placement="kvtier", hint_server="127.0.0.1:0")
@@ -207,9 +209,16 @@ def test_a_tool_call_announced_to_the_hosted_hint_server_starts_the_wait() -> No
         with client.session("s"), client.agent("coder") as agent:
             eng.serve("r1", _ctx(1, 4), agent.tag({})["kv_transfer_params"])
             eng.step()
-            assert sched.placement.holds.held_blocks == 0  # no tool call yet
+            c = sched.counters
+            assert (c["user_waits"], c["tool_waits"]) == (1, 0)  # no tool call yet: the turn ended
+            assert sched.placement.is_waiting(("s", agent.agent_id))
+            assert not sched.placement.is_waiting(("s", agent.agent_id), tool=True)
             with client.tool_call("bash", expected_s=20.0):
                 _step_until(eng, "tool_waits")  # each step polls the hint server (at most every 50 ms)
+                for _ in range(3):
+                    eng.step()
+                assert (c["user_waits"], c["tool_waits"], c["waits_retimed"]) == (1, 1, 1)
+                assert sched.placement.is_waiting(("s", agent.agent_id), tool=True)
                 assert sched.placement.holds.held_blocks == 4
         # the session ended: the policy retires its context in kvtier's DRAM tier (next victims there)
         _step_until(eng, "sessions_ended")

@@ -289,7 +289,7 @@ class EnginePlacement:
         n = min(len(keys), len(hashes))
         self._hashes.update(zip(keys[:n], hashes[:n]))
         self._agent_hashes[agent] = list(keys[:n])
-        self._waiting[agent] = (self.now, tool)
+        self._waiting[agent] = (self._waiting.get(agent, (self.now,))[0], tool)  # (re-timed: since it began)
         self._finishing_blocks = finishing_blocks
         if self.next_use is not None and self.holds is not None:
             self._order_due[agent] = self.ORDER_CHECKS
@@ -581,8 +581,10 @@ class EnginePlacement:
     def tiers_enabled(self) -> tuple[str, ...]:
         return ("hbm", *self.manager.tier_names)
 
-    def is_waiting(self, agent_key: AgentKey) -> bool:
-        return agent_key in self._waiting
+    def is_waiting(self, agent_key: AgentKey, tool: bool = False) -> bool:
+        """The agent's wait has started and not ended (``tool``: a wait on a tool, not on its turn's end)."""
+        wait = self._waiting.get(agent_key)
+        return wait is not None and (wait[1] or not tool)
 
     def parent_of(self, agent_key: AgentKey) -> str | None:
         fact = self._graph_fact(agent_key)

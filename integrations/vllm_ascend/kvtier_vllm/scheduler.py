@@ -647,12 +647,15 @@ class KVTierScheduler:
         """A tagged request finished: its agent now waits, on a tool for ``wait_s``
         (``kvtier_tool_wait_s`` in its ``kv_transfer_params``) or else on its user or
         on nothing, for it may be done (cause ``turn_end``, predicted
-        :data:`TURN_END_GAP_S`; not with a hint server, where the framework announces
-        its tool calls after this, and its agents' ends).
+        :data:`TURN_END_GAP_S`). With a hint server the framework (or the
+        request-stream middleware) announces the turn's tool calls only after this:
+        the ``turn_end`` wait starts all the same, and a tool call announced later
+        re-times it (``_apply_hints``, counted in ``waits_retimed``). Without it the
+        agent would stay busy in kvtier's next-use order until its session expired,
+        its context kept behind every agent that does come back.
         The placement policy decides (hold its HBM blocks, order its host copies,
-        schedule a prefetch). Without the user's turn the agent would stay busy in
-        kvtier's next-use order, its dead context kept ahead of agents that do come
-        back. The context is remembered for tool calls a hint server announces."""
+        schedule a prefetch). The context is remembered for tool calls a hint
+        server announces."""
         agent = self._agent(st)
         if agent is None:
             return
@@ -668,7 +671,7 @@ class KVTierScheduler:
         finishing = -(-int(st.request.num_tokens) // self.block_size)
         if wait_s is not None:
             self._start_wait(agent, keys, hashes, wait_s, finishing)
-        elif self._hints is None and self._watcher is None:  # (a hint server announces tool calls after this)
+        else:
             self._start_wait(agent, keys, hashes, TURN_END_GAP_S, finishing, "turn_end")
 
     MAX_TRACKED_AGENTS = 4096
@@ -788,8 +791,10 @@ class KVTierScheduler:
             known = self._last_ctx.get(agent)
             if agent in busy:
                 continue
-            if known and not self.placement.is_waiting(agent):
+            if known and not self.placement.is_waiting(agent, tool=True):
                 keys, hashes = known
+                if self.placement.is_waiting(agent):  # on its turn's end: the call announced since re-times it
+                    self.counters["waits_retimed"] += 1
                 self._start_wait(agent, keys, hashes,
                                  max(0.01, returns_s - now) if returns_s is not None else 10.0, 0)
 

@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""What predicting tool waits costs kvtier in the replay, against knowing them (issue 42).
+
+Owns: the replay commands of that comparison and the one JSON they make,
+``bench/out/predicted-waits.json``. Must not format tables
+(``bench/misc_tables.py`` renders block ``predicted-waits``) and must not
+judge: the README test checks the table against the JSON, not a threshold.
+
+At the four points of the surface ablation (``bench/surface_ablation.py``:
+both halves of the dev traces, conc 8 at ``--hbm-fraction 0.25`` and conc 16
+on that HBM; DRAM 2x HBM, no SSD, FCFS, ``--skip-oversized``), ``kvtier`` on
+the recommended live surface (``--surface vllm``) runs three times, told of
+each tool wait:
+
+* ``announced`` — its true length (an oracle: the client announces exactly
+  how long its tool takes), with the floor and the bound in the same replay;
+* ``predicted`` — the hint plane's prediction from the waits seen so far,
+  per agent type as the SDK names it, then per tool (the replay's default);
+* ``predicted-stream`` — the chain the request-stream middleware's hints get,
+  which name no agent type: per (session, tool), then per tool, then over
+  all tools, as the connector's hosted hint server has it.
+
+Each replay writes its own ``--json`` into ``--work``
+(``build/predicted-waits``), kept so that an interrupted run resumes: empty it
+after changing the code. Usage: ``python bench/predicted_waits.py
+[--halves eval,tune] [--parallel 1]``, then ``python bench/readme_tables.py``.
+12 replays, about 15 minutes one at a time on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from replay_results import ROOT  # noqa: E402
+from surface_ablation import HALVES, POINTS, point_args, run  # noqa: E402
+
+OUT = ROOT / "bench" / "out" / "predicted-waits.json"
+MODES = ("announced", "predicted", "predicted-stream")  # kvtier.replay.sim.TOOL_WAITS, the oracle first
+
+
+def commands(halves: tuple[str, ...]) -> dict[str, list[str]]:
+    """run name (``HALF-POINT-MODE``) -> the replay's arguments (after ``kvtier replay``), in run order."""
+    cmds: dict[str, list[str]] = {}
+    for half in halves:
+        for point in POINTS:
+            for mode in MODES:
+                refs = [] if mode == "announced" else ["--no-references"]
+                cmds[f"{half}-{point}-{mode}"] = [*point_args(half, point), "--policies", "kvtier", "--surface",
+                                                  "vllm", "--tool-waits", mode, *refs]
+    return cmds
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def merge(work: Path, cmds: dict[str, list[str]]) -> dict:
+    """One JSON: per ``HALF-POINT``, ``kvtier``'s row per mode, the references and every command."""
+    points: dict[str, dict] = {}
+    header: dict | None = None
+    for name in cmds:
+        path = work / f"{name}.json"
+        if not path.exists():
+            continue
+        rep = json.loads(path.read_text())
+        half, point, mode = name.split("-", 2)
+        p = points.setdefault(f"{half}-{point}", {"half": half, "point": point, "modes": {}, "commands": {},
+                                                   "wall_s": {}})
+        row = next(r for r in rep["results"] if r["policy"] == "kvtier")
+        p["modes"][mode] = row
+        p["commands"][mode], p["wall_s"][mode] = rep["command"], rep["bench_wall_s"]
+        if rep.get("references"):
+            p["references"] = rep["references"][0]
+            p["workload"] = rep["workload"]
+            header = header or {k: rep[k] for k in ("kvtier_version", "trace", "profile", "block_size", "admission",
+                                                    "skip_oversized")}
+    status = _git("status", "--porcelain", "--", "kvtier")
+    return {"generated_by": "bench/predicted_waits.py",
+            "generated_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "commit": _git("rev-parse", "HEAD"), "kvtier_dirty": None if status is None else bool(status),
+            **(header or {}), "modes": list(MODES), "points": points}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--halves", default=",".join(HALVES), help="eval,tune (the default; in that order)")
+    ap.add_argument("--parallel", type=int, default=1, help="replays at once (default 1)")
+    ap.add_argument("--work", type=Path, default=ROOT / "build" / "predicted-waits",
+                    help="per-replay JSONs (kept: a rerun resumes; empty it after changing the code)")
+    ap.add_argument("--out", type=Path, default=OUT, help=f"merged JSON (default {OUT.relative_to(ROOT)})")
+    args = ap.parse_args()
+    halves = tuple(h for h in args.halves.split(",") if h)
+    bad = [h for h in halves if h not in HALVES]
+    if bad:
+        ap.error(f"--halves: {bad[0]!r} is not one of {', '.join(HALVES)}")
+    cmds = commands(halves)
+    args.work.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+        for done, _ in enumerate(pool.map(lambda kv: run(kv[0], kv[1], args.work), cmds.items()), 1):
+            print(f"[{done}/{len(cmds)}] {time.perf_counter() - start:.0f}s", file=sys.stderr, flush=True)
+    merged = merge(args.work, cmds)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(merged, indent=2, default=float) + "\n")
+    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
