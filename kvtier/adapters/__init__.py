@@ -12,6 +12,10 @@ model requests with the same session and agent ids
 (``kv_transfer_params``), so the engine connector holds and orders each
 agent's KV across its tool waits.
 
+What both do alike (the session's events, its agents' and its own end, the
+merge of ``kv_transfer_params`` into a request body) is
+:mod:`kvtier.adapters._session`, which imports no framework.
+
 Owns: the mapping from a framework's callbacks to hint events.
 Must not: be imported by ``import kvtier`` (each module imports its framework),
 change what the framework sends beyond ``kv_transfer_params``, or fail the

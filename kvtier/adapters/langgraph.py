@@ -33,25 +33,20 @@ from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
 
-from ..sdk.handles import AGENT_ID_PARAM, KV_TRANSFER_PARAMS, SESSION_ID_PARAM
+from ._session import HintSession, tagged
 
 
-class KVTierCallbackHandler(BaseCallbackHandler):
+class KVTierCallbackHandler(HintSession, BaseCallbackHandler):
     """Callbacks that send a graph's agents and tool calls to kvtier (see the module docstring)."""
 
     raise_error = False  # a hint problem never fails the graph
 
     def __init__(self, client: Any, session_id: str | None = None, *, model: str = "") -> None:
-        super().__init__()
-        self.client = client
-        self.session_id = session_id or "graph-" + secrets.token_hex(6)
-        self._model = model
-        self._started = False
+        BaseCallbackHandler.__init__(self)
+        HintSession.__init__(self, client, session_id or "graph-" + secrets.token_hex(6), model)
         self._root: str | None = None
-        self._agents: set[str] = set()
         self._last_agent: str | None = None
         self._calls: dict[UUID, tuple[str, str]] = {}  # tool run id -> (agent, call id)
-        self.events = 0
 
     def tag(self, model: Any, agent: str) -> Any:
         """``model`` bound to send this session's and ``agent``'s ids in ``kv_transfer_params``; the model's own
@@ -60,26 +55,13 @@ class KVTierCallbackHandler(BaseCallbackHandler):
         inner = getattr(model, "bound", model)
         body = dict(getattr(inner, "extra_body", None) or {})
         body.update((bound or {}).get("extra_body") or {})
-        params = dict(body.get(KV_TRANSFER_PARAMS) or {})
-        params.update({SESSION_ID_PARAM: self.session_id, AGENT_ID_PARAM: agent})
-        body[KV_TRANSFER_PARAMS] = params
-        return model.bind(extra_body=body)
-
-    def _emit(self, kind: str, **fields: Any) -> None:
-        if not self._started:
-            self._started = True
-            self._emit("session_start", session_id=self.session_id, model=self._model)
-        self.events += 1
-        self.client.emit(kind, **fields)
+        return model.bind(extra_body=tagged(body, self.session_id, agent))
 
     def _agent(self, metadata: dict[str, Any] | None) -> str:
         name = str((metadata or {}).get("langgraph_node") or "agent")
-        if name not in self._agents:
-            self._agents.add(name)
-            if self._root is None:
-                self._root = name
-            self._emit("agent_spawn", session_id=self.session_id, agent_id=name,
-                       parent_agent_id="" if name == self._root else self._root, agent_type=name)
+        if self._root is None:
+            self._root = name
+        self._spawn(name, "" if name == self._root else self._root)
         return name
 
     def on_chat_model_start(self, serialized: dict[str, Any], messages: list[list[Any]], *, run_id: UUID,
@@ -95,14 +77,13 @@ class KVTierCallbackHandler(BaseCallbackHandler):
         cid = kwargs.get("tool_call_id")
         cid = cid if isinstance(cid, str) and cid else "call-" + run_id.hex[:16]
         self._calls[run_id] = (agent, cid)
-        self._emit("tool_call_start", session_id=self.session_id, agent_id=agent, tool_call_id=cid,
+        self._emit("tool_call_start", agent_id=agent, tool_call_id=cid,
                    tool_name=str((serialized or {}).get("name") or kwargs.get("name") or "tool"))
 
     def _end(self, run_id: UUID, status: str) -> None:
         call = self._calls.pop(run_id, None)
         if call is not None:
-            self._emit("tool_call_end", session_id=self.session_id, agent_id=call[0], tool_call_id=call[1],
-                       status=status)
+            self._emit("tool_call_end", agent_id=call[0], tool_call_id=call[1], status=status)
 
     def on_tool_end(self, output: Any, *, run_id: UUID, parent_run_id: UUID | None = None, **kwargs: Any) -> None:
         self._end(run_id, "ok")
@@ -113,13 +94,5 @@ class KVTierCallbackHandler(BaseCallbackHandler):
 
     def end_session(self) -> None:
         """The session is over: its agents end (their private KV may go first)."""
-        if not self._started:
-            return
-        for name in sorted(self._agents):
-            self.client.emit("agent_end", session_id=self.session_id, agent_id=name, status="completed")
-            self.events += 1
-        self.client.emit("session_end", session_id=self.session_id)
-        self.events += 1
-        self._agents.clear()
+        super().end_session()
         self._root = None
-        self._started = False

@@ -35,45 +35,25 @@ from typing import Any
 
 from agents import RunHooks
 
-from ..sdk.handles import AGENT_ID_PARAM, KV_TRANSFER_PARAMS, SESSION_ID_PARAM
+from ._session import HintSession, tagged
 
 
-class KVTierRunHooks(RunHooks):
+class KVTierRunHooks(HintSession, RunHooks):
     """Run hooks that send the run's agents and tool calls to kvtier (see the module docstring)."""
 
     def __init__(self, client: Any, session_id: str | None = None, *, model: str = "") -> None:
-        super().__init__()
-        self.client = client
-        self.session_id = session_id or "agents-" + secrets.token_hex(6)
-        self._started = False
-        self._model = model
-        self._agents: set[str] = set()
+        HintSession.__init__(self, client, session_id or "agents-" + secrets.token_hex(6), model)
         self._parent: dict[str, str] = {}  # agent handed off to -> the agent that handed off
         self._calls: dict[int, str] = {}  # id(context) -> tool call id, for calls without the SDK's id
-        self.events = 0
-
-    def _emit(self, kind: str, **fields: Any) -> None:
-        if not self._started:
-            self._started = True
-            self._emit("session_start", session_id=self.session_id, model=self._model)
-        self.events += 1
-        self.client.emit(kind, **fields)
 
     async def on_agent_start(self, context: Any, agent: Any) -> None:
         name = str(agent.name)
-        if name not in self._agents:
-            self._agents.add(name)
-            self._emit("agent_spawn", session_id=self.session_id, agent_id=name,
-                       parent_agent_id=self._parent.get(name, ""), agent_type=name)
+        self._spawn(name, self._parent.get(name, ""))
         settings = agent.model_settings
-        body = dict(settings.extra_body or {}) if isinstance(settings.extra_body, dict) or not settings.extra_body \
-            else None
-        if body is None:  # not a dict: leave the user's body alone
-            return
-        params = dict(body.get(KV_TRANSFER_PARAMS) or {})
-        params.update({SESSION_ID_PARAM: self.session_id, AGENT_ID_PARAM: name})
-        body[KV_TRANSFER_PARAMS] = params
-        agent.model_settings = dataclasses.replace(settings, extra_body=body)
+        if settings.extra_body and not isinstance(settings.extra_body, dict):
+            return  # not a dict: leave the user's body alone
+        agent.model_settings = dataclasses.replace(settings, extra_body=tagged(settings.extra_body or {},
+                                                                               self.session_id, name))
 
     async def on_handoff(self, context: Any, from_agent: Any, to_agent: Any) -> None:
         self._parent.setdefault(str(to_agent.name), str(from_agent.name))
@@ -85,24 +65,10 @@ class KVTierRunHooks(RunHooks):
         return self._calls.setdefault(id(context), "call-" + secrets.token_hex(6))
 
     async def on_tool_start(self, context: Any, agent: Any, tool: Any) -> None:
-        self._emit("tool_call_start", session_id=self.session_id, agent_id=str(agent.name),
-                   tool_call_id=self._call_id(context), tool_name=str(getattr(tool, "name", "tool")))
+        self._emit("tool_call_start", agent_id=str(agent.name), tool_call_id=self._call_id(context),
+                   tool_name=str(getattr(tool, "name", "tool")))
 
     async def on_tool_end(self, context: Any, agent: Any, tool: Any, result: object) -> None:
         cid = self._call_id(context)
         self._calls.pop(id(context), None)
-        self._emit("tool_call_end", session_id=self.session_id, agent_id=str(agent.name), tool_call_id=cid,
-                   status="ok")
-
-    def end_session(self) -> None:
-        """The session is over: its agents end (their private KV may go first). An agent's final answer is
-        not its end: the user may go on in another run with these hooks."""
-        if not self._started:
-            return
-        for name in sorted(self._agents):
-            self.client.emit("agent_end", session_id=self.session_id, agent_id=name, status="completed")
-            self.events += 1
-        self.client.emit("session_end", session_id=self.session_id)
-        self.events += 1
-        self._agents.clear()
-        self._started = False
+        self._emit("tool_call_end", agent_id=str(agent.name), tool_call_id=cid, status="ok")
