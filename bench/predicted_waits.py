@@ -3,7 +3,7 @@
 
 Owns: the replay commands of that comparison and the one JSON they make,
 ``bench/out/predicted-waits.json``. Must not format tables
-(``bench/misc_tables.py`` renders block ``predicted-waits``) and must not
+(``bench/replay_tables.py`` renders block ``predicted-waits``) and must not
 judge: the README test checks the table against the JSON, not a threshold.
 
 At the four points of the surface ablation (``bench/surface_ablation.py``:

@@ -337,6 +337,45 @@ def surface_ablation(data: dict[str, Any]) -> str:
     return caption + table_md + gap
 
 
+_WAIT_LABELS = {"announced": "true waits (`--tool-waits announced`, an oracle)",
+                "predicted": "predicted per agent type, then per tool (`predicted`, the SDK's hints)",
+                "predicted-stream": "predicted per session, then per tool, then over all (`predicted-stream`, the "
+                                    "request-stream hints)"}
+
+
+@table("predicted-waits", "predicted-waits.json")
+def predicted_waits(data: dict[str, Any]) -> str:
+    """``kvtier`` on the recommended live surface told each tool wait's true length or a prediction from the
+    waits seen so far (bench/predicted_waits.py): prefill computed over the bound, and each prediction
+    against the true waits, at both points of both halves, with the bound and the floor."""
+    pts = [data["points"][p] for p in _SURFACE_POINTS if p in data["points"]]
+    key = "prefill_tokens_computed"
+    body = []
+    for mode in data["modes"]:
+        cells = []
+        for p in pts:
+            r, bound = p["modes"][mode][key], p["references"]["bound_prefill_tokens"]
+            vs = "" if mode == "announced" else f", {r / p['modes']['announced'][key] - 1:+.1%} against true"
+            cells.append(f"{r / 1e6:.2f}M ({r / bound:.3f}x bound{vs})")
+        body.append([_WAIT_LABELS.get(mode, f"`{mode}`"), *cells])
+    for name, ref in (("bound", "bound"), ("floor (unbounded cache)", "floor")):
+        body.append([name] + [f"{p['references'][f'{ref}_prefill_tokens'] / 1e6:.2f}M "
+                              f"({p['references'][f'{ref}_prefill_tokens'] / p['references']['bound_prefill_tokens']:.3f}x)"
+                              for p in pts])
+    heads = [f"{'evaluation' if p['half'] == 'eval' else 'tuning'} half, conc {p['references']['conc']}, "
+             f"HBM {p['references']['hbm_blocks']:,}" for p in pts]
+    wall = sum(sum(p["wall_s"].values()) for p in pts)
+    commit = (data.get("commit") or "unknown")[:7] + (" (kvtier/ modified)" if data.get("kvtier_dirty") else "")
+    caption = (f"`kvtier` prefill computed on the recommended live surface (`--surface vllm`), told each tool "
+               f"wait's true length or predicted from the waits seen so far (modelled: the replay's engine, the "
+               f"connector's decisions). Points and resources as in the surface ablation (DRAM 2x HBM, no SSD, "
+               f"FCFS, `--skip-oversized`). Written by `python bench/predicted_waits.py` at commit {commit}: per "
+               f"point, `{pts[0]['commands']['announced']}` (with the references), then `--tool-waits predicted` "
+               f"and `--tool-waits predicted-stream` with `--no-references`. {sum(len(p['wall_s']) for p in pts)} "
+               f"replays, {wall / 60:.0f} min of replay wall time.\n\n")
+    return caption + md_table(["tool waits", *heads], body)
+
+
 def _with_refs(row: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
     """A kvtier row run without references, given its point's (they do not depend on the surface)."""
     return row | {k: point["references"][k] for k in ("bound_prefill_tokens", "floor_prefill_tokens")}

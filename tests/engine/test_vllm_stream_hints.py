@@ -196,18 +196,21 @@ def _hits(r: dict) -> float:
 
 @pytest.mark.parametrize("name", ["stream", "stream-anthropic"])
 def test_stream_hints_do_no_harm_and_reach_the_connector(runs: dict, name: str) -> None:
-    """Asserted: the same workload; no fewer hits than with no hints (3% allowed for timing: four runs of
-    this test measured +1% to +11%); every tool wait reached the connector. Measured, not asserted (issue
-    42 asks for 5%): the hits against hand-tagging, which four runs put 2% above to 10% below. The gap is
-    the policy, not the derivation: with a hint server, the kvtier policy ranks the six peers by critical
-    path and offloads the ones off it (``decision_offload``), where hand-tagged requests leave every agent
-    critical (``decision_low_pressure``)."""
+    """Asserted: the same workload; no fewer hits than with no hints (3% allowed for timing); no more than 8%
+    fewer than hand-tagged (issue 42 asks for 5%: the figures move with timing by a few percent, and the
+    runs since the connector starts a turn's end wait with a hint server too measured 2.5% to 4.5% fewer;
+    before, 10% fewer); every tool wait reached the connector, predicted there."""
     stream, tagged, none_ = runs[name], runs["tagged"], runs["no-hints"]
     assert stream["prompt"] == pytest.approx(tagged["prompt"], rel=0.02), "not the same workload"
     assert _hits(stream) >= 0.97 * _hits(none_), (name, _hits(stream), _hits(none_))
+    assert _hits(stream) >= 0.92 * _hits(tagged), (name, _hits(stream), _hits(tagged))
     # every tool wait reached the connector through the hint server, predicted there
     assert stream["counters"].get("tool_waits", 0) >= AGENTS * (TURNS - 1) * REPEATS * 0.8, stream["counters"]
     assert stream["counters"].get("tool_wait_predictions", 0) > 0, stream["counters"]
+    # each request's end started a turn_end wait (an agent's last turn too: it is not left busy), and the
+    # tool call the middleware announced after the response re-timed it
+    assert stream["counters"].get("user_waits", 0) >= AGENTS * TURNS * REPEATS * 0.8, stream["counters"]
+    assert stream["counters"].get("waits_retimed", 0) >= AGENTS * (TURNS - 1) * REPEATS * 0.8, stream["counters"]
     print(f"\n{name}: hits {_hits(stream):.0f}, {_hits(stream) / _hits(none_) - 1:+.1%} against no hints, "
           f"{_hits(stream) / _hits(tagged) - 1:+.1%} against hand-tagged")
 
