@@ -27,7 +27,9 @@ Servers, one after another, on the same engine settings:
 * ``stream-anthropic`` — ``stream`` over the Anthropic Messages endpoint.
 
 Reported from vLLM's own ``/metrics``: prompt tokens, local (HBM) and external
-(kvtier) prefix-cache hit tokens.
+(kvtier) prefix-cache hit tokens. Outputs are compared with the server with no
+connector: token ids over the OpenAI API, what each turn said (tool and input,
+final text) over the Anthropic one, which returns no ids.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def _openai_agent(port: int, a: int, mode: str, out: dict, rep: int) -> None:
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
     msgs = [{"role": "system", "content": _system(rep)}, {"role": "user", "content": _task(a)}]
-    ids = []
+    ids, said = [], []
     for turn in range(TURNS):
         last = turn == TURNS - 1
         extra: dict = {"return_token_ids": True}
@@ -100,14 +102,16 @@ def _openai_agent(port: int, a: int, mode: str, out: dict, rep: int) -> None:
         choice = r.choices[0]
         ids.append(choice.token_ids)
         if last:
+            said.append(choice.message.content or "")
             break
         call = choice.message.tool_calls[0]
+        said.append((call.function.name, json.loads(call.function.arguments)))
         msgs.append({"role": "assistant", "content": None, "tool_calls": [
             {"id": call.id, "type": "function", "function": {"name": call.function.name,
                                                              "arguments": call.function.arguments}}]})
         time.sleep(_wait_s(call.function.name, a))  # the tool runs
         msgs.append({"role": "tool", "tool_call_id": call.id, "content": _result(a, turn)})
-    out[a] = ids
+    out[a] = {"ids": ids, "said": said}
 
 
 def _anthropic_agent(port: int, a: int, mode: str, out: dict, rep: int) -> None:
@@ -117,22 +121,23 @@ def _anthropic_agent(port: int, a: int, mode: str, out: dict, rep: int) -> None:
                                  default_headers={"X-Claude-Code-Session-Id": f"team-session-{rep}"})
     tools = [{"name": name, "description": f"run {name}", "input_schema": SCHEMA} for name in TOOL_WAITS_S]
     msgs: list = [{"role": "user", "content": _task(a)}]
-    calls = 0
+    said: list = []
     for turn in range(TURNS):
         last = turn == TURNS - 1
         r = client.messages.create(model="tiny", system=_system(rep), messages=msgs, tools=tools,
                                    extra_body={"temperature": 0}, max_tokens=4 if last else 24,
                                    tool_choice={"type": "none"} if last else {"type": "tool", "name": _tool(a, turn)})
         if last:
+            said.append("".join(b.text for b in r.content if b.type == "text"))
             break
         use = next(b for b in r.content if b.type == "tool_use")
-        calls += 1
+        said.append((use.name, use.input))
         msgs.append({"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name,
                                                        "input": use.input}]})
         time.sleep(_wait_s(use.name, a))
         msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                                   "content": _result(a, turn)}]})
-    out[a] = calls
+    out[a] = {"ids": None, "said": said}  # (the Messages API returns no token ids)
 
 
 def _drive(port: int, mode: str, anthropic_api: bool, rep: int) -> dict:
@@ -152,13 +157,14 @@ def _run(tmp: Path, model: Path, name: str, kvtier: dict | None, middleware: boo
          anthropic_api: bool = False) -> dict:
     server = Server(tmp, name, model, kvtier, middleware, hbm_blocks=HBM_BLOCKS)
     try:
-        ids = [_drive(server.port, mode, anthropic_api, rep) for rep in range(REPEATS)]
+        outs = [_drive(server.port, mode, anthropic_api, rep) for rep in range(REPEATS)]
         time.sleep(1.0)  # the last stats reach the API server
         m = server.metrics()
     finally:
         server.close()
     stats = json.loads(Path(kvtier["stats_path"]).read_text()) if kvtier else {}
-    return {"ids": ids, "prompt": m.get("vllm:prompt_tokens_total", 0.0),
+    return {"ids": [{a: o["ids"] for a, o in out.items()} for out in outs],
+            "said": [{a: o["said"] for a, o in out.items()} for out in outs], "prompt": m.get("vllm:prompt_tokens_total", 0.0),
             "hbm": m.get("vllm:prefix_cache_hits_total", 0.0),
             "external": m.get("vllm:external_prefix_cache_hits_total", 0.0),
             "hints": {k: v for k, v in m.items() if k.startswith("kvtier_stream")},
@@ -228,3 +234,12 @@ def test_the_middleware_derived_one_session_six_agents_and_their_tool_calls(runs
 def test_output_ids_are_identical_to_the_server_with_no_connector(runs: dict) -> None:
     for name in ("no-hints", "tagged", "stream"):
         assert runs[name]["ids"] == runs["none"]["ids"], name
+
+
+def test_the_anthropic_answers_are_identical_to_the_server_with_no_connector(runs: dict) -> None:
+    """The Messages API returns no token ids; what each turn said (the tool called and its input, the final
+    text) equals what the server with no connector said over the OpenAI API to the same conversation (the
+    two APIs render the same prompt: the prompt token counts are equal, asserted)."""
+    assert runs["stream-anthropic"]["prompt"] == runs["none"]["prompt"]
+    assert runs["stream-anthropic"]["said"] == runs["none"]["said"]
+    assert runs["stream"]["said"] == runs["none"]["said"]
