@@ -182,7 +182,7 @@ def test_reserve_stays_within_its_share_and_is_returned(name):
 
     def checked(ctx, wait):
         orig(ctx, wait)
-        used = sum(policy._reserved.values())
+        used = sum(n for n, _ in policy._reserved.values())
         lo, hi = policy.rho_bounds
         assert lo <= policy.rho <= hi
         assert used <= math.floor(policy.rho * ctx.hbm_capacity_blocks) or not policy.space

@@ -188,7 +188,7 @@ def test_a_tool_wait_never_ranks_an_agent_behind_untagged_traffic_of_the_same_ag
 
 def test_an_agent_that_may_be_done_goes_before_long_tool_waits_where_a_users_turn_would_not():
     """A turn that calls no tool: in the replay a user's turn (``user_wait_s``, a knob, 60 s)
-    or the agent's end; live, without a hint server, either (``turn_end``,
+    or the agent's end; live, until a hint server reports which, either (``turn_end``,
     ``TURN_END_GAP_S``). As a user's turn, an agent stopped 5 s after another went on a
     60 s tool outlives it; as a turn end, it goes first, as a finished agent would."""
     from kvtier.placement.base import TURN_END_GAP_S

@@ -103,7 +103,7 @@ class AgentAware(PlacementPolicy):
 
     def __init__(self) -> None:
         self.rho = self.rho_bounds[0]
-        self._reserved: dict[AgentKey, int] = {}  # agent -> blocks pinned in the reserve
+        self._reserved: dict[AgentKey, tuple[int, tuple[BlockKey, ...]]] = {}  # agent -> (blocks pinned, its keys)
         self._timers: dict[AgentKey, int] = {}  # agent -> token of its scheduled prefetch
         self._token = 0
         self._backoff = 0
@@ -148,20 +148,22 @@ class AgentAware(PlacementPolicy):
         # the turn's end started a turn_end wait): the earlier decision's prefetch goes, and its reserve unless
         # this decision reserves again (a pin of the same context replaces the earlier one).
         self._timers.pop(agent, None)
-        was_reserved = self._reserved.pop(agent, None) is not None
+        was_reserved = self._reserved.pop(agent, None)
         self._turns[agent] = self._turns.get(agent, 0) + 1
         if self._est is not None:
             self._est.waiting(agent, wait.keys, None if wait.cause == "user" else wait.predicted_gap_s)
         if self.drop_dead or self._est is not None:
             self._last_ctx[agent] = wait.keys
         if not wait.keys:
+            if was_reserved is not None:
+                ctx.unpin(was_reserved[1])
             return
         self._adapt_reserve(ctx)
         keys = wait.keys
         n_hbm = ctx.blocks_in(keys, "hbm")
         if not n_hbm:
-            if was_reserved:
-                ctx.unpin(keys)
+            if was_reserved is not None:
+                ctx.unpin(was_reserved[1])
             return
         critical = self.space and ctx.criticality(agent) >= self.critical_at
         decision = "keep"
@@ -189,8 +191,8 @@ class AgentAware(PlacementPolicy):
                 if self.time:  # back in time for the predicted return, from wherever it is by then
                     self._schedule_prefetch(ctx, agent, keys, wait,
                                             ctx.transfer_time_s(n_hbm, f"{self.swap_to}->hbm"))
-        if was_reserved and decision != "reserve":
-            ctx.unpin(keys)
+        if was_reserved is not None and decision != "reserve":
+            ctx.unpin(was_reserved[1])
         ctx.count(f"decision_{decision}")
 
     def on_wait_end(self, ctx: PlacementContext, agent_key: AgentKey, keys: Sequence[BlockKey]) -> None:
@@ -208,6 +210,7 @@ class AgentAware(PlacementPolicy):
 
     def on_agent_end(self, ctx: PlacementContext, agent_key: AgentKey, keys: Sequence[BlockKey]) -> None:
         self._turns.pop(agent_key, None)
+        self._drop_wait(ctx, agent_key)
         if not self.drop_dead and self._est is None:
             return
         parent = ctx.parent_of(agent_key)
@@ -227,10 +230,20 @@ class AgentAware(PlacementPolicy):
         self._last_ctx.pop(agent_key, None)
 
     def on_session_end(self, ctx: PlacementContext, session: int) -> None:
+        for agent in [a for a in {**self._reserved, **self._timers} if a[0] == session]:
+            self._drop_wait(ctx, agent)
         for agent in [a for a in self._last_ctx if a[0] == session]:
             keys = self._last_ctx.pop(agent)
             if self.drop_dead and keys:
                 ctx.retire(keys[ctx.private_start(keys):])
+
+    def _drop_wait(self, ctx: PlacementContext, agent: AgentKey) -> None:
+        """An agent that ended in a wait (live: a turn's end wait, started before the hint server reported the
+        end) sends nothing more: its prefetch goes, and its reserve, which would keep its share of the budget."""
+        self._timers.pop(agent, None)
+        reserved = self._reserved.pop(agent, None)
+        if reserved is not None:
+            ctx.unpin(reserved[1])
 
     def admit_lower(self, ctx: PlacementContext, tier: str, agent_key: AgentKey | None) -> bool:
         """Write-through admission: SSD only for contexts reused at least once."""
@@ -290,11 +303,11 @@ class AgentAware(PlacementPolicy):
     def _reserve(self, ctx: PlacementContext, agent: AgentKey, keys: Sequence[BlockKey], n: int,
                  wait_s: float) -> bool:
         budget = int(self.rho * ctx.hbm_capacity_blocks)
-        if sum(self._reserved.values()) + n > budget:
+        if sum(r[0] for r in self._reserved.values()) + n > budget:
             return False
         if not ctx.pin(keys, wait_pin_ttl_s(wait_s)):
             return False
-        self._reserved[agent] = n
+        self._reserved[agent] = (n, tuple(keys))
         return True
 
 

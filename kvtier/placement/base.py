@@ -134,8 +134,10 @@ before any history): the replay's and the live connector's alike."""
 
 TURN_END_GAP_S = 116.0
 """The wait a policy is told to expect after a turn that announced no tool call, where
-nothing will say whether the agent is done (live, hints in ``kv_transfer_params`` only:
-no hint server reports agent ends). The median, over the dev traces' tuning half, of
+nothing has said whether the agent is done (live: every such turn's end, with hints in
+``kv_transfer_params`` only, from the request-stream middleware, which reports no ends,
+and with the SDK's hint server until its agent end or tool call, reported after the
+response, ends or re-times the wait). The median, over the dev traces' tuning half, of
 what follows an ``end_turn``: a user's turn (385, its true gap) or the agent's end (77,
 never); ``tests/test_replay_readers.py`` recomputes it. The replay knows which of the
 two it is (a user's turn, :data:`UNPREDICTED_GAP_S` with ``user_wait_s`` in the

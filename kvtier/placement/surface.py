@@ -40,9 +40,11 @@ not decide anything itself.
   ranks every idle block, which no vLLM surface allows).
 
 By default the replay knows when an agent is done (``on_agent_end``), as the
-live connector does from a hint server's agent ends. With hints in
+live connector does from the SDK's agent ends through a hint server (live, a
+``turn_end`` wait comes first, until the end is reported). With hints in
 ``kv_transfer_params`` alone (the recommended setup as "Enable it" shows it,
-without a hint server), a turn without a tool wait may be the agent's last:
+without a hint server), or from the request-stream middleware (which reports
+no ends), a turn without a tool wait may be the agent's last:
 live it starts a ``turn_end`` wait
 (:data:`~kvtier.placement.base.TURN_END_GAP_S`), and nothing ends; ``kvtier
 replay --agent-ends unknown`` models that on any surface (not an engine's

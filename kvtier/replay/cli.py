@@ -133,9 +133,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="what the engine lets placement do: " + surfaces_help())
     p.add_argument("--agent-ends", default="reported", choices=["reported", "unknown"],
                    help="whether the policy learns when an agent is done: reported (default; live, the SDK's agent "
-                        "ends through a hint server) or unknown (hints in kv_transfer_params only: a turn without a "
-                        "tool call, a user's turn or the agent's last, is a turn_end wait of TURN_END_GAP_S, as the "
-                        "live connector then has it; the references do not depend on it)")
+                        "ends through a hint server) or unknown (hints in kv_transfer_params only, or from the "
+                        "request-stream middleware, which reports no ends: a turn without a tool call, a user's "
+                        "turn or the agent's last, is a turn_end wait of TURN_END_GAP_S, as the live connector then "
+                        "has it; the references do not depend on it)")
     p.add_argument("--tool-waits", default="predicted", choices=list(TOOL_WAITS),
                    help="what a policy is told of a tool wait: predicted (default: the hint plane's prediction "
                         "from the waits seen so far, per agent type as the SDK names it, then per tool), "

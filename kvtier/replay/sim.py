@@ -101,9 +101,10 @@ class SimConfig:
     # ssd_blocks stay byte budgets in raw blocks; tier_blocks() is what a compressed tier holds.
     cold_codec: ColdCodec | None = None
     # Whether the policy learns when an agent or a session is done (``on_agent_end``,
-    # ``on_session_end``), as live from a hint server's agent ends. False: hints in
-    # kv_transfer_params only (the connector's recommended setup without a hint server): a turn
-    # without a tool call, a user's turn or the agent's last, starts a ``turn_end`` wait of
+    # ``on_session_end``), as live from the SDK's agent ends through a hint server (live, the
+    # request's end starts a ``turn_end`` wait first, which the reported end then ends). False:
+    # hints in kv_transfer_params only, or from the request-stream middleware (no ends reported): a
+    # turn without a tool call, a user's turn or the agent's last, starts a ``turn_end`` wait of
     # TURN_END_GAP_S, as the live connector does, and nothing ends.
     agent_ends: bool = True
     # What a policy is told of a tool wait: "predicted" (the hint plane's prediction from the tool waits seen

@@ -88,6 +88,20 @@ def _tag(agent: int, wait_s: float | None = 30.0, **kw) -> dict:
     return tag_request({}, "s", f"agent-{agent}", wait_s, **kw)["kv_transfer_params"]
 
 
+def test_no_wait_starts_for_an_agent_with_another_request_in_the_engine() -> None:
+    """Two requests of one agent at once (parallel calls): the first to finish starts no wait (its agent is
+    still running, and a hold would keep a running agent's blocks); the second, the last, does."""
+    eng = _Engine(101, placement="ttl")
+    other = _Request("a-2", _ctx(1, 6), _tag(1, 30.0))
+    eng.sched.on_new_request(other)
+    eng.serve("a-1", _ctx(1, 4), _tag(1, 30.0))
+    c = eng.sched.counters
+    assert (c["waits_not_started_busy"], c["tool_waits"]) == (1, 0)
+    assert eng.sched.placement.holds.held_blocks == 0
+    eng.sched.request_finished(other)
+    assert c["tool_waits"] == 1
+
+
 def test_holds_stay_within_their_budget_and_return_every_block() -> None:
     eng = _Engine(41, placement="ttl", hbm_hold_budget_fraction=0.25)  # 40 usable: at most 10 held
     holds = eng.sched.placement.holds
@@ -227,6 +241,30 @@ def test_a_tool_call_announced_to_the_hosted_hint_server_starts_the_wait() -> No
     finally:
         sched.shutdown()
     assert sched._hints is None and sched.placement.holds.held_blocks == 0
+
+
+def test_an_agent_that_ends_in_its_turns_end_wait_gives_its_reserve_back() -> None:
+    """With a hint server, an agent's last turn starts a ``turn_end`` wait that the policy may reserve HBM
+    for (as without one); the agent's end, reported later, ends the hold and returns the reserve's share
+    of the budget (which a finished agent would otherwise keep until its session ended)."""
+    from kvtier.sdk import HintClient
+
+    eng = _Engine(101, placement="kvtier", hint_server="127.0.0.1:0")
+    sched = eng.sched
+    client = HintClient(sched.hint_address)
+    try:
+        with client.session("s"):
+            with client.agent("coder") as agent:
+                eng.serve("r1", _ctx(1, 4), agent.tag({})["kv_transfer_params"])
+                eng.step()
+                assert sched.counters["user_waits"] == 1 and sched.placement.holds.held_blocks == 4
+                assert set(sched.policy._reserved) == {("s", agent.agent_id)}
+            _step_until(eng, "agents_ended")
+            eng.step()
+            assert sched.policy._reserved == {} and sched.placement.holds.held_blocks == 0
+    finally:
+        client.close()
+        sched.shutdown()
 
 
 def test_a_separate_hint_server_is_followed_with_hint_watch() -> None:

@@ -668,6 +668,9 @@ class KVTierScheduler:
                 self._last_ctx.popitem(last=False)
         if not keys:
             return
+        if any((o.session_id, o.agent_id) == agent for o in self._reqs.values()):
+            self.counters["waits_not_started_busy"] += 1  # another request of the agent runs: it does not wait
+            return
         finishing = -(-int(st.request.num_tokens) // self.block_size)
         if wait_s is not None:
             self._start_wait(agent, keys, hashes, wait_s, finishing)
@@ -696,7 +699,8 @@ class KVTierScheduler:
 
     def poll_hints(self) -> None:
         """With a hint server (hosted here, or followed with ``hint_watch``): start the wait of every agent it has a
-        tool call in flight for (its predicted return; 10 s without one), refresh
+        tool call in flight for (its predicted return; 10 s without one), or re-time the ``turn_end`` wait its
+        request's end started (``waits_retimed``: the call is announced after the response), refresh
         the agents' criticalities and parents, and tell the policy which agents and
         sessions ended (it retires their private blocks in DRAM / SSD). At most
         every 50 ms; called each step."""
