@@ -18,13 +18,20 @@ each tool wait:
   per agent type as the SDK names it, then per tool (the replay's default);
 * ``predicted-stream`` — the chain the request-stream middleware's hints get,
   which name no agent type: per (session, tool), then per tool, then over
-  all tools, as the connector's hosted hint server has it.
+  all tools, as the connector's hosted hint server has it (the predictor
+  alone: agents' ends reported, as the SDK reports them).
+
+and twice more as the request-stream middleware feeds it, which reports no
+agent's end (``--agent-ends unknown``: a turn without a tool call is a
+``turn_end`` wait, as live), told the true waits (``stream-announced``) or
+the stream chain's predictions (``stream-predicted``).
 
 Each replay writes its own ``--json`` into ``--work``
 (``build/predicted-waits``), kept so that an interrupted run resumes: empty it
 after changing the code. Usage: ``python bench/predicted_waits.py
 [--halves eval,tune] [--parallel 1]``, then ``python bench/readme_tables.py``.
-12 replays, about 15 minutes one at a time on 2 cores.
+20 replays, about 10 minutes one at a time on 2 cores. Each replay's JSON
+records the commit it ran on; the merge refuses replays of different commits.
 """
 
 from __future__ import annotations
@@ -43,7 +50,15 @@ from replay_results import ROOT  # noqa: E402
 from surface_ablation import HALVES, POINTS, point_args, run  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "predicted-waits.json"
-MODES = ("announced", "predicted", "predicted-stream")  # kvtier.replay.sim.TOOL_WAITS, the oracle first
+# mode -> the replay's options: the oracle first, then its predictions; the request-stream setup last
+MODES: dict[str, list[str]] = {
+    "announced": ["--tool-waits", "announced"],
+    "predicted": ["--tool-waits", "predicted"],
+    "predicted-stream": ["--tool-waits", "predicted-stream"],
+    "stream-announced": ["--tool-waits", "announced", "--agent-ends", "unknown"],
+    "stream-predicted": ["--tool-waits", "predicted-stream", "--agent-ends", "unknown"],
+}
+ORACLE = {"predicted": "announced", "predicted-stream": "announced", "stream-predicted": "stream-announced"}
 
 
 def commands(halves: tuple[str, ...]) -> dict[str, list[str]]:
@@ -51,10 +66,10 @@ def commands(halves: tuple[str, ...]) -> dict[str, list[str]]:
     cmds: dict[str, list[str]] = {}
     for half in halves:
         for point in POINTS:
-            for mode in MODES:
+            for mode, opts in MODES.items():
                 refs = [] if mode == "announced" else ["--no-references"]
                 cmds[f"{half}-{point}-{mode}"] = [*point_args(half, point), "--policies", "kvtier", "--surface",
-                                                  "vllm", "--tool-waits", mode, *refs]
+                                                  "vllm", *opts, *refs]
     return cmds
 
 
@@ -65,15 +80,34 @@ def _git(*args: str) -> str | None:
         return None
 
 
+def _provenance() -> dict:
+    status = _git("status", "--porcelain", "--", "kvtier")
+    return {"commit": _git("rev-parse", "HEAD"), "kvtier_dirty": None if status is None else bool(status)}
+
+
+def run_stamped(name: str, args: list[str], work: Path) -> float:
+    """:func:`surface_ablation.run`, then the commit it ran on written into its JSON (once: a replay kept from
+    an earlier run keeps its own)."""
+    took = run(name, args, work)
+    path = work / f"{name}.json"
+    rep = json.loads(path.read_text())
+    if "provenance" not in rep:
+        rep["provenance"] = _provenance()
+        path.write_text(json.dumps(rep, indent=2, default=float) + "\n")
+    return took
+
+
 def merge(work: Path, cmds: dict[str, list[str]]) -> dict:
     """One JSON: per ``HALF-POINT``, ``kvtier``'s row per mode, the references and every command."""
     points: dict[str, dict] = {}
     header: dict | None = None
+    provenance: list[dict] = []
     for name in cmds:
         path = work / f"{name}.json"
         if not path.exists():
             continue
         rep = json.loads(path.read_text())
+        provenance.append(rep.get("provenance") or {"commit": None, "kvtier_dirty": None})
         half, point, mode = name.split("-", 2)
         p = points.setdefault(f"{half}-{point}", {"half": half, "point": point, "modes": {}, "commands": {},
                                                    "wall_s": {}})
@@ -82,14 +116,18 @@ def merge(work: Path, cmds: dict[str, list[str]]) -> dict:
         p["commands"][mode], p["wall_s"][mode] = rep["command"], rep["bench_wall_s"]
         if rep.get("references"):
             p["references"] = rep["references"][0]
-            p["workload"] = rep["workload"]
-            header = header or {k: rep[k] for k in ("kvtier_version", "trace", "profile", "block_size", "admission",
+            p["workload"], p["trace"] = rep["workload"], rep["trace"]
+            header = header or {k: rep[k] for k in ("kvtier_version", "profile", "block_size", "admission",
                                                     "skip_oversized")}
-    status = _git("status", "--porcelain", "--", "kvtier")
+    made = {(p["commit"], p["kvtier_dirty"]) for p in provenance}
+    if len(made) > 1:
+        raise SystemExit(f"predicted_waits: the replays in {work} ran on different code ({sorted(map(str, made))}); "
+                         f"empty it and run again")
+    commit, dirty = made.pop() if made else (None, None)
     return {"generated_by": "bench/predicted_waits.py",
             "generated_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "commit": _git("rev-parse", "HEAD"), "kvtier_dirty": None if status is None else bool(status),
-            **(header or {}), "modes": list(MODES), "points": points}
+            "commit": commit, "kvtier_dirty": dirty, **(header or {}), "modes": list(MODES), "oracle": ORACLE,
+            "points": points}
 
 
 def main() -> int:
@@ -108,7 +146,7 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
-        for done, _ in enumerate(pool.map(lambda kv: run(kv[0], kv[1], args.work), cmds.items()), 1):
+        for done, _ in enumerate(pool.map(lambda kv: run_stamped(kv[0], kv[1], args.work), cmds.items()), 1):
             print(f"[{done}/{len(cmds)}] {time.perf_counter() - start:.0f}s", file=sys.stderr, flush=True)
     merged = merge(args.work, cmds)
     args.out.parent.mkdir(parents=True, exist_ok=True)
