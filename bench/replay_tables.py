@@ -339,23 +339,27 @@ def surface_ablation(data: dict[str, Any]) -> str:
 
 _WAIT_LABELS = {"announced": "true waits (`--tool-waits announced`, an oracle)",
                 "predicted": "predicted per agent type, then per tool (`predicted`, the SDK's hints)",
-                "predicted-stream": "predicted per session, then per tool, then over all (`predicted-stream`, the "
-                                    "request-stream hints)"}
+                "predicted-stream": "predicted per session, then per tool, then over all (`predicted-stream`: "
+                                    "the request-stream hints' chain, agents' ends reported)",
+                "stream-announced": "request-stream setup, no agent ends reported (`--agent-ends unknown`), true "
+                                    "waits (an oracle)",
+                "stream-predicted": "request-stream setup: `predicted-stream`, `--agent-ends unknown`"}
 
 
 @table("predicted-waits", "predicted-waits.json")
 def predicted_waits(data: dict[str, Any]) -> str:
     """``kvtier`` on the recommended live surface told each tool wait's true length or a prediction from the
     waits seen so far (bench/predicted_waits.py): prefill computed over the bound, and each prediction
-    against the true waits, at both points of both halves, with the bound and the floor."""
+    against the same setup's true waits, at both points of both halves, with the bound and the floor."""
     pts = [data["points"][p] for p in _SURFACE_POINTS if p in data["points"]]
     key = "prefill_tokens_computed"
     body = []
     for mode in data["modes"]:
+        oracle = data["oracle"].get(mode)
         cells = []
         for p in pts:
             r, bound = p["modes"][mode][key], p["references"]["bound_prefill_tokens"]
-            vs = "" if mode == "announced" else f", {r / p['modes']['announced'][key] - 1:+.1%} against true"
+            vs = f", {r / p['modes'][oracle][key] - 1:+.1%} against true" if oracle else ""
             cells.append(f"{r / 1e6:.2f}M ({r / bound:.3f}x bound{vs})")
         body.append([_WAIT_LABELS.get(mode, f"`{mode}`"), *cells])
     for name, ref in (("bound", "bound"), ("floor (unbounded cache)", "floor")):
@@ -370,9 +374,9 @@ def predicted_waits(data: dict[str, Any]) -> str:
                f"wait's true length or predicted from the waits seen so far (modelled: the replay's engine, the "
                f"connector's decisions). Points and resources as in the surface ablation (DRAM 2x HBM, no SSD, "
                f"FCFS, `--skip-oversized`). Written by `python bench/predicted_waits.py` at commit {commit}: per "
-               f"point, `{pts[0]['commands']['announced']}` (with the references), then `--tool-waits predicted` "
-               f"and `--tool-waits predicted-stream` with `--no-references`. {sum(len(p['wall_s']) for p in pts)} "
-               f"replays, {wall / 60:.0f} min of replay wall time.\n\n")
+               f"point, `{pts[0]['commands']['announced']}` (with the references), then the other rows' options "
+               f"with `--no-references`. {sum(len(p['wall_s']) for p in pts)} replays, {wall / 60:.0f} min of "
+               f"replay wall time.\n\n")
     return caption + md_table(["tool waits", *heads], body)
 
 
