@@ -149,22 +149,26 @@ class AgentAware(PlacementPolicy):
         # this decision reserves again (a pin of the same context replaces the earlier one).
         self._timers.pop(agent, None)
         was_reserved = self._reserved.pop(agent, None)
+        decision = self._decide_wait(ctx, wait)
+        if was_reserved is not None and decision != "reserve":
+            ctx.unpin(was_reserved[1])
+
+    def _decide_wait(self, ctx: PlacementContext, wait: ToolWait) -> str | None:
+        """What :meth:`on_wait_start` decides and carries out for ``wait`` (counted); ``None``: nothing to
+        decide (no context, or none of it in HBM)."""
+        agent = wait.agent_key
         self._turns[agent] = self._turns.get(agent, 0) + 1
         if self._est is not None:
             self._est.waiting(agent, wait.keys, None if wait.cause == "user" else wait.predicted_gap_s)
         if self.drop_dead or self._est is not None:
             self._last_ctx[agent] = wait.keys
         if not wait.keys:
-            if was_reserved is not None:
-                ctx.unpin(was_reserved[1])
-            return
+            return None
         self._adapt_reserve(ctx)
         keys = wait.keys
         n_hbm = ctx.blocks_in(keys, "hbm")
         if not n_hbm:
-            if was_reserved is not None:
-                ctx.unpin(was_reserved[1])
-            return
+            return None
         critical = self.space and ctx.criticality(agent) >= self.critical_at
         decision = "keep"
         if self.time:
@@ -191,9 +195,8 @@ class AgentAware(PlacementPolicy):
                 if self.time:  # back in time for the predicted return, from wherever it is by then
                     self._schedule_prefetch(ctx, agent, keys, wait,
                                             ctx.transfer_time_s(n_hbm, f"{self.swap_to}->hbm"))
-        if was_reserved is not None and decision != "reserve":
-            ctx.unpin(was_reserved[1])
         ctx.count(f"decision_{decision}")
+        return decision
 
     def on_wait_end(self, ctx: PlacementContext, agent_key: AgentKey, keys: Sequence[BlockKey]) -> None:
         # A prompt that leaves the agent's old context (compaction, a rewrite) does
