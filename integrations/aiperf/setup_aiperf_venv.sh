@@ -17,8 +17,8 @@ if [ ! -x "$SIDE/bin/python" ]; then
   echo "*" > "$SIDE/.gitignore"  # keep the venv out of git status
 fi
 if ! "$SIDE/bin/python" -m pip show aiperf 2>/dev/null | grep -qx "Version: $VERSION"; then
-  "$SIDE/bin/python" -m pip install -q --upgrade pip
-  "$SIDE/bin/python" -m pip install -q --retries 10 --resume-retries 20 "aiperf==$VERSION"
+  bash scripts/pip_retry.sh "$SIDE/bin/python" -q --upgrade pip
+  bash scripts/pip_retry.sh "$SIDE/bin/python" -q "aiperf==$VERSION"
 fi
 "$SIDE/bin/python" -c 'from aiperf.dataset.loader.weka_trace_models import WekaTrace'
 echo "aiperf side venv ready: $SIDE/bin/python"

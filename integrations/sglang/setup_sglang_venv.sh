@@ -21,7 +21,9 @@ main_site=$("$MAIN/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()
 side_site=$("$SIDE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 # an "import" line, so the main venv's own .pth files (kvtier's editable install) are processed too
 echo "import site; site.addsitedir('$main_site')" > "$side_site/kvtier-main-venv.pth"
-"$SIDE/bin/python" -m pip install -q --no-deps "sglang==0.5.23" triton \
+bash scripts/pip_retry.sh "$SIDE/bin/python" -q --upgrade pip
+# triton (286 MB) is what a flaky link cuts: pip_retry.sh resumes it and, failing that, starts it afresh
+bash scripts/pip_retry.sh "$SIDE/bin/python" -q --no-deps "sglang==0.5.23" triton \
   orjson psutil pybase64 requests urllib3 idna certifi packaging pillow starlette anyio msgspec \
   pydantic pydantic-core typing-inspection annotated-types pyzmq tqdm ipython traitlets pygments \
   aiohttp multidict attrs yarl propcache aiohappyeyeballs aiosignal frozenlist
