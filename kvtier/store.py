@@ -109,10 +109,7 @@ class TieredStore:
         if cfg.remote.enabled:  # first: a store that cannot be reached fails before anything is opened
             from .tiers.remote import MooncakeTier
 
-            r = cfg.remote
-            self._remote = MooncakeTier(self.namespace, self.layout, master=r.master,
-                                        metadata_server=r.resolved_metadata_server(), segment_bytes=r.segment_bytes,
-                                        buffer_bytes=r.buffer_bytes, codec=r.codec, zstd_level=r.zstd_level)
+            self._remote = MooncakeTier.from_config(self.namespace, self.layout, cfg.remote)
         if cfg.hbm.enabled:
             specs.append(TierSpec("hbm", cfg.hbm.capacity_blocks, cfg.hbm.policy))
             self._pools["hbm"] = TensorPool(cfg.hbm.capacity_blocks, bpb, resolve_device(cfg.hbm.device))

@@ -46,7 +46,7 @@ import threading
 import urllib.parse
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -68,6 +68,9 @@ from .codec import (
     raw_headers_into,
     value_bound,
 )
+
+if TYPE_CHECKING:
+    from ..config import RemoteTierConfig
 
 OBJECT_PREFIX = "kvtier"
 GET_SLOTS = 16  # value-sized slots of each registered staging buffer (one for puts, one for gets)
@@ -124,6 +127,14 @@ class MooncakeTier:
     ``tcp`` (or ``rdma`` with ``devices``). ``codec`` is the SSD tier's
     (``raw``, ``zstd``, ``bplane-zstd``, ``auto``).
     """
+
+    @classmethod
+    def from_config(cls, namespace: Namespace, layout: KVLayout, cfg: RemoteTierConfig) -> MooncakeTier:
+        """The client ``tiers.remote`` describes: how :class:`~kvtier.store.TieredStore`
+        and the vLLM connector both open the store."""
+        return cls(namespace, layout, master=cfg.master, metadata_server=cfg.resolved_metadata_server(),
+                   segment_bytes=cfg.segment_bytes, buffer_bytes=cfg.buffer_bytes, codec=cfg.codec,
+                   zstd_level=cfg.zstd_level)
 
     def __init__(
         self,

@@ -6,6 +6,7 @@ import pytest
 from kvtier_vllm.settings import ConnectorSettings, EngineFacts
 from kvtier_vllm.version import check_vllm_version
 
+from kvtier.config import RemoteTierConfig
 from kvtier.errors import ConfigError
 
 FACTS = EngineFacts("tiny", "bfloat16", 32, 2, 2, 32, "fused", "sha256")
@@ -78,7 +79,11 @@ def test_placement_defaults_to_kvtier_and_takes_the_replay_names() -> None:
     ({"remote_master": "nohost"}, "remote_master='nohost': must be host:port"),
     ({"remote_segment_mib": 64}, "remote_segment_mib=64: needs remote_master"),
     ({"remote_master": "h:1", "remote_metadata_server": "h:2"}, "remote_metadata_server='h:2': must be an http"),
-    ({"remote_master": "h:1", "remote_codec": "lz4"}, "remote_codec='lz4': must be one of"),
+    ({"remote_master": "h:1", "remote_codec": "lz4"}, "remote_codec='lz4': valid: "),
+    ({"remote_master": "h:1", "remote_zstd_level": 30}, "remote_zstd_level=30: must be in 1..22"),
+    ({"remote_master": "h:1", "remote_zstd_level": "9"}, "remote_zstd_level='9': "),
+    ({"remote_master": "h:1", "remote_buffer_mib": 0.5}, "remote_buffer_mib=0.5: must be at least 1 MiB"),
+    ({"remote_master": "h:1", "remote_segment_mib": 0}, "remote_segment_mib=0: must be a number > 0"),
     ({"remote_master": "h:1", "remote_lookup_wait_ms": -1}, "remote_lookup_wait_ms=-1: must be a number"),
     ({"remote_master": "h:1", "remote_write_queue_mib": 0}, "remote_write_queue_mib=0: must be a number > 0"),
     ({"remote_master": "h:1", "remote_pin_ttl_s": -5}, "remote_pin_ttl_s=-5: must be seconds"),
@@ -121,6 +126,13 @@ def test_remote_settings_and_their_defaults() -> None:
     assert r is not None and r.metadata_server == "http://10.0.0.5:8080/metadata"
     assert (r.segment_bytes, r.write_queue_bytes, r.codec, r.lookup_wait_s, r.pin_ttl_s) == (
         64 << 20, 256 << 20, "raw", 0.005, 60.0)
+    # the store client's own settings are tiers.remote's, validated by the same class
+    assert (r.tier.buffer_bytes, r.tier.zstd_level) == (64 << 20, 1)
+    r = ConnectorSettings.build({"remote_master": "h:1", "remote_zstd_level": 9, "remote_buffer_mib": 32,
+                                 "remote_codec": "zstd"}, FACTS, env={}).remote
+    assert r is not None
+    assert (r.tier.buffer_bytes, r.tier.zstd_level, r.codec, r.segment_bytes) == (32 << 20, 9, "zstd", 512 << 20)
+    assert r.tier == RemoteTierConfig(enabled=True, master="h:1", buffer_bytes=32 << 20, codec="zstd", zstd_level=9)
 
 
 def test_remote_tier_refuses_per_process_block_hashes() -> None:

@@ -28,12 +28,8 @@ def acquire(remote: RemoteSettings, namespace: Namespace, layout: KVLayout) -> A
     naming the setting when the store cannot be reached."""
     from kvtier.tiers.remote import MooncakeTier
 
-    def join() -> Any:
-        return MooncakeTier(namespace, layout, master=remote.master, metadata_server=remote.metadata_server,
-                            segment_bytes=remote.segment_bytes, buffer_bytes=min(remote.segment_bytes, 128 << 20),
-                            codec=remote.codec)
-
-    return _open.acquire((remote.master, remote.metadata_server, namespace), join)
+    return _open.acquire((remote.master, remote.metadata_server, namespace),
+                         lambda: MooncakeTier.from_config(namespace, layout, remote.tier))
 
 
 def release(tier: Any) -> None:

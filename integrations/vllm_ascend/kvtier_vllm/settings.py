@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import SSD_CODECS, KVTierConfig, load_config
+from kvtier.config import KVTierConfig, RemoteTierConfig, load_config
 from kvtier.errors import ConfigError
 from kvtier.placement.cold import ColdCodecRule
 
@@ -81,6 +81,9 @@ EXTRA_KEYS: dict[str, str] = {
                         "long (Mooncake evicts them last), so an agent's context outlives its tool call; 0 turns "
                         "it off (default 60)",
     "remote_codec": "value codec in the shared store: raw (default), zstd, bplane-zstd or auto",
+    "remote_zstd_level": "zstd level of the zstd and bplane-zstd codecs in the shared store (1..22, default 1)",
+    "remote_buffer_mib": "host buffer the store client reads and writes values through (MiB, at least 1; default "
+                         "128, or remote_segment_mib when that is smaller)",
     "remote_lookup_wait_ms": "how long a scheduling step waits for the store's answer about a new request's blocks "
                              "(default 5); a slower answer is taken up by a later step (the request waits, "
                              "nothing else does)",
@@ -140,17 +143,41 @@ class EngineFacts:
         return not self.replicated or self.tp_rank == 0
 
 
+# connector key -> the field of tiers.remote it sets (MiB keys: bytes)
+_REMOTE_TIER_KEYS = {"remote_master": "master", "remote_metadata_server": "metadata_server",
+                     "remote_segment_mib": "segment_bytes", "remote_buffer_mib": "buffer_bytes",
+                     "remote_codec": "codec", "remote_zstd_level": "zstd_level"}
+
+
 @dataclass(frozen=True, slots=True)
 class RemoteSettings:
-    """Where the remote tier (a Mooncake Store shared by engines) is, and its bounds."""
+    """Where the remote tier (a Mooncake Store shared by engines) is, and its bounds.
 
-    master: str
-    metadata_server: str
-    segment_bytes: int = 512 << 20
+    ``tier`` is the store client's own settings, validated once, by
+    :class:`~kvtier.config.RemoteTierConfig` (the same class ``tiers.remote``
+    of a config file builds, so the connector and :class:`~kvtier.store.TieredStore`
+    open the store alike); the rest is what only the connector has."""
+
+    tier: RemoteTierConfig
     write_queue_bytes: int = 256 << 20
-    codec: str = "raw"
     lookup_wait_s: float = 0.005
     pin_ttl_s: float = 60.0
+
+    @property
+    def master(self) -> str:
+        return self.tier.master
+
+    @property
+    def metadata_server(self) -> str:
+        return self.tier.resolved_metadata_server()
+
+    @property
+    def segment_bytes(self) -> int:
+        return self.tier.segment_bytes
+
+    @property
+    def codec(self) -> str:
+        return self.tier.codec
 
     @classmethod
     def build(cls, extra: Mapping[str, Any]) -> RemoteSettings | None:
@@ -162,16 +189,20 @@ class RemoteSettings:
                 raise ConfigError(f"kv_connector_extra_config.{others[0]}", extra[others[0]],
                                   "needs remote_master (the remote tier is off without it)")
             return None
-        host, sep, port = master.rpartition(":") if isinstance(master, str) else ("", "", "")
-        if not sep or not host or not port.isdigit():
+        if not isinstance(master, str):
             raise ConfigError("kv_connector_extra_config.remote_master", master, "must be host:port")
-        meta = extra.get("remote_metadata_server", f"http://{host}:8080/metadata")
-        if not isinstance(meta, str) or not meta.startswith(("http://", "https://")):
-            raise ConfigError("kv_connector_extra_config.remote_metadata_server", meta,
-                              "must be an http://host:port/metadata URL")
-        codec = extra.get("remote_codec", "raw")
-        if codec not in SSD_CODECS:
-            raise ConfigError("kv_connector_extra_config.remote_codec", codec, f"must be one of {', '.join(SSD_CODECS)}")
+        fields: dict[str, Any] = {"enabled": True}
+        for key, name in _REMOTE_TIER_KEYS.items():
+            if key in extra:
+                fields[name] = int(_mib(extra, key, 0) * (1 << 20)) if key.endswith("_mib") else extra[key]
+        fields.setdefault("buffer_bytes", min(fields.get("segment_bytes", 512 << 20), 128 << 20))
+        try:
+            tier = RemoteTierConfig(**fields)
+        except ConfigError as err:  # type, range and choice, checked once; named by the connector's key
+            key = next(k for k, v in _REMOTE_TIER_KEYS.items() if err.setting == f"tiers.remote.{v}")
+            problem = ("must be at least 1 MiB" if key.endswith("_mib") else
+                       "must be host:port" if key == "remote_master" else err.problem)
+            raise ConfigError(f"kv_connector_extra_config.{key}", extra.get(key), problem) from None
         wait_ms = extra.get("remote_lookup_wait_ms", 5)
         if isinstance(wait_ms, bool) or not isinstance(wait_ms, (int, float)) or not 0 <= wait_ms <= 1000:
             raise ConfigError("kv_connector_extra_config.remote_lookup_wait_ms", wait_ms,
@@ -179,8 +210,7 @@ class RemoteSettings:
         pin = extra.get("remote_pin_ttl_s", 60.0)
         if isinstance(pin, bool) or not isinstance(pin, (int, float)) or not 0 <= pin <= 86400:
             raise ConfigError("kv_connector_extra_config.remote_pin_ttl_s", pin, "must be seconds in [0, 86400]")
-        return cls(master, meta, int(_mib(extra, "remote_segment_mib", 512) * (1 << 20)),
-                   int(_mib(extra, "remote_write_queue_mib", 256) * (1 << 20)), codec, wait_ms / 1000, float(pin))
+        return cls(tier, int(_mib(extra, "remote_write_queue_mib", 256) * (1 << 20)), wait_ms / 1000, float(pin))
 
 
 @dataclass(frozen=True, slots=True)
