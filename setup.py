@@ -4,7 +4,8 @@
 * ``kvtier.tiers._rq`` runs the loops of the rotation-quantizer codecs
   (``rq4``, ``rq3``: kvtier/tiers/rq.py).
 
-Both are optional: where no C compiler is present the build skips them and
+Both are optional: where no C compiler (or, for ``_rawread``, no xxHash
+library) is present the build skips them and
 kvtier runs its pure-Python paths (same results, slower; see
 kvtier/tiers/ssd.py and kvtier/tiers/rq.py).
 """
@@ -19,8 +20,9 @@ setup(
             "kvtier.tiers._rawread",
             sources=["kvtier/tiers/_rawread.c"],
             extra_compile_args=["-O2"],
-            # dlopen/dlsym: in libc from glibc 2.34, in libdl before
-            libraries=["dl"] if sys.platform.startswith("linux") else [],
+            # XXH3-64 from the system's xxHash library (Debian/Ubuntu: libxxhash0, which apt
+            # itself depends on); where it is absent the link fails and, optional, the module is skipped
+            libraries=[":libxxhash.so.0"] if sys.platform.startswith("linux") else ["xxhash"],
             optional=True,
         ),
         Extension(

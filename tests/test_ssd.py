@@ -671,8 +671,9 @@ def test_a_read_whose_pool_was_shut_down_reads_on_the_callers_thread(
 def test_the_c_read_path_is_built_where_a_compiler_is() -> None:
     """setup.py builds ``kvtier.tiers._rawread`` as optional: a failed build would
     leave every SSD read on the slower Python path without a word, so where a C
-    compiler and the Python headers are present (CI, developer machines) it
-    must have been built."""
+    compiler, the Python headers and the xxHash library are present (CI,
+    developer machines) it must have been built."""
+    import ctypes.util
     import shutil
     import sys
     import sysconfig
@@ -683,6 +684,8 @@ def test_the_c_read_path_is_built_where_a_compiler_is() -> None:
     headers = Path(sysconfig.get_paths()["include"], "Python.h").is_file()
     if not sys.platform.startswith("linux") or not compiler or not headers:
         pytest.skip("no C compiler or Python headers here: the pure-Python read path is expected")
+    if ctypes.util.find_library("xxhash") is None:
+        pytest.skip("no xxHash library (libxxhash0) here: the pure-Python read path is expected")
     assert native_raw_read(), "kvtier.tiers._rawread was not built; reinstall with `pip install -e .`"
 
 
