@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ from kvtier_vllm.worker import KVTierWorker
 from kvtier.benchmarks.common import gbps, interleaved_best_seconds
 from kvtier.benchmarks.tiers import BATCH_BLOCKS, TARGETS, memcpy_baseline, raw_file_baselines
 from kvtier.keys import BlockKey
+from kvtier.provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYER_BYTES = 2 * 16 * 8 * 128 * 2  # K/V x 16 tokens x 8 heads x 128 dim x bf16 = 64 KiB per layer per block
@@ -199,19 +199,8 @@ def run(sizes_kib: list[int], total_mib: int, repeats: int, progress=print) -> d
             results.append(bench_size(kib * 1024, total_mib << 20, repeats, Path(tmp)))
     met = {k: all(r[k] >= v for r in results) for k, v in TARGETS.items()}
     return {"results": results, "targets": TARGETS, "targets_met": met, "total_mib": total_mib, "repeats": repeats,
-            "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), **_source()}
-
-
-def _source() -> dict:
-    """The commit measured, and whether the code it measures had uncommitted changes."""
-    def git(*a: str) -> str | None:
-        try:
-            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return None
-
-    status = git("status", "--porcelain", "--", "kvtier", "integrations/vllm_ascend")
-    return {"commit": git("rev-parse", "HEAD"), "code_dirty": None if status is None else bool(status)}
+            "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+            **provenance(("kvtier", "integrations/vllm_ascend"), dirty_key="code_dirty")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,6 +49,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from kvtier.provenance import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
 
@@ -76,16 +78,9 @@ def _kvtier(args: list[str], timeout_s: float) -> float:
 
 
 def _source() -> dict[str, Any]:
-    """The commit of this checkout and whether kvtier/ differs from it (None where git cannot say)."""
-    def git(*a: str) -> str | None:
-        try:
-            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return None
-
-    status = git("status", "--porcelain", "--", "kvtier")
-    return {"commit": git("rev-parse", "HEAD"), "kvtier_dirty": None if status is None else bool(status),
-            "python": sys.version.split()[0], "cpu_count": os.cpu_count(), "generated_by": "bench/misc_results.py",
+    """Where these figures come from (:func:`kvtier.provenance.provenance`) and on what."""
+    return {**provenance(), "python": sys.version.split()[0], "cpu_count": os.cpu_count(),
+            "generated_by": "bench/misc_results.py",
             "generated_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +47,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from replay_results import ROOT  # noqa: E402
 from surface_ablation import HALVES, POINTS, point_args, run  # noqa: E402
+
+from kvtier.provenance import provenance  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "predicted-waits.json"
 # mode -> the replay's options: the oracle first, then its predictions; the request-stream setup last
@@ -73,16 +74,8 @@ def commands(halves: tuple[str, ...]) -> dict[str, list[str]]:
     return cmds
 
 
-def _git(*args: str) -> str | None:
-    try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def _provenance() -> dict:
-    status = _git("status", "--porcelain", "--", "kvtier")
-    return {"commit": _git("rev-parse", "HEAD"), "kvtier_dirty": None if status is None else bool(status)}
+    return provenance()
 
 
 def run_stamped(name: str, args: list[str], work: Path) -> float:

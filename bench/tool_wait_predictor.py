@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -71,6 +70,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: import kvtier fr
 
 from kvtier.agents.predictor import DurationHistory  # noqa: E402
 from kvtier.placement.base import UNPREDICTED_GAP_S  # noqa: E402
+from kvtier.provenance import git, provenance  # noqa: E402
 from kvtier.replay.model import Workload  # noqa: E402
 
 DEFAULT_TRACES = ROOT.parent / "shared" / "traces"
@@ -265,13 +265,6 @@ def evaluate_workload(workload: Workload) -> dict[str, Any]:
 # ------------------------------------------------------------------ the run
 
 
-def _git(*args: str) -> str | None:
-    try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def run(traces: Path, out_dir: Path, *, plot: bool = True,
         progress: Callable[[str], None] = lambda msg: None) -> dict[str, Any]:
     """Evaluate both splits of the dev traces under ``traces``; write the JSON (and PNG) into
@@ -293,12 +286,11 @@ def run(traces: Path, out_dir: Path, *, plot: bool = True,
         progress(f"{split}: predicting ...")
         results[split] = evaluate_workload(split_workload(workload, split))
         progress(f"  {results[split]['figures']['tool_waits']} tool waits")
-    status = _git("status", "--porcelain", "--", "kvtier")
+    status = git("status", "--porcelain", "--", "kvtier")
     report: dict[str, Any] = {
         "generated_by": "bench/tool_wait_predictor.py",
         "generated_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "commit": _git("rev-parse", "HEAD"),
-        "kvtier_dirty": None if status is None else bool(status),
+        **provenance(),
         "kvtier_uncommitted": None if status is None else status.splitlines(),
         "trace_set": TRACE_SET,
         "trace_path": str(path),

@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterable
 
 from .. import __version__
 from ..errors import ConfigError, KVTierError
+from ..provenance import provenance
 from .belady import DriftOracle, NextUseOracle
 from .codec import ColdCodec
 from .fleet import DEFAULT_REMOTE_GBPS
@@ -484,6 +485,7 @@ def report_header(spec: ReplaySpec) -> dict[str, Any]:
     w = spec.workload
     return {
         "kvtier_version": __version__,
+        **provenance(),
         "trace": spec.trace_name,
         "profile": spec.profile.spec,
         **({"sliding_window": window_report(spec.profile, w.block_size)}

@@ -419,10 +419,11 @@ def _write_config(path: str, result: TuneResult, trace: str, summary: str) -> No
 
 def _as_json(result: TuneResult, args: Any) -> dict[str, Any]:
     from .. import __version__
+    from ..provenance import provenance
 
     settings = {k: v for k, v in vars(args).items() if k not in ("func", "command", "out", "json", "plot", "quiet")}
     return {"trace": str(args.trace), "objective": result.objective, "settings": settings,
-            "kvtier_version": __version__,
+            "kvtier_version": __version__, **provenance(),
             "best": result.best.describe() if result.best else None,
             "best_placement": {"policy": result.best.policy, **dict(result.best.params)} if result.best else None,
             "default": result.default.describe() if result.default else None,
