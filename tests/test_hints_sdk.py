@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 from hints_support import ServerThread, free_port, stub
 
@@ -256,3 +257,45 @@ def test_sdk_survives_server_kill_and_restart_mid_stream():
     assert after.accepted > during.accepted and after.connected and after.reconnects >= 1
     assert after.dropped["unavailable"] + after.dropped["queue_full"] > 0
     assert slowest[0] < 0.05  # emit() stayed a bounded enqueue during the outage
+
+
+class _Failed(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return "test"
+
+
+def _drive(client: HintClient, outcomes: list) -> list:
+    """Run one batch through the I/O-free send protocol both clients share: each publish
+    gets the next outcome; returns what the protocol asked for, in order."""
+    steps = client._send_steps("batch", 7)
+    asked, out = [], None
+    while True:
+        try:
+            step = steps.send(out)
+        except StopIteration:
+            return asked
+        asked.append(step if not isinstance(step, float) else ("sleep", step))
+        out = None if isinstance(step, float) else outcomes.pop(0)
+
+
+def test_one_send_protocol_retries_backs_off_and_drops_as_both_clients_do() -> None:
+    client = HintClient("127.0.0.1:1", start=False, max_batch_attempts=3, backoff_initial_s=0.1, backoff_max_s=0.3)
+    unavailable = _Failed(grpc.StatusCode.UNAVAILABLE)
+    asked = _drive(client, [unavailable, unavailable, unavailable])
+    assert [a if isinstance(a, str) else a[0] for a in asked] == ["batch", "sleep"] * 3
+    sleeps = [a[1] for a in asked if not isinstance(a, str)]
+    assert 0.05 <= sleeps[0] <= 0.15 and 0.1 <= sleeps[1] <= 0.3 and 0.15 <= sleeps[2] <= 0.45  # doubling, capped
+    assert client.stats().dropped["unavailable"] == 7
+    # a final error drops at once, no retry, no backoff
+    assert _drive(client, [_Failed(grpc.StatusCode.UNAUTHENTICATED)]) == ["batch"]
+    assert client.stats().dropped["unauthenticated"] == 7
+    # a failure then a success: sent, and the backoff starts over
+    ok = pb.PublishResponse(num_accepted=7)
+    assert [a if isinstance(a, str) else "sleep" for a in _drive(client, [unavailable, ok])] == ["batch", "sleep", "batch"]
+    assert client.stats().accepted == 7 and client._next_backoff_s == 0.1

@@ -48,7 +48,7 @@ import threading
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Generator, Iterable, Mapping
 
 import grpc
 
@@ -423,6 +423,61 @@ class _Emitter:
             return "unauthenticated"
         return "rejected_batch"
 
+    def _closing_soon(self) -> bool:
+        """The client is closing: a failed batch is not retried (each client says how)."""
+        raise NotImplementedError
+
+    def _send_steps(self, req: Any, n: int) -> Generator[Any, Any, None]:
+        """The delivery of one batch of ``n`` events, free of I/O, for both clients.
+
+        Yields a message to publish (the driver sends back the response, or the
+        ``grpc.RpcError`` the call raised) or a float, seconds to back off before the
+        next try (the driver sends back ``None``). The live state is announced first
+        when the server may have lost it; a failure is retried ``max_batch_attempts``
+        times with jittered exponential backoff unless it is final or the client is
+        closing; a server found restarted between two batches gets the announcement
+        and this batch once more, without using up an attempt."""
+        announced_for_it = False
+        attempt = 0
+        while attempt < self._max_attempts:
+            attempt += 1
+            out: Any = None
+            if self._announce_needed and self._live.sessions:
+                for ann in self._announcements():
+                    out = yield ann
+                    if isinstance(out, grpc.RpcError):
+                        break
+                else:
+                    self._reannounced += len(self._live.sessions)
+                    self._announce_needed = False
+            if not isinstance(out, grpc.RpcError):
+                out = yield req
+            if isinstance(out, grpc.RpcError):
+                reason = self._classify_failure(out)
+                if reason is not None:
+                    self._count_drop(reason, n)
+                    return
+                last = attempt == self._max_attempts or self._closing_soon()
+                if last:
+                    self._count_drop("unavailable", n)
+                yield self._backoff_s()
+                if last:
+                    return
+                continue
+            if not announced_for_it and self._lost_state(out):  # restarted between two batches
+                announced_for_it = self._announce_needed = True
+                attempt -= 1
+                continue  # announce, then this batch once more (applied events are deduplicated)
+            self._on_response(out)
+            self._next_backoff_s = self._backoff[0]
+            return
+
+    def _backoff_s(self) -> float:
+        """The next backoff: the current one with jitter 0.5x..1.5x; the one after it doubles."""
+        delay = self._next_backoff_s * (0.5 + secrets.randbelow(1000) / 1000)
+        self._next_backoff_s = min(self._backoff[1], self._next_backoff_s * 2)
+        return delay
+
     def _metadata(self, token: str | None, tenant: str | None) -> tuple[tuple[str, str], ...]:
         md = []
         if token:
@@ -540,41 +595,25 @@ class HintClient(_Emitter):
                 self._announce_needed = True
             raise
 
-    def _send(self, req: Any, n: int) -> None:
-        announced_for_it = False
-        attempt = 0
-        while attempt < self._max_attempts:
-            attempt += 1
-            try:
-                if self._announce_needed and self._live.sessions:
-                    for ann in self._announcements():
-                        self._call(ann)
-                    self._reannounced += len(self._live.sessions)
-                    self._announce_needed = False
-                resp = self._call(req)
-            except grpc.RpcError as err:
-                reason = self._classify_failure(err)
-                if reason is not None:
-                    self._count_drop(reason, n)
-                    return
-                if attempt == self._max_attempts or self._closing_now:
-                    self._count_drop("unavailable", n)
-                    self._sleep_backoff()
-                    return
-                self._sleep_backoff()
-                continue
-            if not announced_for_it and self._lost_state(resp):  # restarted between two batches
-                announced_for_it = self._announce_needed = True
-                attempt -= 1
-                continue  # announce, then this batch once more (applied events are deduplicated)
-            self._on_response(resp)
-            self._next_backoff_s = self._backoff[0]
-            return
+    def _closing_soon(self) -> bool:
+        return self._closing_now
 
-    def _sleep_backoff(self) -> None:
-        delay = self._next_backoff_s * (0.5 + secrets.randbelow(1000) / 1000)  # jitter 0.5x..1.5x
-        self._next_backoff_s = min(self._backoff[1], self._next_backoff_s * 2)
-        self._stop.wait(delay)
+    def _send(self, req: Any, n: int) -> None:
+        steps = self._send_steps(req, n)
+        out: Any = None
+        while True:
+            try:
+                step = steps.send(out)
+            except StopIteration:
+                return
+            if isinstance(step, float):
+                self._stop.wait(step)
+                out = None
+                continue
+            try:
+                out = self._call(step)
+            except grpc.RpcError as err:
+                out = err
 
     def _server_down(self) -> bool:
         """The last call failed and none succeeded since (waiting for it would only wait out retries)."""
@@ -707,42 +746,26 @@ class AsyncHintClient(_Emitter):
                 self._announce_needed = True
             raise
 
-    async def _send(self, req: Any, n: int) -> None:
-        announced_for_it = False
-        attempt = 0
-        while attempt < self._max_attempts:
-            attempt += 1
-            try:
-                if self._announce_needed and self._live.sessions:
-                    for ann in self._announcements():
-                        await self._call(ann)
-                    self._reannounced += len(self._live.sessions)
-                    self._announce_needed = False
-                resp = await self._call(req)
-            except grpc.RpcError as err:
-                reason = self._classify_failure(err)
-                if reason is not None:
-                    self._count_drop(reason, n)
-                    return
-                if attempt == self._max_attempts or self._closing:
-                    self._count_drop("unavailable", n)
-                    await self._sleep_backoff()
-                    return
-                await self._sleep_backoff()
-                continue
-            if not announced_for_it and self._lost_state(resp):  # restarted between two batches
-                announced_for_it = self._announce_needed = True
-                attempt -= 1
-                continue
-            self._on_response(resp)
-            self._next_backoff_s = self._backoff[0]
-            return
+    def _closing_soon(self) -> bool:
+        return self._closing
 
-    async def _sleep_backoff(self) -> None:
-        delay = self._next_backoff_s * (0.5 + secrets.randbelow(1000) / 1000)
-        self._next_backoff_s = min(self._backoff[1], self._next_backoff_s * 2)
-        if not self._closing:
-            await asyncio.sleep(delay)
+    async def _send(self, req: Any, n: int) -> None:
+        steps = self._send_steps(req, n)
+        out: Any = None
+        while True:
+            try:
+                step = steps.send(out)
+            except StopIteration:
+                return
+            if isinstance(step, float):
+                if not self._closing:
+                    await asyncio.sleep(step)
+                out = None
+                continue
+            try:
+                out = await self._call(step)
+            except grpc.RpcError as err:
+                out = err
 
     async def flush(self, timeout_s: float = 5.0, *, give_up_when_down: bool = False) -> bool:
         """Wait until everything queued so far was sent (or dropped); ``False`` on timeout
