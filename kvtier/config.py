@@ -313,7 +313,7 @@ class SSDTierConfig:
     policy: str = "lru"
     path: str = "~/.cache/kvtier/ssd"
     map_size_bytes: int | None = None
-    codec: str = "raw"  # "auto" stores bf16 KV 1.5x smaller but decodes at ~1 GB/s on 2 cores (README)
+    codec: str = "raw"  # "auto" stores bf16 KV 1.5x smaller but decodes at ~1 GB/s on 2 cores (docs/tiers.md)
     zstd_level: int = 1
     sync: bool = False
     # threads that copy and verify the blocks of one large read (the caller's included)

@@ -9,7 +9,7 @@ through :func:`kvtier.replay.readers.load_trace`. Deterministic for a seed
 Calibration (see ``tests/test_generator.py`` for the asserted tolerances):
 the published figures over 710 Claude Code traces (input p50 104k / p90 234k
 tokens, output p50 216, think time p50 10 s / p90 162 s, p50 11 new blocks
-per request, 44% of sessions with sub-agents) and, for shapes the README does
+per request, 44% of sessions with sub-agents) and, for shapes the traces' README does
 not give, the 120 public dev traces: tool+system prompt of about 12.4k+2.8k
 tokens, 52 requests per session at p50 (p90 158), sub-agents spawned in
 parallel groups of 1-3 with about 11 requests each, think time after a tool

@@ -106,7 +106,7 @@ def approximate_segments(body: Mapping[str, Any], spans: Iterable[tuple[int, int
     contain, at other offsets. With the connector's ``approximate_shifted_segments``
     on, the whole blocks of a span are served from the first copy the connector
     saw (its keys re-rotated to this offset), not recomputed: faster, and not the
-    KV this prompt would produce (see the README's approximate-reuse section for
+    KV this prompt would produce (see docs/shared.md, approximate reuse, for
     the measured quality). Spans must start on a block boundary to be reused.
 
     An agent's earlier turns should be sent the same way (``spans`` may be

