@@ -64,6 +64,7 @@ from .keys import BlockKey, chain_keys
 from .manager import TIER_ORDER, LoadPlan, MovePlan, PrefixHit, StorePlan, TierManager, TierSpec
 from .tiers.pool import TensorPool, accelerator_device, as_byte_tensor, as_byte_tensors, host_buffers, resolve_device
 from .tiers.codec import LOSSY_CODECS
+from .tiers.lossy import LossyCopies
 from .transfer import TransferEngine, TransferJob
 
 log = logging.getLogger(__name__)
@@ -149,8 +150,7 @@ class TieredStore:
         self._prefetched: dict[BlockKey, str] = {}  # prefetched, not yet read: key -> tier
         # copies in DRAM / HBM decoded from a lossy SSD value (tiers.ssd.codec rq4 / rq3): never written to SSD
         # again (a block is compressed at most once; a demotion of one fails and it stays where it is)
-        self._lossy_copies: set[BlockKey] = set()
-        self._ssd_lossy = cfg.ssd.enabled and cfg.ssd.codec in LOSSY_CODECS
+        self._lossy = LossyCopies(("ssd",) if cfg.ssd.enabled and cfg.ssd.codec in LOSSY_CODECS else ())
         # the tiers every put writes: the put tier, then (write-through) the others
         self._put_targets = (cfg.put_tier,) + (
             tuple(t for t in self.manager.tier_names if t != cfg.put_tier) if cfg.write_through else ()
@@ -545,7 +545,7 @@ class TieredStore:
             def run() -> Sequence[bool]:
                 bufs = (pool.host_buffers(plan.src_slots) if pool.device.type == "cpu"
                         else [_host_buffer(pool.view(s)) for s in plan.src_slots])
-                exact = [k not in self._lossy_copies for k in plan.keys]
+                exact = self._lossy.storable(plan.keys)
                 items = [item for item, ok in zip(zip(plan.keys, bufs, parents), exact) if ok]
                 n = self._ssd.put_many(items) if items else 0
                 if len(items) < len(exact):
@@ -556,8 +556,7 @@ class TieredStore:
             pool = self._pools[dst]
 
             def run() -> Sequence[bool]:
-                if self._ssd_lossy:
-                    self._lossy_copies.update(plan.keys)
+                self._lossy.decoded(plan.keys, ["ssd"] * len(plan.keys))
                 if pool.device.type == "cpu":
                     return self._ssd.get_many_into(plan.keys, pool.host_buffers(plan.dst_slots))
                 staging = [torch.empty(pool.bytes_per_block, dtype=torch.uint8) for _ in plan.keys]
@@ -758,8 +757,8 @@ class TieredStore:
                     if self._prefetched.get(e.key) == e.tier:
                         del self._prefetched[e.key]
                         self.counters["prefetch_wasted_blocks"] += 1
-                    if e.key in self._lossy_copies and not any(t != "ssd" for t in self.manager.tiers_of(e.key)):
-                        self._lossy_copies.discard(e.key)  # no decoded copy is left
+                    if self._lossy.is_copy(e.key) and not any(t != "ssd" for t in self.manager.tiers_of(e.key)):
+                        self._lossy.forget_copy(e.key)  # no decoded copy is left
             while len(remembered) > self.MAX_REMEMBERED_REMOVALS:
                 remembered.popitem(last=False)
         if self._ssd is not None and (BlockRemoved in kinds or StoreFailed in kinds):

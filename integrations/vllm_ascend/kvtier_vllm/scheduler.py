@@ -63,6 +63,7 @@ from kvtier.sdk.handles import (
 )
 from kvtier.store import reindex_ssd
 from kvtier.tiers.codec import LOSSY_CODECS
+from kvtier.tiers.lossy import LossyCopies
 
 from . import remoteshare, ssdshare
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob, PromoteJob, StoreJob, TierWrite
@@ -245,13 +246,10 @@ class KVTierScheduler:
             self.recorder = TraceRecorder(settings.record_path, block_size, namespace.model.split("|")[0],
                                           max_bytes=settings.record_max_bytes)
             log.info("kvtier: recording served requests as AgentX traces in %s", settings.record_path)
-        # Lossy values (a lossy tier codec, or cold blocks under cold_codec): keys whose SSD / remote value is an
-        # approximation, and keys loaded from one. The latter are never stored again, in any tier: a block is
-        # compressed at most once, and no tier holds an approximation as if it were exact.
-        self._tier_lossy = {"ssd": cfg.ssd.codec in LOSSY_CODECS,
-                            "remote": settings.remote is not None and settings.remote.codec in LOSSY_CODECS}
-        self._lossy_in: dict[str, set[BlockKey]] = {"ssd": set(), "remote": set()}
-        self._lossy_loaded: set[BlockKey] = set()
+        # Lossy values (a lossy tier codec, or cold blocks under cold_codec) and the keys loaded from one, which
+        # are never stored again, in any tier (kvtier.tiers.lossy: the rule TieredStore keeps too).
+        codecs = {"ssd": cfg.ssd.codec, "remote": settings.remote.codec if settings.remote is not None else "raw"}
+        self._lossy = LossyCopies(tier for tier, codec in codecs.items() if codec in LOSSY_CODECS)
         if "ssd" in self.manager.tier_names:
             self._reindex_ssd()
         self._remote: Any = None
@@ -496,8 +494,7 @@ class KVTierScheduler:
                 self._load_starts[plan_id] = match.start_block
             self._note_lossy_loads(job)
             if job.shifts:  # a block rotated from a lossy value is lossy under the request's own key too
-                own = self._keys(st)[match.start_block:match.start_block + len(job.keys)]
-                self._lossy_loaded.update(k for k, src in zip(own, job.keys) if src in self._lossy_loaded)
+                self._lossy.derive(self._keys(st)[match.start_block:match.start_block + len(job.keys)], job.keys)
         st.loading = True
         self._loads.append(job)
         self.counters["load_planned_tokens"] += n * self.block_size
@@ -528,20 +525,17 @@ class KVTierScheduler:
 
     def _note_lossy_loads(self, job: LoadJob) -> None:
         """Remember the keys this load reads from a lossy value (never stored again)."""
-        for key, tier in zip(job.keys, job.tiers):
-            if tier in self._lossy_in and (self._tier_lossy[tier] or key in self._lossy_in[tier]):
-                self._lossy_loaded.add(key)
-                self.counters["load_lossy_blocks"] += 1
+        self.counters["load_lossy_blocks"] += self._lossy.decoded(job.keys, job.tiers)
 
     def _store_runs(self, new: list[BlockKey], parent: BlockKey | None) -> list[tuple[list[BlockKey], BlockKey | None]]:
         """``new`` (a chain after ``parent``) as runs of keys that may be stored, each with
         the key before it: keys loaded from a lossy value are left out (counted)."""
-        if not self._lossy_loaded:
+        if not self._lossy.any_copies():
             return [(new, parent)]
         runs: list[tuple[list[BlockKey], BlockKey | None]] = []
         before = parent
-        for key in new:
-            if key in self._lossy_loaded:
+        for key, ok in zip(new, self._lossy.storable(new)):
+            if not ok:
                 self.counters["store_skipped_lossy_blocks"] += 1
             elif runs and runs[-1][0][-1] == before:
                 runs[-1][0].append(key)
@@ -1087,7 +1081,7 @@ class KVTierScheduler:
             for g, lo, lane in self._lane_blocks(st, start, upto):
                 if self.lanes[g]:  # a window: independent blocks, stored only inside it
                     self.counters["store_window_skipped_blocks"] += upto - start - len(lane)
-                    kept = [k for k in lane if k not in self._lossy_loaded]
+                    kept = [k for k, ok in zip(lane, self._lossy.storable(lane)) if ok]
                     units += [(kept, None, False)] if kept else []
                     lane_parents: list[BlockKey | None] = [None] * len(lane)
                 else:
@@ -1116,14 +1110,14 @@ class KVTierScheduler:
                 if plan is not None and plan.keys:
                     plans.append((plan.plan_id, plan.tier, plan.keys, plan.slots))
                     self._store_plans[plan.plan_id] = plan
-                    if tier == "ssd" and (cold or self._tier_lossy["ssd"]):
-                        self._lossy_in["ssd"].update(plan.keys)
-                        self.counters["store_cold_blocks"] += len(plan.keys) if cold else 0
+                    if tier == "ssd" and cold:
+                        self._lossy.wrote("ssd", plan.keys)
+                        self.counters["store_cold_blocks"] += len(plan.keys)
         self._pump_events()
         if self._remote is not None:
-            remote = [k for k in new if k not in self._remote_known and k not in self._lossy_loaded]
-            if remote and (cold or self._tier_lossy["remote"]):
-                self._lossy_in["remote"].update(remote)
+            remote = [k for k, ok in zip(new, self._lossy.storable(new)) if ok and k not in self._remote_known]
+            if remote and cold:
+                self._lossy.wrote("remote", remote)
             if remote:
                 pid = next(self._remote_ids)
                 meta = [self._event_meta.get(k) for k in remote] if self.kv_events else []
@@ -1175,7 +1169,7 @@ class KVTierScheduler:
         key, parent = entry
         mgr = self.manager
         plan = None
-        if key in self._lossy_loaded or mgr.is_pending(key, "dram"):
+        if self._lossy.is_copy(key) or mgr.is_pending(key, "dram"):
             pass
         elif mgr.contains(key, "dram"):
             mgr.touch((key,), "dram")
@@ -1325,8 +1319,8 @@ class KVTierScheduler:
         for event in self.manager.take_events():
             if isinstance(event, BlockRemoved) and event.tier == "ssd":
                 self._ssd_deletes.append(int(event.key))
-                self._lossy_in["ssd"].discard(event.key)  # gone: a later computation of it may be stored
-                self._lossy_loaded.discard(event.key)
+                self._lossy.forget_value(event.key, "ssd")  # gone: a later computation of it may be stored
+                self._lossy.forget_copy(event.key)
                 self.counters["ssd_deleted_blocks"] += 1
             if self.kv_events and isinstance(event, (BlockStored, BlockRemoved)):
                 self._kv_event(event, stored)
@@ -1379,7 +1373,7 @@ class KVTierScheduler:
         tier = ssdshare.acquire(path, self.namespace, cfg.layout.to_layout(), cfg)
         try:
             count, purged = reindex_ssd(tier, self.manager)
-            self._lossy_in["ssd"].update(e.key for e in tier.scan() if e.codec in LOSSY_CODECS)
+            self._lossy.wrote("ssd", (e.key for e in tier.scan() if e.codec in LOSSY_CODECS))
         finally:
             ssdshare.release(tier)
         self.manager.take_events()
