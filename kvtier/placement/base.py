@@ -47,42 +47,103 @@ from ..manager import MovePlan, TierManager
 
 
 class PlacementContext(Protocol):
-    """What a placement policy may see and do (the simulator or a live store implements it)."""
+    """What a placement policy may see and do (the simulator or a live store implements it).
+
+    Implemented by the replay (:class:`kvtier.replay.sim.Simulator`, on the surface its
+    ``--surface`` names) and by the live vLLM connector (``kvtier_vllm.placement.EnginePlacement``,
+    the ``vllm`` / ``vllm-write-through`` surfaces); ``tests/engine/test_placement_context_conformance.py``
+    runs one suite against both. Counts are blocks, times seconds. An agent key is ``(session,
+    agent id)``: the session's index in the replay, its id string live.
+    """
 
     now: float
+    """The time in seconds: simulated in the replay, ``time.monotonic()`` live (its origin means nothing)."""
+
     block_size: int
+    """Tokens per block."""
+
     hbm_capacity_blocks: int
+    """HBM blocks of the engine (live: vLLM's GPU blocks less its null block; 0 until the pool is bound)."""
 
-    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> bool: ...
+    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> bool:
+        """Keep ``keys``' HBM copies from eviction for ``ttl_s``, within a budget all pins share (half of HBM
+        by default); False when refused (nothing cached, ``ttl_s <= 0``, over budget, holds off).
+        Replay: the chain up to its deepest HBM block. Live: the longest cached prefix, and only of keys a
+        waiting agent's context gave the connector (their vLLM block hashes)."""
+        ...
 
-    def unpin(self, keys: Sequence[BlockKey]) -> None: ...
+    def unpin(self, keys: Sequence[BlockKey]) -> None:
+        """Give back the pins taken with ``keys`` (pins also lapse at their TTL). Replay: at once; live:
+        after the next scheduler step (once vLLM allocated the request that came back)."""
+        ...
 
-    def offload(self, keys: Sequence[BlockKey], dst: str) -> int: ...
+    def offload(self, keys: Sequence[BlockKey], dst: str) -> int:
+        """Swap ``keys``' HBM copies out to ``dst``; returns the blocks counted as in ``dst`` (0 for a tier not
+        enabled). Replay on ``full``: frees the HBM copies, moving those ``dst`` lacks (they land later).
+        Where HBM cannot be freed (vLLM surfaces, live) nothing moves: it counts the copies ``dst`` holds
+        already (replay: of the keys in HBM; live: of all ``keys``)."""
+        ...
 
-    def discard(self, keys: Sequence[BlockKey]) -> int: ...
+    def discard(self, keys: Sequence[BlockKey]) -> int:
+        """Free ``keys``' idle HBM copies at once (recomputed when needed); returns the blocks freed.
+        Always 0 live and on the vLLM surfaces: vLLM frees no idle cached block sooner."""
+        ...
 
-    def transfer_time_s(self, num_blocks: int, link: str) -> float: ...
+    def transfer_time_s(self, num_blocks: int, link: str) -> float:
+        """Predicted seconds to move ``num_blocks`` over ``link`` (``"hbm->dram"``; ``ssd->hbm`` is both hops):
+        a transfer model fitted to completed transfers over a prior; 0.0 for none, non-decreasing in
+        ``num_blocks``. Live knows only ``hbm<->dram``, ``dram<->ssd`` and ``ssd->hbm`` (``KeyError`` else)
+        and fits only ``ssd->dram`` (its promotions): the others stay at its PCIe 5 / NVMe priors."""
+        ...
 
-    def recompute_time_s(self, num_tokens: int) -> float: ...
+    def recompute_time_s(self, num_tokens: int) -> float:
+        """Predicted seconds to prefill ``num_tokens`` again (0.0 for none), as if no context were cached.
+        Replay: its hardware profile's model. Live: a constant rate (``prefill_tokens_per_s``, 20,000 by
+        default), not measured."""
+        ...
 
-    def running_blocks(self) -> int: ...
+    def running_blocks(self) -> int:
+        """HBM blocks in use by running requests. Replay: their blocks and decode reserves, pins apart.
+        Live: vLLM's KV usage, every referenced block, those held by pins included."""
+        ...
 
-    def tool_history_s(self) -> Sequence[float]: ...
+    def tool_history_s(self) -> Sequence[float]:
+        """Durations of the latest tool waits (at most 512), oldest first. Replay: each tool's true duration;
+        live: from a tool wait's start to its agent's next request (user waits left out)."""
+        ...
 
     def private_start(self, keys: Sequence[BlockKey]) -> int:
         """Index where ``keys``' private suffix begins: blocks before it are a prefix
-        other chains branch from."""
+        other chains branch from. Live the index is kvtier's DRAM / SSD tiers' only (a
+        branch vLLM's HBM alone holds is not seen); the replay's has HBM too."""
         ...
 
     # The agent-aware part (hint plane, prefetch, timers).
 
-    def blocks_in(self, keys: Sequence[BlockKey], tier: str) -> int: ...
+    def blocks_in(self, keys: Sequence[BlockKey], tier: str) -> int:
+        """How many of ``keys`` are readable in ``tier`` (0 for a tier not enabled). HBM live: the length of
+        the cached prefix of the keys a waiting agent's context gave (a gap ends the count; a hybrid model's
+        other KV cache groups' blocks are added, so it may exceed ``len(keys)``); the replay counts every key."""
+        ...
 
-    def touch(self, keys: Sequence[BlockKey]) -> None: ...
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Make ``keys``' idle HBM copies the most recently used (they are due next). Replay: where the
+        surface refreshes HBM (``hbm_refresh``); live: the cached prefix a waiting agent's context gave,
+        re-queued at the tail of vLLM's free queue (``touch`` + ``free_blocks``)."""
+        ...
 
-    def call_at(self, t: float, fn: Callable[..., None], *args: object) -> None: ...
+    def call_at(self, t: float, fn: Callable[..., None], *args: object) -> None:
+        """Call ``fn(*args)`` once at time ``t`` (on :attr:`now`'s clock); a time gone by runs at the next
+        pass. Replay: an event at ``t`` in simulated time. Live: on the first scheduler step at or after
+        ``t`` (none run while vLLM takes no steps)."""
+        ...
 
-    def prefetch(self, agent_key: tuple[int, str], keys: Sequence[BlockKey]) -> float | None: ...
+    def prefetch(self, agent_key: tuple[int, str], keys: Sequence[BlockKey]) -> float | None:
+        """Promote ``keys``' lower-tier blocks ahead of the agent's return; returns when they should be there
+        (:attr:`now`'s clock), ``None`` when nothing moves or one is in flight for the agent. Replay: only
+        for a waiting agent, into the surface's ``prefetch_to`` (HBM on ``full``, held until the request is
+        admitted). Live: SSD -> DRAM only (nothing loads into HBM without a request)."""
+        ...
 
     def stage(self, keys: Sequence[BlockKey]) -> int:
         """The request arriving now (called from ``on_wait_end``) has the context
@@ -92,27 +153,65 @@ class PlacementContext(Protocol):
         (0 where that waits for the pass, as in both implementations)."""
         ...
 
-    def drop(self, keys: Sequence[BlockKey]) -> int: ...
+    def drop(self, keys: Sequence[BlockKey]) -> int:
+        """Remove ``keys`` (dead KV: nobody reads it again) wherever the host may; returns the copies removed,
+        over all tiers. Replay on ``full``: every tier. Live and on the vLLM surfaces: DRAM / SSD only (the
+        HBM copies stay until vLLM evicts them)."""
+        ...
 
-    def deprioritize(self, keys: Sequence[BlockKey], tiers: Sequence[str] = ("hbm",)) -> int: ...
+    def deprioritize(self, keys: Sequence[BlockKey], tiers: Sequence[str] = ("hbm",)) -> int:
+        """Make ``keys``' idle copies in ``tiers`` the next victims there (tail first); returns the copies
+        offered. HBM only where the surface reorders it (the replay's ``full``): live it is skipped."""
+        ...
 
-    def retire(self, keys: Sequence[BlockKey]) -> int: ...
+    def retire(self, keys: Sequence[BlockKey]) -> int:
+        """Dead KV (its agent ended): the next victims in every enabled tier, readable until the room is
+        needed; returns the copies offered. Live HBM is left alone; the replay, on a surface that can free
+        but not reorder HBM, frees the idle HBM copies (counted too)."""
+        ...
 
-    def count(self, name: str, n: int = 1) -> None: ...
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to the host's counter ``name`` (decisions by reason, ...): replay results, connector stats."""
+        ...
 
-    def criticality(self, agent_key: tuple[int, str]) -> float: ...
+    def criticality(self, agent_key: tuple[int, str]) -> float:
+        """In [0, 1], 1.0 on the session's longest expected remaining path (the hint plane's DAG). An agent
+        the DAG does not know: 0.0 in the replay, 1.0 live (its own critical path). Live a request's
+        ``kvtier_criticality`` comes first, then the hint server's DAG as last polled."""
+        ...
 
-    def hbm_pressure(self) -> float: ...
+    def hbm_pressure(self) -> float:
+        """HBM in use plus what the first 16 queued requests need, over :attr:`hbm_capacity_blocks`: 0.0 idle,
+        above 1.0 when the queue wants more (not clamped). In use: on the replay's ``full`` every used block,
+        idle cached ones included; on the vLLM surfaces and live, blocks referenced by requests and pins
+        (live less the finishing request's, which vLLM frees next)."""
+        ...
 
-    def waiting_demand_blocks(self) -> int: ...
+    def waiting_demand_blocks(self) -> int:
+        """HBM blocks the first 16 requests waiting for admission need. Replay: prompt and output tokens;
+        live: the prompt's, of requests that arrived and vLLM has not scheduled yet."""
+        ...
 
-    def tiers_enabled(self) -> tuple[str, ...]: ...
+    def tiers_enabled(self) -> tuple[str, ...]:
+        """The enabled tiers, fastest first: ``"hbm"``, then ``"dram"`` / ``"ssd"`` where present. Replay:
+        those the policy uses (``lower_tiers``) with a capacity; live: those the connector configures."""
+        ...
 
-    def is_waiting(self, agent_key: tuple[int, str]) -> bool: ...
+    def is_waiting(self, agent_key: tuple[int, str]) -> bool:
+        """True while the agent waits (tool, user, sub-agents) for its next request; False for an unknown
+        agent. Live: from the wait the scheduler started to its next request's arrival (``tool=True``
+        there: tool waits only); an agent that never returns stays waiting until forgotten."""
+        ...
 
-    def parent_of(self, agent_key: tuple[int, str]) -> str | None: ...
+    def parent_of(self, agent_key: tuple[int, str]) -> str | None:
+        """The agent's parent id on the hint plane's DAG; ``None`` for a root or an agent it does not know
+        (live without a hint server: always)."""
+        ...
 
-    def remaining_path_s(self, session: int) -> float: ...
+    def remaining_path_s(self, session: int) -> float:
+        """The session's expected remaining time (its critical path on the hint plane's DAG); 0.0 for an
+        unknown or finished session. Replay only: live always 0.0. No policy reads it."""
+        ...
 
 
 def ssd_promotion(mgr: TierManager, keys: Sequence[BlockKey]) -> MovePlan | None:
