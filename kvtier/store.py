@@ -50,10 +50,9 @@ import functools
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -61,30 +60,17 @@ import torch
 from .config import KVTierConfig, load_config
 from .events import BlockRemoved, Event, StoreFailed
 from .keys import BlockKey, chain_keys
+from .misses import MissLog, MissReason
 from .manager import TIER_ORDER, LoadPlan, MovePlan, PrefixHit, StorePlan, TierManager, TierSpec
-from .tiers.pool import TensorPool, accelerator_device, as_byte_tensor, as_byte_tensors, host_buffers, resolve_device
+from .tiers.pool import TensorPool, accelerator_device, resolve_device
 from .tiers.codec import LOSSY_CODECS
 from .tiers.lossy import LossyCopies
-from .transfer import TransferEngine, TransferJob
+from .transfer import TransferEngine, TransferJob, media
+from .transfer.prefetch import PrefetchLedger
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True, slots=True)
-class MissReason:
-    """Why block ``index`` of a request (``key``) was not served.
-
-    ``reason``: ``absent`` (not stored here, or forgotten long ago),
-    ``evicted`` / ``failed_verify`` / ``moved`` / ``removed`` (the last thing
-    that happened to it in ``tier``), ``in_flight`` (a store or move into
-    ``tier`` has not completed), ``deadline`` (readable, but not read before
-    the caller's deadline). ``detail`` is one human-readable line."""
-
-    index: int
-    key: BlockKey
-    reason: str
-    tier: str | None
-    detail: str
+__all__ = ["MissReason", "TieredStore", "reindex_ssd"]  # MissReason: kvtier.misses
 
 
 class TieredStore:
@@ -144,10 +130,9 @@ class TieredStore:
         self.counters: Counter[str] = Counter()
         self.removals: Counter[tuple[str, str]] = Counter()  # (tier, reason) -> blocks
         self.offloads: Counter[tuple[str, str, str]] = Counter()  # (src, dst, reason) -> blocks
-        self._last_removal: OrderedDict[BlockKey, tuple[str, str]] = OrderedDict()
-        self._prefetching: dict[BlockKey, int] = {}  # key -> plan id of its prefetch in flight
-        self._superseded: set[int] = set()  # prefetch plans a get overtook (discarded on completion)
-        self._prefetched: dict[BlockKey, str] = {}  # prefetched, not yet read: key -> tier
+        self._misses = MissLog(self.MAX_REMEMBERED_REMOVALS, lambda tier: str(getattr(cfg, tier).policy),
+                               self._ssd_failure_counts)
+        self._prefetches = PrefetchLedger(self.counters)
         # copies in DRAM / HBM decoded from a lossy SSD value (tiers.ssd.codec rq4 / rq3): never written to SSD
         # again (a block is compressed at most once; a demotion of one fails and it stays where it is)
         self._lossy = LossyCopies(("ssd",) if cfg.ssd.enabled and cfg.ssd.codec in LOSSY_CODECS else ())
@@ -188,7 +173,7 @@ class TieredStore:
         if self._remote is not None and keys:
             srcs = self._check_blocks(blocks)
             self._mover.run_inline("put->remote", len(keys), len(keys) * self.layout.bytes_per_block,
-                                   self._remote_put_fn(keys, srcs, parent))
+                                   media.caller_to_remote(self._remote, keys, srcs, parent, self.counters))
         if stored_all:
             return len(keys)
         with self._lock:
@@ -199,9 +184,8 @@ class TieredStore:
         tier's write finished. The caller must keep ``blocks`` unchanged until then."""
         futures = [self._mover.submit(self._store_job(p, srcs)) for p, srcs in self._prepare_puts(keys, blocks, parent)]
         if self._remote is not None and keys:
-            futures.append(self._mover.submit(self._job("put->remote", len(keys),
-                                                        self._remote_put_fn(keys, self._check_blocks(blocks), parent),
-                                                        lambda oks: None)))
+            put = media.caller_to_remote(self._remote, keys, self._check_blocks(blocks), parent, self.counters)
+            futures.append(self._mover.submit(self._job("put->remote", len(keys), put, lambda oks: None)))
         done: Future[int] = Future()
 
         def finish(_: object = None) -> None:
@@ -238,18 +222,6 @@ class TieredStore:
             return [(p, srcs) for p in plans]
         by_key = dict(zip(keys, srcs))
         return [(p, [by_key[k] for k in p.keys]) for p in plans]
-
-    def _remote_put_fn(self, keys: Sequence[BlockKey], srcs: list[torch.Tensor],
-                       parent: BlockKey | None) -> Callable[[], Sequence[bool]]:
-        """The write-through of a put to the remote tier (a failure is counted, never raised)."""
-        def run() -> Sequence[bool]:
-            chain = [parent, *keys[:-1]]
-            n = self._remote.put_many([(k, _host_buffer(t), p) for k, t, p in zip(keys, srcs, chain)])
-            self.counters["remote_put_blocks"] += n
-            self.counters["remote_put_failed_blocks"] += len(keys) - n
-            return [i < n for i in range(len(keys))]
-
-        return run
 
     # ------------------------------------------------------------------ get
 
@@ -288,7 +260,7 @@ class TieredStore:
         deadline = None if timeout_s is None else time.perf_counter() + timeout_s
         dsts = self._check_blocks(outs[: len(keys)])
         with self._lock:
-            self._supersede_prefetches(keys)
+            self._prefetches.overtaken(keys)
             plan = self.manager.prepare_load(keys)
         self.counters["get_blocks_requested"] += len(keys)
         if plan is None and self._remote is None:
@@ -316,7 +288,7 @@ class TieredStore:
         else:
             for tier, count in Counter(tiers_read).items():
                 self.counters[f"hit_blocks_{tier}"] += count
-        self._note_prefetch_use(plan.keys[:n], tiers_read)
+        self._note_reads(plan.keys[:n], tiers_read)
         self.counters["get_blocks_missed"] += len(keys) - n
         if n < len(keys):
             self._log_miss(keys, n)
@@ -338,34 +310,9 @@ class TieredStore:
 
     def explain_miss(self, keys: Sequence[BlockKey], index: int | None = None) -> MissReason | None:
         """Why block ``index`` of ``keys`` (default: the first not readable now) is
-        not served, or ``None`` when every block is readable. O(len(keys))."""
+        not served, or ``None`` when every block is readable (:mod:`kvtier.misses`)."""
         with self._lock:
-            if index is None:
-                index = self.manager.lookup(keys).num_blocks
-                if index >= len(keys):
-                    return None
-            key = keys[index]
-            tiers = self.manager.tiers_of(key)
-            if tiers:
-                return MissReason(index, key, "deadline", tiers[0],
-                                  f"readable in {'/'.join(tiers)}; not read before the caller's deadline")
-            pending = [t for t in self.manager.tier_names if self.manager.is_pending(key, t)]
-            if pending:
-                return MissReason(index, key, "in_flight", pending[0],
-                                  f"a store or move into {pending[0]} has not completed yet")
-            last = self._last_removal.get(key)
-        if last is None:
-            return MissReason(index, key, "absent", None,
-                              "never stored in this store's namespace, or removed long ago")
-        tier, reason = last
-        details = {
-            "evicted": f"evicted from {tier} by its {self._policy_name(tier)} policy",
-            "failed_verify": f"its {tier} copy failed verification (checksum, decode, namespace or key mismatch)"
-                             + (f"; ssd counters: {self._ssd_failure_counts()}" if tier == "ssd" else ""),
-            "moved": f"moved out of {tier} and no longer readable elsewhere",
-            "removed": f"removed from {tier} by a caller",
-        }
-        return MissReason(index, key, reason, tier, details.get(reason, f"{reason} in {tier}"))
+            return self._misses.explain(self.manager, keys, index)
 
     # -------------------------------------------------------------- prefetch
 
@@ -392,8 +339,7 @@ class TieredStore:
                 plan = self.manager.prepare_move(chunk, src, tier, keep_source=True) if chunk else None
                 self._pump_events()
                 if plan is not None:
-                    for k in plan.keys:
-                        self._prefetching[k] = plan.plan_id
+                    self._prefetches.started(plan.keys, plan.plan_id)
                     futures.append(self._submit_move(plan, inline=False, deadline=deadline, prefetch=True))
         done: Future[int] = Future()
 
@@ -492,24 +438,8 @@ class TieredStore:
 
     # ------------------------------------------------------------ internals
 
-    def _check_block(self, buf: Any, i: int, writable: bool = False) -> torch.Tensor:
-        t = as_byte_tensor(buf)
-        if t.numel() != self.layout.bytes_per_block:
-            raise ValueError(
-                f"block {i} has {t.numel()} bytes; the layout ({self.layout.describe()}) needs "
-                f"{self.layout.bytes_per_block}"
-            )
-        return t
-
     def _check_blocks(self, bufs: Sequence[Any]) -> list[torch.Tensor]:
-        """:meth:`_check_block` of every buffer (once per block of every put and get:
-        the checks run as C-speed loops)."""
-        ts = as_byte_tensors(bufs, self.layout.bytes_per_block)
-        if ts is None:  # a buffer of the wrong size: name the first
-            for i, buf in enumerate(bufs):
-                self._check_block(buf, i)
-            raise AssertionError("as_byte_tensors refused a size that _check_block accepts")
-        return ts
+        return media.caller_blocks(bufs, self.layout)
 
     def _submit_store(self, plan: StorePlan, srcs: list[torch.Tensor], inline: bool) -> Future[Sequence[bool]]:
         return self._dispatch(self._store_job(plan, srcs), inline)
@@ -521,54 +451,23 @@ class TieredStore:
 
     def _store_fn(self, plan: StorePlan, srcs: list[torch.Tensor]) -> Callable[[], Sequence[bool]]:
         """The write of ``srcs`` (one per key of ``plan``) into its tier; one ``ok`` per key."""
-        if plan.tier != "ssd":  # a C-level partial, not a closure: this runs once per put
-            return functools.partial(self._pools[plan.tier].write, plan.slots, srcs)
+        if plan.tier != "ssd":
+            return media.caller_to_pool(self._pools[plan.tier], plan.slots, srcs)
         parents = [self.manager.parent_of(k) for k in plan.keys]
-
-        def run() -> Sequence[bool]:  # srcs, held here, keep the buffers' tensors alive
-            bufs = host_buffers(srcs, self.layout.bytes_per_block)
-            if bufs is None:  # a device (copied to the host) or non-contiguous tensor
-                bufs = list(map(_host_buffer, srcs))
-            n = self._ssd.put_many(list(zip(plan.keys, bufs, parents)))
-            return [i < n for i in range(len(bufs))]
-
-        return run
+        return media.caller_to_ssd(self._ssd, plan.keys, srcs, parents, self.layout.bytes_per_block)
 
     def _submit_move(
         self, plan: MovePlan, inline: bool, deadline: float | None = None, prefetch: bool = False
     ) -> Future[Sequence[bool]]:
         src, dst = plan.src, plan.dst
         if dst == "ssd":
-            pool = self._pools[src]
             parents = [self.manager.parent_of(k) for k in plan.keys]
-
-            def run() -> Sequence[bool]:
-                bufs = (pool.host_buffers(plan.src_slots) if pool.device.type == "cpu"
-                        else [_host_buffer(pool.view(s)) for s in plan.src_slots])
-                exact = self._lossy.storable(plan.keys)
-                items = [item for item, ok in zip(zip(plan.keys, bufs, parents), exact) if ok]
-                n = self._ssd.put_many(items) if items else 0
-                if len(items) < len(exact):
-                    self.counters["demote_skipped_lossy_blocks"] += len(exact) - len(items)
-                written = iter([i < n for i in range(len(items))])
-                return [next(written) if ok else False for ok in exact]
+            run = media.pool_to_ssd(self._pools[src], plan.src_slots, self._ssd, plan.keys, parents, self._lossy,
+                                    self.counters)
         elif src == "ssd":
-            pool = self._pools[dst]
-
-            def run() -> Sequence[bool]:
-                self._lossy.decoded(plan.keys, ["ssd"] * len(plan.keys))
-                if pool.device.type == "cpu":
-                    return self._ssd.get_many_into(plan.keys, pool.host_buffers(plan.dst_slots))
-                staging = [torch.empty(pool.bytes_per_block, dtype=torch.uint8) for _ in plan.keys]
-                oks = self._ssd.get_many_into(plan.keys, [b.numpy() for b in staging])
-                pool.write(plan.dst_slots, staging)
-                return oks
+            run = media.ssd_to_pool(self._ssd, plan.keys, self._pools[dst], plan.dst_slots, self._lossy)
         else:
-            spool, dpool = self._pools[src], self._pools[dst]
-
-            def run() -> Sequence[bool]:
-                return dpool.write(plan.dst_slots, [spool.view(s) for s in plan.src_slots])
-
+            run = media.pool_to_pool(self._pools[src], plan.src_slots, self._pools[dst], plan.dst_slots)
         job = self._job(f"{src}->{dst}", len(plan.keys), run, lambda oks: self._done_move(plan, oks, prefetch, deadline))
         job.deadline = deadline
         return self._dispatch(job, inline)
@@ -643,34 +542,16 @@ class TieredStore:
 
     def _read_remote(self, keys: Sequence[BlockKey], dsts: list[torch.Tensor]) -> int:
         """Read ``keys`` from the remote tier into ``dsts``; the leading run that verified."""
-        def run() -> Sequence[bool]:
-            bufs = host_buffers(dsts, self.layout.bytes_per_block)
-            if bufs is not None:
-                return self._remote.get_many_into(list(keys), bufs)
-            hosts = [torch.empty(self.layout.bytes_per_block, dtype=torch.uint8) for _ in dsts]
-            oks = self._remote.get_many_into(list(keys), [h.numpy() for h in hosts])
-            n = oks.index(False) if False in oks else len(oks)
-            for host, dst in zip(hosts[:n], dsts[:n]):
-                dst.copy_(host)
-            return oks
-
-        oks = self._mover.run_inline("remote->caller", len(keys), len(keys) * self.layout.bytes_per_block, run)
+        oks = self._mover.run_inline("remote->caller", len(keys), len(keys) * self.layout.bytes_per_block,
+                                     media.remote_to_caller(self._remote, keys, dsts, self.layout.bytes_per_block))
         return oks.index(False) if False in oks else len(oks)
 
     def _read_tier(
         self, tier: str, keys: Sequence[BlockKey], slots: Sequence[int], dsts: list[torch.Tensor]
     ) -> list[bool]:
         if tier != "ssd":
-            return list(map(bool, self._pools[tier].read(slots, dsts)))
-        bufs = host_buffers(dsts, self.layout.bytes_per_block)  # the caller holds dsts until we return
-        if bufs is not None:
-            return list(map(bool, self._ssd.get_many_into(keys, bufs)))
-        hosts = [d if d.is_cpu else torch.empty_like(d, device="cpu") for d in dsts]
-        res = self._ssd.get_many_into(keys, [h.numpy() for h in hosts])
-        for host, dst in zip(hosts, dsts):
-            if host is not dst:
-                dst.copy_(host)
-        return list(map(bool, res))
+            return media.pool_to_caller(self._pools[tier], slots, dsts)
+        return media.ssd_to_caller(self._ssd, keys, dsts, self.layout.bytes_per_block)
 
     def _job(self, link: str, n: int, run: Callable[[], Sequence[bool]], on_done) -> TransferJob:
         return TransferJob(link, n, n * self.layout.bytes_per_block, run, on_done)
@@ -686,43 +567,15 @@ class TieredStore:
         with self._lock:
             oks = list(oks)
             if prefetch:
-                oks = self._settle_prefetch(plan, oks, deadline)
+                late = deadline is not None and time.perf_counter() > deadline
+                oks = self._prefetches.settle(plan.plan_id, plan.keys, plan.dst, oks, late)
             self.manager.complete_move(plan, oks)
             self._pump_events()
 
-    def _settle_prefetch(self, plan: MovePlan, oks: list[bool], deadline: float | None) -> list[bool]:
-        """Count a finished prefetch; a late one (past its deadline, which made the
-        mover fail it, or overtaken by a get) is discarded. Under the lock."""
-        late = plan.plan_id in self._superseded or (deadline is not None and time.perf_counter() > deadline)
-        self._superseded.discard(plan.plan_id)
-        for k in plan.keys:
-            if self._prefetching.get(k) == plan.plan_id:
-                del self._prefetching[k]
-        if late:
-            self.counters["prefetch_late_blocks"] += len(plan.keys)
-            return [False] * len(plan.keys)
-        self.counters["prefetch_on_time_blocks"] += oks.count(True)
-        self.counters["prefetch_failed_blocks"] += oks.count(False)
-        for k, ok in zip(plan.keys, oks):
-            if ok:
-                self._prefetched[k] = plan.dst
-        return oks
-
-    def _supersede_prefetches(self, keys: Sequence[BlockKey]) -> None:
-        """A get of ``keys`` started: prefetches of them still in flight are late. Under the lock."""
-        if self._prefetching:
-            for k in keys:
-                pid = self._prefetching.get(k)
-                if pid is not None:
-                    self._superseded.add(pid)
-
-    def _note_prefetch_use(self, keys: Sequence[BlockKey], tiers: Sequence[str]) -> None:
-        if self._prefetched:
+    def _note_reads(self, keys: Sequence[BlockKey], tiers: Sequence[str]) -> None:
+        if self._prefetches.any_landed():
             with self._lock:
-                for k, t in zip(keys, tiers):
-                    if self._prefetched.get(k) == t:
-                        del self._prefetched[k]
-                        self.counters["prefetch_used_blocks"] += 1
+                self._prefetches.read(keys, tiers)
 
     def _log_miss(self, keys: Sequence[BlockKey], index: int) -> None:
         if log.isEnabledFor(logging.DEBUG):
@@ -730,10 +583,6 @@ class TieredStore:
             if why is not None:
                 log.debug("kvtier get: %d of %d blocks served; block %d (key %#034x) missed: %s (%s)",
                           index, len(keys), index, why.key, why.reason, why.detail)
-
-    def _policy_name(self, tier: str) -> str:
-        spec = getattr(self.config, tier)
-        return str(spec.policy)
 
     def _ssd_failure_counts(self) -> str:
         st = self._ssd.stats if self._ssd is not None else {}
@@ -748,19 +597,13 @@ class TieredStore:
             return
         kinds = set(map(type, events))  # most batches are all BlockStored / BlockLoaded: no loop below
         if BlockRemoved in kinds:
-            remembered = self._last_removal
             for e in events:
                 if isinstance(e, BlockRemoved):
                     self.removals[(e.tier, e.reason)] += 1
-                    remembered[e.key] = (e.tier, e.reason)
-                    remembered.move_to_end(e.key)
-                    if self._prefetched.get(e.key) == e.tier:
-                        del self._prefetched[e.key]
-                        self.counters["prefetch_wasted_blocks"] += 1
+                    self._misses.removed(e.key, e.tier, e.reason)
+                    self._prefetches.removed(e.key, e.tier)
                     if self._lossy.is_copy(e.key) and not any(t != "ssd" for t in self.manager.tiers_of(e.key)):
                         self._lossy.forget_copy(e.key)  # no decoded copy is left
-            while len(remembered) > self.MAX_REMEMBERED_REMOVALS:
-                remembered.popitem(last=False)
         if self._ssd is not None and (BlockRemoved in kinds or StoreFailed in kinds):
             gone = [e.key for e in events if isinstance(e, (BlockRemoved, StoreFailed)) and e.tier == "ssd"]
             if gone:
@@ -798,12 +641,3 @@ def reindex_ssd(ssd: Any, manager: TierManager) -> tuple[int, int]:
 
 
 _PUT_LINKS = {t: f"put->{t}" for t in TIER_ORDER}  # mover link names, made once
-
-
-def _host_buffer(t: torch.Tensor) -> Any:
-    """A buffer-protocol view of a tensor's bytes (copied to host if on a device)."""
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return t.numpy()
-
-

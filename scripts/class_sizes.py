@@ -29,7 +29,6 @@ EXEMPT = {"kvtier/manager.py:TierManager": "one job (the tiers' bookkeeping), in
 KNOWN_CLASSES = {
     "kvtier/replay/sim.py:Simulator": 1172,
     "integrations/vllm_ascend/kvtier_vllm/scheduler.py:KVTierScheduler": 1235,
-    "kvtier/store.py:TieredStore": 686,
 }
 KNOWN_FUNCTIONS = {
     "kvtier/replay/sim.py:Simulator._admit": 60,
