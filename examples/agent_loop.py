@@ -84,14 +84,14 @@ def agent_session(client: HintClient, session_id: str) -> None:
 
 def start_local_server(record_dir: str) -> tuple[str, Any]:
     """A HintServer on a free loopback port, in a background thread."""
-    from kvtier.hints.recorder import TraceRecorder
+    from kvtier.recording.hints import HintRecorder
     from kvtier.hints.server import HintServer
 
     ready, box = threading.Event(), {}
 
     def serve() -> None:
         async def main() -> None:
-            box["recorder"] = TraceRecorder(record_dir, block_size=NS.block_size, model=NS.model)
+            box["recorder"] = HintRecorder(record_dir, block_size=NS.block_size, model=NS.model)
             server = box["server"] = HintServer(recorder=box["recorder"])
             box["address"] = await server.start("127.0.0.1:0")
             box["loop"], box["stop"] = asyncio.get_running_loop(), asyncio.Event()

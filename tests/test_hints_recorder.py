@@ -8,12 +8,12 @@ import time
 import pytest
 from hints_support import ServerThread
 
-from kvtier.hints.recorder import TraceRecorder
+from kvtier.recording.hints import HintRecorder
 from kvtier.sdk import HintClient
 
 
 def _record(tmp_path):
-    recorder = TraceRecorder(tmp_path, block_size=16, model="m")
+    recorder = HintRecorder(tmp_path, block_size=16, model="m")
     with ServerThread(recorder=recorder) as s:
         with HintClient(s.address, flush_interval_s=0.001) as client:
             with client.session("rec-1", model="m"):

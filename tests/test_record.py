@@ -1,4 +1,4 @@
-"""kvtier.replay.record: what a live engine's recording holds, and that the replay reads it."""
+"""kvtier.recording.requests: what a live engine's recording holds, and that the replay reads it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.replay import load_trace
-from kvtier.replay.record import SALT_FILE, TraceRecorder
+from kvtier.recording.requests import SALT_FILE, RequestRecorder
 
 
 def _files(d: Path) -> list[Path]:
@@ -21,7 +21,7 @@ def _files(d: Path) -> list[Path]:
 
 
 def test_tagged_agents_become_traces_with_their_gaps_and_tool_stops(tmp_path: Path) -> None:
-    rec = TraceRecorder(tmp_path, block_size=16, model="m")
+    rec = RequestRecorder(tmp_path, block_size=16, model="m")
     # agent a of session s: two turns with a tool call between; agent b: one turn; one untagged request
     rec.arrived("a1", "s", "a", 40, [1, 2], now=10.0)
     rec.arrived("b1", "s", "b", 33, [1, 2], now=10.5)
@@ -53,7 +53,7 @@ def test_tagged_agents_become_traces_with_their_gaps_and_tool_stops(tmp_path: Pa
 def test_block_ids_are_anonymous_and_stable_across_restarts(tmp_path: Path) -> None:
     ids = []
     for run in range(2):
-        rec = TraceRecorder(tmp_path, block_size=16)
+        rec = RequestRecorder(tmp_path, block_size=16)
         rec.arrived(f"r{run}", None, None, 32, [123456789, 42], now=float(run))
         rec.finished(f"r{run}", 1, tool_wait=False, now=run + 0.5)
         rec.close()
@@ -63,7 +63,7 @@ def test_block_ids_are_anonymous_and_stable_across_restarts(tmp_path: Path) -> N
     assert all(0 <= i < 2 ** 52 for i in ids[0])
     assert oct((tmp_path / SALT_FILE).stat().st_mode & 0o777) == oct(0o600)
     other = tmp_path / "other"
-    rec = TraceRecorder(other, block_size=16)
+    rec = RequestRecorder(other, block_size=16)
     rec.arrived("x", None, None, 32, [123456789, 42], now=0.0)
     rec.finished("x", 1, tool_wait=False, now=1.0)
     rec.close()
@@ -71,7 +71,7 @@ def test_block_ids_are_anonymous_and_stable_across_restarts(tmp_path: Path) -> N
 
 
 def test_long_traces_rotate_and_a_full_directory_stops_recording(tmp_path: Path) -> None:
-    rec = TraceRecorder(tmp_path, block_size=16, max_requests_per_file=3)
+    rec = RequestRecorder(tmp_path, block_size=16, max_requests_per_file=3)
     for i in range(7):
         rec.arrived(f"r{i}", "s", "a", 16, [i], now=float(i))
         rec.finished(f"r{i}", 1, tool_wait=False, now=i + 0.5)
@@ -80,7 +80,7 @@ def test_long_traces_rotate_and_a_full_directory_stops_recording(tmp_path: Path)
     assert [len(json.loads(f.read_text())["requests"]) for f in files] == [3, 3, 1]
     assert sum(s.num_requests() for s in load_trace(tmp_path).sessions) == 7
     full = tmp_path / "full"
-    rec = TraceRecorder(full, block_size=16, max_bytes=600)
+    rec = RequestRecorder(full, block_size=16, max_bytes=600)
     for i in range(20):
         rec.arrived(f"r{i}", f"s{i}", "a", 16, [i], now=float(i))
         rec.finished(f"r{i}", 1, tool_wait=False, now=i + 0.5)
@@ -90,7 +90,7 @@ def test_long_traces_rotate_and_a_full_directory_stops_recording(tmp_path: Path)
 
 
 def test_a_full_queue_drops_requests_and_counts_them(tmp_path: Path) -> None:
-    rec = TraceRecorder(tmp_path, block_size=16, max_queue=1)
+    rec = RequestRecorder(tmp_path, block_size=16, max_queue=1)
     for i in range(2000):  # far faster than the writer drains
         rec.arrived(f"r{i}", None, None, 16, list(range(200)), now=float(i))
     rec.close()
@@ -102,13 +102,13 @@ def test_bad_directory_names_the_setting(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(ValueError, match="record_path="):
-        TraceRecorder(blocker / "sub", block_size=16)
+        RequestRecorder(blocker / "sub", block_size=16)
 
 
 CHILD = """
 import sys, time
-from kvtier.replay.record import TraceRecorder
-rec = TraceRecorder(sys.argv[1], block_size=16, flush_s=0.01)
+from kvtier.recording.requests import RequestRecorder
+rec = RequestRecorder(sys.argv[1], block_size=16, flush_s=0.01)
 i = 0
 while True:
     rec.arrived(f"r{i}", f"s{i % 5}", "a", 64, list(range(i % 5)), now=float(i))
@@ -139,7 +139,7 @@ def test_out_of_order_finishes_and_requests_in_flight_at_close(tmp_path: Path) -
     """Overlapping untagged requests are written in arrival order once they finished;
     one still in flight when the engine stops is left out; ids reused from the
     previous request's shared prefix equal fresh ones (a chain that diverges)."""
-    rec = TraceRecorder(tmp_path, block_size=16)
+    rec = RequestRecorder(tmp_path, block_size=16)
     rec.arrived("a", None, None, 64, [1, 2, 3, 4], now=1.0)
     rec.arrived("b", None, None, 64, [1, 2, 9, 10], now=1.1)  # shares two blocks, then diverges
     rec.arrived("c", None, None, 32, [7, 8], now=1.2)
@@ -149,8 +149,18 @@ def test_out_of_order_finishes_and_requests_in_flight_at_close(tmp_path: Path) -
     (f,) = _files(tmp_path)
     reqs = json.loads(f.read_text())["requests"]
     assert [r["in"] for r in reqs] == [64, 64] and [r["out"] for r in reqs] == [3, 2]
-    fresh = TraceRecorder(tmp_path / "check", block_size=16)
+    fresh = RequestRecorder(tmp_path / "check", block_size=16)
     fresh._salt = rec._salt
     assert reqs[1]["hash_ids"] == [fresh._anon(k) for k in (1, 2, 9, 10)]
     assert reqs[0]["hash_ids"][:2] == reqs[1]["hash_ids"][:2] and reqs[0]["hash_ids"][2] != reqs[1]["hash_ids"][2]
     fresh.close()
+
+
+def test_the_recording_modules_doctests() -> None:
+    import doctest
+
+    import kvtier.recording.requests
+    import kvtier.recording.traces
+
+    for mod in (kvtier.recording.requests, kvtier.recording.traces):
+        assert doctest.testmod(mod).failed == 0, mod.__name__

@@ -16,7 +16,7 @@ from hints_support import ServerThread
 
 from kvtier.config import load_config
 from kvtier.errors import ConfigError, StorageError
-from kvtier.hints.recorder import TraceRecorder
+from kvtier.recording.hints import HintRecorder
 from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
 from kvtier.sdk import HintClient
@@ -125,7 +125,7 @@ def test_symlinked_lmdb_file_is_refused(tmp_path: Path, name: str, via_link: boo
 
 def test_client_chosen_ids_cannot_steer_the_recorder_outside_its_directory(tmp_path: Path) -> None:
     record = tmp_path / "rec"
-    recorder = TraceRecorder(record, block_size=4, model="m")
+    recorder = HintRecorder(record, block_size=4, model="m")
     hostile = ["../../escape", "/etc/passwd", "..", "a/../../b", "nul\x00byte", "~root"]
     with ServerThread(recorder=recorder) as s:
         with HintClient(s.address, flush_interval_s=0.001, tenant="../../tenant") as client:

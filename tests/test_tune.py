@@ -20,7 +20,7 @@ from kvtier.placement import make_placement
 from kvtier.replay import load_trace
 from kvtier.replay.generator import generate_coding_sessions, write_traces
 from kvtier.replay.profiles import DEFAULT_PROFILE, parse_profile
-from kvtier.replay.record import TraceRecorder
+from kvtier.recording.requests import RequestRecorder
 from kvtier.replay.run import CONFIG, ReplaySpec, run_point
 from kvtier.replay.tune import Candidate, candidates, split_for_tuning, tune
 
@@ -40,7 +40,7 @@ def test_params_doctest_and_knobs_reach_the_policy() -> None:
 
 def _recording(tmp: Path, n: int) -> Path:
     """A recorder's directory with ``n`` one-request sessions, session i starting at 100 + i."""
-    rec = TraceRecorder(tmp, block_size=16)
+    rec = RequestRecorder(tmp, block_size=16)
     for i in range(n):
         rec.arrived(f"r{i}", f"s{n - i:02d}", "a", 64, [i, i + 1, i + 2], now=100.0 + i)
         rec.finished(f"r{i}", 4, tool_wait=False, now=100.5 + i)

@@ -123,10 +123,10 @@ def build_server(args: argparse.Namespace) -> tuple[Any, str, Any]:
         store = TieredStore(cfg)
     recorder = None
     if args.record:
-        from .recorder import TraceRecorder
+        from ..recording.hints import HintRecorder
 
         try:
-            recorder = TraceRecorder(args.record, block_size=cfg.layout.block_size, model=cfg.namespace.model)
+            recorder = HintRecorder(args.record, block_size=cfg.layout.block_size, model=cfg.namespace.model)
         except (OSError, ValueError) as err:
             raise ConfigError("--record", args.record, f"cannot record there: {err}") from None
     try:

@@ -235,7 +235,7 @@ class HintServer:
 
     ``tokens``: ``token -> tenant``; empty/None disables auth. ``store``:
     pin / unpin / prefetch commands go to it (else they are counted).
-    ``recorder``: a :class:`~kvtier.hints.recorder.TraceRecorder` (or any
+    ``recorder``: a :class:`~kvtier.recording.hints.HintRecorder` (or any
     object with ``on_event`` / ``on_session_gone``). ``metrics_port``:
     ``None`` for no endpoint, ``0`` for any free port (see
     :attr:`metrics_port` after :meth:`start`).

@@ -126,7 +126,7 @@ class Session:
     agents: tuple[Agent, ...]
     start_s: float = 0.0
     source: str = ""
-    recorded_at_s: float | None = None  # unix time the trace began, when recorded (kvtier.replay.record)
+    recorded_at_s: float | None = None  # unix time the trace began, when recorded (kvtier.recording)
 
     @property
     def root(self) -> Agent:

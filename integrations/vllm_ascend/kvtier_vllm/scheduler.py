@@ -241,9 +241,9 @@ class KVTierScheduler:
         self._stats_dirty = True
         self.recorder: Any = None
         if settings.record_path:
-            from kvtier.replay.record import TraceRecorder
+            from kvtier.recording.requests import RequestRecorder
 
-            self.recorder = TraceRecorder(settings.record_path, block_size, namespace.model.split("|")[0],
+            self.recorder = RequestRecorder(settings.record_path, block_size, namespace.model.split("|")[0],
                                           max_bytes=settings.record_max_bytes)
             log.info("kvtier: recording served requests as AgentX traces in %s", settings.record_path)
         # Lossy values (a lossy tier codec, or cold blocks under cold_codec) and the keys loaded from one, which

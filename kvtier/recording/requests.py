@@ -1,4 +1,4 @@
-"""Recording live traffic as AgentX traces that ``kvtier replay`` reads (issue 25).
+"""RequestRecorder: the requests an engine serves → AgentX traces that ``kvtier replay`` reads (issue 25).
 
 Owns: turning the requests an engine serves (arrival, prompt blocks, output
 length, finish, session / agent tags, tool waits) into AgentX / Weka JSON
@@ -7,8 +7,8 @@ prompt text or token ids: a prompt is recorded as its length and its full
 blocks' keys, each mapped through a keyed digest (the key is a random salt
 kept in the directory) to an anonymous integer id; equal blocks get equal ids
 across the whole recording, including engine restarts into the same
-directory. Must not slow the engine: :meth:`TraceRecorder.arrived` and
-:meth:`TraceRecorder.finished` only append to a bounded queue (when it is
+directory. Must not slow the engine: :meth:`RequestRecorder.arrived` and
+:meth:`RequestRecorder.finished` only append to a bounded queue (when it is
 full, requests are dropped and counted). Must not import an engine.
 
 Files. One trace per (session, agent) of tagged requests, and one for the
@@ -28,7 +28,7 @@ forgotten. Recording stops (counted) once the directory holds
 
 >>> import tempfile, pathlib
 >>> d = tempfile.mkdtemp()
->>> rec = TraceRecorder(d, block_size=32, model="m")
+>>> rec = RequestRecorder(d, block_size=32, model="m")
 >>> rec.arrived("r1", None, None, 70, [11, 12], now=100.0)
 >>> rec.finished("r1", 5, tool_wait=False, now=101.5)
 >>> rec.close()
@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 from hashlib import blake2b
 from pathlib import Path
 from typing import Any, Sequence
+
+from .traces import STOP_END_TURN, STOP_TOOL_USE, safe_name, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ class _Trace:
     chunks: list[str] = field(default_factory=list)  # JSON of each finished request, in order
 
 
-class TraceRecorder:
+class RequestRecorder:
     """Records requests into AgentX trace files under ``path`` (see the module doc)."""
 
     def __init__(self, path: str | os.PathLike[str], block_size: int, model: str = "", *, flush_s: float = 10.0,
@@ -183,7 +185,7 @@ class TraceRecorder:
             return
         trace_id, request = pending
         request["out"] = output_tokens
-        request["stop"] = "tool_use" if tool_wait else "end_turn"
+        request["stop"] = STOP_TOOL_USE if tool_wait else STOP_END_TURN
         request["api_time"] = round(max(0.0, now - request["_arrival"]), 6)
         trace = self._traces.get(trace_id)
         if trace is not None:
@@ -210,7 +212,7 @@ class TraceRecorder:
         return trace
 
     def _file(self, trace_id: str, part: int) -> Path:
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in trace_id)[:80]
+        safe = safe_name(trace_id, 80)
         digest = blake2b(trace_id.encode(), digest_size=4).hexdigest()
         return self.path / f"trace-{self._run}-{safe}-{digest}-p{part:04d}.json"
 
@@ -270,13 +272,8 @@ class TraceRecorder:
             self.counters["record_skipped_full"] += 1
             log.warning("kvtier: recording stopped: %s holds record_max_mib of traces", self.path)
             return
-        tmp = trace.path.with_suffix(".json.tmp")
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, trace.path)
+            write_atomic(trace.path, data)
         except OSError as exc:
             self.counters["record_errors"] += 1
             log.warning("kvtier: recording could not write %s: %s", trace.path, exc)

@@ -1,4 +1,4 @@
-"""TraceRecorder: live hint traffic → AgentX / Weka JSON traces + a hints side file.
+"""HintRecorder: live hint traffic → AgentX / Weka JSON traces + a hints side file.
 
 Owns: turning the events the hints server *applied* into one AgentX / Weka
 trace per session (``DIR/traces/<tenant>/<n>_<session>.json``, the schema of
@@ -38,16 +38,16 @@ of it. A session whose main agent made no request is not written
 from __future__ import annotations
 
 import json
-import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from .traces import STOP_END_TURN, STOP_TOOL_USE, safe_name, totals, write_atomic
+
 KEY_BYTES = 16
-_STOP = {0: "", 1: "end_turn", 2: "tool_use", 3: "max_tokens", 4: "error"}
+_STOP = {0: "", 1: STOP_END_TURN, 2: STOP_TOOL_USE, 3: "max_tokens", 4: "error"}
 _AGENT_STATUS = {0: "completed", 1: "completed", 2: "failed", 3: "cancelled"}
-_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 @dataclass(slots=True)
@@ -83,11 +83,7 @@ class _SessionDraft:
     num_requests: int = 0
 
 
-def _safe(name: str) -> str:
-    return _SAFE.sub("_", name)[:64] or "_"
-
-
-class TraceRecorder:
+class HintRecorder:
     """Records applied hint events under ``directory`` (created if missing).
 
     ``block_size``: tokens per block of the keys the clients send (the
@@ -98,7 +94,7 @@ class TraceRecorder:
     def __init__(self, directory: str | Path, *, block_size: int, model: str = "",
                  max_requests_per_session: int = 100_000) -> None:
         if block_size <= 0:
-            raise ValueError(f"TraceRecorder block_size={block_size!r}: must be > 0")
+            raise ValueError(f"HintRecorder block_size={block_size!r}: must be > 0")
         self.directory = Path(directory)
         self.traces_dir = self.directory / "traces"
         self.traces_dir.mkdir(parents=True, exist_ok=True)
@@ -223,12 +219,12 @@ class TraceRecorder:
             "block_size": self.block_size,
             "hash_id_scope": "local",
             "requests": entries,
-            "totals": {**_totals(entries), "tenant": draft.tenant, "recorded_by": "kvtier hints recorder"},
+            "totals": {**totals(entries), "tenant": draft.tenant, "recorded_by": "kvtier hints recorder"},
         }
-        folder = self.traces_dir / _safe(draft.tenant)
+        folder = self.traces_dir / safe_name(draft.tenant, 64)
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{self.num_traces_written:06d}_{_safe(draft.session_id)}.json"
-        path.write_text(json.dumps(trace, separators=(",", ":")), encoding="utf-8")
+        path = folder / f"{self.num_traces_written:06d}_{safe_name(draft.session_id, 64)}.json"
+        write_atomic(path, json.dumps(trace, separators=(",", ":")).encode())
         self.num_traces_written += 1
         self.written.append(path)
         return path
@@ -293,23 +289,3 @@ class TraceRecorder:
         }
         return entry
 
-
-def _totals(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """Token sums of a trace, shaped like the public traces' ``totals`` (root requests vs sub-agents')."""
-    sums = {"parent": [0, 0], "subagent": [0, 0]}
-    count = 0
-
-    def walk(items: list[dict[str, Any]], who: str) -> None:
-        nonlocal count
-        for e in items:
-            if e["type"] == "subagent":
-                count += 1
-                walk(e["requests"], "subagent")
-            else:
-                sums[who][0] += e["in"]
-                sums[who][1] += e["out"]
-
-    walk(entries, "parent")
-    (p_in, p_out), (s_in, s_out) = sums["parent"], sums["subagent"]
-    return {"parent_tokens": {"input": p_in, "output": p_out}, "subagent_tokens": {"input": s_in, "output": s_out},
-            "combined_tokens": {"input": p_in + s_in, "output": p_out + s_out}, "subagent_count": count}
