@@ -440,27 +440,24 @@ def _check_fleet(args: argparse.Namespace, policies: tuple[str, ...], workload: 
 
 
 class ProgressBar:
-    """Points done of total with an ETA on one rewritten stderr line (a terminal),
-    or one line per point (a pipe or file)."""
+    """Runs done of total, with the rate and an ETA, as tqdm's bar on stderr: one
+    rewritten line on a terminal; on a pipe or file, a line at most every 30 s."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self.tty = enabled and sys.stderr.isatty()
+        self._bar: Any = None
 
     def __call__(self, done: int, total: int, elapsed_s: float) -> None:
         if not self.enabled:
             return
-        eta = elapsed_s / done * (total - done) if done else 0.0
-        if self.tty:
-            width = 30
-            fill = int(width * done / max(1, total))
-            print(f"\r[replay] [{'#' * fill}{'.' * (width - fill)}] {done}/{total} runs, "
-                  f"{elapsed_s:.0f}s elapsed, ETA {eta:.0f}s ", end="", file=sys.stderr, flush=True)
-            if done == total:
-                print(file=sys.stderr)
-        else:
-            print(f"[replay] {done}/{total} runs done, {elapsed_s:.0f}s elapsed, ETA {eta:.0f}s",
-                  file=sys.stderr, flush=True)
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc="[replay]", unit="run", file=sys.stderr, dynamic_ncols=True,
+                             mininterval=0.5 if sys.stderr.isatty() else 30.0)
+        self._bar.update(done - self._bar.n)
+        if done >= total:
+            self._bar.close()
 
 
 def command(args: argparse.Namespace) -> int:
