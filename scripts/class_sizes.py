@@ -32,7 +32,6 @@ KNOWN_CLASSES = {
 }
 KNOWN_FUNCTIONS = {
     "kvtier/replay/sim.py:Simulator._admit": 60,
-    "integrations/vllm_ascend/kvtier_vllm/settings.py:ConnectorSettings.build": 54,
     "integrations/vllm_ascend/kvtier_vllm/scheduler.py:KVTierScheduler._plan_store": 48,
     "kvtier/replay/cli.py:build_spec": 50,
     "kvtier/benchmarks/remote.py:bench_size": 35,

@@ -194,7 +194,7 @@ class RemoteSettings:
         fields: dict[str, Any] = {"enabled": True}
         for key, name in _REMOTE_TIER_KEYS.items():
             if key in extra:
-                fields[name] = int(_mib(extra, key, 0) * (1 << 20)) if key.endswith("_mib") else extra[key]
+                fields[name] = _mib_bytes(extra, key, 0) if key.endswith("_mib") else extra[key]
         fields.setdefault("buffer_bytes", min(fields.get("segment_bytes", 512 << 20), 128 << 20))
         try:
             tier = RemoteTierConfig(**fields)
@@ -210,7 +210,7 @@ class RemoteSettings:
         pin = extra.get("remote_pin_ttl_s", 60.0)
         if isinstance(pin, bool) or not isinstance(pin, (int, float)) or not 0 <= pin <= 86400:
             raise ConfigError("kv_connector_extra_config.remote_pin_ttl_s", pin, "must be seconds in [0, 86400]")
-        return cls(tier, int(_mib(extra, "remote_write_queue_mib", 256) * (1 << 20)), wait_ms / 1000, float(pin))
+        return cls(tier, _mib_bytes(extra, "remote_write_queue_mib", 256), wait_ms / 1000, float(pin))
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,55 +254,17 @@ class ConnectorSettings:
                 f"kv_connector_extra_config.{unknown[0]}", extra[unknown[0]],
                 f"unknown key; valid keys: {', '.join(sorted(EXTRA_KEYS))}",
             )
-        overrides: dict[str, Any] = _nested_copy(extra.get("kvtier") or {})
-        tiers = overrides.setdefault("tiers", {})
-        for name in ("hbm", "dram", "ssd"):
-            tiers.setdefault(name, {})
-        tiers["hbm"]["enabled"] = False  # the engine's own block pool is the HBM tier
-        if "dram_capacity_blocks" in extra:
-            cap = extra["dram_capacity_blocks"]
-            tiers["dram"].update(capacity_blocks=cap, enabled=bool(cap))
-        if extra.get("ssd_path"):
-            tiers["ssd"].update(enabled=True, path=str(extra["ssd_path"]))
-        if "ssd_capacity_blocks" in extra:
-            tiers["ssd"]["capacity_blocks"] = extra["ssd_capacity_blocks"]
-        if "policy" in extra:
-            tiers["dram"]["policy"] = tiers["ssd"]["policy"] = extra["policy"]
-        overrides["layout"] = {
-            "num_layers": facts.num_layers, "num_kv_heads": facts.num_kv_heads, "head_dim": facts.head_dim,
-            "dtype": facts.dtype, "block_size": facts.block_size, "arrangement": facts.arrangement,
-        }
-        namespace = overrides.setdefault("namespace", {})
-        namespace["model"] = f"{facts.model}|vllm-hash={facts.hash_algo}"
-        if "tenant" in extra:
-            namespace["tenant"] = str(extra["tenant"])
-        # replicated KV (MLA): every rank keys the same blocks, in one SSD directory (tp0-of-1)
-        namespace.update(tp_rank=0, tp_size=1) if facts.replicated else namespace.update(
-            tp_rank=facts.tp_rank, tp_size=facts.tp_size)
         env = os.environ if env is None else env
-        # first pass with the HBM tier on, only to learn which host tiers the file enables
-        tiers["hbm"]["enabled"] = True
-        first = load_config(extra.get("config_file"), env=env, overrides=overrides)
-        tiers["hbm"]["enabled"] = False
-        host_tiers = [t for t in first.enabled_tiers if t != "hbm"]
-        if not host_tiers:
-            raise ConfigError("kv_connector_extra_config", extra, "enable the DRAM tier or set ssd_path")
-        overrides.update(put_tier=host_tiers[0], write_through=True)
-        cfg = load_config(extra.get("config_file"), env=env, overrides=overrides)
-        ssd_root = cfg.ssd.resolved_path() if cfg.ssd.enabled else None
+        overrides = _overrides(extra, facts)
+        cfg = _host_tiers_config(extra, overrides, env)
         placement = extra.get("placement", cfg.placement.policy)
         # the config file's constants belong to its policy (kvtier tune writes both)
         placement_params = cfg.placement.params() if placement == cfg.placement.policy else {}
         policy = _check_placement(placement, placement_params)
-        hold = extra.get("hbm_hold", True)
-        if not isinstance(hold, bool):
-            raise ConfigError("kv_connector_extra_config.hbm_hold", hold, "must be true or false")
         budget = extra.get("hbm_hold_budget_fraction", 0.5)
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
             raise ConfigError("kv_connector_extra_config.hbm_hold_budget_fraction", budget, "must be a number in [0, 1]")
-        exclusive = extra.get("exclusive_dram", False)
-        if not isinstance(exclusive, bool):
-            raise ConfigError("kv_connector_extra_config.exclusive_dram", exclusive, "must be true or false")
+        exclusive = _flag(extra, "exclusive_dram", False)
         if exclusive and not cfg.dram.enabled:
             raise ConfigError("kv_connector_extra_config.exclusive_dram", exclusive,
                               "needs the DRAM tier (dram_capacity_blocks > 0)")
@@ -314,60 +276,114 @@ class ConnectorSettings:
         if watch and extra.get("hint_server"):
             raise ConfigError("kv_connector_extra_config.hint_watch", watch,
                               "give hint_server (host it here) or hint_watch (follow one elsewhere), not both")
-        queue_mib = _mib(extra, "ssd_write_queue_mib", 256)
-        staging_mib = _mib(extra, "staging_mib", 1024)
         copy_threads = extra.get("copy_threads", 2)
         if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or not 1 <= copy_threads <= 64:
             raise ConfigError("kv_connector_extra_config.copy_threads", copy_threads, "must be an integer in 1..64")
-        device_staging_mib = _mib(extra, "device_staging_mib", 64)
-        lockstep = extra.get("lockstep_transfers", False)
-        if not isinstance(lockstep, bool):
-            raise ConfigError("kv_connector_extra_config.lockstep_transfers", lockstep, "must be true or false")
-        side_stream = extra.get("side_stream", True)
-        if not isinstance(side_stream, bool):
-            raise ConfigError("kv_connector_extra_config.side_stream", side_stream, "must be true or false")
         record_path = extra.get("record_path")
         if record_path is not None and (not isinstance(record_path, str) or not record_path):
             raise ConfigError("kv_connector_extra_config.record_path", record_path, "must be a directory path")
-        record_mib = _mib(extra, "record_max_mib", 1024)
         remote = RemoteSettings.build(extra)
-        if remote is not None and facts.hash_algo.startswith("xxhash") and not env.get("PYTHONHASHSEED"):
-            # vLLM then seeds its block hashes per process: no two engines name a block alike
-            raise ConfigError("kv_connector_extra_config.remote_master", remote.master,
-                              f"engines share blocks only under equal block hashes; with prefix_caching_hash_algo="
-                              f"{facts.hash_algo} set PYTHONHASHSEED to one value on every engine, or use sha256")
-        if facts.hybrid and remote is not None:
-            raise ConfigError("kv_connector_extra_config.remote_master", remote.master,
-                              f"the remote tier does not take a model with {len(facts.window_blocks)} KV cache groups "
-                              "(sliding-window hybrid) yet; use the DRAM and SSD tiers")
-        cold = _cold_rule(extra, cfg)
-        approximate = extra.get("approximate_shifted_segments", False)
-        if not isinstance(approximate, bool):
-            raise ConfigError("kv_connector_extra_config.approximate_shifted_segments", approximate,
-                              "must be true or false")
-        if approximate and facts.hybrid:
-            raise ConfigError("kv_connector_extra_config.approximate_shifted_segments", approximate,
-                              "not built for models with several KV cache groups (sliding-window hybrids)")
-        if approximate and facts.rope is None:
-            raise ConfigError("kv_connector_extra_config.approximate_shifted_segments", approximate,
-                              f"cannot re-rotate this model's keys: {facts.rope_problem}")
-        if exclusive and facts.hybrid:
-            raise ConfigError("kv_connector_extra_config.exclusive_dram", exclusive,
-                              f"not built for models with {len(facts.window_blocks)} KV cache groups (sliding-window "
-                              "hybrids) yet: leave it off (write-through)")
-        if exclusive and policy.write_back_dram != "evict":
-            raise ConfigError("kv_connector_extra_config.exclusive_dram", exclusive,
-                              f"placement {placement!r} writes DRAM through; exclusive DRAM is for a placement that "
-                              "writes a block down as HBM evicts it (kvtier)")
-        return cls(cfg, extra.get("stats_path"), extra.get("hint_server"), ssd_root, placement, hold, float(budget),
-                   exclusive, eviction_set, watch, extra.get("hint_watch_token"), int(queue_mib * (1 << 20)),
-                   int(staging_mib * (1 << 20)), copy_threads, int(device_staging_mib * (1 << 20)), side_stream,
-                   record_path, int(record_mib * (1 << 20)), placement_params, remote, cold,
-                   facts.rope if approximate else None, lockstep)
+        approximate = _flag(extra, "approximate_shifted_segments", False)
+        _refuse_unbuilt(facts, env, remote, approximate, exclusive, policy, placement)
+        return cls(cfg, extra.get("stats_path"), extra.get("hint_server"),
+                   cfg.ssd.resolved_path() if cfg.ssd.enabled else None, placement, _flag(extra, "hbm_hold", True),
+                   float(budget), exclusive, eviction_set, watch, extra.get("hint_watch_token"),
+                   _mib_bytes(extra, "ssd_write_queue_mib", 256), _mib_bytes(extra, "staging_mib", 1024),
+                   copy_threads, _mib_bytes(extra, "device_staging_mib", 64), _flag(extra, "side_stream", True),
+                   record_path, _mib_bytes(extra, "record_max_mib", 1024), placement_params, remote,
+                   _cold_rule(extra, cfg), facts.rope if approximate else None,
+                   _flag(extra, "lockstep_transfers", False))
 
     def rank_ssd_path(self, tp_rank: int, tp_size: int) -> Path | None:
         """The LMDB directory of one TP rank (each rank stores its own shard)."""
         return None if self.ssd_root is None else self.ssd_root / f"tp{tp_rank}-of-{tp_size}"
+
+
+def _overrides(extra: Mapping[str, Any], facts: EngineFacts) -> dict[str, Any]:
+    """The kvtier settings the extra config and the engine's facts set: host tiers (the
+    engine's own block pool is the HBM tier), the layout, and the namespace."""
+    overrides: dict[str, Any] = _nested_copy(extra.get("kvtier") or {})
+    tiers = overrides.setdefault("tiers", {})
+    for name in ("hbm", "dram", "ssd"):
+        tiers.setdefault(name, {})
+    tiers["hbm"]["enabled"] = False
+    if "dram_capacity_blocks" in extra:
+        cap = extra["dram_capacity_blocks"]
+        tiers["dram"].update(capacity_blocks=cap, enabled=bool(cap))
+    if extra.get("ssd_path"):
+        tiers["ssd"].update(enabled=True, path=str(extra["ssd_path"]))
+    if "ssd_capacity_blocks" in extra:
+        tiers["ssd"]["capacity_blocks"] = extra["ssd_capacity_blocks"]
+    if "policy" in extra:
+        tiers["dram"]["policy"] = tiers["ssd"]["policy"] = extra["policy"]
+    overrides["layout"] = {
+        "num_layers": facts.num_layers, "num_kv_heads": facts.num_kv_heads, "head_dim": facts.head_dim,
+        "dtype": facts.dtype, "block_size": facts.block_size, "arrangement": facts.arrangement,
+    }
+    namespace = overrides.setdefault("namespace", {})
+    namespace["model"] = f"{facts.model}|vllm-hash={facts.hash_algo}"
+    if "tenant" in extra:
+        namespace["tenant"] = str(extra["tenant"])
+    # replicated KV (MLA): every rank keys the same blocks, in one SSD directory (tp0-of-1)
+    namespace.update(tp_rank=0, tp_size=1) if facts.replicated else namespace.update(
+        tp_rank=facts.tp_rank, tp_size=facts.tp_size)
+    return overrides
+
+
+def _host_tiers_config(extra: Mapping[str, Any], overrides: dict[str, Any], env: Mapping[str, str]) -> KVTierConfig:
+    """The validated config over the config file and ``env``: stores go to the first host
+    tier enabled, written through to the other."""
+    tiers = overrides["tiers"]
+    # first pass with the HBM tier on, only to learn which host tiers the file enables
+    tiers["hbm"]["enabled"] = True
+    first = load_config(extra.get("config_file"), env=env, overrides=overrides)
+    tiers["hbm"]["enabled"] = False
+    host_tiers = [t for t in first.enabled_tiers if t != "hbm"]
+    if not host_tiers:
+        raise ConfigError("kv_connector_extra_config", extra, "enable the DRAM tier or set ssd_path")
+    overrides.update(put_tier=host_tiers[0], write_through=True)
+    return load_config(extra.get("config_file"), env=env, overrides=overrides)
+
+
+def _refuse_unbuilt(facts: EngineFacts, env: Mapping[str, str], remote: RemoteSettings | None, approximate: bool,
+                    exclusive: bool, policy: Any, placement: str) -> None:
+    """A ``ConfigError`` naming the setting for a combination with this engine that is not built."""
+    setting = "kv_connector_extra_config."
+    if remote is not None and facts.hash_algo.startswith("xxhash") and not env.get("PYTHONHASHSEED"):
+        # vLLM then seeds its block hashes per process: no two engines name a block alike
+        raise ConfigError(setting + "remote_master", remote.master,
+                          f"engines share blocks only under equal block hashes; with prefix_caching_hash_algo="
+                          f"{facts.hash_algo} set PYTHONHASHSEED to one value on every engine, or use sha256")
+    if facts.hybrid and remote is not None:
+        raise ConfigError(setting + "remote_master", remote.master,
+                          f"the remote tier does not take a model with {len(facts.window_blocks)} KV cache groups "
+                          "(sliding-window hybrid) yet; use the DRAM and SSD tiers")
+    if approximate and facts.hybrid:
+        raise ConfigError(setting + "approximate_shifted_segments", approximate,
+                          "not built for models with several KV cache groups (sliding-window hybrids)")
+    if approximate and facts.rope is None:
+        raise ConfigError(setting + "approximate_shifted_segments", approximate,
+                          f"cannot re-rotate this model's keys: {facts.rope_problem}")
+    if exclusive and facts.hybrid:
+        raise ConfigError(setting + "exclusive_dram", exclusive,
+                          f"not built for models with {len(facts.window_blocks)} KV cache groups (sliding-window "
+                          "hybrids) yet: leave it off (write-through)")
+    if exclusive and policy.write_back_dram != "evict":
+        raise ConfigError(setting + "exclusive_dram", exclusive,
+                          f"placement {placement!r} writes DRAM through; exclusive DRAM is for a placement that "
+                          "writes a block down as HBM evicts it (kvtier)")
+
+
+def _flag(extra: Mapping[str, Any], key: str, default: bool) -> bool:
+    """A true / false setting, or a ``ConfigError`` naming the key."""
+    value = extra.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config.{key}", value, "must be true or false")
+    return value
+
+
+def _mib_bytes(extra: Mapping[str, Any], key: str, default: float) -> int:
+    return int(_mib(extra, key, default) * (1 << 20))
 
 
 def _cold_rule(extra: Mapping[str, Any], cfg: KVTierConfig) -> ColdCodecRule | None:
