@@ -299,15 +299,47 @@ def add_rounds_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_spec(args: argparse.Namespace, progress=None) -> Any:
-    from ..errors import ConfigError
-    from .fleet import DEFAULT_REMOTE_GBPS
+    """The replay the arguments describe, every flag checked (a ``ConfigError`` names the first
+    one wrong) before any replay runs."""
     from .profiles import DEFAULT_PROFILE, load_profile_overrides, parse_profile
-    from .readers import load_trace_with_report
-    from .run import ReplaySpec
+    from .run import ReplaySpec, default_jobs
 
     profile = parse_profile(args.profile or DEFAULT_PROFILE)
     if args.profile_file:
         profile = load_profile_overrides(args.profile_file, base=profile)
+    workload, trace_name, extra = _workload_from_args(args, progress)
+    policies, config_policy, config_params = _policies_from_args(args)
+    policies, codec, fleet = _check_settings(args, workload, policies)
+    hbm_blocks = args.hbm_blocks
+    if not (args.trace or hbm_blocks or args.hbm_fraction or getattr(args, "workload", "traces") == "apps"):
+        # the embedded workload: a capacity sweep around what the profile's HBM holds
+        full = profile.fitted_to(workload).hbm_kv_capacity_blocks(workload.block_size)
+        hbm_blocks = tuple(max(1, int(full * f)) for f in DEFAULT_HBM_SCALES)
+    return ReplaySpec(
+        workload=workload, profile=profile, policies=policies,
+        concs=args.sweep_conc or (args.conc,),
+        hbm_blocks=hbm_blocks, hbm_fractions=args.hbm_fraction,
+        dram_blocks=args.dram_blocks, ssd_blocks=args.ssd_blocks, seed=args.seed,
+        warmup_s=args.warmup, gap_cap_s=args.gap_cap, max_batch_tokens=args.max_batch_tokens,
+        time_scale=args.time_scale,
+        trace_name=trace_name, extra=extra,
+        skip_oversized=args.skip_oversized, admission=args.admission, surface=args.surface,
+        agent_ends=args.agent_ends == "reported", tool_waits=args.tool_waits, scheduler=args.scheduler,
+        references=not args.no_references and not fleet,
+        jobs=args.jobs or default_jobs(),
+        slo_ttft_p99_s=args.slo_ttft_p99, slo_interactivity=args.slo_interactivity,
+        config_policy=config_policy, config_params=config_params,
+        engines=args.engines, routing=args.routing, remote_blocks=args.remote_blocks, remote_gbps=args.remote_gbps,
+        cold_codec=codec,
+    )
+
+
+def _workload_from_args(args: argparse.Namespace, progress) -> tuple[Any, str, dict[str, Any]]:
+    """The workload to replay (generated apps, trace files, or the embedded one), split,
+    cut and re-blocked as asked; its name; extra report fields. Refuses an empty one."""
+    from ..errors import ConfigError
+    from .readers import load_trace_with_report
+
     extra: dict[str, Any] = {}
     if getattr(args, "workload", "traces") == "apps":
         from .appgen import AppGenConfig, app_workload
@@ -351,10 +383,17 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
         raise ConfigError("--trace" if args.trace else "--sessions", args.trace or args.sessions,
                           f"{where} holds no requests" + (f" ({skipped} trace file(s) skipped as bad)" if skipped
                                                           else "") + ": nothing to replay")
-    policies = tuple(p for p in args.policies.split(",") if p)
+    return workload, trace_name, extra
+
+
+def _policies_from_args(args: argparse.Namespace) -> tuple[tuple[str, ...], str | None, dict[str, float]]:
+    """``--policies`` (each name checked), with ``config`` (a config file's policy and its
+    constants) added where ``--config`` gives one."""
+    from ..errors import ConfigError
     from ..placement import make_placement
     from .run import CONFIG
 
+    policies = tuple(p for p in args.policies.split(",") if p)
     config_policy, config_params = None, {}
     if getattr(args, "config", None):
         from ..config import load_config
@@ -368,12 +407,19 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
     for name in policies:
         if name != CONFIG:
             make_placement(name)  # unknown names fail before any work
+    return policies, config_policy, config_params
+
+
+def _check_settings(args: argparse.Namespace, workload: Any,
+                    policies: tuple[str, ...]) -> tuple[tuple[str, ...], Any, bool]:
+    """Admission, surface, cold codec and fleet flags checked together: the policies (a fleet
+    refuses some), the cold codec, and whether this is a fleet replay."""
+    from ..errors import ConfigError
+    from ..placement.surface import surface
     from .admission import admission_order
-    from .run import default_jobs
+    from .fleet import DEFAULT_REMOTE_GBPS
 
     admission_order(args.admission)
-    from ..placement.surface import surface
-
     surface(args.surface)
     codec = cold_codec_from_args(args)
     if codec is not None and codec.tiers == ("ssd",) and not args.ssd_blocks:
@@ -389,28 +435,7 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
         policies = _check_fleet(args, policies, workload)
     if args.split != "all" and not args.trace:
         raise ConfigError("--split", args.split, "splits a trace set; give --trace (the embedded workload is not split)")
-    hbm_blocks = args.hbm_blocks
-    if not (args.trace or hbm_blocks or args.hbm_fraction or getattr(args, "workload", "traces") == "apps"):
-        # the embedded workload: a capacity sweep around what the profile's HBM holds
-        full = profile.fitted_to(workload).hbm_kv_capacity_blocks(workload.block_size)
-        hbm_blocks = tuple(max(1, int(full * f)) for f in DEFAULT_HBM_SCALES)
-    return ReplaySpec(
-        workload=workload, profile=profile, policies=policies,
-        concs=args.sweep_conc or (args.conc,),
-        hbm_blocks=hbm_blocks, hbm_fractions=args.hbm_fraction,
-        dram_blocks=args.dram_blocks, ssd_blocks=args.ssd_blocks, seed=args.seed,
-        warmup_s=args.warmup, gap_cap_s=args.gap_cap, max_batch_tokens=args.max_batch_tokens,
-        time_scale=args.time_scale,
-        trace_name=trace_name, extra=extra,
-        skip_oversized=args.skip_oversized, admission=args.admission, surface=args.surface,
-        agent_ends=args.agent_ends == "reported", tool_waits=args.tool_waits, scheduler=args.scheduler,
-        references=not args.no_references and not fleet,
-        jobs=args.jobs or default_jobs(),
-        slo_ttft_p99_s=args.slo_ttft_p99, slo_interactivity=args.slo_interactivity,
-        config_policy=config_policy, config_params=config_params,
-        engines=args.engines, routing=args.routing, remote_blocks=args.remote_blocks, remote_gbps=args.remote_gbps,
-        cold_codec=codec,
-    )
+    return policies, codec, fleet
 
 
 def _check_fleet(args: argparse.Namespace, policies: tuple[str, ...], workload: Any) -> tuple[str, ...]:
