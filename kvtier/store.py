@@ -171,7 +171,7 @@ class TieredStore:
             if plan.tier == self.config.put_tier:
                 stored_all = len(plan.keys) == len(keys) and all(oks)
         if self._remote is not None and keys:
-            srcs = self._check_blocks(blocks)
+            srcs = media.caller_blocks(blocks, self.layout)
             self._mover.run_inline("put->remote", len(keys), len(keys) * self.layout.bytes_per_block,
                                    media.caller_to_remote(self._remote, keys, srcs, parent, self.counters))
         if stored_all:
@@ -184,7 +184,8 @@ class TieredStore:
         tier's write finished. The caller must keep ``blocks`` unchanged until then."""
         futures = [self._mover.submit(self._store_job(p, srcs)) for p, srcs in self._prepare_puts(keys, blocks, parent)]
         if self._remote is not None and keys:
-            put = media.caller_to_remote(self._remote, keys, self._check_blocks(blocks), parent, self.counters)
+            srcs = media.caller_blocks(blocks, self.layout)
+            put = media.caller_to_remote(self._remote, keys, srcs, parent, self.counters)
             futures.append(self._mover.submit(self._job("put->remote", len(keys), put, lambda oks: None)))
         done: Future[int] = Future()
 
@@ -208,7 +209,7 @@ class TieredStore:
         The copies then run outside the lock; completion re-takes it."""
         if len(keys) != len(blocks):
             raise ValueError(f"put: {len(keys)} keys but {len(blocks)} blocks")
-        srcs = self._check_blocks(blocks)
+        srcs = media.caller_blocks(blocks, self.layout)
         plans: list[StorePlan] = []
         with self._lock:
             for tier in self._put_targets:
@@ -258,7 +259,7 @@ class TieredStore:
         if timeout_s is not None and not timeout_s >= 0:
             raise ValueError(f"get: timeout_s={timeout_s!r} must be >= 0 or None")
         deadline = None if timeout_s is None else time.perf_counter() + timeout_s
-        dsts = self._check_blocks(outs[: len(keys)])
+        dsts = media.caller_blocks(outs[: len(keys)], self.layout)
         with self._lock:
             self._prefetches.overtaken(keys)
             plan = self.manager.prepare_load(keys)
@@ -292,21 +293,29 @@ class TieredStore:
         self.counters["get_blocks_missed"] += len(keys) - n
         if n < len(keys):
             self._log_miss(keys, n)
-        slow = [t for t in ("ssd", "remote") if t in tiers_read]
-        if promote and slow and "dram" in self.manager.tier_names:
-            first = min(tiers_read.index(t) for t in slow)
-            parent = keys[first - 1] if first else self.manager.parent_of(keys[0])
-            sub = list(keys[first:n])
-            with self._lock:
-                up = self.manager.prepare_store("dram", sub, parent)
-                self._pump_events()
-            if up is not None and up.keys:
-                idx = {k: i for i, k in enumerate(keys)}
-                if deadline is None:
-                    self._submit_store(up, [dsts[idx[k]] for k in up.keys], inline=True).result()
-                else:  # asynchronously, from a private copy (the caller owns dsts once we return)
-                    self._submit_store(up, [dsts[idx[k]].clone() for k in up.keys], inline=False)
+        if promote:
+            self._promote_read(keys[:n], dsts, tiers_read, wait=deadline is None)
         return n
+
+    def _promote_read(self, keys: Sequence[BlockKey], dsts: list[torch.Tensor], tiers_read: Sequence[str],
+                      wait: bool) -> None:
+        """Copy the blocks a get read from SSD or the remote tier (from the first of them on)
+        into DRAM, from the caller's buffers: before returning when ``wait``, else
+        asynchronously from a private copy (the caller owns ``dsts`` once the get returns)."""
+        slow = [t for t in ("ssd", "remote") if t in tiers_read]
+        if not slow or "dram" not in self.manager.tier_names:
+            return
+        first = min(tiers_read.index(t) for t in slow)
+        parent = keys[first - 1] if first else self.manager.parent_of(keys[0])
+        with self._lock:
+            up = self.manager.prepare_store("dram", list(keys[first:]), parent)
+            self._pump_events()
+        if up is not None and up.keys:
+            idx = {k: i for i, k in enumerate(keys)}
+            if wait:
+                self._submit_store(up, [dsts[idx[k]] for k in up.keys], inline=True).result()
+            else:
+                self._submit_store(up, [dsts[idx[k]].clone() for k in up.keys], inline=False)
 
     def explain_miss(self, keys: Sequence[BlockKey], index: int | None = None) -> MissReason | None:
         """Why block ``index`` of ``keys`` (default: the first not readable now) is
@@ -437,9 +446,6 @@ class TieredStore:
         self.close()
 
     # ------------------------------------------------------------ internals
-
-    def _check_blocks(self, bufs: Sequence[Any]) -> list[torch.Tensor]:
-        return media.caller_blocks(bufs, self.layout)
 
     def _submit_store(self, plan: StorePlan, srcs: list[torch.Tensor], inline: bool) -> Future[Sequence[bool]]:
         return self._dispatch(self._store_job(plan, srcs), inline)
