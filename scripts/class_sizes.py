@@ -34,7 +34,6 @@ KNOWN_FUNCTIONS = {
     "kvtier/replay/sim.py:Simulator._admit": 60,
     "integrations/vllm_ascend/kvtier_vllm/scheduler.py:KVTierScheduler._plan_store": 48,
     "kvtier/benchmarks/remote.py:bench_size": 35,
-    "integrations/vllm_ascend/kvtier_vllm/worker.py:KVTierWorker.get_finished": 32,
 }
 
 

@@ -109,6 +109,12 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     remote_outcomes: dict[str, int] = field(default_factory=dict)  # the store clients' failed reads, errors, pins
     write_backs_missed: int = 0  # write-back blocks failed: the engine called no handle_preemptions before its forward
 
+    def reports_anything(self) -> bool:
+        """Whether this step has a result or a counter to report (else no metadata is sent)."""
+        return bool(self.plans or self.gathered or self.busy_us or self.skipped_blocks or self.remote_skipped_blocks
+                    or self.remote_outcomes or self.staging_skipped_stores or self.staging_skipped_loads
+                    or self.write_backs_missed)
+
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
         plans = dict(self.plans)

@@ -304,33 +304,7 @@ class KVTierWorker:
                 jobs.pop(job_id, None)
                 if not jobs:
                     del self._gathers[req_id]
-        recving: set[str] = set()
-        for read in res.reads:
-            job = read.job
-            num_ok = read.oks.index(False) if False in read.oks else len(read.oks)
-            done = None
-            if num_ok and self.io is not None and read.run is not None:
-                try:
-                    if job.shifts and self._approx is not None:  # approximate reuse: keys turned to this offset
-                        rope, regions, dtype = self._approx
-                        rerotate_rows(read.run.rows, job.shifts[:num_ok], regions, rope, dtype)
-                    done = self.io.scatter(job.block_ids[:num_ok], read.run.rows[:num_ok])
-                except (RuntimeError, ValueError) as exc:  # a failed copy is a miss, never a crash
-                    log.warning("kvtier: load into engine blocks failed: %s", exc)
-                    num_ok, read.oks = 0, [False] * len(read.oks)
-            if read.run is not None:
-                if done is None:
-                    self.ring.give_back(read.run)  # type: ignore[union-attr]
-                else:  # the device copy may still read the run: give it back once the event passed
-                    self._scattered.append((done, read.run))
-            if job.plan_id:  # per block: did the tier return verified bytes
-                meta.plans[job.plan_id] = (1, read.oks)
-            if num_ok < len(job.block_ids) and self.fail_requests:
-                self._failed_loads.add(job.req_id)
-            elif num_ok < len(job.block_ids):
-                self._load_errors.update(job.block_ids[num_ok:])
-            self._loads.discard(job.req_id)
-            recving.add(job.req_id)
+        recving = {self._land_read(read, meta) for read in res.reads}
         sending = {r for r in self._release if r not in self._gathers and r not in self._loads}
         self._release -= sending
         meta.busy_us = res.busy_us
@@ -340,10 +314,39 @@ class KVTierWorker:
         meta.staging_skipped_stores = res.staging_skipped_stores
         meta.write_backs_missed = res.write_backs_missed
         meta.staging_skipped_loads = res.staging_skipped_loads
-        self._meta = meta if (meta.plans or meta.gathered or meta.busy_us or meta.skipped_blocks
-                              or meta.remote_skipped_blocks or meta.remote_outcomes or meta.staging_skipped_stores or meta.staging_skipped_loads
-                              or meta.write_backs_missed) else None
+        self._meta = meta if meta.reports_anything() else None
         return sending, recving
+
+    def _land_read(self, read: _Read, meta: KVTierWorkerMetadata) -> str:
+        """A finished read: its verified leading run scattered into the engine blocks (keys
+        re-rotated first for approximate reuse), the staging run given back, the per-block
+        outcome reported and the rest of the load failed or marked for recomputation.
+        Returns the request, whose load is done."""
+        job = read.job
+        num_ok = read.oks.index(False) if False in read.oks else len(read.oks)
+        done = None
+        if num_ok and self.io is not None and read.run is not None:
+            try:
+                if job.shifts and self._approx is not None:  # approximate reuse: keys turned to this offset
+                    rope, regions, dtype = self._approx
+                    rerotate_rows(read.run.rows, job.shifts[:num_ok], regions, rope, dtype)
+                done = self.io.scatter(job.block_ids[:num_ok], read.run.rows[:num_ok])
+            except (RuntimeError, ValueError) as exc:  # a failed copy is a miss, never a crash
+                log.warning("kvtier: load into engine blocks failed: %s", exc)
+                num_ok, read.oks = 0, [False] * len(read.oks)
+        if read.run is not None:
+            if done is None:
+                self.ring.give_back(read.run)  # type: ignore[union-attr]
+            else:  # the device copy may still read the run: give it back once the event passed
+                self._scattered.append((done, read.run))
+        if job.plan_id:  # per block: did the tier return verified bytes
+            meta.plans[job.plan_id] = (1, read.oks)
+        if num_ok < len(job.block_ids) and self.fail_requests:
+            self._failed_loads.add(job.req_id)
+        elif num_ok < len(job.block_ids):
+            self._load_errors.update(job.block_ids[num_ok:])
+        self._loads.discard(job.req_id)
+        return job.req_id
 
     def _drain(self) -> None:
         """``lockstep_transfers``: wait until every transfer queued so far has finished. Each
