@@ -28,7 +28,7 @@ EXEMPT = {"kvtier/manager.py:TierManager": "one job (the tiers' bookkeeping), in
 # Known offenders (issue 43), at their size when this check was written: they may shrink, not grow.
 KNOWN_CLASSES = {
     "kvtier/replay/sim.py:Simulator": 1172,
-    "integrations/vllm_ascend/kvtier_vllm/scheduler.py:KVTierScheduler": 1235,
+    "integrations/vllm_ascend/kvtier_vllm/scheduler.py:KVTierScheduler": 1174,
 }
 KNOWN_FUNCTIONS = {
     "kvtier/replay/sim.py:Simulator._admit": 60,

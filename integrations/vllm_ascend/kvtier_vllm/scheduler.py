@@ -30,7 +30,6 @@ every worker reported its store ok.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import logging
@@ -38,7 +37,6 @@ import os
 import tempfile
 import threading
 import time
-from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -66,6 +64,7 @@ from kvtier.tiers.codec import LOSSY_CODECS
 from kvtier.tiers.lossy import LossyCopies
 
 from . import remoteshare, ssdshare
+from .approximate import SegmentMasters
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob, PromoteJob, StoreJob, TierWrite
 from .placement import EnginePlacement
 from .settings import ConnectorSettings
@@ -122,7 +121,6 @@ REMOTE_LOOKUP_GIVE_UP_S = 2.0  # a store that has not answered by then counts as
 REMOTE_KNOWN_MAX = 1 << 20  # keys remembered as in the remote store (not written again)
 REMOTE_FAILED_TTL_S = 60.0  # a key whose remote load failed is not offered again for this long
 REMOTE_FAILED_MAX = 1 << 16
-APPROX_MASTERS_MAX = 1 << 18  # segment blocks remembered for approximate reuse (oldest forgotten first)
 ROUND_HOLD_MAX_S = 600.0  # a shared round's hold and pins end after this long even if its agents never all come
 ROUND_UNANNOUNCED_S = 60.0  # a round seen in requests but never announced is forgotten after this long
 ROUNDS_MAX = 4096  # shared rounds tracked at once (the oldest forgotten first, their holds given back)
@@ -265,11 +263,9 @@ class KVTierScheduler:
         if settings.remote is not None:
             self._remote = remoteshare.acquire(settings.remote, namespace, cfg.layout.to_layout())
             self._remote_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote-lookup")
-        # approximate reuse: its requests' keys come from a namespace of their own (exact ones never meet them);
-        # master key of a segment block -> (the key of a copy a request computed, that copy's block index)
-        self._approx_ns = replace(namespace, tenant=namespace.tenant + "\x1fapproximate") \
+        # approximate reuse: its requests' keys come from a namespace of their own (exact ones never meet them)
+        self._approx = SegmentMasters(namespace, block_size, self.counters, self.manager.contains) \
             if settings.approximate_rope is not None else None
-        self._masters: OrderedDict[int, tuple[BlockKey, int]] = OrderedDict()
         # shared rounds: (session, round id) -> what requests said of them; the hint server's announcements
         self._rounds: OrderedDict[tuple[str, str], _Round] = OrderedDict()
         self._announced: dict[tuple[str, str], tuple[str, ...]] = {}
@@ -328,8 +324,8 @@ class KVTierScheduler:
         if self.hybrid:
             return self._lanes_hit(st, start, max_blocks)
         shifts: list[int] = []
-        if st.approx:
-            keys, shifts = self._approx_keys(st, keys)
+        if st.approx and self._approx is not None:
+            keys, shifts = self._approx.keys_to_load(st.approx, keys)
         hit = self.manager.lookup(keys[start:max_blocks])
         if self.exclusive and start + hit.num_blocks < max_blocks and \
                 self.manager.is_pending(keys[start + hit.num_blocks], "dram"):
@@ -626,8 +622,8 @@ class KVTierScheduler:
             self.recorder.finished(request.request_id, int(request.num_output_tokens), wait_s is not None)
         if st is not None:
             self._agent_waits(st, wait_s)
-            if st.approx:
-                self._register_masters(st)
+            if st.approx and self._approx is not None:
+                self._approx.register(st.approx, st.keys, st.approx_loaded)
             self._round_served(st)
         if st is None or not (st.pending_jobs or st.loading):
             return False
@@ -914,7 +910,8 @@ class KVTierScheduler:
         for rnd in list(self._rounds.values()):  # round pins would keep stale blocks in the tiers
             self._release_round(rnd)
         self._rounds.clear()
-        self._masters.clear()
+        if self._approx is not None:
+            self._approx.clear()
         self.placement.release_all()  # stale KV must go, waiting agents or not
         self._remote_known.clear()  # the shared store is other engines' too: this engine only forgets it
         for req_id in list(self._matches):  # a held lookup (its allocation failed) would keep stale blocks
@@ -984,81 +981,21 @@ class KVTierScheduler:
         return st
 
     def _segment_blocks(self, request: Any, spans: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
-        """(block index, master key) of every whole block inside ``spans`` (may be empty:
-        the request is keyed with the approximate ones, its blocks reusable by them);
-        ``None`` (the request runs exact) when approximate reuse is off, the request's
-        ``cache_salt`` does not mark it approximate, or its prompt is not token ids only."""
-        salt = getattr(request, "cache_salt", None)
-        if self._approx_ns is None:
+        """The request's segment blocks (:meth:`SegmentMasters.segment_blocks`); ``None`` (served
+        exact) when approximate reuse is off."""
+        if self._approx is None:
             self.counters["approximate_refused_off"] += 1
             return None
-        if not is_approximate_salt(salt):
-            self.counters["approximate_refused_unsalted"] += 1
-            log.warning("kvtier: request %s declares approximate segments without the approximate cache_salt: "
-                        "served exact (vLLM's prefix cache would mix its blocks with exact ones)", request.request_id)
-            return None
-        if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
-            self.counters["approximate_refused_multimodal"] += 1  # placeholder tokens do not name their content
-            return None
-        tokens = list(request.prompt_token_ids or ())
-        bs = self.block_size
-        lora = getattr(getattr(request, "lora_request", None), "lora_name", "") or ""
-        root = hashlib.blake2b(self._approx_ns.digest + f"\x1f{salt}\x1f{lora}".encode(), digest_size=16)
-        covered: set[int] = set()
-        out: list[tuple[int, int]] = []
-        for start, length in sorted(spans):
-            if start % bs:
-                self.counters["approximate_unaligned_segments"] += 1
-                continue
-            h = root.copy()
-            for b in range(start // bs, min(start + length, len(tokens)) // bs):
-                if b in covered:  # overlapping spans: a block belongs to the first one
-                    break
-                covered.add(b)
-                h.update(array("i", tokens[b * bs:(b + 1) * bs]).tobytes())
-                out.append((b, int.from_bytes(h.copy().digest()[:8], "little")))  # a chain within the segment
-        self.counters["approximate_requests"] += 1
-        return out
+        return self._approx.segment_blocks(request, spans)
 
     def _keys(self, st: _Req) -> list[BlockKey]:
         """Keys of the request's full blocks so far (extended as it decodes)."""
         hashes = st.request.block_hashes
         if len(hashes) > len(st.keys):
             parent = st.keys[-1] if st.keys else None
-            ns = self.namespace if st.approx is None else self._approx_ns
+            ns = self.namespace if st.approx is None or self._approx is None else self._approx.namespace
             st.keys.extend(chain_foreign_keys(ns, hashes[len(st.keys):], parent))
         return st.keys
-
-    def _approx_keys(self, st: _Req, keys: list[BlockKey]) -> tuple[list[BlockKey], list[int]]:
-        """An approximate request's keys to load, and the shift (in positions) of each:
-        a segment block whose master was stored at another offset by another request
-        is read from there and its keys turned by the difference."""
-        alt, shifts = list(keys), [0] * len(keys)
-        contains = self.manager.contains
-        for b, master in st.approx or ():
-            if b >= len(keys) or contains(keys[b]):  # its own copy (an earlier turn) is stored: read that
-                continue
-            src = self._masters.get(master)
-            if src is not None and src[0] != keys[b] and contains(src[0]):
-                alt[b], shifts[b] = src[0], (b - src[1]) * self.block_size
-        return alt, shifts
-
-    def _register_masters(self, st: _Req) -> None:
-        """A finished approximate request: the segment blocks it computed (not loaded)
-        become the masters of their segment, unless a readable master is known (the
-        first copy stays while it can be read; a master gone from the tiers is replaced).
-        A block this request loaded from another's copy is never made a master."""
-        keys = st.keys
-        for b, master in st.approx or ():
-            if b >= len(keys) or b in st.approx_loaded:
-                continue
-            known = self._masters.get(master)
-            if known is None or (known[0] != keys[b] and not self.manager.contains(known[0])):
-                self._masters[master] = (keys[b], b)
-                self._masters.move_to_end(master)
-                self.counters["approximate_masters"] += 1
-        while len(self._masters) > APPROX_MASTERS_MAX:
-            self._masters.popitem(last=False)
 
     def _plan_store(self, req_id: str, st: _Req, upto: int) -> StoreJob | None:
         keys = self._keys(st)
