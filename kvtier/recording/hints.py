@@ -224,7 +224,8 @@ class HintRecorder:
         folder = self.traces_dir / safe_name(draft.tenant, 64)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{self.num_traces_written:06d}_{safe_name(draft.session_id, 64)}.json"
-        write_atomic(path, json.dumps(trace, separators=(",", ":")).encode())
+        # no fsync: this runs on the hint server's event loop (a burst of expiring sessions would stall it)
+        write_atomic(path, json.dumps(trace, separators=(",", ":")).encode(), sync=False)
         self.num_traces_written += 1
         self.written.append(path)
         return path

@@ -28,14 +28,16 @@ def safe_name(text: str, limit: int) -> str:
     return _UNSAFE.sub("_", text)[:limit] or "_"
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` through a synced temporary file and a rename, so a
-    crash leaves the old file or the new one, never a torn one. ``OSError`` is the caller's."""
+def write_atomic(path: Path, data: bytes, *, sync: bool = True) -> None:
+    """Replace ``path`` with ``data`` through a temporary file and a rename, so a process
+    crash leaves the old file or the new one, never a torn one; ``sync`` also survives a
+    power cut (an fsync: not for a caller on an event loop). ``OSError`` is the caller's."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

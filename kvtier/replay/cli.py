@@ -480,6 +480,7 @@ class ProgressBar:
 
             self._bar = tqdm(total=total, desc="[replay]", unit="run", file=sys.stderr, dynamic_ncols=True,
                              mininterval=0.5 if sys.stderr.isatty() else 30.0)
+            self._bar.start_t -= elapsed_s  # the runs started before the first one finished
         self._bar.update(done - self._bar.n)
         if done >= total:
             self._bar.close()
