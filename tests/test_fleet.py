@@ -178,7 +178,7 @@ def test_an_agent_moved_to_another_engine_leaves_no_wait_prefetch_or_hold_behind
     assert len(res.records) + res.counters.get("skipped_requests", 0) == w.num_requests()
     assert res.counters["handed_over"] > 0
     for engine in sim.engines:
-        assert not engine._waiting_agents and not engine._prefetches
+        assert not engine.ctx.waiting_agents and not engine.prefetches.by_agent
         assert not engine.waiting and not engine.prefilling and not engine.decoding
         assert engine.mgr.num_pinned() == 0
         engine.mgr.check_invariants()

@@ -278,17 +278,17 @@ def test_a_request_that_cannot_fit_waits_without_evicting():
     admission that fails must not have pushed anything out of HBM first."""
     cfg = SimConfig(hbm_blocks=8, dram_blocks=8, conc=3)
     sim = Simulator(_three_agents(), cfg, make_placement("kvtier"), PROFILE)
-    admit, failed = sim._admit, []
+    admit, failed = sim.admission.admit, []
 
     def checked(run):
-        before, victims = set(sim.mgr._ready[0]), len(sim._victims)
+        before, victims = set(sim.mgr._ready[0]), len(sim.victims.pending)
         ok = admit(run)
         if not ok:
             failed.append(len(before))
-            assert set(sim.mgr._ready[0]) == before and len(sim._victims) == victims
+            assert set(sim.mgr._ready[0]) == before and len(sim.victims.pending) == victims
         return ok
 
-    sim._admit = checked
+    sim.admission.admit = checked
     sim.run()
     assert failed and max(failed) > 0  # it was tried with blocks in HBM that could have gone
     sim.mgr.check_invariants()
@@ -303,9 +303,9 @@ def test_a_victim_on_its_way_down_is_found():
     mgr = sim.mgr
     _stored(mgr, "hbm", (1, 2, 3, 4))
     assert set(mgr.evict("hbm", 2)) == {3, 4}
-    done = sim._write_victims()
+    done = sim.victims.write()
     assert done is not None and not mgr.contains(3) and not mgr.contains(4)
-    assert sim._land_victims((1, 2, 3, 4), 2) == done
+    assert sim.victims.land((1, 2, 3, 4), 2) == done
     assert mgr.lookup((1, 2, 3, 4)).tiers == ("hbm", "hbm", "dram", "dram")
     assert sim.counters["victims_landed_early"] == 2
     while sim._events:  # the copy's own landing finds them there already
@@ -327,10 +327,10 @@ def test_a_queued_request_has_its_ssd_blocks_staged_into_dram():
     _stored(mgr, "dram", (1,))
     _stored(mgr, "ssd", (9, 10))
     queued, admitted = (1, 2, 3, 4), (9, 10)
-    sim.policy.on_wait_end(sim, (0, "root"), queued)  # the policy's hook asks for it
-    sim.stage(admitted)
+    sim.policy.on_wait_end(sim.ctx, (0, "root"), queued)  # the policy's hook asks for it
+    sim.ctx.stage(admitted)
     sim.waiting.append(SimpleNamespace(keys=queued))  # left queued by the pass
-    sim._stage_queued()
+    sim.prefetches.stage_queued()
     assert sim.counters["staged_blocks"] == 3  # 2, 3, 4: block 1 is in DRAM already
     while sim._events:
         _, _, fn, args = sim._events.pop()
@@ -340,5 +340,5 @@ def test_a_queued_request_has_its_ssd_blocks_staged_into_dram():
     mgr.check_invariants()
     # the ablation without time-based decisions does not stage
     sim = Simulator(_three_agents(), cfg, make_placement("kvtier-space-only"), PROFILE)
-    sim.policy.on_wait_end(sim, (0, "root"), queued)
-    assert sim._to_stage == []
+    sim.policy.on_wait_end(sim.ctx, (0, "root"), queued)
+    assert sim.prefetches.to_stage == []

@@ -152,8 +152,8 @@ def test_a_decoder_slower_than_recompute_is_not_loaded_from(profile_path: Path) 
     assert row["counters"].get("codec_decoded_blocks", 0) == 0
     sim = Simulator(_workload(), SimConfig(hbm_blocks=100, dram_blocks=100, cold_codec=slow),
                     make_placement("lru-dram"), PROFILE)
-    assert sim.transfer_time_s(10, "dram->hbm") > PROFILE.recompute_time_s(640, 0)
-    assert sim.transfer_time_s(10, "dram->hbm") == pytest.approx(10 * 8 * 2**20 / 0.01e9, rel=0.01)
+    assert sim.ctx.transfer_time_s(10, "dram->hbm") > PROFILE.recompute_time_s(640, 0)
+    assert sim.ctx.transfer_time_s(10, "dram->hbm") == pytest.approx(10 * 8 * 2**20 / 0.01e9, rel=0.01)
 
 
 # ------------------------------------------------------------------ encode once

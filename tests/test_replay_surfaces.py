@@ -164,7 +164,7 @@ def _two_chains(name: str) -> tuple[Simulator, tuple[int, ...], tuple[int, ...]]
     a, b = (1, 2, 3, 4), (100, 101, 102, 103)
     for keys in (a, b):
         sim.mgr.complete_store(sim.mgr.prepare_store("hbm", keys, None), True)
-    sim.policy.on_agent_end(sim, (1, "root"), b)  # b will never be used again
+    sim.policy.on_agent_end(sim.ctx, (1, "root"), b)  # b will never be used again
     return sim, a, b
 
 
@@ -189,7 +189,7 @@ def test_requeue_puts_the_agent_due_first_at_the_lru_tail(name: str, victims: tu
     a, b = (1, 2, 3, 4), (100, 101, 102, 103)
     for agent, keys, wait in (("a", a, 1.0), ("b", b, 300.0)):
         sim.mgr.complete_store(sim.mgr.prepare_store("hbm", keys, None), True)
-        sim.policy.on_wait_start(sim, ToolWait((0, agent), keys, "tool", wait))
+        sim.policy.on_wait_start(sim.ctx, ToolWait((0, agent), keys, "tool", wait))
         if sim.surface.hbm_requeue:
             sim._requeue((0, agent), keys)  # (the simulator's step after a wait start)
     assert sim.mgr.evict("hbm", 2) == victims
@@ -202,7 +202,7 @@ def test_drop_frees_dead_hbm_blocks_where_hbm_cannot_be_reordered(name: str, lef
     happens in HBM; with +drop they leave HBM at once; where HBM can be reordered
     (+order, full) they become the next victims instead and stay readable."""
     sim, a, b = _two_chains(name)
-    sim.policy.on_session_end(sim, 1)
+    sim.policy.on_session_end(sim.ctx, 1)
     assert len(sim.mgr.present(a + b, "hbm")) == left
     assert sim.counters["dropped_blocks"] == 8 - left
 

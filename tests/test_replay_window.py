@@ -73,7 +73,7 @@ def test_mla_sizes_blocks_capacity_and_transfers_from_the_latent_end_to_end() ->
     # and a transfer takes its latent bytes over ONE host link: each rank loads the whole latent
     sim = Simulator(w, SimConfig(hbm_blocks=1000, dram_blocks=1000), make_placement("lru-dram"), p)
     assert sim.bytes_per_block == bpb
-    assert sim._path_s("dram", "hbm", 10) == pytest.approx(10e-6 + 10 * bpb / 50e9, rel=1e-12)
+    assert sim.mover.path_s("dram", "hbm", 10) == pytest.approx(10e-6 + 10 * bpb / 50e9, rel=1e-12)
 
 
 # ---- sliding window: which blocks keep the window
@@ -152,7 +152,7 @@ def test_gemma3_replay_moves_windowed_blocks_on_the_links() -> None:
     # a Simulator given the unfitted profile fits it to its workload itself
     sim = Simulator(w, SimConfig(hbm_blocks=1000, dram_blocks=1000), make_placement("lru-dram"), unfitted)
     assert sim.bytes_per_block == bpb
-    assert sim._path_s("hbm", "dram", 10) == pytest.approx(10e-6 + 10 * bpb / 50e9, rel=1e-12)
+    assert sim.mover.path_s("hbm", "dram", 10) == pytest.approx(10e-6 + 10 * bpb / 50e9, rel=1e-12)
 
 
 def test_replay_cli_reports_the_window(tmp_path: Path) -> None:

@@ -129,7 +129,7 @@ class _Driver(Simulator):
         self.session_latency_s.append(self.now - sr.start_s)
         self.graph.end_session("replay", sr.sid, self.now)
         for engine in self.fleet.engines:
-            engine.policy.on_session_end(engine, sr.idx)
+            engine.policy.on_session_end(engine.ctx, sr.idx)
         self._start_next_session()
 
 
@@ -157,7 +157,7 @@ class _Engine(Simulator):
     def busy(self) -> bool:
         """Whether a pass at its own clock has work: requests running, admittable ones
         waiting, or staging / victim copies to start."""
-        return bool(self.prefilling or self.decoding or self._to_stage or self._victims
+        return bool(self.prefilling or self.decoding or self.prefetches.to_stage or self.victims.pending
                     or (self.waiting and not self._admission_blocked))
 
     def pending_s(self) -> float | None:
@@ -182,8 +182,8 @@ class _Engine(Simulator):
                 fn(*args)
             else:
                 self.fleet.run_fleet_event(self.now)
-            if self._victims:
-                self._write_victims()
+            if self.victims.pending:
+                self.victims.write()
 
     def _next_event_s(self) -> float | None:
         times = [t for t in (self._events[0][0] if self._events else None,
@@ -224,12 +224,7 @@ class _Engine(Simulator):
 
     def _remote_transfer(self, link: str, num_blocks: int) -> float:
         """Queue a copy on this engine's remote link (FIFO, bytes / bandwidth); returns its finish time."""
-        nbytes = num_blocks * self.bytes_per_block
-        start = max(self.now, self.link_free_s.get(link, 0.0))
-        done = start + nbytes / (self.fleet.config.remote_gbps * 1e9)
-        self.link_free_s[link] = done
-        self.bytes_moved[link] = self.bytes_moved.get(link, 0) + nbytes
-        return done
+        return self.mover.link_copy(self.now, link, num_blocks * self.bytes_per_block, self.fleet.config.remote_gbps)
 
 
 class FleetSimulator:
@@ -304,13 +299,13 @@ class FleetSimulator:
         """The agent's next request goes elsewhere: its wait ends on the engine of its
         last request too (its policy lets go of pins and reserves there), and a
         prefetch made there for it is wasted (its hold released, or none taken on arrival)."""
-        last._waiting_agents.pop(agent_key, None)
-        pf = last._prefetches.pop(agent_key, None)
+        last.ctx.waiting_agents.pop(agent_key, None)
+        pf = last.prefetches.by_agent.pop(agent_key, None)
         if pf is not None:
             pf.cancelled = True
-            last._settle_prefetch(pf, ())
-        last.policy.on_wait_end(last, agent_key, keys)
-        last.count("handed_over")
+            last.prefetches.settle(pf, ())
+        last.policy.on_wait_end(last.ctx, agent_key, keys)
+        last.ctx.count("handed_over")
 
     # --------------------------------------------------------------------- time
 

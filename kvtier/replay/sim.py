@@ -1,14 +1,25 @@
 """The replay simulator: closed-loop agent sessions on a modelled continuous-batching engine.
 
-Owns: simulated time, the engine model (admission, chunked prefill with a
-token budget per step, decode steps fast-forwarded between events), the
-dependency rules of agent sessions (see :mod:`kvtier.replay.model`), the
-modelled mover (links with bandwidth and latency, FIFO per link; with a
-cold codec, :mod:`kvtier.replay.codec`, compressed bytes on the links of the
-compressed tiers and its encode / decode as more FIFO stages) and the
-per-request measurements. Block residency is the unchanged
-:class:`~kvtier.manager.TierManager` with the unchanged eviction policies;
-placement decisions come from a :class:`~kvtier.placement.PlacementPolicy`.
+Owns: simulated time and its event queue, the batch steps (chunked prefill
+with a token budget per step, decode steps fast-forwarded between events),
+the dependency rules of agent sessions (see :mod:`kvtier.replay.model`), the
+hint plane's graph as a framework would feed it, write-through of computed
+blocks, and the per-request measurements. Its parts, one job each, hold a
+reference back to it:
+
+* :mod:`kvtier.replay.admit` -- admission (which waiting request gets HBM, with which loads);
+* :mod:`kvtier.replay.mover` -- the modelled mover (links with bandwidth and
+  latency, FIFO per link; with a cold codec, :mod:`kvtier.replay.codec`,
+  compressed bytes on the links of the compressed tiers and its encode /
+  decode as more FIFO stages);
+* :mod:`kvtier.replay.victims` -- exclusive DRAM (HBM's victims written down);
+* :mod:`kvtier.replay.prefetches` -- prefetches for waiting agents and SSD staging;
+* :mod:`kvtier.replay.context` -- the :class:`~kvtier.placement.PlacementContext`
+  policies are given (``Simulator.ctx``).
+
+Block residency is the unchanged :class:`~kvtier.manager.TierManager` with
+the unchanged eviction policies; placement decisions come from a
+:class:`~kvtier.placement.PlacementPolicy`.
 Must not read files or print (progress goes through a callback). Closed-loop
 workloads keep ``conc`` session trees live; open-loop ones (Mooncake) start
 every single-request session at its recorded arrival time.
@@ -45,7 +56,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from itertools import compress
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -56,13 +66,17 @@ from ..errors import ConfigError
 from ..keys import BlockKey
 from ..manager import TierManager, TierSpec
 from ..policies import make_policy
-from ..transfer.linkmodel import LinkModel
 from .admission import admission_order
-from .codec import CODEC_STAGES, ColdCodec, ENCODE, transfer_stages
+from .admit import Admission
+from .codec import ColdCodec
+from .context import SimContext
 from .belady import BeladyPolicy, DriftOracle, NextUseOracle
 from .model import Agent, Request, Session, Workload
+from .mover import ModelledMover
+from .prefetches import Prefetch, SimPrefetches
+from .victims import VictimCache
 from ..placement import PlacementPolicy, ToolWait
-from ..placement.base import TURN_END_GAP_S, UNPREDICTED_GAP_S, ssd_promotion
+from ..placement.base import TURN_END_GAP_S, UNPREDICTED_GAP_S
 from ..placement.nextuse import REQUEUE_MAX_BLOCKS, requeue_order
 from ..placement.surface import surface
 
@@ -194,24 +208,12 @@ class _Run:
         self.computed_tokens = 0
         self.uncached = False
         self.reserved = 0  # HBM blocks reserved for the decode
-        self.prefetch: _Prefetch | None = None  # a prefetch for this request that arrived in time
+        self.prefetch: Prefetch | None = None  # a prefetch for this request that arrived in time
         self.skipped = False  # in SimConfig.skip_requests: never admitted, never recorded
         self.take = 0  # scheduler "vllm": prompt tokens the pass being admitted schedules for it
         # scheduler "vllm": admitted with a load from a lower tier, not running yet (vLLM's
         # WAITING_FOR_REMOTE_KVS): it takes no running slot until the load is done and a slot is free
         self.holding = False
-
-
-class _Prefetch:
-    """A promotion into HBM started for an agent's next request."""
-
-    __slots__ = ("plans", "done_s", "arrived", "hold", "keys", "cancelled")
-
-    def __init__(self, plans: list[Any], done_s: float, keys: tuple[BlockKey, ...]) -> None:
-        self.plans, self.done_s, self.keys = plans, done_s, keys
-        self.arrived = False
-        self.hold: BlockKey | None = None  # referenced HBM tail from arrival until admission
-        self.cancelled = False  # its request was skipped: nothing to hold on arrival
 
 
 class _WaitQueue:
@@ -271,27 +273,6 @@ class _SessionRun:
             self.children_of.setdefault(a.parent_id or "", []).append(a)
 
 
-class _VictimLog:
-    """An HBM eviction policy that also tells the simulator what it evicted (the
-    victim cache writes those blocks down to DRAM)."""
-
-    def __init__(self, inner: Any, sim: "Simulator") -> None:
-        self._inner, self._sim = inner, sim
-        self.name = inner.name
-
-    def pop_victim(self, is_evictable: Any, incoming: BlockKey | None = None) -> BlockKey | None:
-        key = self._inner.pop_victim(is_evictable, incoming)
-        if key is not None:
-            self._sim._victims.append((key, self._sim.mgr.parent_of(key)))
-        return key
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def __len__(self) -> int:
-        return len(self._inner)
-
-
 class Simulator:
     """Replays ``workload`` under ``policy`` on ``profile``; :meth:`run` returns a :class:`SimResult`.
 
@@ -320,10 +301,6 @@ class Simulator:
             raise ConfigError("--tool-waits", config.tool_waits, f"valid: {', '.join(TOOL_WAITS)}")
         if config.scheduler not in SCHEDULERS:
             raise ConfigError("--scheduler", config.scheduler, f"valid: {', '.join(SCHEDULERS)}")
-        self._vllm_sched = config.scheduler == "vllm"
-        # scheduler "vllm": the blocks prefilling runs store in HBM, by key: (run, position in its keys)
-        self._prefill_owner: dict[BlockKey, tuple[_Run, int]] = {}
-        self._num_holding = 0  # scheduler "vllm": runs in self.prefilling that are ``holding``
         self.bytes_per_block = profile.kv_bytes_per_block(self.block_size)
         codec = config.cold_codec
         self.codec = codec if codec is not None and not codec.identity else None  # None: blocks stored raw
@@ -333,19 +310,11 @@ class Simulator:
         # Exclusive DRAM (a victim cache): blocks go down to DRAM as HBM evicts them, and
         # DRAM copies of what HBM holds are the first to go there (holds protect the HBM
         # copy only), where the policy asks for it and the engine surface allows it.
-        self._victim_cache = (policy.write_back_dram == "evict" and self.surface.hbm_victim_write
-                              and "dram" in policy.lower_tiers and config.tier_blocks("dram") > 0)
-        self._victims: list[tuple[BlockKey, BlockKey | None]] = []  # HBM victims to write down
-        # copying down: parent, lands at, and its DRAM store (the slot it claimed; None: claimed when it lands)
-        self._victims_on_way: dict[BlockKey, tuple[BlockKey | None, float, Any]] = {}
-        self._to_stage: list[Sequence[BlockKey]] = []  # contexts of requests that arrived (see stage)
-        self._deferred: list[tuple[_Run, Any]] = []  # taken off the queue's head during one admission pass
+        self.victims = VictimCache(self, policy.write_back_dram == "evict" and self.surface.hbm_victim_write
+                                   and "dram" in policy.lower_tiers and config.tier_blocks("dram") > 0)
         self.mgr = TierManager(self._tier_specs(), pin_budget_blocks=config.hbm_blocks,
                                clock=lambda: self.now, record_events=False,
-                               hold_tiers=("hbm",) if self._victim_cache else None)
-        self._pin_budget_blocks = int(config.hbm_blocks * config.pin_budget_fraction)
-        self._pinned_blocks = 0
-        self._pin_sizes: dict[BlockKey, int] = {}  # pinned chain tail -> blocks it protects
+                               hold_tiers=("hbm",) if self.victims.on else None)
         self.lower = [t for t in self.mgr.tier_names if t != "hbm"]
         # write computed blocks through to the lower tiers (the vLLM connector as it comes does; with
         # exclusive_dram, to SSD only)
@@ -353,20 +322,20 @@ class Simulator:
         self.now = 0.0
         self._seq = itertools.count()
         self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
+        self.ctx = SimContext(self, int(config.hbm_blocks * config.pin_budget_fraction))
         prio = admission_order(config.admission)
-        self.waiting = _WaitQueue((lambda run: prio(self, run.sess.idx, run.agent.agent_id, run.sess.start_s))
+        self.waiting = _WaitQueue((lambda run: prio(self.ctx, run.sess.idx, run.agent.agent_id, run.sess.start_s))
                                   if prio is not None else None)
         self.prefilling: list[_Run] = []
         self.decoding: list[_Run] = []
-        self.link_free_s: dict[str, float] = {}
-        self.bytes_moved: dict[str, int] = {}
+        self.admission = Admission(self, config.scheduler == "vllm")
+        self.prefetches = SimPrefetches(self)
         self.records: list[RequestRecord] = []
         self.session_latency_s: list[float] = []
         self._sessions = list(workload.sessions[: config.max_sessions] if config.max_sessions else workload.sessions)
         self._next_session = 0
         self._admission_blocked = False
         self._tool_history: deque[float] = deque(maxlen=512)
-        self._admitted = 0
         self._total_requests = sum(s.num_requests() for s in self._sessions)
         self.block_touches = 0
         self.counters: dict[str, int] = {"admission_waits": 0, "oversized_requests": 0, "pins_refused": 0,
@@ -383,10 +352,8 @@ class Simulator:
                                             max_edges_per_session=big, max_shared_rounds_per_session=big,
                                             max_stored_block_key_bytes=big, session_ttl_s=float(big)),
                                 global_fallback=config.tool_waits == "predicted-stream")
-        self.links = LinkModel(prior=dict(getattr(profile, "_link_to_cost", {})) |
-                               (self.codec.prior() if self.codec is not None else {}))
-        self._prefetches: dict[tuple[int, str], _Prefetch] = {}
-        self._waiting_agents: dict[tuple[int, str], float] = {}  # agent -> predicted return (s)
+        self.mover = ModelledMover(profile, self.codec, self.bytes_per_block, self.counters)
+        self.bytes_moved = self.mover.bytes_moved  # per link, for the result
         # agent -> its context while it waits, in the order the waits started (the surface's hbm_requeue)
         self._waiting_ctx: dict[tuple[int, str], tuple[BlockKey, ...]] = {}
 
@@ -394,9 +361,9 @@ class Simulator:
 
     def _tier_specs(self) -> list[TierSpec]:
         hbm_policy = self._eviction("hbm")
-        if self._victim_cache:
-            hbm_policy = _VictimLog(make_policy(hbm_policy, self.cfg.hbm_blocks) if isinstance(hbm_policy, str)
-                                    else hbm_policy, self)
+        if self.victims.on:
+            hbm_policy = self.victims.logging(make_policy(hbm_policy, self.cfg.hbm_blocks)
+                                              if isinstance(hbm_policy, str) else hbm_policy)
         specs = [TierSpec("hbm", self.cfg.hbm_blocks, hbm_policy)]
         for tier in ("dram", "ssd"):
             capacity = self.cfg.tier_blocks(tier)
@@ -455,15 +422,15 @@ class Simulator:
         (when not, the caller moves the clock to the next event). Called by
         :meth:`run` in a loop, and by a fleet (:mod:`kvtier.replay.fleet`) per engine."""
         self._pop_due()
-        self._admit_waiting()
-        if self._to_stage:
-            self._stage_queued()
-        if self._victims:
-            self._write_victims()
+        self.admission.admit_waiting()
+        if self.prefetches.to_stage:
+            self.prefetches.stage_queued()
+        if self.victims.pending:
+            self.victims.write()
         if self.prefilling or self.decoding:
             self._step()
-            if self._victims:
-                self._write_victims()
+            if self.victims.pending:
+                self.victims.write()
             return True
         return False
 
@@ -472,8 +439,8 @@ class Simulator:
         while self._events and self._events[0][0] <= self.now:
             _, _, fn, args = heapq.heappop(self._events)
             fn(*args)
-            if self._victims:
-                self._write_victims()
+            if self.victims.pending:
+                self.victims.write()
 
     def _next_event_s(self) -> float | None:
         """When the next event is due (``None``: none); a decode-only step fast-forwards no further."""
@@ -510,7 +477,7 @@ class Simulator:
         self.session_latency_s.append(self.now - sr.start_s)
         self.graph.end_session("replay", sr.sid, self.now)
         if self.cfg.agent_ends:
-            self.policy.on_session_end(self, sr.idx)
+            self.policy.on_session_end(self.ctx, sr.idx)
         self._start_next_session()
 
     def _issue(self, sr: _SessionRun, agent: Agent, index: int) -> None:
@@ -540,29 +507,16 @@ class Simulator:
         if req.gap_cause == "tool":  # a tool's duration is known once it returned
             self._tool_history.append(waited_s)
             self.graph.end_tool_call("replay", sr.sid, agent.agent_id, f"{agent.agent_id}#{req.index}", self.now)
-        self._waiting_agents.pop(agent_key, None)
+        self.ctx.waiting_agents.pop(agent_key, None)
         self._waiting_ctx.pop(agent_key, None)
         self.graph.start_request("replay", sr.sid, agent.agent_id, str(req.index), self.now)
         run = _Run(sr, agent, req, self.now)
-        self.policy.on_wait_end(self, agent_key, run.keys)
-        pf = self._prefetches.pop(agent_key, None)
-        if (sr.idx, agent.agent_id, req.index) in self.cfg.skip_requests:
-            if pf is not None:
-                pf.cancelled = True
-                self._settle_prefetch(pf, ())
+        self.policy.on_wait_end(self.ctx, agent_key, run.keys)
+        skipped = (sr.idx, agent.agent_id, req.index) in self.cfg.skip_requests
+        if self.prefetches.on_ready(run, agent_key, skipped):
+            self.waiting.append(run)
+        elif skipped:
             self._skip(run)
-            return
-        if pf is not None and not pf.arrived:  # late: the request waits for its blocks in flight
-            self.counters["prefetch_late"] += 1
-            if self.surface.prefetch_to == "hbm":
-                self._at(pf.done_s, self._enqueue_after_prefetch, run, pf)
-                return
-            pf.cancelled = True  # into DRAM: the request loads from wherever its blocks are now
-            pf = None
-        if pf is not None:
-            self.counters["prefetch_on_time"] += 1
-            run.prefetch = pf
-        self.waiting.append(run)
 
     def _skip(self, run: _Run) -> None:
         """A request in ``skip_requests`` ends the moment it is ready: no engine
@@ -572,412 +526,17 @@ class Simulator:
         run.first_token_s = self.now
         self._finish(run)
 
-    def _enqueue_after_prefetch(self, run: _Run, pf: _Prefetch) -> None:
-        run.prefetch = pf
-        self.waiting.append(run)
+    # ------------------------------------------------------------------ mover
 
-    # ---------------------------------------------------------------- admission
-
-    def _admit_waiting(self) -> None:
-        budget = self._plan_running() if self._vllm_sched else 1
-        if self._admission_blocked:
-            return
-        deferred = self._deferred  # skipped this pass, keeping their places (a surface's defer_loads)
-        while self.waiting and self._num_running() < self.cfg.max_running and budget > 0:
-            run = self.waiting.head()
-            if self._load_not_ready(run):
-                deferred.append((run, self.waiting.pop_entry()))
-                continue
-            if not self._admit(run):
-                if self._release_prefetch_holds(run):
-                    continue  # blocks prefetched for later requests must not keep the head out
-                self._admission_blocked = True
-                self.counters["admission_waits"] += 1
-                break
-            self.waiting.pop()
-            self.prefilling.append(run)
-            if self._vllm_sched and run.loads_pending:
-                run.holding = True
-                self._num_holding += 1
-            if self._victims:  # the slots it takes are reused once their old blocks are copied out
-                done = self._write_victims(run.load_ready_s if run.loads_pending else None)
-                if done is not None:
-                    run.loads_pending += 1
-                    run.load_ready_s = max(run.load_ready_s, done)
-                    self._at(done, self._victims_out, run)
-            if self._vllm_sched and not run.loads_pending and not run.holding:
-                run.take = min(run.prefill_left, budget)
-                budget -= run.take
-        if deferred:
-            self.waiting.put_back([entry for _, entry in deferred])
-            deferred.clear()
-
-    def _plan_running(self) -> int:
-        """Scheduler "vllm": the prompt tokens this pass's step gives the running
-        prefills (each run's ``take``, in the order :meth:`_step` serves them);
-        returns the tokens left for new requests, as vLLM schedules its running
-        requests before it admits any waiting one."""
-        budget = self.cfg.max_batch_tokens - len(self.decoding)
-        for run in self.prefilling:
-            run.take = 0 if run.loads_pending or run.holding or budget <= 0 else min(run.prefill_left, budget)
-            budget -= run.take
-        # then, first of the waiting ones, those whose load is done (vLLM's kv_holding_waiting), in order:
-        # each runs, at the end of the running list, while a slot and tokens are left
-        ready = [r for r in self.prefilling if r.holding and not r.loads_pending]
-        running = self._num_running()
-        for run in ready:
-            if running >= self.cfg.max_running or budget <= 0:
-                break
-            run.holding = False
-            self._num_holding -= 1
-            running += 1
-            self.prefilling.remove(run)
-            self.prefilling.append(run)
-            run.take = min(run.prefill_left, budget)
-            budget -= run.take
-        return budget
-
-    def _num_running(self) -> int:
-        """Requests holding a running slot (``max_running``): under scheduler "vllm", not
-        those admitted with a load that have not run yet (``holding``)."""
-        return len(self.prefilling) + len(self.decoding) - self._num_holding
-
-    def _scheduled_in_hbm(self, keys: Sequence[BlockKey], n: int) -> int:
-        """Scheduler "vllm": how many of ``keys[n:]`` (not readable in any tier) a prefilling
-        request has already been scheduled to compute, by this pass or an earlier one:
-        vLLM caches a block when it allocates it, so a request admitted after that
-        finds it as a prefix hit in HBM (and the forward pass computes it once)."""
-        owner, bs = self._prefill_owner, self.block_size
-        m = n
-        while m < len(keys):
-            entry = owner.get(keys[m])
-            if entry is None:
-                break
-            run, pos = entry
-            if run.holding:  # (vLLM caches a loading request's blocks only once its load is done)
-                break
-            done = sum(run.hit.values()) + run.computed_tokens - run.prefill_left + run.take
-            if (pos + 1) * bs > done:
-                break
-            m += 1
-        return m - n
-
-    def _load_not_ready(self, run: _Run) -> bool:
-        """Whether ``run`` is deferred: on a surface with ``defer_loads``, its cached
-        prefix goes on in HBM victims still being copied down to DRAM. It stays
-        queued without HBM and those behind it may be admitted, as vLLM's
-        scheduler does when a connector's ``get_num_new_matched_tokens`` answers
-        ``None``; it is tried again once they have landed (:meth:`_store_victims`)."""
-        if not (self.surface.defer_loads and self._victims_on_way):
-            return False
-        keys = run.keys
-        n = self.mgr.lookup(keys).num_blocks
-        if n < len(keys) and keys[n] in self._victims_on_way:
-            self.counters["deferred_admissions"] = self.counters.get("deferred_admissions", 0) + 1
-            return True
-        return False
-
-    def _admit(self, run: _Run) -> bool:
-        mgr, keys, bs = self.mgr, run.keys, self.block_size
-        req = run.req
-        need = math.ceil((req.input_tokens + req.output_tokens) / bs)
-        request_id = (run.sess.idx, run.agent.agent_id, req.index)
-        if self.oracle is not None:
-            self.oracle.advance(request_id, self.now)
-        if need > self.cfg.hbm_blocks:  # can never fit: served without caching
-            self.counters["oversized_requests"] += 1
-            run.uncached = True
-            if run.prefetch is not None:  # its hold must not outlive the request
-                self._settle_prefetch(run.prefetch, ())
-                run.prefetch = None
-            run.prefill_left = run.computed_tokens = req.input_tokens
-            self._admitted += 1
-            self.block_touches += len(keys)
-            if self.order_log is not None:
-                self.order_log.append((request_id, keys, self.now))
-            return True
-        limit = self.cfg.running_limit_blocks
-        if limit is not None and (self.prefilling or self.decoding) and self.running_blocks() + need > limit:
-            return False
-        if (self.prefilling or self.decoding) and not self._may_fit(run, need):
-            return False
-        hit = mgr.lookup(keys)
-        lands = 0.0
-        if self._victims_on_way and hit.num_blocks < len(keys) and keys[hit.num_blocks] in self._victims_on_way:
-            lands = self._land_victims(keys, hit.num_blocks)
-            hit = mgr.lookup(keys)
-        names = hit.tier_names
-        tiers = hit.tier_indices
-        n_used = hit.num_blocks
-        hbm_idx = 0
-        if any(t != hbm_idx for t in tiers):
-            by_tier: dict[str, int] = {}
-            for t in tiers:
-                if t != hbm_idx:
-                    by_tier[names[t]] = by_tier.get(names[t], 0) + 1
-            if self.surface.choose_load and not self.policy.should_load(self, by_tier, 0):
-                n_used = tiers.index(next(t for t in tiers if t != hbm_idx))
-        used_tiers = tiers[:n_used]
-        all_hbm = used_tiers.count(hbm_idx) == n_used
-        moves = []
-        ok = True
-        for src_idx in range(1, len(names) if not all_hbm else 1):
-            src_keys = list(compress(keys, map(src_idx.__eq__, used_tiers)))
-            if not src_keys:
-                continue
-            plan = mgr.prepare_move(src_keys, names[src_idx], "hbm", keep_source=self._keep_source(names[src_idx]))
-            if plan is not None:
-                moves.append(plan)
-            if plan is None or len(plan.keys) < len(src_keys):
-                ok = False
-                break
-        # One reference on the deepest ready HBM block protects its whole prefix
-        # in HBM (a block with a resident child is never a victim): O(1) per request.
-        tail = self._deepest_ready_hbm(keys, n_used)
-        if tail is not None:
-            mgr.acquire((tail,))
-        n_sched = self._scheduled_in_hbm(keys, n_used) if self._vllm_sched and n_used == hit.num_blocks else 0
-        n_own = n_used + n_sched  # the rest this request computes
-        store_plan = None
-        if ok and n_own < len(keys):
-            store_plan = mgr.prepare_store("hbm", keys[n_own:], keys[n_own - 1] if n_own else None)
-            if store_plan is None or len(store_plan.keys) + len(store_plan.skipped) < len(keys) - n_own:
-                ok = False
-        reserve = need - len(keys)
-        if ok and reserve > 0 and not mgr.reserve("hbm", reserve):
-            ok = False
-        if not ok:  # roll back; the request waits for memory
-            for plan in moves:
-                mgr.complete_move(plan, False)
-            if store_plan is not None:
-                mgr.complete_store(store_plan, False)
-            if tail is not None:
-                mgr.release((tail,))
-            return False
-        self._admitted += 1
-        self.block_touches += len(keys)
-        if self.order_log is not None:
-            self.order_log.append((request_id, keys, self.now))
-        if run.prefetch is not None:
-            self._settle_prefetch(run.prefetch, keys[:n_used])
-            run.prefetch = None
-        mgr.touch(keys[:n_used], "hbm")
-        if store_plan is not None and store_plan.skipped:
-            mgr.touch(store_plan.skipped, "hbm")
-        if self._write_through_on:
-            # A write-through store of this prompt refreshes the copies already
-            # below (so a chain's head stays at least as recent as its tail);
-            # exclusive DRAM: the DRAM copies of what now runs in HBM go first.
-            for tier in self.lower:
-                if tier == "dram" and self._victim_cache:
-                    mgr.deprioritize(keys, tier)
-                else:
-                    mgr.touch(keys, tier)
-        run.held, run.reserved, run.store_plan = tail, max(0, reserve), store_plan
-        run.computed_keys = store_plan.keys if store_plan is not None else ()
-        run.hit["hbm"] = (used_tiers.count(hbm_idx) + n_sched) * bs
-        if self._vllm_sched and store_plan is not None and store_plan.keys:
-            owner, computes = self._prefill_owner, set(store_plan.keys)
-            owner.update((key, (run, i)) for i, key in enumerate(keys[n_own:], n_own) if key in computes)
-        for plan in moves:
-            run.hit[plan.src] += len(plan.keys) * bs
-            done = self._transfer(plan.src, "hbm", len(plan.keys))
-            if plan.src == "dram" and lands > self.now:  # some of them are still on their way down
-                done = max(done, lands + self._path_s("dram", "hbm", len(plan.keys)))
-            run.loads_pending += 1
-            run.load_ready_s = max(run.load_ready_s, done)
-            self._at(done, self._on_load_done, run, plan)
-        self._load_beyond(run, n_used + n_sched, hit.num_blocks + n_sched)
-        hit_tokens = sum(run.hit.values())
-        # vLLM recomputes at least the last token of a fully cached prompt
-        run.computed_tokens = max(1, req.input_tokens - hit_tokens)
-        run.prefill_left = run.computed_tokens
-        run.ctx_tokens = req.input_tokens - run.computed_tokens
-        return True
+    def _transfer(self, src: str, dst: str, num_blocks: int, num_encode: int | None = None) -> float:
+        """Queue a modelled copy now (see :meth:`ModelledMover.transfer`); returns its finish time."""
+        return self.mover.transfer(self.now, src, dst, num_blocks, num_encode)
 
     def _load_beyond(self, run: _Run, n_used: int, n_cached: int) -> None:
         """Admission uses ``run.keys[:n_used]`` of the ``n_cached`` blocks this engine's
         tiers hold (fewer when the policy recomputes rather than loads); the rest is
         computed. A fleet engine loads what a shared remote tier holds after a full
         local prefix (adds its tokens to ``run.hit``); one engine alone has nothing beyond."""
-
-    def _may_fit(self, run: _Run, need: int) -> bool:
-        """Whether ``run`` fits in HBM beside what cannot be evicted there: the
-        running requests' blocks and reserves, and arrived prefetches' holds.
-        An engine checks its free plus evictable blocks before it allocates, so
-        a request that cannot fit waits without evicting anything (trying would
-        push out blocks and then roll back). Shared blocks count once."""
-        others = [pf for pf in self._held_prefetches() if pf is not run.prefetch]
-        busy = self.running_blocks() + sum(len(pf.keys) for pf in others)
-        if busy + need <= self.cfg.hbm_blocks:  # fits even if nothing were shared (most calls)
-            return True
-        held = set(run.keys)
-        reserved = need - len(run.keys)
-        for r in itertools.chain(self.prefilling, self.decoding):
-            if not r.uncached:  # (served without caching: holds no HBM)
-                held.update(r.keys)
-                reserved += r.reserved
-        for pf in others:
-            held.update(pf.keys)
-        return len(held) + reserved <= self.cfg.hbm_blocks
-
-    def _deepest_ready_hbm(self, keys: Sequence[BlockKey], n_used: int) -> BlockKey | None:
-        if keys and self.mgr.contains(keys[-1], "hbm"):
-            return keys[-1]
-        return self.mgr.last_present(keys[:n_used], "hbm")
-
-    def _retail(self, run: _Run) -> None:
-        """Move the run's reference to its prompt's last block once it is ready in HBM."""
-        last = run.keys[-1] if run.keys else None
-        if last is None or last == run.held or not self.mgr.contains(last, "hbm"):
-            return
-        self.mgr.acquire((last,))
-        if run.held is not None:
-            self.mgr.release((run.held,))
-        run.held = last
-
-    def _on_load_done(self, run: _Run, plan: Any) -> None:
-        self.mgr.complete_move(plan, True)
-        if plan.keep_source and plan.src == "dram" and self._victim_cache:  # in HBM now: first to go below
-            self.mgr.deprioritize(plan.keys, plan.src)
-        run.loads_pending -= 1
-        self._retail(run)
-
-    # ------------------------------------------------------------------ mover
-
-    def _keep_source(self, src: str) -> bool:
-        """Whether a promotion out of ``src`` keeps its copy there. Exclusive DRAM
-        moves (a DRAM copy of what HBM holds would only fill DRAM, parked under
-        the suffix HBM writes back later); any other tier keeps its copy."""
-        return not (self._victim_cache and src == "dram")
-
-    def _transfer(self, src: str, dst: str, num_blocks: int, num_encode: int | None = None) -> float:
-        """Queue a modelled copy from ``src`` to ``dst`` on its stages (the link(s), and
-        the codec's encode / decode where a compressed tier is entered / left: see
-        :mod:`kvtier.replay.codec`), each a FIFO; returns its finish time.
-        ``num_encode``: blocks to encode (default all; see :meth:`_num_to_encode`)."""
-        t = self.now
-        for stage, nbytes in transfer_stages(self.codec, src, dst, num_blocks, self.bytes_per_block, num_encode):
-            start = max(t, self.link_free_s.get(stage, 0.0))
-            service_s = self._service_s(stage, nbytes)
-            self.links.observe(stage, nbytes, service_s)  # what a live mover reports on completion
-            t = start + service_s
-            self.link_free_s[stage] = t
-            if stage in CODEC_STAGES:
-                name = "codec_encoded_blocks" if stage == ENCODE else "codec_decoded_blocks"
-                self.counters[name] = self.counters.get(name, 0) + nbytes // self.bytes_per_block
-            else:
-                self.bytes_moved[stage] = self.bytes_moved.get(stage, 0) + nbytes
-        return t
-
-    def _service_s(self, stage: str, nbytes: int) -> float:
-        """Service time of one stage of a transfer (a link, or the codec's CPU)."""
-        if stage in CODEC_STAGES:
-            assert self.codec is not None
-            return self.codec.service_s(stage, nbytes)
-        return self.profile.transfer_time_s(nbytes, stage)
-
-    def _path_s(self, src: str, dst: str, num_blocks: int) -> float:
-        """Service time of a copy from ``src`` to ``dst`` on idle stages (no queueing)."""
-        return sum(self._service_s(stage, nbytes)
-                   for stage, nbytes in transfer_stages(self.codec, src, dst, num_blocks, self.bytes_per_block))
-
-    def _num_to_encode(self, keys: Sequence[BlockKey], dst: str) -> int | None:
-        """How many of ``keys``, written down from HBM to ``dst``, the codec encodes: those
-        without a compressed copy, held or arriving, in another compressed tier (a block
-        is never compressed twice: its compressed bytes are what goes down). ``None``
-        (all) without a codec."""
-        if self.codec is None:
-            return None
-        mgr = self.mgr
-        others = [t for t in self.lower if t != dst and self.codec.compresses(t)]
-        if not others:
-            return None
-        return sum(1 for k in keys if not any(mgr.contains(k, t) or mgr.is_pending(k, t) for t in others))
-
-    def _victims_out(self, run: _Run) -> None:
-        run.loads_pending -= 1
-
-    def _write_victims(self, after: float | None = None) -> float | None:
-        """Victim cache: HBM victims without a DRAM copy are written down (the engine
-        copies them out before it reuses their slots), those with one are refreshed
-        there. Returns when the copy is done (``None``: nothing to copy).
-
-        A victim takes its DRAM slot when its copy lands, or at ``after`` (when
-        the loads that made room for it in HBM have freed their DRAM slots): the
-        victims and the loads of one admission swap places, as a mover does
-        through its staging buffer, instead of evicting from a DRAM that the
-        loads are about to empty. Until it lands a victim is readable nowhere."""
-        victims, self._victims = self._victims, []
-        mgr = self.mgr
-        todo = []
-        for key, parent in victims:
-            if mgr.contains(key, "hbm"):
-                continue
-            if mgr.contains(key, "dram"):
-                mgr.touch((key,), "dram")
-                continue
-            todo.append((key, parent))
-        plans: list[Any] = [None] * len(todo)
-        if not self.surface.victim_swap:  # each claims its DRAM slot now (the live write-back)
-            kept = []
-            for key, parent in todo:
-                if mgr.is_pending(key, "dram"):  # on its way there already
-                    continue
-                plan = mgr.prepare_store("dram", (key,), parent)
-                if plan is None or not plan.keys:
-                    self.counters["write_back_no_room"] = self.counters.get("write_back_no_room", 0) + 1
-                    continue
-                kept.append(((key, parent), plan))
-            todo, plans = [k for k, _ in kept], [p for _, p in kept]
-            after = None
-        if not todo:
-            return None
-        done = self._transfer("hbm", "dram", len(todo),  # one copy for the lot
-                              self._num_to_encode([key for key, _ in todo], "dram"))
-        lands = done if after is None else max(done, after)
-        self._victims_on_way.update((key, (parent, lands, plan)) for (key, parent), plan in zip(todo, plans))
-        self._at(lands, self._store_victims, todo)
-        return done
-
-    def _store_victims(self, todo: list[tuple[BlockKey, BlockKey | None]]) -> None:
-        on_way = self._victims_on_way
-        for key, parent in todo:
-            entry = on_way.pop(key, None)
-            if entry is None:
-                continue  # landed early (:meth:`_land_victims`)
-            self._store_victim(key, parent, entry[2])
-        if self.surface.defer_loads:  # a deferred request may find its blocks now
-            self._admission_blocked = False
-
-    def _land_victims(self, keys: Sequence[BlockKey], n: int) -> float:
-        """A request wants victims still on their way down (``keys[n]``, the first
-        block its cached prefix lacks, is one): they take their DRAM slots now,
-        so the request finds them, and it loads them once they have landed.
-        Returns when the last of them lands (``0.0``: none were on their way)."""
-        mgr, on_way = self.mgr, self._victims_on_way
-        lands = 0.0
-        for key in keys[n:]:
-            entry = on_way.pop(key, None)
-            if entry is None:
-                if not mgr.contains(key):
-                    break
-                continue
-            lands = max(lands, entry[1])
-            self._store_victim(key, entry[0], entry[2])
-            self.counters["victims_landed_early"] += 1
-        return lands
-
-    def _store_victim(self, key: BlockKey, parent: BlockKey | None, plan: Any = None) -> None:
-        mgr = self.mgr
-        if plan is not None:  # its slot was claimed when it left HBM
-            mgr.complete_store(plan, True)
-            return
-        if mgr.contains(key, "hbm") or mgr.contains(key, "dram") or mgr.is_pending(key, "dram"):
-            return  # back in HBM, or stored again meanwhile
-        plan = mgr.prepare_store("dram", (key,), parent)
-        if plan is not None:
-            mgr.complete_store(plan, True)
 
     def _write_through(self, keys: Sequence[BlockKey], parent: BlockKey | None,
                        agent_key: tuple[int, str] | None = None) -> None:
@@ -986,14 +545,15 @@ class Simulator:
         if not self._write_through_on or not keys:
             return
         for tier in self.lower:
-            if (tier == "dram" and self._victim_cache) or not self.policy.admit_lower(self, tier, agent_key):
+            if (tier == "dram" and self.victims.on) or not self.policy.admit_lower(self.ctx, tier, agent_key):
                 continue
             plan = self.mgr.prepare_store(tier, keys, parent)
             if plan is None or not plan.keys:
                 if plan is not None:
                     self.mgr.complete_store(plan, True)
                 continue
-            done = self._transfer("hbm", tier, len(plan.keys), self._num_to_encode(plan.keys, tier))
+            done = self._transfer("hbm", tier, len(plan.keys),
+                                  self.mover.num_to_encode(self.mgr, self.lower, plan.keys, tier))
             self._at(done, self.mgr.complete_store, plan, True)
 
     # ------------------------------------------------------------------ steps
@@ -1054,12 +614,9 @@ class Simulator:
         run.first_token_s = self.now
         run.decode_left = run.req.output_tokens - 1
         if run.store_plan is not None:
-            if self._vllm_sched:
-                owner = self._prefill_owner
-                for key in run.computed_keys:
-                    del owner[key]
+            self.admission.computed(run)
             self.mgr.complete_store(run.store_plan, True)
-            self._retail(run)
+            self.admission.retail(run)
             first = run.keys.index(run.computed_keys[0]) if run.computed_keys else 0
             self._write_through(run.computed_keys, run.keys[first - 1] if first else None,
                                 (run.sess.idx, run.agent.agent_id))
@@ -1091,7 +648,7 @@ class Simulator:
         if last:
             self.graph.end_agent("replay", sr.sid, agent.agent_id, self.now)
             if self.cfg.agent_ends:
-                self.policy.on_agent_end(self, (sr.idx, agent.agent_id), tuple(ctx_keys))
+                self.policy.on_agent_end(self.ctx, (sr.idx, agent.agent_id), tuple(ctx_keys))
             else:  # to the policy, as any turn without a tool call: it may come back
                 self._wait_starts(sr, agent, ctx_keys, "turn_end", TURN_END_GAP_S)
         if not last:
@@ -1117,8 +674,8 @@ class Simulator:
         """``agent`` stopped with the context ``ctx_keys``; the policy is told to expect it
         back in ``predicted`` s (a prediction; the true gap only where tool waits are announced)."""
         key = (sr.idx, agent.agent_id)
-        self._waiting_agents[key] = self.now + predicted
-        self.policy.on_wait_start(self, ToolWait(key, tuple(ctx_keys), cause, predicted))
+        self.ctx.waiting_agents[key] = self.now + predicted
+        self.policy.on_wait_start(self.ctx, ToolWait(key, tuple(ctx_keys), cause, predicted))
         if self.surface.hbm_requeue:
             self._requeue(key, tuple(ctx_keys))
 
@@ -1196,271 +753,6 @@ class Simulator:
             computed_tokens=run.computed_tokens, measured=run.ready_s >= self.cfg.warmup_s,
         ))
 
-    # ------------------------------------------------------- PlacementContext
-
-    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> bool:
-        """Pin a chain by its deepest HBM block (tail-first eviction keeps its prefix).
-        The budget counts the chain's blocks."""
-        tail = self._deepest_ready_hbm(keys, len(keys))
-        if ttl_s <= 0 or tail is None or not self.surface.hbm_hold:
-            return False
-        n = keys.index(tail) + 1
-        if self._pinned_blocks + n - self._pin_sizes.get(tail, 0) > self._pin_budget_blocks:
-            self.counters["pins_refused"] += 1
-            return False
-        self.mgr.pin((tail,), ttl_s)
-        self._pinned_blocks += n - self._pin_sizes.get(tail, 0)
-        self._pin_sizes[tail] = n
-        self._at(self.now + ttl_s, self._pin_lapsed, tail)
-        return True
-
-    def _pin_lapsed(self, tail: BlockKey) -> None:
-        if tail in self._pin_sizes and not self.mgr.is_pinned(tail):
-            self._pinned_blocks -= self._pin_sizes.pop(tail)
-        self._admission_blocked = False
-
-    def unpin(self, keys: Sequence[BlockKey]) -> None:
-        tails = [k for k in keys if k in self._pin_sizes]
-        if tails:
-            self.mgr.unpin(tails)
-            for tail in tails:
-                self._pinned_blocks -= self._pin_sizes.pop(tail)
-            self._admission_blocked = False
-
-    def offload(self, keys: Sequence[BlockKey], dst: str) -> int:
-        """Swap the HBM copies of ``keys`` out to ``dst``: blocks already there just
-        drop their HBM copy; the rest move over the link (modelled)."""
-        if dst not in self.mgr.tier_names:
-            return 0
-        mgr = self.mgr
-        if not self.surface.hbm_drop:  # the HBM copy stays until the engine evicts it; the copy below counts
-            return len(mgr.present(mgr.present(keys, "hbm"), dst))
-        in_hbm = mgr.present(keys, "hbm")
-        already = mgr.present(in_hbm, dst)
-        dropped = mgr.remove(already, "hbm") if already else 0
-        plan = mgr.prepare_move(in_hbm if not already else mgr.present(in_hbm, "hbm"), "hbm", dst,
-                                keep_source=False)
-        self.counters["offloaded_blocks"] += dropped
-        if plan is None:
-            self._admission_blocked = False
-            return dropped
-        self.counters["offloaded_blocks"] += len(plan.keys)
-        self._at(self._transfer("hbm", dst, len(plan.keys), self._num_to_encode(plan.keys, dst)),
-                 self._complete_offload, plan)
-        return dropped + len(plan.keys)
-
-    def _complete_offload(self, plan: Any) -> None:
-        self.mgr.complete_move(plan, True)
-        self._admission_blocked = False
-
-    def discard(self, keys: Sequence[BlockKey]) -> int:
-        if not self.surface.hbm_drop:
-            return 0
-        n = self.mgr.remove(keys, "hbm")
-        self.counters["discarded_blocks"] += n
-        self._admission_blocked = False
-        return n
-
-    def transfer_time_s(self, num_blocks: int, link: str) -> float:
-        """Expected time to move ``num_blocks`` over ``link`` (``ssd->hbm``: both
-        hops; with a cold codec, its encode / decode too), from the transfer
-        model fitted to completed transfers."""
-        src, dst = link.split("->")
-        return sum(self.links.predict_s(stage, nbytes)
-                   for stage, nbytes in transfer_stages(self.codec, src, dst, num_blocks, self.bytes_per_block))
-
-    def recompute_time_s(self, num_tokens: int) -> float:
-        return self.profile.recompute_time_s(num_tokens, 0)
-
     def running_blocks(self) -> int:
+        """HBM blocks the running requests hold: their prompts and decode reserves."""
         return sum(len(r.keys) + r.reserved for r in itertools.chain(self.prefilling, self.decoding))
-
-    def tool_history_s(self) -> Sequence[float]:
-        return self._tool_history
-
-    def private_start(self, keys: Sequence[BlockKey]) -> int:
-        return self.mgr.private_start(keys)
-
-    # ------------------------------------- PlacementContext: agent-aware part
-
-    def call_at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
-        """Call ``fn(*args)`` at simulated time ``t`` (now if ``t`` is past)."""
-        self._at(max(t, self.now), fn, *args)
-
-    def prefetch(self, agent_key: tuple[int, str], keys: Sequence[BlockKey]) -> float | None:
-        """Promote the lower-tier blocks of ``keys``' cached prefix into HBM for the
-        agent's next request; returns when they will be there (``None`` when
-        nothing needs to move or HBM has no room). The blocks are held from
-        arrival until that request is admitted."""
-        if agent_key in self._prefetches or agent_key not in self._waiting_agents:
-            return None
-        mgr = self.mgr
-        hit = mgr.lookup(keys)
-        names, tiers = hit.tier_names, hit.tier_indices
-        plans, done = [], self.now
-        dst = self.surface.prefetch_to
-        if dst not in names:
-            return None
-        for src_idx in range(names.index(dst) + 1, len(names)):
-            src_keys = list(compress(keys, map(src_idx.__eq__, tiers)))
-            if not src_keys:
-                continue
-            plan = mgr.prepare_move(src_keys, names[src_idx], dst, keep_source=self._keep_source(names[src_idx]))
-            if plan is None:
-                break
-            plans.append(plan)
-            done = max(done, self._transfer(names[src_idx], dst, len(plan.keys)))
-        if not plans:
-            return None
-        if self._victims:  # what made room in HBM lands in DRAM as the prefetch frees it
-            self._write_victims(done)
-        pf = _Prefetch(plans, done, tuple(keys[: hit.num_blocks]))
-        self._prefetches[agent_key] = pf
-        self.counters["prefetches"] += 1
-        self.counters["prefetched_blocks"] += sum(len(p.keys) for p in plans)
-        self._at(done, self._prefetch_arrived, agent_key, pf)
-        return done
-
-    def stage(self, keys: Sequence[BlockKey]) -> int:
-        """Promote the SSD blocks of ``keys``' cached prefix into DRAM for a queued
-        request (the SSD keeps its copy), once the engine's admission pass has
-        left it queued (one admitted at once loads straight from SSD); its
-        admission reads whatever has arrived by then from DRAM. Returns 0: the
-        promotion is decided after the pass."""
-        self._to_stage.append(keys)
-        return 0
-
-    def _stage_queued(self) -> None:
-        to_stage, self._to_stage = self._to_stage, []
-        queued = {id(r.keys) for r in self.waiting}
-        for keys in to_stage:
-            plan = ssd_promotion(self.mgr, keys) if id(keys) in queued else None
-            if plan is not None:
-                self._at(self._transfer("ssd", "dram", len(plan.keys)), self._staged_in, plan)
-                self.counters["staged_blocks"] += len(plan.keys)
-
-    def _staged_in(self, plan: Any) -> None:
-        self.mgr.complete_move(plan, True)
-        if self._victim_cache:  # admitted before they arrived: HBM has them, DRAM need not
-            self.mgr.deprioritize([k for k in plan.keys if self.mgr.contains(k, "hbm")], "dram")
-
-    def _prefetch_arrived(self, agent_key: tuple[int, str], pf: _Prefetch) -> None:
-        for plan in pf.plans:
-            self.mgr.complete_move(plan, True)
-        pf.arrived = True
-        if pf.cancelled or self.surface.prefetch_to != "hbm":
-            return
-        pf.hold = self._deepest_ready_hbm(pf.keys, len(pf.keys))
-        if pf.hold is not None:
-            self.mgr.acquire((pf.hold,))
-        self._admission_blocked = False
-
-    def _release_prefetch_holds(self, head: _Run) -> bool:
-        """``head`` does not fit: let go of the hold of every arrived prefetch, its
-        own included (a prefetch of a context the new prompt left behind must
-        not keep it out). The blocks stay cached but become evictable. True
-        when one was released."""
-        released = False
-        for pf in self._held_prefetches():
-            self.mgr.release((pf.hold,))
-            pf.hold = None
-            released = True
-        if released:
-            self.counters["prefetch_holds_released"] = self.counters.get("prefetch_holds_released", 0) + 1
-        return released
-
-    def _held_prefetches(self) -> list[_Prefetch]:
-        waiting = [r.prefetch for r in itertools.chain(self.waiting, (d[0] for d in self._deferred))
-                   if r.prefetch is not None]
-        return [pf for pf in itertools.chain(self._prefetches.values(), waiting) if pf.hold is not None]
-
-    def _settle_prefetch(self, pf: _Prefetch, used: Sequence[BlockKey]) -> None:
-        """The request the prefetch was for was admitted: drop its hold; a prefetch
-        none of whose blocks the request used was wasted."""
-        if pf.hold is not None:
-            self.mgr.release((pf.hold,))
-            pf.hold = None
-        moved = {k for p in pf.plans for k in p.keys}
-        if not moved.intersection(used):
-            self.counters["prefetch_wasted"] += 1
-
-    def drop(self, keys: Sequence[BlockKey]) -> int:
-        """Remove ``keys`` from every tier (dead KV: nobody will read it again)."""
-        if self.surface.hbm_drop:
-            n = self.mgr.remove(keys)
-        else:
-            n = sum(self.mgr.remove(keys, t) for t in self.lower)
-        self.counters["dropped_blocks"] += n
-        self._admission_blocked = False
-        return n
-
-    def deprioritize(self, keys: Sequence[BlockKey], tiers: Sequence[str] = ("hbm",)) -> int:
-        """Make ``keys``' idle copies in ``tiers`` the next victims there."""
-        n = sum(self.mgr.deprioritize(keys, t) for t in tiers
-                if t in self.mgr.tier_names and (t != "hbm" or self.surface.hbm_demote))
-        return n
-
-    def retire(self, keys: Sequence[BlockKey]) -> int:
-        """Dead KV (its agent ended): next victims in every tier, but still
-        readable until the room is needed. On a surface that can free an HBM
-        block but not reorder HBM (``hbm_drop`` without ``hbm_demote``), its idle
-        HBM copies are freed at once instead."""
-        n = self.deprioritize(keys, self.mgr.tier_names)
-        self.counters["retired_blocks"] = self.counters.get("retired_blocks", 0) + n
-        if self.surface.hbm_drop and not self.surface.hbm_demote:
-            dropped = self.mgr.remove(keys, "hbm")
-            self.counters["dropped_blocks"] += dropped
-            self._admission_blocked = False
-            n += dropped
-        return n
-
-    def count(self, name: str, n: int = 1) -> None:
-        """Add ``n`` to the replay counter ``name`` (decisions by reason, ...)."""
-        self.counters[name] = self.counters.get(name, 0) + n
-
-    def criticality(self, agent_key: tuple[int, str]) -> float:
-        """The agent's criticality from the hint plane's DAG (1.0 on the critical path)."""
-        crit = self.graph.criticalities("replay", str(agent_key[0]), self.now)
-        return crit.get(agent_key[1], 0.0)
-
-    def hbm_pressure(self) -> float:
-        """HBM in use (cached + reserved) over capacity, plus the demand of the
-        requests waiting for admission, as a fraction of capacity."""
-        if self.surface.pressure_counts_idle:
-            used = self.mgr.used_blocks("hbm")
-        else:  # what vLLM reports as KV usage: blocks referenced by running requests and holds
-            used = min(self.hbm_capacity_blocks, self.running_blocks() + self._pinned_blocks)
-        waiting = sum(math.ceil((r.req.input_tokens + r.req.output_tokens) / self.block_size)
-                      for r in itertools.islice(self.waiting, 16))
-        return (used + waiting) / max(1, self.hbm_capacity_blocks)
-
-    def waiting_demand_blocks(self) -> int:
-        """HBM blocks the (first 16) requests waiting for admission need."""
-        return sum(math.ceil((r.req.input_tokens + r.req.output_tokens) / self.block_size)
-                   for r in itertools.islice(self.waiting, 16))
-
-    def tiers_enabled(self) -> tuple[str, ...]:
-        return self.mgr.tier_names
-
-    def blocks_in(self, keys: Sequence[BlockKey], tier: str) -> int:
-        """How many of ``keys`` are readable in ``tier`` (0 for a tier not enabled)."""
-        return len(self.mgr.present(keys, tier)) if tier in self.mgr.tier_names else 0
-
-    def touch(self, keys: Sequence[BlockKey]) -> None:
-        """Refresh ``keys``' HBM copies to most recent (they are due next)."""
-        if self.surface.hbm_refresh:
-            self.mgr.touch(self.mgr.present(keys, "hbm"), "hbm")
-
-    def remaining_path_s(self, session: int) -> float:
-        """The session's expected remaining time (its critical path) per the hint plane."""
-        return self.graph.remaining_path_s("replay", str(session), self.now)
-
-    def parent_of(self, agent_key: tuple[int, str]) -> str | None:
-        """The agent's parent id as the hint plane knows it (``None`` for a root)."""
-        s = self.graph.session("replay", str(agent_key[0]))
-        a = s.agents.get(agent_key[1]) if s is not None else None
-        return a.parent_id if a is not None else None
-
-    def is_waiting(self, agent_key: tuple[int, str]) -> bool:
-        """True while the agent waits (tool, user, sub-agents) for its next request."""
-        return agent_key in self._waiting_agents

@@ -48,8 +48,8 @@ class _Sim:
 
     def __init__(self, surface: str) -> None:
         cfg = SimConfig(hbm_blocks=HBM, dram_blocks=DRAM, surface=surface)
-        self.ctx = Simulator(Workload("conformance", BS, (), False), cfg, make_placement("lru-dram"), PROFILE)
-        self.mgr = self.ctx.mgr
+        self.sim = Simulator(Workload("conformance", BS, (), False), cfg, make_placement("lru-dram"), PROFILE)
+        self.ctx, self.mgr = self.sim.ctx, self.sim.mgr
         self.session = 0
 
     def agent(self, agent_id: str) -> tuple[int, str]:
@@ -65,14 +65,14 @@ class _Sim:
         self.mgr.evict("hbm", n)
 
     def advance(self, dt: float) -> None:
-        self.ctx.now += dt
-        self.ctx._advance()  # one engine pass: the events due (timers, lapsed pins, landed moves)
+        self.sim.now += dt
+        self.sim._advance()  # one engine pass: the events due (timers, lapsed pins, landed moves)
 
     def announce(self, now: float) -> None:
         """The hint plane learns session 0: a root agent and its sub-agent."""
-        self.ctx.graph.start_session("replay", str(self.session), now)
-        self.ctx.graph.spawn_agent("replay", str(self.session), "root", now)
-        self.ctx.graph.spawn_agent("replay", str(self.session), "sub", now, parent_id="root")
+        self.sim.graph.start_session("replay", str(self.session), now)
+        self.sim.graph.spawn_agent("replay", str(self.session), "root", now)
+        self.sim.graph.spawn_agent("replay", str(self.session), "sub", now, parent_id="root")
 
 
 class _Live:
