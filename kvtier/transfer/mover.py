@@ -1,8 +1,16 @@
 """The real mover: an asynchronous transfer engine over worker threads.
 
-Owns: running transfer jobs (copies between caller buffers, tensor pools and
-the SSD tier) off the caller's thread, each on its own device stream where an
-accelerator exists, and reporting completion with a per-block ``ok`` list.
+Owns: running transfer jobs (copies between caller buffers, tensor pools,
+staging rows and the SSD and remote tiers) off the caller's thread, each on
+its own device stream where an accelerator exists, and reporting completion
+with a per-block ``ok`` list. Besides its pool of threads it runs named
+*lanes*, one thread each, whose jobs run in submission order (a tier written
+in order; the vLLM connector's ``copy``, ``ssd`` and ``remote``), and *tasks*
+(:meth:`TransferEngine.submit_task`): jobs that post their own results and
+name what to do when they fail. Both callers of the data plane,
+:class:`~kvtier.store.TieredStore` and the connector's worker, run every
+background copy here, so both get the same failure handling, fault hook
+and link statistics.
 A job that raises completes with every block ``ok=False`` and is counted; its
 blocks never become readable. A job with a ``deadline`` that finishes after
 it also completes with every block ``ok=False`` (counted as timed out): late
@@ -70,10 +78,12 @@ class TransferEngine:
     """Worker threads executing :class:`TransferJob` s. ``submit`` returns a
     future resolving to the job's ``ok`` list after ``on_done`` ran."""
 
-    def __init__(self, num_threads: int = 2, device: torch.device | None = None) -> None:
+    def __init__(self, num_threads: int = 2, device: torch.device | None = None, lanes: Sequence[str] = ()) -> None:
         if num_threads < 1:
             raise ValueError(f"mover_threads={num_threads!r}: must be >= 1")
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="kvtier-mover")
+        self._lanes = {name: ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{name}") for name in lanes}
+        self.cpu_s = 0.0  # thread CPU time of every task run (the connector reports it per step)
         self._device = device
         self._streams = device is not None and device.type == "cuda"
         self._local = threading.local()
@@ -87,6 +97,20 @@ class TransferEngine:
 
     def submit(self, job: TransferJob) -> Future[Sequence[bool]]:
         return self._pool.submit(self._execute, job)
+
+    def submit_task(self, lane: str, link: str, num_blocks: int, num_bytes: int, run: Callable[[], None],
+                    fail: Callable[[], None]) -> Future[None]:
+        """Run ``run`` on ``lane``, after the lane's earlier jobs: a job that posts its own
+        results. The fault hook sees it first (as a :class:`TransferJob` on ``link``). An I/O or
+        copy error, or a bug, calls ``fail`` instead of losing the job (its caller would wait
+        for it forever), is logged and counted, and fails its blocks in the link's stats."""
+        job = TransferJob(link, num_blocks, num_bytes, _no_oks, _ignore_oks)
+        return self._lanes[lane].submit(self._task, job, run, fail)
+
+    def drain(self, lanes: Sequence[str] | None = None) -> None:
+        """Wait until every job queued so far on ``lanes`` (default all) has run."""
+        for name in (self._lanes if lanes is None else lanes):
+            self._lanes[name].submit(int).result()
 
     def run_sync(self, job: TransferJob) -> Sequence[bool]:
         """Execute ``job`` on the caller's thread (small transfers, tests)."""
@@ -104,7 +128,32 @@ class TransferEngine:
         return self._account(link, num_blocks, num_bytes, self._run(link, num_blocks, run, None), start, start, None)
 
     def close(self) -> None:
+        """Finish every queued job (lanes in their order), then stop the threads."""
         self._pool.shutdown(wait=True)
+        for lane in self._lanes.values():
+            lane.shutdown(wait=True)
+
+    def _task(self, job: TransferJob, run: Callable[[], None], fail: Callable[[], None]) -> None:
+        start, cpu = time.perf_counter(), time.thread_time()
+        ok = False
+        try:
+            hook = self.fault_hook
+            if hook is not None:
+                hook(job)
+            run()
+            ok = True
+        except (OSError, RuntimeError, ValueError) as exc:  # a failed transfer is a miss, never a crash
+            log.warning("kvtier transfer on %s failed: %s", job.link, exc)
+        except Exception:  # a bug: still fail the blocks, or their plan would wait forever
+            log.exception("kvtier transfer on %s failed unexpectedly", job.link)
+        finally:
+            with self._lock:
+                self.cpu_s += time.thread_time() - cpu
+                if not ok:
+                    self.failed_jobs += 1
+        if not ok:
+            fail()
+        self._account(job.link, job.num_blocks, job.num_bytes, [ok] * job.num_blocks, start, job.submitted_at, None)
 
     def _execute(self, job: TransferJob) -> list[bool]:
         start = time.perf_counter()
@@ -164,6 +213,11 @@ class TransferEngine:
                 stream = self._local.stream = torch.cuda.Stream(dev)
             return torch.cuda.stream(stream)
         return _NULL_CONTEXT
+
+
+def _no_oks() -> Sequence[bool]:
+    """``run`` of a task's job: a task posts its own results."""
+    return ()
 
 
 def _ignore_oks(oks: Sequence[bool]) -> None:

@@ -2,12 +2,17 @@
 
 Owns: the registered engine KV caches (through :class:`~.blockio.BlockIO`),
 this rank's DRAM slab pool, SSD (LMDB) tier and remote-tier client (a
-Mooncake Store shared by engines, :mod:`~.remoteshare`), and background
-threads that move host bytes for the scheduler's plans: ``copy`` (DRAM
-slots), ``ssd`` (LMDB reads, writes, deletes) and ``remote`` (the shared
-store's reads and writes). Reports per-block results, store jobs whose
-engine blocks it finished reading, finished loads and the engine block ids
-whose load failed.
+Mooncake Store shared by engines, :mod:`~.remoteshare`), and the jobs that
+move host bytes for the scheduler's plans. The bytes move through kvtier's
+data plane, as :class:`~kvtier.store.TieredStore`'s do: the copies are
+:mod:`kvtier.transfer.media`'s staging-row movers, run on a
+:class:`~kvtier.transfer.mover.TransferEngine` (``self.mover``: its failure
+handling, ``fault_hook`` and link statistics) in three ordered lanes,
+``copy`` (DRAM slots), ``ssd`` (LMDB reads, writes, deletes) and ``remote``
+(the shared store's reads and writes). What stays here is vLLM's: the
+gather and scatter between the engine's blocks and the staging ring.
+Reports per-block results, store jobs whose engine blocks it finished
+reading, finished loads and the engine block ids whose load failed.
 
 Every torch operation on engine blocks runs on the engine's own thread
 (gather in ``wait_for_save``, scatter in ``get_finished``); the background
@@ -43,8 +48,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,8 +58,9 @@ import torch
 
 from kvtier.keys import BlockKey, Namespace
 from kvtier.layout import KVLayout
-from kvtier.tiers.codec import copy_many
 from kvtier.tiers.pool import TensorPool, accelerator_device
+from kvtier.transfer import media
+from kvtier.transfer.mover import TransferEngine
 
 from . import remoteshare, ssdshare
 from .blockio import BlockIO, KVCache
@@ -92,13 +97,16 @@ class _Results:
     staging_skipped_loads: int = 0  # blocks not loaded: the staging ring was full
 
 
-class _Writer:
-    """A slow tier's writes (SSD or remote): one thread, and a bound on the host
-    copies queued for it (``queued_bytes``; changed under the worker's lock)."""
+LANES = ("copy", "ssd", "remote")  # the worker's ordered lanes on its TransferEngine
 
-    def __init__(self, tier: Any, thread: ThreadPoolExecutor, bound_bytes: int) -> None:
+
+class _Writer:
+    """A slow tier's writes (SSD or remote): one lane of the mover, and a bound on the
+    host copies queued for it (``queued_bytes``; changed under the worker's lock)."""
+
+    def __init__(self, tier: Any, lane: str, bound_bytes: int) -> None:
         self.tier = tier
-        self.thread = thread
+        self.lane = lane
         self.bound_bytes = bound_bytes
         self.queued_bytes = 0
         self.peak_bytes = 0
@@ -131,9 +139,10 @@ class KVTierWorker:
         self._ssd: Any = None
         self._remote: Any = None
         self._remote_reported: dict[str, int] = {}  # the store client's failure counters as last reported
-        self._copy = ThreadPoolExecutor(1, thread_name_prefix="kvtier-copy")
-        self._ssd_thread = ThreadPoolExecutor(1, thread_name_prefix="kvtier-ssd")
-        self._writers: dict[str, _Writer] = {}  # "ssd" / "remote": their writer threads and queue bounds
+        # the data plane's mover: the lanes run in order; its own pool is not used here
+        self.mover = TransferEngine(1, lanes=LANES)
+        self._cpu_reported = 0.0  # the mover's task CPU time as last reported
+        self._writers: dict[str, _Writer] = {}  # "ssd" / "remote": their lanes and queue bounds
         # takes half of each large DRAM copy (copy_threads - 1 threads; none at 1)
         self._copy_helper = (ThreadPoolExecutor(settings.copy_threads - 1, thread_name_prefix="kvtier-copy-helper")
                              if settings.copy_threads > 1 else None)
@@ -180,11 +189,10 @@ class KVTierWorker:
             assert path is not None
             self._ssd = ssdshare.acquire(path, self.namespace, self.layout, cfg)
             # SSD reads, deletes and promotions share the one LMDB thread with the writes
-            self._writers["ssd"] = _Writer(self._ssd, self._ssd_thread, self.settings.ssd_write_queue_bytes)
+            self._writers["ssd"] = _Writer(self._ssd, "ssd", self.settings.ssd_write_queue_bytes)
         if self.settings.remote is not None:
             self._remote = remoteshare.acquire(self.settings.remote, self.namespace, self.layout)
-            writer = _Writer(self._remote, ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote"),
-                             self.settings.remote.write_queue_bytes)
+            writer = _Writer(self._remote, "remote", self.settings.remote.write_queue_bytes)
             self._writers["remote"] = writer
             # raw values: remote reads land in the ring, and queued writes are sent from the arena,
             # with no copy through the store client's staging (a store that refuses either uses it)
@@ -202,11 +210,8 @@ class KVTierWorker:
 
     def shutdown(self) -> None:
         """Finish queued jobs, then close the SSD tier and leave the remote store."""
-        self._copy.shutdown(wait=True)
-        self._ssd_thread.shutdown(wait=True)
+        self.mover.close()  # copy, then SSD, then remote: a lane's jobs hand on only to later lanes
         remote = self._writers.get("remote")
-        if remote is not None:
-            remote.thread.shutdown(wait=True)
         if self._copy_helper is not None:
             self._copy_helper.shutdown(wait=True)
         if self._ssd is not None:
@@ -233,10 +238,12 @@ class KVTierWorker:
                 self._results.write_backs_missed += sum(len(j.block_ids) for j in meta.write_backs)
         if meta.ssd_deletes and self._ssd is not None and self.writes_shared:  # the writing rank deletes
             keys = [BlockKey(k) for k in meta.ssd_deletes]
-            self._ssd_thread.submit(self._ssd.delete_many, keys)
+            self.mover.submit_task("ssd", "ssd-delete", len(keys), 0, lambda: self._ssd.delete_many(keys), _nothing)
+        nbytes = self.layout.bytes_per_block
         for pj in meta.promotions:
-            self._ssd_thread.submit(self._guarded, lambda pj=pj: self._promote(pj),
-                                    lambda pj=pj: self._post_plan(pj.plan_id, [False] * len(pj.keys)))
+            self.mover.submit_task("ssd", "ssd->dram", len(pj.keys), len(pj.keys) * nbytes,
+                                   lambda pj=pj: self._promote(pj),
+                                   lambda pj=pj: self._post_plan(pj.plan_id, [False] * len(pj.keys)))
         for job in meta.loads:
             self._loads.add(job.req_id)
             run = self.ring.take(len(job.keys)) if self.ring is not None else None
@@ -247,9 +254,10 @@ class KVTierWorker:
             if run is None:
                 self._post_read(job, None, [False] * len(job.keys))
                 continue
-            runner = self._ssd_thread if "ssd" in job.tiers[:got] else self._copy  # remote reads: _read hands on
-            runner.submit(self._guarded, lambda job=job, run=run: self._read(job, run),
-                          lambda job=job, run=run: self._post_read(job, run, [False] * len(job.keys)))
+            lane = "ssd" if "ssd" in job.tiers[:got] else "copy"  # remote reads: _read hands on
+            self.mover.submit_task(lane, "ssd->hbm" if lane == "ssd" else "dram->hbm", got, got * nbytes,
+                                   lambda job=job, run=run: self._read(job, run),
+                                   lambda job=job, run=run: self._post_read(job, run, [False] * len(job.keys)))
 
     def handle_preemptions(self, meta: KVTierConnectorMetadata) -> None:
         """First thing of every step, before vLLM zeroes, copies into or computes any
@@ -283,8 +291,10 @@ class KVTierWorker:
                 self._fail_store(job, None)
                 continue
             ready = self.io.copy_out(job.block_ids[:got], run.rows, engine_waits=before_forward)
-            fut = self._copy.submit(self._guarded, lambda job=job, run=run, ready=ready: self._write(job, run, ready),
-                                    lambda job=job, run=run: self._fail_store(job, run))
+            link = "hbm->dram" if any(w.tier == "dram" for w in job.writes) else "hbm->staging"
+            fut = self.mover.submit_task("copy", link, got, got * run.rows.shape[1],
+                                         lambda job=job, run=run, ready=ready: self._write(job, run, ready),
+                                         lambda job=job, run=run: self._fail_store(job, run))
             self._gathers.setdefault(job.req_id, {})[job.job_id] = fut
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -307,7 +317,9 @@ class KVTierWorker:
         recving = {self._land_read(read, meta) for read in res.reads}
         sending = {r for r in self._release if r not in self._gathers and r not in self._loads}
         self._release -= sending
-        meta.busy_us = res.busy_us
+        cpu_s = self.mover.cpu_s  # the background jobs' CPU time since the last report
+        meta.busy_us = res.busy_us + int((cpu_s - self._cpu_reported) * 1e6)
+        self._cpu_reported = cpu_s
         meta.skipped_blocks = res.skipped_blocks
         meta.remote_skipped_blocks = res.remote_skipped_blocks
         meta.remote_outcomes = self._remote_outcomes()
@@ -350,14 +362,11 @@ class KVTierWorker:
 
     def _drain(self) -> None:
         """``lockstep_transfers``: wait until every transfer queued so far has finished. Each
-        of the worker's thread pools has one thread and runs in order, so a no-op queued
-        behind its work returns once that work is done; twice over, for a read one thread
-        hands on to another (DRAM or SSD, then the remote tier). The SSD writer is the SSD thread:
-        each pool once."""
-        pools = dict.fromkeys([self._copy, self._ssd_thread, *(w.thread for w in self._writers.values())])
+        lane runs in order, so a no-op queued behind its work returns once that work is done;
+        twice over, for a job one lane hands on to another (a store's copy, then its SSD or
+        remote write; a DRAM or SSD read, then the remote tier's part)."""
         for _ in range(2):
-            for pool in pools:
-                pool.submit(int).result()
+            self.mover.drain()
 
     REMOTE_COUNTERS = ("missing", "remote_errors", "checksum_failures", "decode_failures", "mismatches",
                        "key_mismatches", "removed_corrupt", "put_pinned_blocks", "put_direct_blocks",
@@ -404,21 +413,6 @@ class KVTierWorker:
 
     # ------------------------------------------------------------ background jobs (host bytes only)
 
-    def _guarded(self, run: Callable[[], None], fail: Callable[[], None]) -> None:
-        """Run a job; on an I/O or copy error, report its blocks as failed."""
-        start = time.thread_time()
-        try:
-            run()
-        except (OSError, RuntimeError, ValueError) as exc:  # a failed transfer is a miss, never a crash
-            log.warning("kvtier transfer failed: %s", exc)
-            fail()
-        except Exception:  # a bug: still report the blocks failed, or their plan would wait forever
-            log.exception("kvtier transfer failed unexpectedly")
-            fail()
-        finally:
-            with self._lock:
-                self._results.busy_us += int((time.thread_time() - start) * 1e6)
-
     def _write(self, job: StoreJob, run: Run, ready: Any) -> None:
         """Copy thread: once the gather into ``run`` is done, write its rows to the tiers, then give it back."""
         try:
@@ -437,8 +431,8 @@ class KVTierWorker:
             pos = [i for i, r in enumerate(w.rows) if r < got]
             if w.tier == "dram":
                 assert self._pool_np is not None
-                _copy_rows(self._pool_np, [w.slots[i] for i in pos], host, [w.rows[i] for i in pos], self._copy_helper,
-                           self.settings.copy_threads)
+                media.staging_to_pool(self._pool_np, [w.slots[i] for i in pos], host, [w.rows[i] for i in pos],
+                                      self._copy_helper, self.settings.copy_threads)
                 self._post_plan(w.plan_id, [r < got for r in w.rows])
                 continue
             if not self.writes_shared:  # rank 0 writes this shared tier; this rank's report must not veto it
@@ -471,7 +465,7 @@ class KVTierWorker:
                         arena_rows = []
             if arena_rows:
                 try:
-                    _copy_rows(writer.arena, arena_rows, host, src_rows)
+                    media.copy_rows(writer.arena, arena_rows, host, src_rows)
                 except BaseException:
                     with self._lock:
                         writer.free_rows.extend(arena_rows)
@@ -483,8 +477,9 @@ class KVTierWorker:
             items = [(BlockKey(job.keys[w.rows[i]]), own[r], _key(job.parents[w.rows[i]]))
                      for i, r in zip(pos, arena_rows)]
             held = arena_rows if own is writer.arena else []
-            writer.thread.submit(
-                self._guarded, lambda w=w, wr=writer, items=items, pos=pos, n=nbytes, held=held: self._write_slow(
+            self.mover.submit_task(
+                writer.lane, f"hbm->{w.tier}", len(pos), nbytes,
+                lambda w=w, wr=writer, items=items, pos=pos, n=nbytes, held=held: self._write_slow(
                     wr, w, items, pos, n, held),
                 lambda w=w: self._post_plan(w.plan_id, [False] * len(w.rows)))
 
@@ -493,17 +488,14 @@ class KVTierWorker:
         """SSD or remote thread: write ``items`` (rows ``pos`` of ``w``; in ``arena_rows`` of the
         writer's arena, if any); the plan reports the leading run written."""
         try:  # the queued bytes (and arena rows) are given back however the write ends (an error fails the plan)
-            kwargs: dict[str, Any] = {"codec": w.codec} if w.codec else {}
-            if w.pin_ttl_s:
-                kwargs["pin_ttl_s"] = w.pin_ttl_s
-            n = writer.tier.put_many(items, **kwargs)
+            written = media.staging_to_slow(writer.tier, items, w.codec, w.pin_ttl_s)
         finally:
             with self._lock:
                 writer.queued_bytes -= nbytes
                 writer.free_rows.extend(arena_rows)
         oks = [False] * len(w.rows)
-        for j in range(n):
-            oks[pos[j]] = True
+        for j, ok in zip(pos, written):
+            oks[j] = ok
         self._post_plan(w.plan_id, oks)
 
     def _fail_store(self, job: StoreJob, run: Run | None) -> None:
@@ -522,14 +514,13 @@ class KVTierWorker:
         if not remote or self._remote is None or not all(oks[:remote[0]]):  # a failed block fails all after it
             self._post_read(job, run, oks)
             return
-        self._writers["remote"].thread.submit(
-            self._guarded, lambda: self._read_remote(job, run, oks, remote),
-            lambda: self._post_read(job, run, [False] * len(job.keys)))
+        self.mover.submit_task("remote", "remote->hbm", len(remote), len(remote) * host.shape[1],
+                               lambda: self._read_remote(job, run, oks, remote),
+                               lambda: self._post_read(job, run, [False] * len(job.keys)))
 
     def _read_remote(self, job: LoadJob, run: Run, oks: list[bool], rows: Sequence[int]) -> None:
         """Remote thread: read and verify the load's remote blocks ``rows`` into ``run``."""
-        host = run.rows.numpy()
-        got = self._remote.get_many_into([BlockKey(job.keys[i]) for i in rows], [host[i] for i in rows])
+        got = media.slow_to_staging(self._remote, [BlockKey(job.keys[i]) for i in rows], run.rows.numpy(), rows)
         for i, ok in zip(rows, got):
             oks[i] = bool(ok)
         self._post_read(job, run, oks)
@@ -541,23 +532,24 @@ class KVTierWorker:
         dram = [i for i, t in enumerate(job.tiers[:got]) if t == "dram"]
         ssd = [i for i, t in enumerate(job.tiers[:got]) if t == "ssd"]
         if dram and self._pool_np is not None:
-            _copy_rows(host, dram, self._pool_np, [job.slots[i] for i in dram], self._copy_helper,
-                       self.settings.copy_threads)
-            for i in dram:
-                oks[i] = True
+            got_dram = media.pool_to_staging(self._pool_np, [job.slots[i] for i in dram], host, dram,
+                                             self._copy_helper, self.settings.copy_threads)
+            for i, ok in zip(dram, got_dram):
+                oks[i] = ok
         if ssd and self._ssd is not None:
-            got_ssd = self._ssd.get_many_into([BlockKey(job.keys[i]) for i in ssd], [host[i] for i in ssd])
+            got_ssd = media.slow_to_staging(self._ssd, [BlockKey(job.keys[i]) for i in ssd], host, ssd)
             for i, ok in zip(ssd, got_ssd):
-                oks[i] = bool(ok)
+                oks[i] = ok
         return oks
 
     def _promote(self, job: PromoteJob) -> None:
         """SSD -> DRAM (a prefetch): read verified values straight into the reserved slots."""
-        if self._ssd is None or self._pool_np is None:
+        if self._ssd is None or self._pool is None:
             self._post_plan(job.plan_id, [False] * len(job.keys))
             return
-        oks = self._ssd.get_many_into([BlockKey(k) for k in job.keys], [self._pool_np[s] for s in job.slots])
-        self._post_plan(job.plan_id, list(oks))
+        # the scheduler notes copies decoded from lossy values (lossy None here)
+        oks = media.ssd_to_pool(self._ssd, [BlockKey(k) for k in job.keys], self._pool, job.slots, None)()
+        self._post_plan(job.plan_id, list(map(bool, oks)))
 
     def _post_read(self, job: LoadJob, run: Run | None, oks: list[bool]) -> None:
         with self._lock:
@@ -570,82 +562,6 @@ class KVTierWorker:
     def _post_gathered(self, job: StoreJob) -> None:
         with self._lock:
             self._results.gathered.append((job.job_id, job.req_id))
-
-
-def _copy_rows(dst: np.ndarray, dst_rows: Sequence[int], src: np.ndarray, src_rows: Sequence[int],
-               helper: ThreadPoolExecutor | None = None, threads: int = 1) -> None:
-    """``dst[dst_rows[i]] = src[src_rows[i]]``, one copy per block: a slice copy per
-    run of adjacent rows on both sides (a fresh chain's usually are one run). Fancy
-    indexing (``dst[a] = src[b]``) would copy every byte twice, through a temporary.
-    A copy of ``SPLIT_COPY_MIN_BYTES`` or more is split into ``threads`` parts, all
-    but one on the ``helper`` pool (numpy lets go of the GIL while it copies).
-    numpy, not torch: this runs on the worker's background threads, and torch
-    would start an OpenMP team there beside a CPU engine's forward."""
-    runs = _runs(dst_rows, src_rows)
-    if helper is None or threads < 2 or len(dst_rows) * dst.shape[1] < SPLIT_COPY_MIN_BYTES:
-        _copy_pairs([(dst[d : d + n], src[s : s + n]) for d, s, n in runs])
-        return
-    if threads == 2 and copy_many([dst[d : d + n] for d, _, n in runs], [src[s : s + n] for _, s, n in runs]):
-        return  # split with the C copy's own second thread, which is awake when a burst of copies comes
-    *others, mine = _split(dst, src, runs, len(dst_rows), threads)
-    futures: list[Future[None]] = []
-    try:
-        for part in others:
-            try:
-                futures.append(helper.submit(_copy_pairs, part))
-            except RuntimeError:  # the worker is shutting down: copy that part here
-                _copy_pairs(part)
-        _copy_pairs(mine)
-    finally:
-        for f in futures:
-            f.result()  # every part is done (or its error raised) before the rows are used
-
-
-# bench/connector_path.py on 2 cores, DRAM store / load vs memcpy, one run each on a quiet
-# machine: with copies of 32 MiB or more split (the earlier bound, set on a busy day when
-# 16 MiB copies gained nothing), 256 KiB blocks ran at 0.69x / 0.57x and 1 MiB at
-# 0.61x / 0.53x (their 16-block jobs, 4 and 16 MiB, stayed on one thread); split from
-# 2 MiB through the helper pool, 0.80-0.96x / 0.75-0.85x and 1.00-1.17x / 0.90-0.97x over
-# 8 runs; through copy_many's awake thread (at copy_threads 2), 1.04-1.52x / 1.00-1.26x
-# over 4 runs at every block size
-SPLIT_COPY_MIN_BYTES = 2 << 20
-
-
-def _runs(dst_rows: Sequence[int], src_rows: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(dst start, src start, length)`` of each maximal run adjacent on both sides."""
-    runs: list[tuple[int, int, int]] = []
-    for d, s in zip(dst_rows, src_rows):
-        if runs and runs[-1][0] + runs[-1][2] == d and runs[-1][1] + runs[-1][2] == s:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((d, s, 1))
-    return runs
-
-
-def _split(dst: np.ndarray, src: np.ndarray, runs: list[tuple[int, int, int]], num_rows: int,
-           k: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
-    """The copy of ``runs`` as ``k`` lists of (dst view, src view) of about equal
-    bytes: by rows, or by bytes when fewer rows than parts. Every view is a
-    slice, never a copy, so writing it writes ``dst``."""
-    if num_rows < k:  # cut each row's bytes instead
-        cuts = [dst.shape[1] * i // k for i in range(k + 1)]
-        return [[(dst[d + r][a:b], src[s + r][a:b]) for d, s, n in runs for r in range(n)]
-                for a, b in zip(cuts, cuts[1:])]
-    bounds = [num_rows * i // k for i in range(k + 1)]  # row offsets where each part starts
-    parts: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(k)]
-    offset = 0
-    for d, s, n in runs:
-        for p in range(k):  # the overlap of rows [offset, offset + n) with part p
-            lo, hi = max(offset, bounds[p]), min(offset + n, bounds[p + 1])
-            if lo < hi:
-                parts[p].append((dst[d + lo - offset : d + hi - offset], src[s + lo - offset : s + hi - offset]))
-        offset += n
-    return parts
-
-
-def _copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    for d, s in pairs:
-        d[...] = s
 
 
 def _approximate(io: BlockIO, layout: KVLayout, rope: tuple[float, int]) -> tuple[Rope, list[KeyRegion], torch.dtype]:
@@ -670,3 +586,7 @@ def _approximate(io: BlockIO, layout: KVLayout, rope: tuple[float, int]) -> tupl
 
 def _key(raw: int | None) -> BlockKey | None:
     return None if raw is None else BlockKey(raw)
+
+
+def _nothing() -> None:
+    """``fail`` of a task no plan waits for (an SSD delete; the mover logs and counts its failure)."""
