@@ -58,5 +58,6 @@ if [ "$#" -eq 0 ] && [ "${KVTIERTEST_SKIP_ENGINE:-0}" != "1" ]; then
   fi
   # the remote extra: two engines share blocks through a real mooncake_master (tests/engine/test_vllm_remote.py)
   $PIP "$VLLM_VENV/bin/python" -q -e ".[test,remote,agents]"
-  KVTIERTEST_REQUIRE_VLLM=1 "$VLLM_VENV/bin/python" -m pytest -q tests/engine
+  # with the fault suite's connector-path case: the worker's transfers under injected faults (issue 43)
+  KVTIERTEST_REQUIRE_VLLM=1 "$VLLM_VENV/bin/python" -m pytest -q tests/engine tests/fault/test_fault_connector_path.py
 fi
