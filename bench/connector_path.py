@@ -25,7 +25,14 @@ with its baseline in the same run:
 
 Targets (as for ``TieredStore``): DRAM >= 0.8x memcpy, SSD put >= 0.5x write +
 fsync, SSD get >= 0.6x warm read. Every loaded byte is compared with what was
-stored. Needs vLLM (the connector's metadata classes):
+stored.
+
+Then both callers of the data plane through one function
+(:func:`kvtier.benchmarks.bytepath.measure`, ``callers`` in the JSON): ``TieredStore``
+put / get from the caller's buffers, and the worker through its public calls as
+vLLM steps it (gather from the engine's blocks into staging, the tier write;
+the tier read into staging, the scatter into other engine blocks), each against
+the same baselines in the same run. Needs vLLM (the connector's metadata classes):
 
     .venv-vllm/bin/python bench/connector_path.py [--json bench/out/connector-path.json]
 """
@@ -45,7 +52,8 @@ from kvtier_vllm.metadata import KVTierConnectorMetadata, LoadJob, StoreJob, Tie
 from kvtier_vllm.settings import ConnectorSettings, EngineFacts
 from kvtier_vllm.worker import KVTierWorker
 
-from kvtier.benchmarks.common import gbps, interleaved_best_seconds
+from kvtier.benchmarks import bytepath
+from kvtier.benchmarks.common import gbps, interleaved_best_seconds, print_table
 from kvtier.benchmarks.tiers import BATCH_BLOCKS, TARGETS, memcpy_baseline, raw_file_baselines
 from kvtier.keys import BlockKey
 from kvtier.provenance import provenance
@@ -73,9 +81,9 @@ def _wait(worker: KVTierWorker, plan_ids: set[int], recv: set[str] = frozenset()
         raise RuntimeError(f"plans failed: {bad[:5]}")
 
 
-def bench_size(block_bytes: int, total_bytes: int, repeats: int, workdir: Path) -> dict:
+def _worker(block_bytes: int, n: int, workdir: Path) -> tuple[KVTierWorker, dict]:
+    """A worker as vLLM builds it over 2 ``n`` engine blocks of random bf16 KV, DRAM and SSD of ``n``."""
     layers = block_bytes // LAYER_BYTES
-    n = max(BATCH_BLOCKS, total_bytes // block_bytes) // BATCH_BLOCKS * BATCH_BLOCKS
     facts = EngineFacts("bench", "bfloat16", 16, layers, 8, 128, "fused", "sha256")
     ssd_dir = Path(tempfile.mkdtemp(prefix=f"connector_{block_bytes}_", dir=workdir))
     settings = ConnectorSettings.build({"dram_capacity_blocks": n, "ssd_path": str(ssd_dir), "ssd_capacity_blocks": n,
@@ -88,10 +96,68 @@ def bench_size(block_bytes: int, total_bytes: int, repeats: int, workdir: Path) 
     caches = {f"model.layers.{i}.self_attn": torch.randn((2, engine_blocks, 16, 8, 128), generator=gen)
               .to(torch.bfloat16) for i in range(layers)}
     worker.register_kv_caches(caches)
+    return worker, caches
+
+
+def bench_size(block_bytes: int, total_bytes: int, repeats: int, workdir: Path) -> dict:
+    n = max(BATCH_BLOCKS, total_bytes // block_bytes) // BATCH_BLOCKS * BATCH_BLOCKS
+    worker, caches = _worker(block_bytes, n, workdir)
     try:
         return _measure(worker, caches, n, block_bytes, repeats, workdir)
     finally:
         worker.shutdown()
+
+
+class WorkerCaller:
+    """The connector's worker as a :class:`~kvtier.benchmarks.bytepath.ByteCaller`: engine blocks
+    ``0 .. n-1`` stored, loads into blocks ``n .. 2n-1``, through the calls vLLM makes, stepped until reported."""
+
+    name = "connector worker"
+
+    def __init__(self, block_bytes: int, n: int, workdir: Path) -> None:
+        self.worker, self.caches = _worker(block_bytes, n, workdir)
+        self.io = self.worker.io
+        self.n = n
+        self.blocks = list(self.io.gather(list(range(n))))  # the source bytes, for the baselines and the check
+        self.keys = list(range(2_000_000, 2_000_000 + n))
+        self._ids = iter(range(1, 1 << 30))
+        self._batches = [list(range(i, i + BATCH_BLOCKS)) for i in range(0, n, BATCH_BLOCKS)]
+
+    def put(self, tier: str) -> None:
+        keys = self.keys
+        jobs = [StoreJob(job_id=next(self._ids), req_id="bytepath", block_ids=tuple(b),
+                         keys=tuple(keys[i] for i in b), parents=tuple(keys[i - 1] if i else None for i in b),
+                         writes=(TierWrite(next(self._ids), tier, tuple(range(len(b))),
+                                           tuple(b) if tier == "dram" else ()),)) for b in self._batches]
+        self.worker.wait_for_save(KVTierConnectorMetadata(stores=jobs))
+        _wait(self.worker, {w.plan_id for j in jobs for w in j.writes})
+
+    def get(self, tier: str) -> None:
+        n, keys = self.n, self.keys
+        jobs = [LoadJob("bytepath-load", next(self._ids), tuple(keys[i] for i in b), (tier,) * len(b),
+                        tuple(b) if tier == "dram" else (0,) * len(b), tuple(n + i for i in b)) for b in self._batches]
+        self.worker.start_load_kv(KVTierConnectorMetadata(loads=jobs))
+        _wait(self.worker, {j.plan_id for j in jobs}, {"bytepath-load"})
+
+    def read_back(self) -> list[torch.Tensor]:
+        return list(self.io.gather(list(range(self.n, 2 * self.n))))
+
+    def close(self) -> None:
+        self.worker.shutdown()
+
+
+def bench_callers(block_bytes: int, total_bytes: int, repeats: int, workdir: Path) -> list[dict]:
+    """Both callers of the data plane through :func:`kvtier.benchmarks.bytepath.measure`."""
+    n = max(BATCH_BLOCKS, total_bytes // block_bytes) // BATCH_BLOCKS * BATCH_BLOCKS
+    rows = []
+    for make in (lambda: bytepath.StoreCaller(bytepath.blocks_of(n, block_bytes), repeats, workdir),
+                 lambda: WorkerCaller(block_bytes, n, workdir)):
+        caller = make()
+        try:
+            rows.append(bytepath.measure(caller, repeats, workdir))
+        finally:
+            caller.close()
+    return rows
 
 
 def _measure(worker: KVTierWorker, caches: dict, n: int, block_bytes: int, repeats: int, workdir: Path) -> dict:
@@ -191,14 +257,18 @@ COLUMNS = ("block_kib", "memcpy_gbps", "dram_store_gbps", "dram_put_vs_memcpy", 
            "end_to_end_load_vs_memcpy", "verified")
 
 
-def run(sizes_kib: list[int], total_mib: int, repeats: int, progress=print) -> dict:
-    results = []
+def run(sizes_kib: list[int], total_mib: int, repeats: int, progress=print, callers_only: bool = False) -> dict:
+    results, callers = [], []
     with tempfile.TemporaryDirectory(prefix="kvtier-connector-bench-") as tmp:
         for kib in sizes_kib:
-            progress(f"[connector_path] block {kib} KiB ...")
-            results.append(bench_size(kib * 1024, total_mib << 20, repeats, Path(tmp)))
+            if not callers_only:
+                progress(f"[connector_path] block {kib} KiB ...")
+                results.append(bench_size(kib * 1024, total_mib << 20, repeats, Path(tmp)))
+            progress(f"[connector_path] block {kib} KiB, both callers ...")
+            callers.extend(bench_callers(kib * 1024, total_mib << 20, repeats, Path(tmp)))
     met = {k: all(r[k] >= v for r in results) for k, v in TARGETS.items()}
-    return {"results": results, "targets": TARGETS, "targets_met": met, "total_mib": total_mib, "repeats": repeats,
+    return {"results": results, "callers": callers, "targets": TARGETS, "targets_met": met, "total_mib": total_mib,
+            "repeats": repeats,
             "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             **provenance(("kvtier", "integrations/vllm_ascend"), dirty_key="code_dirty")}
 
@@ -210,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--total-mib", type=int, default=64, help="bytes moved per measurement (MiB, default 64)")
     ap.add_argument("--repeats", type=int, default=7, help="interleaved rounds; the best is kept (default 7)")
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    ap.add_argument("--callers-only", action="store_true",
+                    help="only the two callers through one function (bench/out/byte-path-callers.json)")
     args = ap.parse_args(argv)
     try:
         sizes = [int(x) for x in args.sizes_kib.split(",")]
@@ -217,18 +289,28 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--sizes-kib {args.sizes_kib!r}: expected comma-separated integers")
     if any(s <= 0 or s * 1024 % LAYER_BYTES for s in sizes) or args.total_mib <= 0 or args.repeats <= 0:
         ap.error("--sizes-kib must be positive multiples of 64; --total-mib and --repeats positive")
-    report = run(sizes, args.total_mib, args.repeats, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    report = run(sizes, args.total_mib, args.repeats, progress=lambda m: print(m, file=sys.stderr, flush=True),
+                 callers_only=args.callers_only)
+    if args.callers_only:
+        report = {k: v for k, v in report.items() if k not in ("results", "targets", "targets_met")}
+    else:
+        _print_functions(report)
+    print("\nboth callers of the data plane, one function (kvtier.benchmarks.bytepath.measure), GB/s and x baseline:")
+    print_table(report["callers"], bytepath.COLUMNS)
+    ok = all(r["verified"] for r in report.get("results", []) + report["callers"])
+    print(f"loaded bytes verified: {ok}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if ok else 1
+
+
+def _print_functions(report: dict) -> None:
     print("  ".join(f"{c:>12}" for c in ("block_kib", "memcpy", "dram_put", "x", "dram_get", "x", "raw_write",
                                            "ssd_put", "x", "raw_read", "ssd_get", "x", "e2e_st x", "e2e_ld x")))
     for r in report["results"]:
         print("  ".join(f"{r[c]:>12.2f}" if isinstance(r[c], float) else f"{str(r[c]):>12}" for c in COLUMNS[:-1]))
     print("(GB/s; x = ratio to the baseline on its left; e2e = gather/scatter + DRAM, vs memcpy; no target)")
     print("targets met: " + ", ".join(f"{k}={'yes' if v else 'NO'}" for k, v in report["targets_met"].items()))
-    ok = all(r["verified"] for r in report["results"])
-    print(f"loaded bytes verified: {ok}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    return 0 if ok else 1
 
 
 if __name__ == "__main__":

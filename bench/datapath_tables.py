@@ -2,7 +2,9 @@
 
 Owns: the renderer of table ``connector-path`` (``bench/connector_path.py``:
 the connector worker's DRAM and SSD functions against memcpy and raw file I/O,
-and its whole store / load path against memcpy) and of table ``remote``
+and its whole store / load path against memcpy), of table ``byte-path-callers``
+(``bench/connector_path.py --callers-only``: ``TieredStore`` and the connector's worker
+through one function, ``kvtier.benchmarks.bytepath.measure``) and of table ``remote``
 (``kvtier bench remote``: the Mooncake remote tier against Mooncake's own
 batch calls). Every figure is read from the JSON; ratios are computed there,
 in the same run as their baselines.
@@ -45,6 +47,26 @@ def connector_path(data: dict[str, Any]) -> str:
                f">= {t['ssd_get_vs_raw_read']}x warm read:\n\n")
     header = ["block", "memcpy GB/s", "DRAM store", "DRAM load", "write + fsync GB/s", "SSD store",
               "warm read GB/s", "SSD load", "whole store / load path vs memcpy"]
+    return caption + md_table(header, rows)
+
+
+@table("byte-path-callers", "byte-path-callers.json")
+def byte_path_callers(data: dict[str, Any]) -> str:
+    commit = (data.get("commit") or "unknown")[:7] + (" (modified)" if data.get("code_dirty") else "")
+    rows = [[r["caller"], f"{r['block_kib']} KiB", f"{r['memcpy_gbps']:.1f}",
+             _cell(r, "dram_put_gbps", "dram_put_vs_memcpy", None, 1),
+             _cell(r, "dram_get_gbps", "dram_get_vs_memcpy", None, 1), f"{r['raw_file_write_gbps']:.2f}",
+             _cell(r, "ssd_put_gbps", "ssd_put_vs_raw_write", None, 2), f"{r['raw_file_read_gbps']:.1f}",
+             _cell(r, "ssd_get_gbps", "ssd_get_vs_raw_read", None, 1)] for r in data["callers"]]
+    verified = "every byte read back verified" if all(r["verified"] for r in data["callers"]) else "BYTES WRONG"
+    caption = (f"Both callers of the data plane through one function (`kvtier.benchmarks.bytepath.measure`; "
+               f"`bench/connector_path.py --callers-only --json bench/out/byte-path-callers.json`: {data['total_mib']} MiB per measurement, best of "
+               f"{data['repeats']} interleaved rounds, {verified}; commit {commit}). `TieredStore` puts and gets "
+               "the caller's buffers (one copy); the connector's worker, driven as vLLM steps it, gathers the "
+               "engine's blocks into staging and writes the tier, then reads the tier into staging and scatters "
+               "into other engine blocks (two copies each way, and the step's polling):\n\n")
+    header = ["caller", "block", "memcpy GB/s", "DRAM put", "DRAM get", "write + fsync GB/s", "SSD put",
+              "warm read GB/s", "SSD get"]
     return caption + md_table(header, rows)
 
 

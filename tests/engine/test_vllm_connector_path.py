@@ -102,8 +102,13 @@ def test_connector_path_bench_smoke(tmp_path) -> None:
     report = json.loads(cli.read_text())
     assert [r["block_kib"] for r in report["results"]] == [256, 1024, 4096] and report["repeats"] == 1
     assert all(r["verified"] for r in report["results"]) and "targets met" in proc.stdout
-    (row,) = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    (row,) = report["results"]
     assert row["verified"] is True and row["block_kib"] == 128
+    # both callers of the data plane through one function, every byte read back verified
+    assert [r["caller"] for r in report["callers"]] == ["TieredStore", "connector worker"]
+    assert all(r["verified"] and r["block_kib"] == 128 and r["dram_get_vs_memcpy"] > 0 for r in report["callers"])
+    assert "both callers of the data plane" in proc.stdout
     for key in ("dram_put_vs_memcpy", "dram_get_vs_memcpy", "ssd_put_vs_raw_write", "ssd_get_vs_raw_read",
                 "end_to_end_store_vs_memcpy", "end_to_end_load_vs_memcpy"):
         assert row[key] > 0, key
