@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from kvtier import cliargs
-from kvtier.cli import build_parser, main
+from kvtier.cli import build_parser
+from cli_support import cli_error
 
 BAD_BY_TYPE = {
     cliargs.positive_int: ["0", "-3", "x"],
@@ -129,12 +130,7 @@ def test_a_bad_value_is_one_line_naming_the_flag(command: str, flag: str, extra:
         argv += ["--json", str(tmp_path / "out.json")]  # must not be written: the run must stop first
     if command == "tune" and flag not in ("--json", "--plot", "--out"):
         argv += ["--out", str(tmp_path / "out.yaml")]
-    try:
-        rc = main(argv)
-    except SystemExit as done:
-        rc = done.code
-    err = capsys.readouterr().err
-    lines = [x for x in err.strip().splitlines() if x.strip()]
+    rc, lines, err = cli_error(argv, capsys)
     assert rc == 2, (argv, rc, err)
     assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith(f"kvtier {command}: error: ") and says in lines[0], lines[0]

@@ -15,6 +15,7 @@ from kvtier.replay.fleet import FleetConfig, FleetSimulator, RemoteTier
 from kvtier.replay.profiles import get_profile
 from kvtier.replay.report import summarize
 from kvtier.replay.sim import SimConfig, Simulator
+from cli_support import cli_error
 
 PROFILE = get_profile("h100-80gb", "llama-3.1-8b")
 
@@ -137,12 +138,7 @@ def test_remote_tier_is_lru_over_its_capacity() -> None:
 def test_bad_fleet_flags_exit_2_naming_the_flag(extra: list[str], says: str, tmp_path: Path, capsys) -> None:
     argv = ["replay", "--quiet", "--sessions", "1", "--policies", "lru", "--no-references",
             "--json", str(tmp_path / "out.json")] + _pairs(extra)
-    try:
-        rc = main(argv)
-    except SystemExit as done:
-        rc = done.code
-    err = capsys.readouterr().err
-    lines = [x for x in err.strip().splitlines() if x.strip()]
+    rc, lines, err = cli_error(argv, capsys)
     assert rc == 2, (argv, err)
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in err, err
     assert not (tmp_path / "out.json").exists()

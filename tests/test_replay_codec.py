@@ -24,6 +24,7 @@ from kvtier.replay.codec import DECODE, ENCODE, ColdCodec, cold_codec, transfer_
 from kvtier.replay.profiles import get_profile
 from kvtier.replay.run import ReplaySpec, reference_point, run_point
 from kvtier.replay.sim import SimConfig, Simulator
+from cli_support import cli_error
 
 PROFILE = get_profile("h100-80gb", "llama-3.1-8b")
 EXAMPLE = {"codecs": [
@@ -317,12 +318,7 @@ def test_bad_input_is_one_line_naming_the_flag_file_or_field(flags: list[str], s
             "--json", str(tmp_path / "out.json")]
     for f in flags:
         argv.append(_write(tmp_path, bad[f[1:-1]]) if f.startswith("{") else f)
-    try:
-        rc = main(argv)
-    except SystemExit as done:
-        rc = done.code
-    err = capsys.readouterr().err
-    lines = [x for x in err.strip().splitlines() if x.strip()]
+    rc, lines, err = cli_error(argv, capsys)
     assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith("kvtier replay: error: "), lines[0]
     for needle in says:

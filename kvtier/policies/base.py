@@ -127,11 +127,41 @@ class Parking:
 
 
 class OrderParking(Parking):
-    """Parking for a policy that keeps its idle keys in one ``OrderedDict``
-    ``_order`` (oldest first): a held key leaves it and comes back at the young
-    end, or the old end with ``front``."""
+    """A policy that keeps its idle keys in one ``OrderedDict`` ``_order`` (oldest
+    first) and evicts from its old end: LRU and FIFO, which differ only in what a
+    hit does (``on_access``). A key inserts at the young end; a held key leaves the
+    order and comes back at the young end, or the old end with ``front``."""
 
     _order: "OrderedDict[BlockKey, None]"
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self._order = OrderedDict()  # idle keys, oldest first
+        self._parked: dict[BlockKey, None] = {}
+
+    adapts_before_insert = False  # before_insert is a no-op: the manager skips the call
+
+    def before_insert(self, key: BlockKey) -> None:
+        """No history to adapt."""
+
+    def on_insert(self, key: BlockKey) -> None:
+        """Append ``key`` at the young end."""
+        self._order[key] = None
+
+    def on_insert_held(self, key: BlockKey) -> None:
+        """``on_insert`` then ``on_hold``: straight to the parked set."""
+        self._parked[key] = None
+
+    def on_insert_held_many(self, keys: Iterable[BlockKey]) -> None:
+        """``on_insert_held`` of each of ``keys`` (one C-speed update)."""
+        self._parked.update(dict.fromkeys(keys))
+
+    def on_remove(self, key: BlockKey) -> None:
+        """Forget ``key``."""
+        self._forget(key)
+
+    def pop_victim(self, is_evictable: IsEvictable, incoming: BlockKey | None = None) -> BlockKey | None:
+        """Forget and return the oldest evictable key, or ``None``."""
+        return pop_first_evictable(self._order, is_evictable)
 
     def _detach(self, key: BlockKey) -> None:
         del self._order[key]

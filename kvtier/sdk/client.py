@@ -253,13 +253,17 @@ class _LiveState:
 
 
 class _Emitter:
-    """The queue, ``emit`` and the helpers shared by both clients."""
+    """The queue, ``emit``, the connection settings and the helpers shared by both clients
+    (the arguments are :class:`HintClient`'s; a client sets up its transport in ``_init_transport``)."""
 
     MAX_ANNOUNCED_SESSIONS = 256
     """Live sessions a client announces again to a restarted server (the most recent)."""
 
-    def __init__(self, *, client_id: str | None, max_queue_events: int, batch_max_events: int,
-                 flush_interval_s: float) -> None:
+    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None, tenant: str | None = None,
+                 tls: bool = False, root_certificates: bytes | None = None, tls_server_name: str | None = None,
+                 client_id: str | None = None, max_queue_events: int = 65_536, batch_max_events: int = 512,
+                 flush_interval_s: float = 0.005, rpc_timeout_s: float = 5.0, backoff_initial_s: float = 0.05,
+                 backoff_max_s: float = 2.0, max_batch_attempts: int = 3) -> None:
         if max_queue_events <= 0 or batch_max_events <= 0 or flush_interval_s <= 0:
             raise ValueError("max_queue_events, batch_max_events and flush_interval_s must be > 0")
         self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
@@ -283,6 +287,19 @@ class _Emitter:
         self._reannounced = 0
         self._failed_calls = 0
         self._was_ready = False
+        self.target = target
+        self._md = self._metadata(token, tenant)
+        self._tls = (tls or root_certificates is not None, root_certificates, tls_server_name)
+        self._rpc_timeout_s = rpc_timeout_s
+        self._backoff = (backoff_initial_s, backoff_max_s)
+        self._next_backoff_s = backoff_initial_s
+        self._max_attempts = max(1, max_batch_attempts)
+        self._channel: Any = None
+        self._init_transport()
+
+    def _init_transport(self) -> None:
+        """The client's own sending state (a thread's, or a task's)."""
+        raise NotImplementedError
 
     # ----------------------------------------------------------- hot path
 
@@ -534,28 +551,19 @@ class HintClient(_Emitter):
     (``backoff_initial_s`` doubling to ``backoff_max_s``), then dropped.
     """
 
-    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None, tenant: str | None = None,
-                 tls: bool = False, root_certificates: bytes | None = None, tls_server_name: str | None = None,
-                 client_id: str | None = None, max_queue_events: int = 65_536, batch_max_events: int = 512,
-                 flush_interval_s: float = 0.005, rpc_timeout_s: float = 5.0, backoff_initial_s: float = 0.05,
-                 backoff_max_s: float = 2.0, max_batch_attempts: int = 3, start: bool = True) -> None:
-        super().__init__(client_id=client_id, max_queue_events=max_queue_events, batch_max_events=batch_max_events,
-                         flush_interval_s=flush_interval_s)
-        self.target = target
-        self._md = self._metadata(token, tenant)
-        self._tls = (tls or root_certificates is not None, root_certificates, tls_server_name)
-        self._rpc_timeout_s = rpc_timeout_s
-        self._backoff = (backoff_initial_s, backoff_max_s)
-        self._next_backoff_s = backoff_initial_s
-        self._max_attempts = max(1, max_batch_attempts)
+    def __init__(self, target: str = "127.0.0.1:50051", *, start: bool = True, **settings: Any) -> None:
+        """``settings``: the keywords above (``token`` ... ``max_batch_attempts``); ``start=False``
+        leaves the sender thread to :meth:`start`."""
+        super().__init__(target, **settings)
+        if start:
+            self.start()
+
+    def _init_transport(self) -> None:
         self._wake_event = threading.Event()
         self._stop = threading.Event()
         self._idle = threading.Condition()
         self._closing_now = False
-        self._channel: Any = None
         self._thread: threading.Thread | None = None
-        if start:
-            self.start()
 
     def start(self) -> None:
         """Open the channel and start the sender thread (done by the constructor unless ``start=False``)."""
@@ -668,25 +676,11 @@ class AsyncHintClient(_Emitter):
     may also be called from other threads.
     """
 
-    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None, tenant: str | None = None,
-                 tls: bool = False, root_certificates: bytes | None = None, tls_server_name: str | None = None,
-                 client_id: str | None = None, max_queue_events: int = 65_536, batch_max_events: int = 512,
-                 flush_interval_s: float = 0.005, rpc_timeout_s: float = 5.0, backoff_initial_s: float = 0.05,
-                 backoff_max_s: float = 2.0, max_batch_attempts: int = 3) -> None:
-        super().__init__(client_id=client_id, max_queue_events=max_queue_events, batch_max_events=batch_max_events,
-                         flush_interval_s=flush_interval_s)
-        self.target = target
-        self._md = self._metadata(token, tenant)
-        self._tls = (tls or root_certificates is not None, root_certificates, tls_server_name)
-        self._rpc_timeout_s = rpc_timeout_s
-        self._backoff = (backoff_initial_s, backoff_max_s)
-        self._next_backoff_s = backoff_initial_s
-        self._max_attempts = max(1, max_batch_attempts)
+    def _init_transport(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake_event: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._watch_task: asyncio.Task[None] | None = None
-        self._channel: Any = None
         self._closing = False
 
     async def start(self) -> None:
