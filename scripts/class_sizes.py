@@ -31,7 +31,6 @@ KNOWN_CLASSES = {
 }
 KNOWN_FUNCTIONS = {
     "integrations/vllm_ascend/kvtier_vllm/scheduler.py:KVTierScheduler._plan_store": 48,
-    "kvtier/benchmarks/remote.py:bench_size": 35,
 }
 
 

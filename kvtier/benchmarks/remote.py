@@ -128,6 +128,62 @@ def _layout_for(block_bytes: int) -> KVLayout:
     return KVLayout(block_bytes // (64 * 1024), 8, 128, "bfloat16", 16)
 
 
+def _check(rc: Any, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"mooncake {what} returned {rc}")
+
+
+def _operations(tier: Any, store: Any, region: np.ndarray, landing: np.ndarray, blocks: list, outs: list,
+                plain_blocks: list, plain_outs: list, keys: list, plain_keys: list, names: list[str],
+                batches: list[range], block_bytes: int) -> list[Callable[[], None]]:
+    """The timed operations of one block size, in the order :func:`bench_size` interleaves them:
+    Mooncake's batch calls (bytes, then zero-copy), the untimed clear, kvtier's registered and
+    staged puts, then the gets in the same order."""
+    def bytes_put() -> None:
+        for b in batches:
+            _check(store.upsert_batch([names[i] for i in b], [blocks[i] for i in b]), "upsert_batch")
+
+    def bytes_get() -> None:
+        for b in batches:
+            if any(len(v) != block_bytes for v in store.get_batch([names[i] for i in b])):
+                raise RuntimeError("mooncake get_batch returned a short value")
+
+    def raw_put() -> None:
+        for b in batches:
+            codes = store.batch_upsert_from([names[i] for i in b], [region.ctypes.data + i * block_bytes for i in b],
+                                            [block_bytes] * len(b))
+            _check(max(map(abs, codes)), "batch_upsert_from")
+
+    def raw_get() -> None:
+        for b in batches:
+            got = store.batch_get_into([names[i] for i in b], [landing.ctypes.data + i * block_bytes for i in b],
+                                       [block_bytes] * len(b))
+            if any(g != block_bytes for g in got):
+                raise RuntimeError(f"mooncake batch_get_into returned {got}")
+
+    def tier_put(ks: list, bs: list) -> Callable[[], None]:
+        def put() -> None:
+            for b in batches:
+                if tier.put_many([(ks[i], bs[i], ks[i - 1] if i else None) for i in b]) != len(b):
+                    raise RuntimeError(f"remote put failed: {dict(tier.counters)}")
+        return put
+
+    def clear() -> None:  # untimed: a registered put leaves a value already there (upsert has no zero-copy form)
+        tier.delete_many(keys)
+        if any(tier.contains_many(keys)):  # else the puts timed next would write nothing
+            raise RuntimeError(f"remote delete failed: {dict(tier.counters)}")
+
+    def tier_get(ks: list, os: list) -> Callable[[], None]:
+        def get() -> None:
+            for b in batches:
+                if not all(tier.get_many_into([ks[i] for i in b], [os[i] for i in b])):
+                    raise RuntimeError(f"remote get missed: {dict(tier.counters)}")
+        return get
+
+    return [bytes_put, raw_put, clear, tier_put(keys, blocks), tier_put(plain_keys, plain_blocks), bytes_get, raw_get,
+            tier_get(keys, outs), tier_get(plain_keys, plain_outs)]
+
+
 def bench_size(block_bytes: int, total_bytes: int, repeats: int, master: str, metadata_server: str) -> dict[str, Any]:
     from ..tiers.remote import MooncakeTier
 
@@ -138,10 +194,6 @@ def bench_size(block_bytes: int, total_bytes: int, repeats: int, master: str, me
     tier = MooncakeTier(ns, layout, master=master, metadata_server=metadata_server, segment_bytes=segment,
                         buffer_bytes=2 * BATCH_BLOCKS * block_bytes + (16 << 20))
     try:
-        def check(rc: Any, what: str) -> None:
-            if rc != 0:
-                raise RuntimeError(f"mooncake {what} returned {rc}")
-
         rng = np.random.default_rng(block_bytes)
         region = rng.integers(0, 256, (n, block_bytes), dtype=np.uint8)  # the blocks, in one registered region
         blocks = list(region)
@@ -157,52 +209,10 @@ def bench_size(block_bytes: int, total_bytes: int, repeats: int, master: str, me
         store = tier._store  # the same client: the baseline is Mooncake's own batch calls
         batches = [range(i, i + BATCH_BLOCKS) for i in range(0, n, BATCH_BLOCKS)]
         landing = np.empty_like(region)
-        check(store.register_buffer(landing.ctypes.data, landing.nbytes), "register_buffer")
+        _check(store.register_buffer(landing.ctypes.data, landing.nbytes), "register_buffer")
 
-        def bytes_put() -> None:
-            for b in batches:
-                check(store.upsert_batch([names[i] for i in b], [blocks[i] for i in b]), "upsert_batch")
-
-        def bytes_get() -> None:
-            for b in batches:
-                if any(len(v) != block_bytes for v in store.get_batch([names[i] for i in b])):
-                    raise RuntimeError("mooncake get_batch returned a short value")
-
-        def raw_put() -> None:
-            for b in batches:
-                codes = store.batch_upsert_from([names[i] for i in b], [region.ctypes.data + i * block_bytes for i in b],
-                                                [block_bytes] * len(b))
-                check(max(map(abs, codes)), "batch_upsert_from")
-
-        def raw_get() -> None:
-            for b in batches:
-                got = store.batch_get_into([names[i] for i in b], [landing.ctypes.data + i * block_bytes for i in b],
-                                           [block_bytes] * len(b))
-                if any(g != block_bytes for g in got):
-                    raise RuntimeError(f"mooncake batch_get_into returned {got}")
-
-        def tier_put(ks: list, bs: list) -> Callable[[], None]:
-            def put() -> None:
-                for b in batches:
-                    if tier.put_many([(ks[i], bs[i], ks[i - 1] if i else None) for i in b]) != len(b):
-                        raise RuntimeError(f"remote put failed: {dict(tier.counters)}")
-            return put
-
-        def clear() -> None:  # untimed: a registered put leaves a value already there (upsert has no zero-copy form)
-            tier.delete_many(keys)
-            if any(tier.contains_many(keys)):  # else the puts timed next would write nothing
-                raise RuntimeError(f"remote delete failed: {dict(tier.counters)}")
-
-        def tier_get(ks: list, os: list) -> Callable[[], None]:
-            def get() -> None:
-                for b in batches:
-                    if not all(tier.get_many_into([ks[i] for i in b], [os[i] for i in b])):
-                        raise RuntimeError(f"remote get missed: {dict(tier.counters)}")
-            return get
-
-        fns: list[Callable[[], None]] = [bytes_put, raw_put, clear, tier_put(keys, blocks),
-                                         tier_put(plain_keys, plain_blocks), bytes_get, raw_get,
-                                         tier_get(keys, outs), tier_get(plain_keys, plain_outs)]
+        fns = _operations(tier, store, region, landing, blocks, outs, plain_blocks, plain_outs, keys, plain_keys,
+                          names, batches, block_bytes)
         (bytes_put_s, raw_put_s, _, put_s, staged_put_s, bytes_get_s, raw_get_s, get_s,
          staged_get_s) = interleaved_best_seconds(fns, repeats)
         verified = (np.array_equal(out_region, region) and np.array_equal(region, landing)
