@@ -240,7 +240,7 @@ def test_a_tool_call_announced_to_the_hosted_hint_server_starts_the_wait() -> No
         client.close()
     finally:
         sched.shutdown()
-    assert sched._hints is None and sched.placement.holds.held_blocks == 0
+    assert sched.hints.hosted is None and sched.placement.holds.held_blocks == 0
 
 
 def test_an_agent_that_ends_in_its_turns_end_wait_gives_its_reserve_back() -> None:
@@ -368,17 +368,17 @@ def test_a_shared_round_keeps_its_prefix_until_its_last_agent_ran(announced: boo
                 stack.enter_context(session.agent("debater", agent_id=f"a{a}"))
             if announced:
                 stack.enter_context(session.shared_round("r1", ["a0", "a1", "a2"]))
-                _step_until_true(eng, lambda: ("s", "r1") in sched._announced)
+                _step_until_true(eng, lambda: ("s", "r1") in sched.rounds.announced)
             for a in range(3):
                 params = tag_round(tag_request({}, "s", f"a{a}"), "r1", 6 * BS)["kv_transfer_params"]
                 hits.append(eng.serve(f"a{a}", shared + _ctx(a, 2), params))
                 if a == 0 and announced:
                     assert sched.placement.holds.held_blocks == 6
-                    assert all(sched.manager.is_pinned(k) for k in sched._rounds[("s", "r1")].keys)
+                    assert all(sched.manager.is_pinned(k) for k in sched.rounds.tracked[("s", "r1")].keys)
                 eng.serve(f"other-{a}", _ctx(20 + a, eng.pool.get_num_free_blocks() - 1))  # takes every free block
             eng.step()
             assert sched.placement.holds.held_blocks == 0  # the last agent ran: released
-            assert not any(sched.manager.is_pinned(k) for k in sched._rounds[("s", "r1")].keys)
+            assert not any(sched.manager.is_pinned(k) for k in sched.rounds.tracked[("s", "r1")].keys)
             assert sched.counters["shared_round_releases"] == (1 if announced else 0)
             # an agent of the finished round asks again: the round is not held a second time
             eng.serve("a0-again", shared + _ctx(0, 3), tag_round(tag_request({}, "s", "a0"), "r1", 6 * BS)
@@ -386,7 +386,7 @@ def test_a_shared_round_keeps_its_prefix_until_its_last_agent_ran(announced: boo
             assert sched.placement.holds.held_blocks == 0 and sched.counters["shared_round_holds"] == int(announced)
         # the round (and the session) ended: forgotten once the scheduler sees it
         if announced:
-            _step_until_true(eng, lambda: not sched._rounds)
+            _step_until_true(eng, lambda: not sched.rounds.tracked)
         assert hits == ([0, 6, 6] if announced else [0, 0, 0])
     finally:
         client.close()

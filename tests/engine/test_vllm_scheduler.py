@@ -155,7 +155,7 @@ def test_kv_events_follow_the_dram_tier_and_forget_what_left_it() -> None:
     assert [e[:3] for e in events] == [("stored", "dram", r1.block_hashes[i]) for i in range(3)]
     assert [e[3] for e in events] == [None, r1.block_hashes[0], r1.block_hashes[1]]
     assert events[1][4] == list(range(BS, 2 * BS))
-    assert len(sched._event_meta) == 3  # the failed 4th block is forgotten
+    assert len(sched.events.meta) == 3  # the failed 4th block is forgotten
     r2 = FakeRequest("r2", 4)
     r2.block_hashes = [bytes([100 + i]) * 32 for i in range(4)]  # other content: evicts r1's blocks
     r2.all_token_ids = list(range(1000, 1000 + r2.num_tokens))
@@ -169,7 +169,7 @@ def test_kv_events_follow_the_dram_tier_and_forget_what_left_it() -> None:
     removed = {e[2] for e in events if e[0] == "removed"}
     stored = [e[2] for e in events if e[0] == "stored"]
     assert removed and removed <= set(r1.block_hashes[:3]) and stored == r2.block_hashes[:len(stored)]
-    assert len(sched._event_meta) <= 4 and not removed & {k[0] for k in sched._event_meta.values()}
+    assert len(sched.events.meta) <= 4 and not removed & {k[0] for k in sched.events.meta.values()}
     assert _sched()[0].take_kv_events() == []  # off by default: nothing is kept
 
 

@@ -1,0 +1,248 @@
+"""Agent waits and the two hint readers of the scheduler: when an agent's context starts
+waiting, from a request's end or from a hint server's announcements.
+
+Owns: the hint server hosted in the scheduler process (``hint_server``) or the
+watcher of a separate one (``hint_watch``), what was last read from it (the
+agents' criticalities and parents, the agents that ended, its tool-call
+predictions' error as counters), the latest finished context of each agent
+(keys and vLLM hashes, at most ``MAX_TRACKED_AGENTS``, for tool calls announced
+after the request ended), and the start of every wait: a tagged request's end
+(``tool`` with ``kvtier_tool_wait_s``, else ``turn_end``) or a tool call the
+server announces (re-timing a ``turn_end`` wait). The placement policy decides
+what a wait does (holds, order, prefetch); the shared rounds get the server's
+round announcements. Must not import vLLM, plan loads or stores, or wait on the
+hint server on the scheduler's step (a read of the hosted one gives up after
+1 s; a followed one is read from its latest snapshot).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kvtier.keys import BlockKey
+from kvtier.placement import ToolWait
+from kvtier.placement.base import TURN_END_GAP_S
+
+from .placement import EnginePlacement
+from .rounds import SharedRounds
+from .settings import ConnectorSettings
+
+log = logging.getLogger(__name__)
+
+MAX_TRACKED_AGENTS = 4096
+POLL_EVERY_S = 0.05
+
+AgentKey = tuple[str, str]
+Calls = list[tuple[str, str, float | None]]  # tool calls in flight: (session, agent, predicted return in monotonic s)
+Facts = dict[AgentKey, tuple[float, str | None]]  # agent -> (criticality, parent id)
+Rounds = dict[tuple[str, str], tuple[str, ...]]  # (session, round id) -> its agents
+Read = tuple[Calls, Facts, set[AgentKey], Rounds | None]
+
+
+class HintIntake:
+    """Agent waits and hint reading (see the module doc). ``reqs``: the scheduler's live
+    requests (an agent with one running does not wait); ``keys_of(st)``: a request's keys;
+    ``pump()``: read the manager's events; ``counted()``: counters changed (stats to write)."""
+
+    def __init__(self, settings: ConnectorSettings, placement: EnginePlacement, policy: Any, counters: Counter[str],
+                 block_size: int, reqs: Mapping[str, Any], keys_of: Callable[[Any], list[BlockKey]],
+                 pump: Callable[[], None], rounds: SharedRounds, counted: Callable[[], None]) -> None:
+        self.placement = placement
+        self.policy = policy
+        self.counters = counters
+        self.block_size = block_size
+        self._reqs = reqs
+        self._keys_of = keys_of
+        self._pump = pump
+        self._rounds = rounds
+        self._counted = counted
+        # agent -> its latest finished context (keys, vLLM hashes), for tool calls the hint server announces
+        self._last_ctx: OrderedDict[AgentKey, tuple[list[BlockKey], list[Any]]] = OrderedDict()
+        self._graph_cache: Facts = {}
+        self._ended_agents: set[AgentKey] = set()
+        self._next_poll_s = 0.0
+        self.hosted: Any = None
+        self.address: str | None = None
+        self.watcher: Any = None
+        if settings.hint_server:
+            from kvtier.agents import AgentGraph
+            from kvtier.hints.server import BackgroundHintServer
+
+            # a tool never seen yet is predicted from all tools' waits (the request-stream hints' agents have no type)
+            self.hosted = BackgroundHintServer(graph=AgentGraph(global_fallback=True))
+            self.address = self.hosted.start(settings.hint_server)
+            placement.graph_reader = self.graph_facts
+            log.info("kvtier: hint server hosted in the scheduler process at %s", self.address)
+        if settings.hint_watch:
+            from kvtier.sdk.watch import AgentsWatcher
+
+            self.watcher = AgentsWatcher(settings.hint_watch, token=settings.hint_watch_token)
+            placement.graph_reader = self.graph_facts
+            log.info("kvtier: following the hint server at %s", settings.hint_watch)
+
+    @property
+    def following(self) -> bool:
+        """Whether a hint server is hosted here or followed (rounds are announced only then)."""
+        return self.hosted is not None or self.watcher is not None
+
+    def close(self) -> None:
+        """Stop the watcher and the hosted hint server, if any."""
+        if self.watcher is not None:
+            self.watcher.close()
+            self.watcher = None
+        if self.hosted is not None:
+            self.hosted.stop()
+            self.hosted = None
+
+    def request_done(self, st: Any, wait_s: float | None) -> None:
+        """A tagged request finished: its agent now waits, on a tool for ``wait_s``
+        (``kvtier_tool_wait_s`` in its ``kv_transfer_params``) or else on its user or
+        on nothing, for it may be done (cause ``turn_end``, predicted
+        :data:`TURN_END_GAP_S`). With a hint server the framework (or the
+        request-stream middleware) announces the turn's tool calls only after this:
+        the ``turn_end`` wait starts all the same, and a tool call announced later
+        re-times it (``_apply``, counted in ``waits_retimed``). Without it the
+        agent would stay busy in kvtier's next-use order until its session expired,
+        its context kept behind every agent that does come back.
+        The placement policy decides (hold its HBM blocks, order its host copies,
+        schedule a prefetch). The context is remembered for tool calls a hint
+        server announces."""
+        agent = st.agent
+        if agent is None:
+            return
+        keys = self._keys_of(st)
+        hashes = list(st.request.block_hashes[: len(keys)])
+        if self.following and keys:
+            self._last_ctx[agent] = (keys, hashes)
+            self._last_ctx.move_to_end(agent)
+            while len(self._last_ctx) > MAX_TRACKED_AGENTS:
+                self._last_ctx.popitem(last=False)
+        if not keys:
+            return
+        if any((o.session_id, o.agent_id) == agent for o in self._reqs.values()):
+            self.counters["waits_not_started_busy"] += 1  # another request of the agent runs: it does not wait
+            return
+        finishing = -(-int(st.request.num_tokens) // self.block_size)
+        if wait_s is not None:
+            self._start_wait(agent, keys, hashes, wait_s, finishing)
+        else:
+            self._start_wait(agent, keys, hashes, TURN_END_GAP_S, finishing, "turn_end")
+
+    def _start_wait(self, agent: AgentKey, keys: list[BlockKey], hashes: list[Any], wait_s: float,
+                    finishing_blocks: int, cause: str = "tool") -> None:
+        self.placement.waiting_starts(agent, keys, hashes, finishing_blocks, tool=cause == "tool")
+        try:
+            self.policy.on_wait_start(self.placement, ToolWait(agent, tuple(keys), cause, wait_s))
+        finally:
+            self.placement.waiting_started()
+        self.counters["tool_waits" if cause == "tool" else "user_waits"] += 1
+        self._pump()
+
+    def graph_facts(self, agent: AgentKey) -> tuple[float, str | None] | None:
+        """(criticality, parent id) of ``agent`` from the hint server's DAG, as
+        last polled (:meth:`poll`); ``None`` for an agent it does not know."""
+        return self._graph_cache.get(agent)
+
+    def poll(self) -> None:
+        """With a hint server (hosted here, or followed with ``hint_watch``): start the wait of every agent it has a
+        tool call in flight for (its predicted return; 10 s without one), or re-time the ``turn_end`` wait its
+        request's end started (``waits_retimed``: the call is announced after the response), refresh
+        the agents' criticalities and parents, and tell the policy which agents and
+        sessions ended (it retires their private blocks in DRAM / SSD). At most
+        every 50 ms; called each step."""
+        if self.hosted is None and self.watcher is None:  # the common case: no clock read on the scheduler step
+            return
+        now = time.monotonic()
+        if now < self._next_poll_s:
+            return
+        self._next_poll_s = now + POLL_EVERY_S
+        got = self._read_hosted(now) if self.hosted is not None else self._read_watched()
+        if got is not None:
+            self._apply(now, *got)
+
+    def _read_watched(self) -> Read | None:
+        """The newest view of a separate hint server (``hint_watch``); never waits."""
+        snap = self.watcher.latest()
+        if snap is None:
+            return None
+        calls = [(k[0], k[1], a.returns_at_s) for k, a in snap.agents.items() if a.tool_in_flight]
+        facts = {k: (a.criticality, a.parent_id) for k, a in snap.agents.items()}
+        ended = {k for k, a in snap.agents.items() if a.ended}
+        return calls, facts, ended, snap.rounds
+
+    def _read_hosted(self, now: float) -> Read | None:
+        graph = self.hosted.server.graph
+
+        def read() -> Read:
+            calls = [(s.session_id, c.agent_id, c.predicted_return_s) for s, c in graph.tool_calls_in_flight()]
+            facts: Facts = {}
+            ended: set[AgentKey] = set()
+            rounds: Rounds = {}
+            for s in graph.sessions():
+                for rid, rnd in s.rounds.items():
+                    rounds[(s.session_id, rid)] = rnd.agent_ids
+                crit = graph.criticalities(s.tenant, s.session_id, now)
+                for aid, a in s.agents.items():
+                    facts[(s.session_id, aid)] = (float(crit.get(aid, 0.0)), a.parent_id)
+                    if a.ended_s is not None:
+                        ended.add((s.session_id, aid))
+            scored.append(graph.history.error())
+            return calls, facts, ended, rounds
+
+        scored: list[Any] = []
+        try:
+            got = self.hosted.call(read, timeout_s=1.0)
+            self._note_prediction_error(scored[0])
+            return got
+        except Exception as exc:  # a stuck hint loop must not stop the scheduler
+            log.warning("kvtier: reading the hosted hint server failed: %s", exc)
+            return None
+
+    def _note_prediction_error(self, err: Any) -> None:
+        """The hosted server's tool-wait predictions scored so far, as counters:
+        ``tool_wait_predictions`` and ``tool_wait_abs_error_ms`` (their ratio is the mean
+        absolute error) and ``tool_wait_under_predictions`` (the tool came back later)."""
+        new = err.num_predictions - self.counters["tool_wait_predictions"]
+        if new <= 0:
+            return
+        self.counters["tool_wait_predictions"] += new
+        total_ms = round(err.mean_abs_error_s * err.num_predictions * 1000)
+        self.counters["tool_wait_abs_error_ms"] += max(0, total_ms - self.counters["tool_wait_abs_error_ms"])
+        under = round(err.under_fraction * err.num_predictions)
+        self.counters["tool_wait_under_predictions"] += max(0, under - self.counters["tool_wait_under_predictions"])
+        self._counted()
+
+    def _apply(self, now: float, calls: Calls, facts: Facts, ended: set[AgentKey],
+               rounds: Rounds | None = None) -> None:
+        if rounds is not None:
+            self._rounds.announce(rounds)
+        before = self._graph_cache
+        self._graph_cache = facts
+        for agent in sorted(ended - self._ended_agents):
+            known = self._last_ctx.get(agent)
+            if known:
+                self.policy.on_agent_end(self.placement, agent, tuple(known[0]))
+                self.counters["agents_ended"] += 1
+        self._ended_agents = ended
+        for sid in sorted({a[0] for a in before} - {a[0] for a in facts}):
+            self.policy.on_session_end(self.placement, sid)
+            self.counters["sessions_ended"] += 1
+        self._pump()
+        # an agent with a request in the engine is not waiting, whatever the server says: its call's end may
+        # not have reached the server yet (a wait started then would hold a running agent's blocks)
+        busy = {(st.session_id, st.agent_id) for st in self._reqs.values()} if calls else set()
+        for sid, aid, returns_s in calls:
+            agent = (sid, aid)
+            known = self._last_ctx.get(agent)
+            if agent in busy:
+                continue
+            if known and not self.placement.is_waiting(agent, tool=True):
+                keys, hashes = known
+                if self.placement.is_waiting(agent):  # on its turn's end: the call announced since re-times it
+                    self.counters["waits_retimed"] += 1
+                self._start_wait(agent, keys, hashes,
+                                 max(0.01, returns_s - now) if returns_s is not None else 10.0, 0)
