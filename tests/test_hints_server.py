@@ -69,12 +69,18 @@ def test_every_event_type_round_trips_into_the_graph(srv, client):
         signal("shared_round_start", session_id=sid, round_id="done", agent_ids=["kid"]),
         signal("shared_round_end", session_id=sid, round_id="done"),
         signal("agent_end", session_id=sid, agent_id="gone", status=pb.AGENT_STATUS_COMPLETED),
-        command("pin", session_id=sid, block_keys=keys(1, 2), ttl_s=5.0),
-        command("unpin", session_id=sid, block_keys=keys(2)),
-        command("prefetch", session_id=sid, block_keys=keys(3), tier=pb.TIER_DRAM),
         command("priority", session_id=sid, agent_id="kid", priority=pb.PRIORITY_HIGH),
     ))
-    assert (resp.num_accepted, resp.num_rejected, resp.num_duplicates) == (19, 0, 0)
+    assert (resp.num_accepted, resp.num_rejected, resp.num_duplicates) == (16, 0, 0)
+    # no store: block-key commands are refused, each saying why (never accepted and dropped)
+    resp = client.Publish(batch(
+        command("pin", session_id=sid, block_keys=keys(1, 2), ttl_s=5.0),
+        command("unpin", session_id=sid, block_keys=keys(2)),
+        command("prefetch", session_id=sid, block_keys=keys(3), tier=pb.TIER_DRAM), skip_invalid=True))
+    assert (resp.num_accepted, resp.num_rejected) == (0, 3)
+    assert [(r.field, r.reason) for r in resp.rejections] == [
+        (f"commands[{i}].{k}.block_keys", "no_store") for i, k in enumerate(("pin", "unpin", "prefetch"))]
+    assert all("no store" in r.message and "--store" in r.message for r in resp.rejections)
     stats = client.GetStats(pb.GetStatsRequest(session_id=sid))
     info = stats.session
     agents = {a.agent_id: a for a in info.agents}
@@ -92,7 +98,7 @@ def test_every_event_type_round_trips_into_the_graph(srv, client):
     assert rounds == [("fan", ["root", "kid"], 2)]
     assert list(info.critical_path) == ["kid", "root"]  # root waits for kid
     assert stats.events_by_type["session_start"] >= 1 and stats.events_by_type["priority"] >= 1
-    assert stats.commands_by_outcome["pin_counted"] >= 1  # no store: commands are counted
+    assert stats.rejections_by_reason["no_store"] == 3
     # session_end removes everything of the session.
     client.Publish(batch(signal("session_end", session_id=sid)))
     with pytest.raises(grpc.RpcError) as info_err:

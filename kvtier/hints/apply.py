@@ -6,7 +6,8 @@ durations and TTLs), the per-tenant events-per-second limit (a
 :class:`TokenBucket` per tenant), idempotency by ``(tenant, event_id)`` within a bounded
 dedupe window, the per-tenant counters behind ``GetStats`` and Prometheus,
 and applying commands (pin / unpin / prefetch) to a
-:class:`~kvtier.store.TieredStore` when one is given (else counting them).
+:class:`~kvtier.store.TieredStore` when one is given (else refusing them,
+reason ``no_store``, with a message that says why: never dropped silently).
 
 Must not import grpc (the server maps a :class:`Rejected` to a status code)
 and must not block: it runs on the server's event loop. Memory is bounded by
@@ -28,6 +29,9 @@ from ..keys import mix64
 from ._gen import hints_pb2 as pb
 
 KEY_BYTES = 16
+NO_STORE = ("this hint server has no store for block-key commands (start it with `kvtier hints serve --store`, "
+            "or host it with a TieredStore)")
+"""Why pin / unpin / prefetch are refused by a hint server without a store (never dropped silently)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,10 +209,12 @@ class HintApplier:
     """
 
     def __init__(self, graph: AgentGraph | None = None, limits: HintLimits | None = None, *,
-                 store: CommandSink | None = None, listener: SignalListener | None = None) -> None:
+                 store: CommandSink | None = None, listener: SignalListener | None = None,
+                 no_store: str = NO_STORE) -> None:
         self.graph = graph or AgentGraph()
         self.limits = limits or HintLimits()
         self.store = store
+        self.no_store = no_store  # why pin / unpin / prefetch are refused without a store
         self.listener = listener
         self.tenants: dict[str, TenantStats] = {}
         self._buckets: dict[str, TokenBucket] = {}  # tenant -> budget, when rate-limited
@@ -523,8 +529,7 @@ class HintApplier:
             return Refusal("bad_value", "ttl_s", f"{ttl!r}; must be in (0, HintLimits.max_pin_ttl_s="
                            f"{self.limits.max_pin_ttl_s}]")
         if self.store is None:
-            stats.commands_by_outcome["pin_counted"] += 1
-            return None
+            return Refusal("no_store", "block_keys", self.no_store)
         self._lapse_pins(now_s)
         keys = list(dict.fromkeys(keys_of(m.block_keys)))
         new = sum(1 for k in keys if tenant not in self._pin_owners.get(k, ()))
@@ -570,8 +575,7 @@ class HintApplier:
         if bad:
             return bad
         if self.store is None:
-            stats.commands_by_outcome["unpin_counted"] += 1
-            return None
+            return Refusal("no_store", "block_keys", self.no_store)
         self._lapse_pins(now_s)
         release = []
         for k in dict.fromkeys(keys_of(m.block_keys)):
@@ -595,8 +599,7 @@ class HintApplier:
         if tier is None:
             return _bad_enum("tier", m.tier, pb.Tier)
         if self.store is None:
-            stats.commands_by_outcome["prefetch_counted"] += 1
-            return None
+            return Refusal("no_store", "block_keys", self.no_store)
         tiers = getattr(getattr(self.store, "manager", None), "tier_names", ())
         if tiers and tier not in tiers:
             stats.commands_by_outcome["prefetch_tier_disabled"] += 1

@@ -51,7 +51,7 @@ from grpc_health.v1.health import aio as health_aio
 from ..agents.graph import AgentGraph, GraphLimits
 from . import DEFAULT_ADDRESS
 from ._gen import hints_pb2 as pb
-from .apply import BatchResult, CommandSink, HintApplier, HintLimits, Rejected
+from .apply import NO_STORE, BatchResult, CommandSink, HintApplier, HintLimits, Rejected
 
 SERVICE_NAME = "kvtier.v1.HintService"
 TENANT_METADATA = "x-kvtier-tenant"
@@ -234,7 +234,8 @@ class HintServer:
     """One grpc.aio server with the HintService and health service.
 
     ``tokens``: ``token -> tenant``; empty/None disables auth. ``store``:
-    pin / unpin / prefetch commands go to it (else they are counted).
+    pin / unpin / prefetch commands go to it (else they are refused, reason
+    ``no_store``, with ``no_store`` as the message: why, and what to do).
     ``recorder``: a :class:`~kvtier.recording.hints.HintRecorder` (or any
     object with ``on_event`` / ``on_session_gone``). ``metrics_port``:
     ``None`` for no endpoint, ``0`` for any free port (see
@@ -248,9 +249,10 @@ class HintServer:
                  limits: HintLimits | None = None, store: CommandSink | None = None, recorder: Any = None,
                  tokens: Mapping[str, str] | None = None, tls: TLSFiles | None = None,
                  metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
-                 expire_interval_s: float = 1.0, allow_unauthenticated_remote: bool = False) -> None:
+                 expire_interval_s: float = 1.0, allow_unauthenticated_remote: bool = False,
+                 no_store: str = NO_STORE) -> None:
         self.graph = graph or AgentGraph(graph_limits)
-        self.applier = HintApplier(self.graph, limits, store=store, listener=recorder)
+        self.applier = HintApplier(self.graph, limits, store=store, listener=recorder, no_store=no_store)
         self.recorder = recorder
         self._tokens = {hashlib.sha256(t.encode()).digest(): tenant for t, tenant in (tokens or {}).items()}
         self.tls = tls

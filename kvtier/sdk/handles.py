@@ -17,20 +17,27 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-KV_TRANSFER_PARAMS = "kv_transfer_params"
-SESSION_ID_PARAM = "kvtier_session_id"
-AGENT_ID_PARAM = "kvtier_agent_id"
+from .params import (  # the keys' names and readers live in params; re-exported here
+    AGENT_ID_PARAM,
+    APPROXIMATE_SEGMENTS_PARAM,
+    CRITICALITY_PARAM,
+    KV_TRANSFER_PARAMS,
+    MAX_APPROXIMATE_SPANS,
+    ROUND_ID_PARAM,
+    SESSION_ID_PARAM,
+    SHARED_TOKENS_PARAM,
+    TOOL_WAIT_PARAM,
+    VALIDATORS,
+    request_approximate_segments,
+    request_criticality,
+    request_round,
+    request_tags,
+    request_tool_wait_s,
+)
 
-
-TOOL_WAIT_PARAM = "kvtier_tool_wait_s"
-CRITICALITY_PARAM = "kvtier_criticality"
 PRIORITY_FIELD = "priority"  # vLLM's own request priority (lower first under --scheduling-policy priority)
-APPROXIMATE_SEGMENTS_PARAM = "kvtier_approximate_segments"
-ROUND_ID_PARAM = "kvtier_round_id"
-SHARED_TOKENS_PARAM = "kvtier_shared_tokens"
 CACHE_SALT_FIELD = "cache_salt"  # vLLM's own: requests with different salts share no prefix-cache block
 APPROXIMATE_SALT_MARKER = "kvtier-approximate"  # the last part of an approximate request's cache_salt
-MAX_APPROXIMATE_SPANS = 64
 
 
 def tag_request(body: Mapping[str, Any], session_id: str, agent_id: str,
@@ -54,16 +61,13 @@ def tag_request(body: Mapping[str, Any], session_id: str, agent_id: str,
     ``--scheduling-policy priority``: admission order, reported apart from KV
     placement."""
     params = dict(body.get(KV_TRANSFER_PARAMS) or {})
-    params[SESSION_ID_PARAM] = session_id
-    params[AGENT_ID_PARAM] = agent_id
-    if tool_wait_s is not None:
-        if not (isinstance(tool_wait_s, (int, float)) and 0 < tool_wait_s < float("inf")):
-            raise ValueError(f"tag_request: tool_wait_s={tool_wait_s!r} must be a finite number of seconds > 0")
-        params[TOOL_WAIT_PARAM] = float(tool_wait_s)
-    if criticality is not None:
-        if isinstance(criticality, bool) or not isinstance(criticality, (int, float)) or not 0 <= criticality <= 1:
-            raise ValueError(f"tag_request: criticality={criticality!r} must be a number in [0, 1]")
-        params[CRITICALITY_PARAM] = float(criticality)
+    given = {SESSION_ID_PARAM: session_id, AGENT_ID_PARAM: agent_id, TOOL_WAIT_PARAM: tool_wait_s,
+             CRITICALITY_PARAM: criticality}
+    for key, value in given.items():  # what the connector would refuse is refused here, by the same rule
+        if value is not None or key in (SESSION_ID_PARAM, AGENT_ID_PARAM):
+            params[key], why = VALIDATORS[key](value)
+            if why is not None:
+                raise ValueError(f"tag_request: {key}={value!r}: {why}")
     tagged = dict(body)
     tagged[KV_TRANSFER_PARAMS] = params
     if critical_path_rank is not None:
@@ -71,32 +75,6 @@ def tag_request(body: Mapping[str, Any], session_id: str, agent_id: str,
             raise ValueError(f"tag_request: critical_path_rank={critical_path_rank!r} must be an int >= 0")
         tagged[PRIORITY_FIELD] = critical_path_rank
     return tagged
-
-
-def request_tags(kv_transfer_params: Mapping[str, Any] | None) -> tuple[str | None, str | None]:
-    """``(session_id, agent_id)`` that :func:`tag_request` put into ``kv_transfer_params``
-    (``None`` for a missing one); what an engine connector calls."""
-    params = kv_transfer_params or {}
-    sid, aid = params.get(SESSION_ID_PARAM), params.get(AGENT_ID_PARAM)
-    return (sid if isinstance(sid, str) else None, aid if isinstance(aid, str) else None)
-
-
-def request_tool_wait_s(kv_transfer_params: Mapping[str, Any] | None) -> float | None:
-    """The expected tool wait :func:`tag_request` put into ``kv_transfer_params``
-    (``None`` when absent or not a finite positive number)."""
-    wait = (kv_transfer_params or {}).get(TOOL_WAIT_PARAM)
-    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait < float("inf"):
-        return None
-    return float(wait)
-
-
-def request_criticality(kv_transfer_params: Mapping[str, Any] | None) -> float | None:
-    """The criticality :func:`tag_request` put into ``kv_transfer_params`` (``None``
-    when absent or not a number in [0, 1])."""
-    crit = (kv_transfer_params or {}).get(CRITICALITY_PARAM)
-    if isinstance(crit, bool) or not isinstance(crit, (int, float)) or not 0 <= crit <= 1:
-        return None
-    return float(crit)
 
 
 def approximate_segments(body: Mapping[str, Any], spans: Iterable[tuple[int, int]],
@@ -165,33 +143,6 @@ def tag_round(body: Mapping[str, Any], round_id: str, shared_tokens: int) -> dic
     tagged = dict(body)
     tagged[KV_TRANSFER_PARAMS] = params
     return tagged
-
-
-def request_round(kv_transfer_params: Mapping[str, Any] | None) -> tuple[str, int] | None:
-    """``(round_id, shared_tokens)`` that :func:`tag_round` put into ``kv_transfer_params``;
-    ``None`` when absent or malformed."""
-    params = kv_transfer_params or {}
-    rid, shared = params.get(ROUND_ID_PARAM), params.get(SHARED_TOKENS_PARAM)
-    if not isinstance(rid, str) or not rid or isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
-        return None
-    return rid, shared
-
-
-def request_approximate_segments(kv_transfer_params: Mapping[str, Any] | None) -> list[tuple[int, int]] | None:
-    """The spans :func:`approximate_segments` put into ``kv_transfer_params`` (an empty
-    list: an approximate-mode request with no segment); ``None`` when absent or
-    malformed (a malformed list, or more than :data:`MAX_APPROXIMATE_SPANS` spans,
-    is no request for approximation)."""
-    spans = (kv_transfer_params or {}).get(APPROXIMATE_SEGMENTS_PARAM)
-    if not isinstance(spans, (list, tuple)) or len(spans) > MAX_APPROXIMATE_SPANS:
-        return None
-    out = []
-    for span in spans:
-        if not isinstance(span, (list, tuple)) or len(span) != 2 or not all(
-                isinstance(v, int) and not isinstance(v, bool) for v in span) or span[0] < 0 or span[1] <= 0:
-            return None
-        out.append((int(span[0]), int(span[1])))
-    return out
 
 
 @dataclass(frozen=True, slots=True)

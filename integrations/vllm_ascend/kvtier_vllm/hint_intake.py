@@ -10,7 +10,9 @@ after the request ended), and the start of every wait: a tagged request's end
 (``tool`` with ``kvtier_tool_wait_s``, else ``turn_end``) or a tool call the
 server announces (re-timing a ``turn_end`` wait). The placement policy decides
 what a wait does (holds, order, prefetch); the shared rounds get the server's
-round announcements. Must not import vLLM, plan loads or stores, or wait on the
+round announcements; and the check of each new request's ``kv_transfer_params``
+(refused keys counted, named in a rate-limited log line). The hosted server refuses block-key
+commands, saying why (:data:`NO_BLOCK_COMMANDS`). Must not import vLLM, plan loads or stores, or wait on the
 hint server on the scheduler's step (a read of the hosted one gives up after
 1 s; a followed one is read from its latest snapshot).
 """
@@ -26,6 +28,7 @@ from typing import Any
 from kvtier.keys import BlockKey
 from kvtier.placement import ToolWait
 from kvtier.placement.base import TURN_END_GAP_S
+from kvtier.sdk.params import KV_TRANSFER_PARAMS, VALIDATORS, check_request_params
 
 from .placement import EnginePlacement
 from .rounds import SharedRounds
@@ -34,6 +37,13 @@ from .settings import ConnectorSettings
 log = logging.getLogger(__name__)
 
 MAX_TRACKED_AGENTS = 4096
+NO_BLOCK_COMMANDS = (
+    "the kvtier vLLM connector hosts this hint server and refuses block-key pin / unpin / prefetch: its keys are "
+    "vLLM's block hashes chained in the connector's namespace, which clients do not see; an agent's KV is held "
+    "and brought back from its tool-call signals and its requests' kvtier_tool_wait_s (kv_transfer_params)")
+"""Why the hosted hint server refuses Pin / Unpin / Prefetch (the Publish reply's rejection message)."""
+PARAM_LOG_BURST = 50
+"""Log lines a second naming refused ``kv_transfer_params`` (a hostile client cannot flood the log)."""
 POLL_EVERY_S = 0.05
 
 AgentKey = tuple[str, str]
@@ -65,6 +75,7 @@ class HintIntake:
         self._graph_cache: Facts = {}
         self._ended_agents: set[AgentKey] = set()
         self._next_poll_s = 0.0
+        self._param_log_s, self._param_logs = 0.0, 0  # refused kv_transfer_params: log lines this second
         self.hosted: Any = None
         self.address: str | None = None
         self.watcher: Any = None
@@ -73,7 +84,7 @@ class HintIntake:
             from kvtier.hints.server import BackgroundHintServer
 
             # a tool never seen yet is predicted from all tools' waits (the request-stream hints' agents have no type)
-            self.hosted = BackgroundHintServer(graph=AgentGraph(global_fallback=True))
+            self.hosted = BackgroundHintServer(graph=AgentGraph(global_fallback=True), no_store=NO_BLOCK_COMMANDS)
             self.address = self.hosted.start(settings.hint_server)
             placement.graph_reader = self.graph_facts
             log.info("kvtier: hint server hosted in the scheduler process at %s", self.address)
@@ -246,3 +257,29 @@ class HintIntake:
                     self.counters["waits_retimed"] += 1
                 self._start_wait(agent, keys, hashes,
                                  max(0.01, returns_s - now) if returns_s is not None else 10.0, 0)
+
+    def check_params(self, req_id: str, params: Any) -> None:
+        """Check a new request's ``kv_transfer_params`` (:func:`~kvtier.sdk.params.check_request_params`).
+        Its refused kvtier keys read as absent (it is served without those hints):
+        counted (``kv_params_refused_<key>``, ``_unknown`` for a key kvtier does not have;
+        ``kv_params_refused_requests``) and named in one log line per request, at most
+        :data:`PARAM_LOG_BURST` lines a second (the rest counted in ``kv_params_log_suppressed``)."""
+        problems = check_request_params(params)
+        if not problems:
+            return
+        self.counters["kv_params_refused_requests"] += 1
+        for p in problems:  # bounded names: a known key's, or one for all unknown keys
+            name = p.key.removeprefix("kvtier_") if p.key in VALIDATORS else (
+                "not_object" if p.key == KV_TRANSFER_PARAMS else "unknown")
+            self.counters[f"kv_params_refused_{name}"] += 1
+        now = time.monotonic()
+        if now - self._param_log_s >= 1.0:
+            self._param_log_s, self._param_logs = now, 0
+        if self._param_logs >= PARAM_LOG_BURST:
+            self.counters["kv_params_log_suppressed"] += 1
+            return
+        self._param_logs += 1
+        shown = "; ".join(f"{p.key}={p.value} ({p.reason})" for p in problems[:8])
+        more = f"; and {len(problems) - 8} more" if len(problems) > 8 else ""
+        log.warning("kvtier: request %s: kv_transfer_params refused, served without them: %s%s",
+                    req_id[:64], shown, more)

@@ -20,7 +20,7 @@ from typing import Any
 
 from kvtier.keys import BlockKey
 from kvtier.manager import TierManager
-from kvtier.sdk.handles import request_round
+from kvtier.sdk.params import request_round
 
 from .placement import EnginePlacement
 

@@ -47,8 +47,8 @@ from kvtier.keys import BlockKey, Namespace, chain_foreign_keys
 from kvtier.manager import LoadPlan, StorePlan, TierManager, TierSpec
 from kvtier.placement import make_placement
 from kvtier.placement.surface import surface
-from kvtier.sdk.handles import (
-    is_approximate_salt,
+from kvtier.sdk.handles import is_approximate_salt
+from kvtier.sdk.params import (
     request_approximate_segments,
     request_criticality,
     request_tags,
@@ -551,6 +551,7 @@ class KVTierScheduler:
         st = self._reqs.get(request.request_id)
         if st is None:
             params = getattr(request, "kv_transfer_params", None)
+            self.hints.check_params(request.request_id, params)
             session_id, agent_id = request_tags(params)
             st = self._reqs[request.request_id] = _Req(request, session_id, agent_id)
             spans = request_approximate_segments(params)

@@ -20,7 +20,7 @@ from typing import Any
 
 from kvtier.keys import BlockKey
 from kvtier.manager import StorePlan, TierManager
-from kvtier.sdk.handles import request_tool_wait_s
+from kvtier.sdk.params import request_tool_wait_s
 from kvtier.tiers.lossy import LossyCopies
 
 from .kv_events import TierEvents
