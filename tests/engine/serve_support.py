@@ -68,6 +68,11 @@ class Server:
                 out[name] = float(value)
         return out
 
+    def exported(self) -> set[str]:
+        """The names of every sample on ``/metrics`` (a histogram's ``_bucket``, ``_sum``, ``_count``)."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read().decode()
+        return {line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines() if line and line[0] != "#"}
+
     def close(self) -> None:
         self.proc.terminate()
         try:

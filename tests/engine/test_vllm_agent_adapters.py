@@ -187,3 +187,19 @@ def test_langgraph_callback_handler(served) -> None:
     assert s.rejected == 0 and s.duplicates == 0, s  # the server took every event
     c = _wait_for(stats, "tool_waits", before + 1)
     assert c.get("tool_waits", 0) >= before + 1, c
+
+
+def test_every_dashboard_panel_reads_a_metric_the_running_server_exports(served) -> None:
+    """The operator's dashboard (``docs/grafana/kvtier-vllm.json``, from
+    :mod:`kvtier_vllm.dashboard`) against this ``vllm serve``'s own ``/metrics``: each
+    panel's query names only metrics the server exports (kvtier's counters exist at 0
+    from the engine's start; vLLM's are vLLM's own)."""
+    from kvtier_vllm.dashboard import dashboard, metric_names
+
+    server, _, _ = served
+    exported = server.exported()
+    panels = [p for p in dashboard()["panels"] if p["type"] != "row"]
+    assert len(panels) >= 12
+    for panel in panels:
+        names = set().union(*(metric_names(t["expr"]) for t in panel["targets"]))
+        assert names and names <= exported, (panel["title"], sorted(names - exported))

@@ -9,8 +9,8 @@ aggregated by vLLM over workers) into Prometheus counters named
 (``vllm serve``; offline ``LLM`` logs no stats). Must not compute anything:
 the numbers are the scheduler's counters, unchanged.
 
-Counters appear on their first increment (tier-specific names such as
-``hit_tokens_ssd`` exist only where that tier is enabled). Each metric is
+The counters the operator's dashboard reads (:data:`.dashboard.DASHBOARD_COUNTERS`)
+exist at 0 from the engine's start; any other appears on its first increment. Each metric is
 made once per process and reused, as the global Prometheus registry
 refuses a second metric of the same name.
 """
@@ -22,6 +22,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 from vllm.v1.metrics.utils import create_metric_per_engine
+
+from .dashboard import DASHBOARD_COUNTERS
 
 PREFIX = "kvtier_connector_"
 _HELP = {
@@ -53,16 +55,21 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._per_engine: dict[str, dict[int, Any]] = {}
+        for counter in DASHBOARD_COUNTERS:  # at 0 from the start: the dashboard's panels show 0, not "no data"
+            self._children(counter)
+
+    def _children(self, counter: str) -> dict[int, Any]:
+        children = self._per_engine.get(counter)
+        if children is None:
+            children = self._per_engine[counter] = create_metric_per_engine(
+                self._metric(counter), self.per_engine_labelvalues)
+        return children
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for counter, delta in transfer_stats_data.items():
             if not isinstance(delta, (int, float)) or delta <= 0:
                 continue  # counters only grow; a zero delta has nothing to add
-            children = self._per_engine.get(counter)
-            if children is None:
-                children = self._per_engine[counter] = create_metric_per_engine(
-                    self._metric(counter), self.per_engine_labelvalues)
-            child = children.get(engine_idx)
+            child = self._children(counter).get(engine_idx)
             if child is not None:
                 child.inc(delta)
 
