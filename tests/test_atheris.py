@@ -1,6 +1,7 @@
 """Coverage-guided fuzzing with atheris (libFuzzer) of the SSD value header, the
-config loader, the trace readers and the hint server's protobuf decoding and
-apply: each target runs in its own process from valid seeds, and any exception
+config loader, the trace readers, the hint server's protobuf decoding and
+apply, a request's kv_transfer_params as the connector reads them and the hint
+Watch stream's views as the connector's watcher takes them: each target runs in its own process from valid seeds, and any exception
 other than the parser's clean error fails it (see tests/fuzz/atheris_targets.py).
 The hypothesis property tests next to each parser cover the same ground where
 atheris has no wheel."""
@@ -16,7 +17,8 @@ import pytest
 pytest.importorskip("atheris", reason="atheris has wheels for Linux x86_64, Python < 3.13 only")
 
 HARNESS = Path(__file__).parent / "fuzz" / "atheris_targets.py"
-RUNS = {"ssd_header": 20_000, "config": 5_000, "trace": 5_000, "hints": 10_000}
+RUNS = {"ssd_header": 20_000, "config": 5_000, "trace": 5_000, "hints": 10_000, "kv_params": 10_000,
+        "watch": 10_000}
 
 
 @pytest.mark.parametrize("target", sorted(RUNS))

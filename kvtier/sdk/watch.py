@@ -24,6 +24,7 @@ import grpc
 from ..hints._gen import hints_pb2 as pb
 from ..hints._gen import hints_pb2_grpc as pb_grpc
 from .client import _channel
+from .params import MAX_TOOL_WAIT_S
 
 AgentKey = tuple[str, str]
 
@@ -49,11 +50,18 @@ class AgentsSnapshot:
 
 
 def snapshot_of(view: Any, received_s: float) -> AgentsSnapshot:
-    """An ``AgentsView`` message as an :class:`AgentsSnapshot` received at ``received_s``."""
+    """An ``AgentsView`` message as an :class:`AgentsSnapshot` received at ``received_s``.
+    What a server (or anything in its place) sends is bounded here, for the connector
+    acts on it: a criticality outside [0, 1] is clamped (NaN reads as 0), a predicted
+    return is clamped to :data:`~kvtier.sdk.params.MAX_TOOL_WAIT_S` either way (negative:
+    overdue), and a NaN one reads as no prediction."""
     agents = {}
     for a in view.agents:
-        returns = received_s + a.tool_returns_in_s if a.tool_call_in_flight and a.has_prediction else None
-        agents[(a.session_id, a.agent_id)] = AgentState(a.criticality, a.parent_agent_id or None, a.ended,
+        returns = None
+        if a.tool_call_in_flight and a.has_prediction and a.tool_returns_in_s == a.tool_returns_in_s:  # not NaN
+            returns = received_s + min(MAX_TOOL_WAIT_S, max(-MAX_TOOL_WAIT_S, a.tool_returns_in_s))
+        crit = min(1.0, a.criticality) if a.criticality >= 0.0 else 0.0  # NaN: 0
+        agents[(a.session_id, a.agent_id)] = AgentState(crit, a.parent_agent_id or None, a.ended,
                                                         a.tool_call_in_flight, returns)
     rounds = {(r.session_id, r.round_id): tuple(r.agent_ids) for r in view.rounds}
     return AgentsSnapshot(received_s, agents, rounds)

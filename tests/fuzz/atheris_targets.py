@@ -16,12 +16,22 @@ finding, which libFuzzer reports with the input that caused it (exit != 0).
 * ``hints``: a ``PublishRequest`` decoded from arbitrary bytes and applied by
   the server's ``HintApplier`` — decodes or raises ``DecodeError``; applying
   never raises.
+* ``kv_params``: a request's ``kv_transfer_params`` (JSON of arbitrary bytes, as
+  vLLM's API server hands them on, NaN and Infinity included) checked and read
+  as the connector does — never raises, a kvtier key is listed exactly when it
+  reads as absent, and every value read is within its bounds.
+* ``watch``: an ``AgentsView`` (the hint Watch stream's message) decoded from
+  arbitrary bytes and made a snapshot as the connector's watcher does — decodes
+  or raises ``DecodeError``; every criticality is in [0, 1] and every predicted
+  return finite and within the longest tool wait.
 
 Seeds are valid inputs of each parser, so mutations start from real structure.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import sys
 import tempfile
@@ -38,6 +48,8 @@ if True:  # imports first; main() instruments every loaded kvtier function
     from kvtier.keys import BlockKey, Namespace
     from kvtier.layout import KVLayout
     from kvtier.replay.readers import TraceError, load_trace
+    from kvtier.sdk.params import MAX_TOOL_WAIT_S, VALIDATORS, check_request_params, read_param
+    from kvtier.sdk.watch import snapshot_of
     from kvtier.tiers.codec import ValueContext, decode_outcome, encode
 
 LAYOUT = KVLayout(1, 1, 64, "bfloat16", 2, arrangement="mla")  # 256-byte blocks
@@ -85,6 +97,33 @@ def hints(data: bytes) -> None:
     _APPLIER.apply("fuzz", req, skip_invalid=False, now_s=2.0, now_unix_us=1_700_000_000_000_000)
 
 
+def kv_params(data: bytes) -> None:
+    try:
+        params = json.loads(data.decode("utf-8", "surrogatepass"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return
+    listed = {p.key for p in check_request_params(params)}
+    if not isinstance(params, dict):
+        return
+    for key in VALIDATORS:
+        value = read_param(params, key)
+        if key in params and key not in ("kvtier_round_id", "kvtier_shared_tokens"):
+            assert (value is None) == (key in listed), (key, params[key])
+        if isinstance(value, float):
+            assert math.isfinite(value) and abs(value) <= MAX_TOOL_WAIT_S, (key, value)
+
+
+def watch(data: bytes) -> None:
+    try:
+        view = pb.AgentsView.FromString(data)
+    except DecodeError:
+        return
+    snap = snapshot_of(view, 100.0)
+    for state in snap.agents.values():
+        assert 0.0 <= state.criticality <= 1.0, state
+        assert state.returns_at_s is None or abs(state.returns_at_s - 100.0) <= MAX_TOOL_WAIT_S, state
+
+
 def _seeds(target: str) -> list[bytes]:
     if target == "config":
         return [b"\x00tiers:\n  dram:\n    capacity_blocks: 4\n", b"\x01[tiers.dram]\ncapacity_blocks = 4\n"]
@@ -97,11 +136,22 @@ def _seeds(target: str) -> list[bytes]:
         r.signals.add(event_id=2, agent_spawn=pb.AgentSpawn(session_id="s", agent_id="a"))
         r.commands.add(event_id=3, pin=pb.PinCommand(session_id="s", block_keys=bytes(16), ttl_s=5.0))
         return [r.SerializeToString()]
+    if target == "kv_params":
+        return [b'{"kvtier_session_id": "s", "kvtier_agent_id": "a", "kvtier_tool_wait_s": 3.5}',
+                b'{"kvtier_criticality": NaN, "kvtier_round_id": "r", "kvtier_shared_tokens": 64, "x": [1]}',
+                b'{"kvtier_approximate_segments": [[0, 64], [128, 32]], "kvtier_tool_wait_s": Infinity}']
+    if target == "watch":
+        v = pb.AgentsView()
+        v.agents.add(session_id="s", agent_id="a", criticality=0.5, tool_call_in_flight=True, has_prediction=True,
+                     tool_returns_in_s=2.5)
+        v.rounds.add(session_id="s", round_id="r", agent_ids=["a"])
+        return [v.SerializeToString()]
     raw = bytes(range(256)) * (LAYOUT.bytes_per_block // 256)
     return [encode(raw, CTX, codec, key=BlockKey(7)) for codec in ("raw", "zstd", "bplane-zstd")]
 
 
-TARGETS = {"ssd_header": ssd_header, "config": config, "trace": trace, "hints": hints}
+TARGETS = {"ssd_header": ssd_header, "config": config, "trace": trace, "hints": hints, "kv_params": kv_params,
+           "watch": watch}
 
 
 def _instrument(obj: object) -> None:
