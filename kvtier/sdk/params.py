@@ -1,7 +1,7 @@
 """kvtier's keys in a request's ``kv_transfer_params``: their names, what a valid
 value is, reading them, and listing what a request got wrong.
 
-Owns: the key names (``kvtier_session_id`` ... ``kvtier_shared_tokens``), one
+Owns: the key names (``kvtier_session_id`` ... ``kvtier_tenant``), one
 validator per key (the readers below and :func:`check_request_params` use the
 same one, so what is refused and what is read never disagree), and the
 bounds (:data:`MAX_ID_BYTES`, :data:`MAX_TOOL_WAIT_S`, :data:`MAX_SHARED_TOKENS`).
@@ -32,6 +32,7 @@ CRITICALITY_PARAM = "kvtier_criticality"
 APPROXIMATE_SEGMENTS_PARAM = "kvtier_approximate_segments"
 ROUND_ID_PARAM = "kvtier_round_id"
 SHARED_TOKENS_PARAM = "kvtier_shared_tokens"
+TENANT_PARAM = "kvtier_tenant"
 KVTIER_PREFIX = "kvtier_"
 
 MAX_ID_BYTES = 256
@@ -101,6 +102,7 @@ VALIDATORS: dict[str, Callable[[Any], Checked]] = {
     APPROXIMATE_SEGMENTS_PARAM: _spans,
     ROUND_ID_PARAM: _id,
     SHARED_TOKENS_PARAM: _shared_tokens,
+    TENANT_PARAM: _id,
 }
 
 
@@ -143,6 +145,14 @@ def request_tags(kv_transfer_params: Mapping[str, Any] | None) -> tuple[str | No
     """``(session_id, agent_id)`` that :func:`~kvtier.sdk.handles.tag_request` put into
     ``kv_transfer_params`` (``None`` for a missing or refused one); what an engine connector calls."""
     return read_param(kv_transfer_params, SESSION_ID_PARAM), read_param(kv_transfer_params, AGENT_ID_PARAM)
+
+
+def request_tenant(kv_transfer_params: Mapping[str, Any] | None) -> str:
+    """The request's tenant for the connector's per-tenant bounds (``kvtier_tenant``; ``""``
+    when absent or refused: requests without one are one tenant). Not a namespace: blocks
+    are shared across tenants unless vLLM's ``cache_salt`` keeps them apart. Set it where
+    the caller is known (a gateway, an authenticating proxy), not from the client's body."""
+    return read_param(kv_transfer_params, TENANT_PARAM) or ""
 
 
 def request_tool_wait_s(kv_transfer_params: Mapping[str, Any] | None) -> float | None:

@@ -403,3 +403,42 @@ def _step_until_true(eng: _Engine, done, timeout_s: float = 10.0) -> None:
         eng.step()
         time.sleep(0.02)
     assert done()
+
+
+@pytest.mark.parametrize("tenant_share", [0.5, 1.0])
+def test_a_tenant_flooding_holds_and_sessions_leaves_another_tenant_its_hold_and_hits(tenant_share: float) -> None:
+    """One tenant's client floods: 30 sessions, each an agent claiming criticality 1 and a
+    60 s tool wait. Another tenant's one agent then waits on a tool; untagged traffic
+    takes every free block; the agent comes back. With ``hbm_hold_tenant_fraction`` 0.5
+    the flood holds at most half the hold budget and at most 8 of its agents are
+    remembered (``max_tracked_agents_per_tenant``): the other agent gets its hold and
+    hits all 4 blocks. With no per-tenant bound (1.0) the flood takes the whole budget
+    and the other agent's hold is refused (0 hits): the bound is what protects it."""
+    eng = _Engine(201, placement="ttl", hbm_hold_budget_fraction=0.5, hbm_hold_tenant_fraction=tenant_share,
+                  max_tracked_agents_per_tenant=8)  # 200 usable blocks: 100 held at most, 50 per tenant
+    holds, placement = eng.sched.placement.holds, eng.sched.placement
+    free_at_start = eng.pool.get_num_free_blocks()
+
+    def flood_tag(i: int) -> dict:
+        return {**tag_request({}, f"flood-{i}", "a", 60.0, criticality=1.0)["kv_transfer_params"],
+                "kvtier_tenant": "noisy"}
+
+    for i in range(30):
+        eng.serve(f"flood-{i}", _ctx(100 + i, 4), flood_tag(i))
+    assert holds.tenant_blocks("noisy") <= holds.tenant_budget_blocks == int(tenant_share * 100)
+    assert placement.tracked_waiting("noisy") == 8
+    victim = {**_tag(1, 30.0), "kvtier_tenant": "quiet"}
+    eng.serve("quiet-1", _ctx(1, 4), victim)
+    assert placement.tracked_waiting("quiet") == 1
+    eng.serve("other", _ctx(9, eng.pool.get_num_free_blocks() - 1))  # untagged traffic takes every free block
+    eng.now += 5.0
+    hits = eng.serve("quiet-2", _ctx(1, 6), {**_tag(1, None), "kvtier_tenant": "quiet"})
+    c = eng.sched.counters
+    if tenant_share < 1.0:
+        assert hits == 4 and holds.tenant_blocks("noisy") == 48  # 12 of the flood's agents, 4 blocks each
+        assert c["hbm_hold_refused_tenant"] == 18 and c["agents_forgotten_tenant"] == 22
+    else:
+        assert hits == 0 and holds.held_blocks == 100 and c["hbm_hold_refused_tenant"] == 0
+    eng.now += 120.0  # every hold lapses; nothing stays referenced
+    eng.step()
+    assert holds.held_blocks == 0 and eng.pool.get_num_free_blocks() == free_at_start

@@ -32,11 +32,10 @@ from kvtier.sdk.params import KV_TRANSFER_PARAMS, VALIDATORS, check_request_para
 
 from .placement import EnginePlacement
 from .rounds import SharedRounds
-from .settings import ConnectorSettings
+from .settings import MAX_TRACKED_AGENTS, ConnectorSettings
 
 log = logging.getLogger(__name__)
 
-MAX_TRACKED_AGENTS = 4096
 NO_BLOCK_COMMANDS = (
     "the kvtier vLLM connector hosts this hint server and refuses block-key pin / unpin / prefetch: its keys are "
     "vLLM's block hashes chained in the connector's namespace, which clients do not see; an agent's KV is held "

@@ -50,6 +50,8 @@ from kvtier.placement.nextuse import REQUEUE_MAX_BLOCKS, requeue_order
 from kvtier.placement.surface import SURFACES
 from kvtier.transfer.linkmodel import LinkModel
 
+from .settings import MAX_TRACKED_AGENTS
+
 AgentKey = tuple[str, str]
 
 SURFACE = SURFACES["vllm-write-through"]
@@ -66,7 +68,8 @@ DEFAULT_LINKS: dict[str, tuple[float, float]] = {
 
 class HBMHolds:
     """References on idle vLLM HBM blocks, by tag (an agent's context tail),
-    bounded by ``budget_blocks``.
+    bounded by ``budget_blocks`` in all and by ``tenant_budget_blocks`` per tenant
+    (refusals for that counted in ``tenant_refusals``).
 
     ``pool`` is vLLM's ``BlockPool`` (only ``get_cached_block``, ``touch``,
     ``free_blocks`` are used). A hold takes the longest cached prefix of the
@@ -76,9 +79,13 @@ class HBMHolds:
     """
 
     def __init__(self, pool: Any, budget_blocks: int, primary_group: int = 0,
-                 window_groups: Sequence[tuple[int, int]] = ()) -> None:
+                 window_groups: Sequence[tuple[int, int]] = (), tenant_budget_blocks: int | None = None) -> None:
         self.pool = pool
         self.budget_blocks = max(0, budget_blocks)
+        self.tenant_budget_blocks = self.budget_blocks if tenant_budget_blocks is None else max(0, tenant_budget_blocks)
+        self.tenant_refusals = 0
+        self._tenant_blocks: Counter[str] = Counter()
+        self._tag_tenant: dict[BlockKey, str] = {}
         # hybrid models: the prefix is the primary (full-attention) KV cache group's; each other group
         # (group id, blocks its window reads, 0 for full attention) is held where a hit needs it
         self.primary_group = primary_group
@@ -108,16 +115,21 @@ class HBMHolds:
                     out.append(blocks[0])
         return out
 
-    def hold(self, tag: BlockKey, hashes: Sequence[Any], until: float) -> int:
-        """Hold the cached prefix of ``hashes`` until ``until`` (monotonic s);
-        returns blocks newly held (0: nothing cached, or over the budget)."""
+    def hold(self, tag: BlockKey, hashes: Sequence[Any], until: float, tenant: str = "") -> int:
+        """Hold the cached prefix of ``hashes`` until ``until`` (monotonic s) for
+        ``tenant``; returns blocks newly held (0: nothing cached, or over a budget)."""
         if tag in self._holds:
             self.release(tag)
         blocks = [b for b in self.cached_prefix(hashes) if b.block_id not in self._held_ids]
         if not blocks or self.held_blocks + len(blocks) > self.budget_blocks:
             return 0
+        if self._tenant_blocks[tenant] + len(blocks) > self.tenant_budget_blocks:
+            self.tenant_refusals += 1
+            return 0
         self.pool.touch(blocks)
         self._holds[tag] = (blocks, until)
+        self._tag_tenant[tag] = tenant
+        self._tenant_blocks[tenant] += len(blocks)
         self._held_ids.update(b.block_id for b in blocks)
         self.peak_blocks = max(self.peak_blocks, self.held_blocks)
         return len(blocks)
@@ -125,12 +137,20 @@ class HBMHolds:
     def is_held(self, tag: BlockKey) -> bool:
         return tag in self._holds
 
+    def tenant_blocks(self, tenant: str) -> int:
+        """Blocks held for ``tenant``'s agents now."""
+        return self._tenant_blocks.get(tenant, 0)
+
     def release(self, tag: BlockKey) -> int:
         """Give the hold's references back (tail first into vLLM's free queue)."""
         entry = self._holds.pop(tag, None)
         if entry is None:
             return 0
         blocks = entry[0]
+        tenant = self._tag_tenant.pop(tag, "")
+        self._tenant_blocks[tenant] -= len(blocks)
+        if not self._tenant_blocks[tenant]:
+            del self._tenant_blocks[tenant]
         self.pool.free_blocks(reversed(blocks))
         self._held_ids.difference_update(b.block_id for b in blocks)
         return len(blocks)
@@ -215,12 +235,15 @@ class EnginePlacement:
 
     def __init__(self, manager: TierManager, block_size: int, bytes_per_block: int, counters: Counter[str], *,
                  hold_budget_fraction: float = 0.5, holds_enabled: bool = True,
-                 prefill_tokens_per_s: float = 20000.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 prefill_tokens_per_s: float = 20000.0, clock: Callable[[], float] = time.monotonic,
+                 hold_tenant_fraction: float = 1.0, tracked_agents_per_tenant: int = MAX_TRACKED_AGENTS) -> None:
         self.manager = manager
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
         self.counters = counters
         self.hold_budget_fraction = hold_budget_fraction
+        self.hold_tenant_fraction = hold_tenant_fraction
+        self.tracked_agents_per_tenant = tracked_agents_per_tenant
         self.holds_enabled = holds_enabled
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.clock = clock
@@ -230,6 +253,11 @@ class EnginePlacement:
         self.links = LinkModel(prior=DEFAULT_LINKS)
         self.prefetches = PrefetchTracker(counters)
         self.criticalities: dict[AgentKey, float] = {}
+        # the agents requests named, least recent first (at most MAX_TRACKED_AGENTS): their tenant
+        self.tenant_of: OrderedDict[AgentKey, str] = OrderedDict()
+        self._tenant_waiting: dict[str, OrderedDict[AgentKey, None]] = {}  # tenant -> its tracked waiting agents
+        self._filed: dict[AgentKey, str] = {}  # tracked waiting agent -> the tenant it is counted under
+        self._starting: AgentKey | None = None  # the agent whose wait the policy is deciding (for pin's tenant)
         self.graph_reader: Callable[[AgentKey], tuple[float, str | None] | None] | None = None
         self._hashes: dict[BlockKey, Any] = {}  # kvtier key -> vLLM block hash, for waiting agents' contexts
         self._agent_hashes: OrderedDict[AgentKey, list[BlockKey]] = OrderedDict()  # least recently waiting first
@@ -253,7 +281,9 @@ class EnginePlacement:
 
     def bind_block_pool(self, pool: Any) -> None:
         capacity = max(0, int(pool.num_gpu_blocks) - 1)  # one is vLLM's null block
-        self.holds = HBMHolds(pool, int(self.hold_budget_fraction * capacity), *self.hold_groups)
+        budget = int(self.hold_budget_fraction * capacity)
+        self.holds = HBMHolds(pool, budget, *self.hold_groups,
+                              tenant_budget_blocks=int(self.hold_tenant_fraction * budget))
 
     @property
     def now(self) -> float:
@@ -264,6 +294,20 @@ class EnginePlacement:
         return max(0, int(self.holds.pool.num_gpu_blocks) - 1) if self.holds is not None else 0
 
     # ------------------------------------------------------------ scheduler calls
+
+    def note_agent(self, agent: AgentKey, tenant: str, criticality: float | None) -> None:
+        """A request of ``agent`` (of ``tenant``) arrived, with the criticality its
+        ``kv_transfer_params`` say, if any. At most :data:`MAX_TRACKED_AGENTS` agents are
+        remembered (a flood of new ids forgets the least recent, never grows memory)."""
+        self.tenant_of[agent] = tenant
+        self.tenant_of.move_to_end(agent)
+        if criticality is not None:
+            self.criticalities[agent] = criticality
+        while len(self.tenant_of) > MAX_TRACKED_AGENTS:
+            old, _ = self.tenant_of.popitem(last=False)
+            self.criticalities.pop(old, None)
+        while len(self.criticalities) > MAX_TRACKED_AGENTS:  # (set by a hint server for agents never seen here)
+            self.criticalities.pop(next(iter(self.criticalities)))
 
     def arrived(self, req_id: str, agent: AgentKey | None, num_blocks: int) -> bool:
         """A request arrived; True when it ends its agent's wait."""
@@ -284,28 +328,48 @@ class EnginePlacement:
         """Before the policy's ``on_wait_start``: remember the context's block hashes
         (to find its HBM blocks) and exclude the finishing request's own blocks
         (vLLM frees them right after) from the pressure the policy reads."""
-        for k in self._agent_hashes.pop(agent, ()):
-            self._hashes.pop(k, None)
+        self._forget_context(agent)
         n = min(len(keys), len(hashes))
         self._hashes.update(zip(keys[:n], hashes[:n]))
         self._agent_hashes[agent] = list(keys[:n])
+        self._starting = agent
+        tenant = self._filed[agent] = self.tenant_of.get(agent, "")
+        mine = self._tenant_waiting.setdefault(tenant, OrderedDict())
+        mine[agent] = None
         self._waiting[agent] = (self._waiting.get(agent, (self.now,))[0], tool)  # (re-timed: since it began)
         self._finishing_blocks = finishing_blocks
         if self.next_use is not None and self.holds is not None:
             self._order_due[agent] = self.ORDER_CHECKS
-        while len(self._agent_hashes) > self.MAX_TRACKED_AGENTS:  # agents that never came back
-            old, old_keys = self._agent_hashes.popitem(last=False)
-            for k in old_keys:
-                self._hashes.pop(k, None)
-            self._waiting.pop(old, None)
-            self.criticalities.pop(old, None)
+        # agents that never came back: the tenant's own longest waiting over its share, then anyone's
+        # (a hold they have keeps its own block references and lapses at its TTL)
+        while len(mine) > self.tracked_agents_per_tenant:
+            self._forget_waiting(next(iter(mine)))
+            self.counters["agents_forgotten_tenant"] += 1
+        while len(self._agent_hashes) > MAX_TRACKED_AGENTS:
+            self._forget_waiting(next(iter(self._agent_hashes)))
 
-    MAX_TRACKED_AGENTS = 4096
-    """Waiting agents remembered at once (their block hashes); the longest waiting are forgotten first
-    (a hold they have keeps its own block references and lapses at its TTL)."""
+    def _forget_context(self, agent: AgentKey) -> None:
+        for k in self._agent_hashes.pop(agent, ()):
+            self._hashes.pop(k, None)
+        tenant = self._filed.pop(agent, None)
+        mine = self._tenant_waiting.get(tenant) if tenant is not None else None
+        if mine is not None:
+            mine.pop(agent, None)
+            if not mine:
+                del self._tenant_waiting[tenant]
+
+    def _forget_waiting(self, agent: AgentKey) -> None:
+        self._forget_context(agent)
+        self._waiting.pop(agent, None)
+        self.criticalities.pop(agent, None)
+
+    def tracked_waiting(self, tenant: str) -> int:
+        """Waiting agents of ``tenant`` whose contexts are remembered now."""
+        return len(self._tenant_waiting.get(tenant, ()))
 
     def waiting_started(self) -> None:
         self._finishing_blocks = 0
+        self._starting = None
 
     ORDER_CHECKS = 4
     """Scheduler calls an agent waits to be ordered while its finished request's blocks are still referenced."""
@@ -446,9 +510,13 @@ class EnginePlacement:
             self.counters["hbm_hold_disabled"] += 1
             return False
         hashes = self._hashes_of(keys)
-        n = self.holds.hold(keys[-1], hashes, self.now + ttl_s)
+        tenant_refusals = self.holds.tenant_refusals
+        tenant = self.tenant_of.get(self._starting, "") if self._starting is not None else ""
+        n = self.holds.hold(keys[-1], hashes, self.now + ttl_s, tenant)
         if not n:
             self.counters["hbm_hold_refused"] += 1
+            if self.holds.tenant_refusals > tenant_refusals:
+                self.counters["hbm_hold_refused_tenant"] += 1
             return False
         self.counters["hbm_held_blocks"] += n
         self.counters["hbm_hold_peak_blocks"] = max(self.counters["hbm_hold_peak_blocks"], self.holds.peak_blocks)

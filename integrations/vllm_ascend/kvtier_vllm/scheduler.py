@@ -52,6 +52,7 @@ from kvtier.sdk.params import (
     request_approximate_segments,
     request_criticality,
     request_tags,
+    request_tenant,
     request_tool_wait_s,
 )
 from kvtier.store import reindex_ssd
@@ -160,7 +161,9 @@ class KVTierScheduler:
         self._job_ids = itertools.count(1)
         self.placement = EnginePlacement(self.manager, block_size, cfg.layout.to_layout().bytes_per_block,
                                          self.counters, hold_budget_fraction=settings.hbm_hold_budget_fraction,
-                                         holds_enabled=settings.hbm_hold)
+                                         holds_enabled=settings.hbm_hold,
+                                         hold_tenant_fraction=settings.hold_tenant_fraction,
+                                         tracked_agents_per_tenant=settings.tracked_agents_per_tenant)
         self.placement.hold_groups = self.lanes.hold_groups
         self._promote_plans: dict[int, Any] = {}
         # Exclusive DRAM (one KV cache group): computed blocks are not written through to DRAM but watched in
@@ -223,9 +226,8 @@ class KVTierScheduler:
         self.counters["requests"] += 1
         agent = st.agent
         if agent is not None:
-            crit = request_criticality(getattr(request, "kv_transfer_params", None))
-            if crit is not None:
-                self.placement.criticalities[agent] = crit
+            params = getattr(request, "kv_transfer_params", None)
+            self.placement.note_agent(agent, request_tenant(params), request_criticality(params))
         if self.recorder is not None:
             prompt = int(request.num_prompt_tokens)
             self.recorder.arrived(request.request_id, st.session_id, st.agent_id, prompt,

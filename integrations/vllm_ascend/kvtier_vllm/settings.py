@@ -26,6 +26,10 @@ from kvtier.config import KVTierConfig, RemoteTierConfig, load_config
 from kvtier.errors import ConfigError
 from kvtier.placement.cold import ColdCodecRule
 
+MAX_TRACKED_AGENTS = 4096
+"""Waiting agents whose contexts the scheduler remembers at once, all tenants together (and the agents
+the hint reader remembers a finished context of): the longest waiting are forgotten first."""
+
 EXTRA_KEYS: dict[str, str] = {
     "config_file": "path of a kvtier YAML/TOML file (tiers, policies, pins); engine facts override its layout",
     "kvtier": "nested kvtier settings in the config file's layout, e.g. {'tiers': {'dram': {'policy': 'lfu'}}}",
@@ -58,6 +62,11 @@ EXTRA_KEYS: dict[str, str] = {
                  "kvtier.placement. The file's placement constants apply when this names the file's policy",
     "hbm_hold": "false: never hold a waiting agent's HBM blocks (the placement decides everything else)",
     "hbm_hold_budget_fraction": "most of vLLM's HBM blocks held for waiting agents at once (default 0.5)",
+    "hbm_hold_tenant_fraction": "most of that hold budget one tenant's agents may hold at once (default 1.0). A "
+                                "request's tenant is kvtier_tenant in its kv_transfer_params (set it in a trusted "
+                                "gateway, not by the client); requests without one are one tenant",
+    "max_tracked_agents_per_tenant": "most waiting agents of one tenant whose contexts the scheduler remembers "
+                                     "(default 4096, the total; a tenant over it forgets its own longest waiting)",
     "exclusive_dram": "true: DRAM holds what HBM does not, for a placement that asks for it (kvtier): a block is "
                       "copied down when vLLM hands its HBM slot to another request (BlockPool.unpin_blocks' "
                       "on_reuse), before the forward that overwrites it, and a load out of DRAM moves the block. "
@@ -240,6 +249,8 @@ class ConnectorSettings:
     cold: ColdCodecRule | None = None
     approximate_rope: tuple[float, int] | None = None  # approximate_shifted_segments on: the RoPE to re-rotate by
     lockstep_transfers: bool = False
+    hold_tenant_fraction: float = 1.0
+    tracked_agents_per_tenant: int = MAX_TRACKED_AGENTS
 
     @classmethod
     def build(
@@ -264,6 +275,14 @@ class ConnectorSettings:
         budget = extra.get("hbm_hold_budget_fraction", 0.5)
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
             raise ConfigError("kv_connector_extra_config.hbm_hold_budget_fraction", budget, "must be a number in [0, 1]")
+        tenant_share = extra.get("hbm_hold_tenant_fraction", 1.0)
+        if isinstance(tenant_share, bool) or not isinstance(tenant_share, (int, float)) or not 0 < tenant_share <= 1:
+            raise ConfigError("kv_connector_extra_config.hbm_hold_tenant_fraction", tenant_share,
+                              "must be a number in (0, 1]")
+        tracked = extra.get("max_tracked_agents_per_tenant", MAX_TRACKED_AGENTS)
+        if isinstance(tracked, bool) or not isinstance(tracked, int) or not 1 <= tracked <= MAX_TRACKED_AGENTS:
+            raise ConfigError("kv_connector_extra_config.max_tracked_agents_per_tenant", tracked,
+                              f"must be an integer in 1..{MAX_TRACKED_AGENTS}")
         exclusive = _flag(extra, "exclusive_dram", False)
         if exclusive and not cfg.dram.enabled:
             raise ConfigError("kv_connector_extra_config.exclusive_dram", exclusive,
@@ -292,7 +311,7 @@ class ConnectorSettings:
                    copy_threads, _mib_bytes(extra, "device_staging_mib", 64), _flag(extra, "side_stream", True),
                    record_path, _mib_bytes(extra, "record_max_mib", 1024), placement_params, remote,
                    _cold_rule(extra, cfg), facts.rope if approximate else None,
-                   _flag(extra, "lockstep_transfers", False))
+                   _flag(extra, "lockstep_transfers", False), float(tenant_share), tracked)
 
     def rank_ssd_path(self, tp_rank: int, tp_size: int) -> Path | None:
         """The LMDB directory of one TP rank (each rank stores its own shard)."""
