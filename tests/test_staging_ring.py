@@ -60,3 +60,24 @@ def test_live_runs_never_overlap_and_stay_inside_the_ring(ops) -> None:
     for run in live:
         ring.give_back(run)
     assert ring.rows_in_use == 0 and len(ring.take(16)) == 16
+
+
+def test_under_steady_traffic_the_rows_in_use_stay_near_the_front() -> None:
+    """The ring is never empty (a run is always in flight), as under a server's steady
+    traffic: runs go back to the front as soon as it has room, so the highest row ever
+    handed out stays near the most rows in flight, not the whole ring (the pages a
+    process touches, its RSS, follow the highest row; they walked the whole 1 GiB ring
+    before)."""
+    from collections import deque
+
+    ring = StagingRing(1000 * 8, 8, pin=False)
+    live: deque = deque()
+    highest = 0
+    for i in range(10_000):
+        run = ring.take(1 + i % 4)
+        assert run is not None
+        highest = max(highest, run.start + len(run))
+        live.append(run)
+        while len(live) > 3:  # three runs stay in flight: the ring never empties
+            ring.give_back(live.popleft())
+    assert highest <= 2 * 4 * 4, highest  # within twice the most rows in flight (4 runs of at most 4)
