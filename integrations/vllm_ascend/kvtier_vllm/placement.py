@@ -363,6 +363,11 @@ class EnginePlacement:
         self._waiting.pop(agent, None)
         self.criticalities.pop(agent, None)
 
+    @property
+    def num_tracked_agents(self) -> int:
+        """Waiting agents whose contexts are remembered now (all tenants)."""
+        return len(self._agent_hashes)
+
     def tracked_waiting(self, tenant: str) -> int:
         """Waiting agents of ``tenant`` whose contexts are remembered now."""
         return len(self._tenant_waiting.get(tenant, ()))

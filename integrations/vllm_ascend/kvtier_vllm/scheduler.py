@@ -523,6 +523,9 @@ class KVTierScheduler:
                                "peak_blocks": holds.peak_blocks}
         sessions = Counter(st.session_id for st in self._reqs.values() if st.session_id)
         out["live_sessions"] = len(sessions)
+        out["live_requests"] = len(self._reqs)
+        out["tracked_agents"] = self.placement.num_tracked_agents
+        out["pinned_blocks"] = m.num_pinned()
         if self.recorder is not None:
             out["record"] = dict(self.recorder.counters)
         if self.remote is not None and self.remote.open:
