@@ -9,11 +9,12 @@ the tiers from it by the copy thread; a load's blocks are read into a run by
 the tier threads and scattered from it on the engine's thread. A run is given
 back once its last user is done; space is reused oldest first, so a run given
 back early waits for the older ones (the copy thread finishes jobs in order,
-so this costs little). A run goes back to the front of the ring as soon as the
-front has room for it, so the rows in use stay near the front and the pages
-touched are about twice the most rows ever in flight, not the whole ring (a soak
-of ``vllm serve`` found the ring walking its whole 1 GiB under steady traffic,
-the process's RSS growing with it).
+so this costs little). Runs go back to the front of the ring once a quarter of
+the ring is free there, so under steady traffic the pages touched stay near a
+quarter of the ring, not all of it (a soak of ``vllm serve`` found the ring
+walking its whole 1 GiB, the process's RSS growing with it; going back as soon
+as one run fitted the front left no room for the runs that followed while older
+ones were still out, and stores were skipped).
 
 When a run does not fit, :meth:`StagingRing.take` hands out the rows that do
 (possibly none): the caller stores or loads only those blocks and reports the
@@ -87,7 +88,11 @@ class StagingRing:
                 free_start, free = self._head, tail - self._head
             else:
                 free_start, free = self._head, self.num_rows - self._head
-                if tail >= min(n, self.num_rows):  # the whole run fits at the front: go back there (see below)
+                # back to the front when the end is too small, or once the front has a quarter of the ring
+                # free (and room for twice what is in flight): runs that come while older ones are still
+                # out then find room, and the rows touched stay near a quarter of the ring
+                want = min(n, self.num_rows)
+                if tail >= want and (free < want or tail >= max(want + 2 * self.rows_in_use, self.num_rows // 4)):
                     if free:
                         self._live.append(Run(self._head, self.buf[self._head:], done=True))
                     free_start, free = 0, tail
