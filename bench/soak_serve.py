@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import random
 import shutil
 import statistics
@@ -56,7 +55,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 32
-HBM_BLOCKS = 96
+HBM_BLOCKS = 48  # contexts of 6 sessions (up to 28 blocks each) do not fit: they spill to kvtier's tiers
 MAX_MODEL_LEN = 1024
 WAIT_S = (0.2, 1.5)  # tool waits the sessions announce and take
 HOLD_LAPSE_S = 1.5 * WAIT_S[1] + 1.0 + 1.0  # a hold's TTL (1.5x the wait + 1 s), and a second to spare
@@ -73,9 +72,10 @@ def _pct(values: list[float], q: float) -> float | None:
 class Server:
     """One ``vllm serve`` (vLLM's OpenAI API server module) on a free loopback port."""
 
-    def __init__(self, work: Path, name: str, model: Path, kvtier: dict | None) -> None:
+    def __init__(self, work: Path, name: str, model: Path, kvtier: dict | None, hbm_blocks: int = HBM_BLOCKS) -> None:
         sys.path.insert(0, str(ROOT))
         from tests.engine.engine_support import listen_port
+        from tests.engine.serve_support import launch
 
         self.port = listen_port()
         self.log_path = work / f"{name}.log"
@@ -83,26 +83,14 @@ class Server:
                "--served-model-name", "tiny", "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
                "--gpu-memory-utilization", "0.2", "--max-model-len", str(MAX_MODEL_LEN),
                "--max-num-batched-tokens", "1024", "--enforce-eager", "--distributed-executor-backend", "uni",
-               "--max-num-seqs", "8", "--num-gpu-blocks-override", str(HBM_BLOCKS + 1), "--seed", "0",
+               "--max-num-seqs", "8", "--num-gpu-blocks-override", str(hbm_blocks + 1), "--seed", "0",
                "--port", str(self.port), "--host", "127.0.0.1"]
         if kvtier is not None:
             cmd += ["--kv-transfer-config", json.dumps({"kv_connector": "kvtier", "kv_role": "kv_both",
                                                         "kv_load_failure_policy": "recompute",
                                                         "kv_connector_extra_config": kvtier})]
         self.log = open(self.log_path, "w")  # noqa: SIM115 - open while the server runs
-        env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 300
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve {name} exited: {self.log_path.read_text()[-3000:]}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"vllm serve {name} did not come up in 300 s") from None
-                time.sleep(1)
+        self.proc = launch(cmd, self.log, self.log_path, self.port, name, start_new_session=True)
 
     def metrics(self) -> dict[str, float]:
         """Every sample on ``/metrics``, summed over labels, by name (``name{finished_reason=...}`` kept apart)."""
@@ -351,8 +339,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {**provenance(("kvtier", "integrations", "bench/soak_serve.py"), dirty_key="code_dirty"),
                               "minutes": args.minutes, "sessions": args.sessions,
                               "tiers": ["hbm"] if args.no_kvtier else ["hbm", "dram", "ssd"] + (["remote"] if master else []),
-                              "hbm_blocks": HBM_BLOCKS, "samples": [], "drains": []}
-    server = Server(work, "kvtier", model, None if args.no_kvtier else kvtier)
+                              "hbm_blocks": args.hbm_blocks, "samples": [], "drains": []}
+    server = Server(work, "kvtier", model, None if args.no_kvtier else kvtier, args.hbm_blocks)
     try:
         result["idle"] = drain(server, None, stats_path)
         load = Load(server, args.sessions, args.seed)
@@ -396,7 +384,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         samples = load.samples
     finally:
         server.stop()
-    ref = Server(work, "reference", model, None)
+    ref = Server(work, "reference", model, None, args.hbm_blocks)
     try:
         mismatches = []
         for smp in samples:
@@ -489,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--minutes", type=float, default=30.0, help="how long the load runs (default 30)")
     p.add_argument("--sessions", type=int, default=6, help="agent sessions at once, one client thread each")
+    p.add_argument("--hbm-blocks", type=int, default=HBM_BLOCKS,
+                   help=f"vLLM's KV cache in blocks of {BLOCK_SIZE} tokens (default {HBM_BLOCKS}: under pressure)")
     p.add_argument("--sample-s", type=float, default=10.0, help="seconds between samples (default 10)")
     p.add_argument("--drain-s", type=float, default=180.0, help="seconds between drains (default 180)")
     p.add_argument("--seed", type=int, default=0)

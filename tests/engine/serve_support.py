@@ -23,6 +23,23 @@ def free_port() -> int:
     return listen_port()
 
 
+def launch(cmd: list[str], log, log_path: Path, port: int, name: str, **popen) -> subprocess.Popen:
+    """Start ``vllm serve`` (``cmd``, its output into ``log``) and wait until ``/health``
+    answers on ``port`` (at most 300 s); a server that exits first fails, with its log's end."""
+    proc = subprocess.Popen(cmd, env={**os.environ, **ENV}, stdout=log, stderr=subprocess.STDOUT, **popen)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve {name} exited: {log_path.read_text()[-4000:]}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc
+        except OSError:
+            time.sleep(1)
+    proc.kill()
+    raise RuntimeError(f"vllm serve {name} did not come up in 300 s")
+
+
 class Server:
     def __init__(self, tmp: Path, name: str, model: Path, kvtier: dict | None, middleware: bool,
                  hbm_blocks: int = 24) -> None:
@@ -41,17 +58,7 @@ class Server:
         if middleware:
             cmd += ["--middleware", "kvtier_vllm.middleware.RequestStreamHints"]
         self.log = open(self.log_path, "w")  # noqa: SIM115 - open while the server runs
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **ENV}, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"vllm serve {name} exited: {self.log_path.read_text()[-4000:]}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
-                return
-            except OSError:
-                time.sleep(1)
-        raise AssertionError(f"vllm serve {name} did not come up in 300 s")
+        self.proc = launch(cmd, self.log, self.log_path, self.port, name)
 
     def metrics(self) -> dict[str, float]:
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read().decode()

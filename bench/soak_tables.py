@@ -1,0 +1,59 @@
+"""README table of the server soak (``bench/soak_serve.py``).
+
+Owns: the renderer of table ``soak-serve`` from ``bench/out/soak-serve.json``: what
+ran (minutes, sessions, tiers, the commit), the load (requests sent, aborted by the
+client, sessions abandoned, failed), latency (TTFT and inter-token p50 / p95 over the
+run), and what must hold (RSS after warm-up and at the end, drains back to idle,
+sampled outputs against a plain engine, every request accounted for), each marked
+held or not. Every figure is read from the JSON.
+
+Must not: run anything or write any file (``bench/readme_tables.py`` imports this
+module and rewrites the documents).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from readme_tables import md_table, table
+
+
+def _ok(flag: bool) -> str:
+    return "✓" if flag else "✗"
+
+
+def _ms(s: float | None) -> str:
+    return "n/a" if s is None else f"{1000 * s:.0f} ms"
+
+
+@table("soak-serve", "soak-serve.json")
+def soak_serve(data: dict[str, Any]) -> str:
+    v, c, lat = data["verdict"], data["client"], data["latency"]
+    commit = (data.get("commit") or "unknown")[:7] + (" (modified)" if data.get("code_dirty") else "")
+    drains = data["drains"]
+    rows = [
+        ["load", f"{c['sent']:,} requests from {data['sessions']} concurrent sessions ({c['sessions']:,} in all); "
+                 f"{c['aborted_by_client']} aborted by the client ({v['never_reached_the_engine']} before the engine "
+                 f"saw them), {c['sessions_abandoned']} sessions abandoned", ""],
+        ["prompt tokens from kvtier's tiers", ", ".join(
+            f"{t} {data['kvtier_counters'].get(f'hit_tokens_{t}', 0):,}" for t in data["tiers"][1:])
+            + f" (HBM {data['hbm_blocks']} blocks)", ""],
+        ["failed requests", str(c["failed"]), _ok(c["failed"] == 0)],
+        ["latency over the run", f"TTFT p50 {_ms(lat['ttft_p50_s'])}, p95 {_ms(lat['ttft_p95_s'])}; inter-token "
+                                 f"p50 {_ms(lat['itl_p50_s'])}, p95 {_ms(lat['itl_p95_s'])}", ""],
+        ["RSS of the server's process tree", f"{v['rss_after_warmup_mib']:,.0f} MiB after warm-up, "
+                                             f"{v['rss_at_end_mib']:,.0f} MiB at the end "
+                                             f"({v['rss_growth_after_warmup']:+.1%}; limit +5%)", _ok(v["rss_ok"])],
+        ["after each drain", f"{len(drains)} drains: free HBM blocks "
+                             f"{sorted({d['free_blocks'] for d in drains})} (idle {data['idle']['free_blocks']}), "
+                             f"held blocks {sorted({d['held_blocks'] for d in drains})}", _ok(v["drains_ok"])],
+        ["sampled outputs vs a plain engine", f"{data['outputs_differing']} of {data['outputs_checked']} differ",
+         _ok(v["outputs_ok"])],
+        ["every request accounted for", "each one not aborted finished in vLLM's counts; none live in the "
+                                        "connector at the end", _ok(v["aborts_accounted"])],
+    ]
+    caption = (f"`vllm serve` with kvtier ({'+'.join(data['tiers'])}) on the tiny float32 test model, "
+               f"{data['minutes']:g} minutes on a 2-core CPU machine, commit {commit}; "
+               f"`.venv-vllm/bin/python bench/soak_serve.py --minutes {data['minutes']:g} --json "
+               f"bench/out/soak-serve.json`.\n\n")
+    return caption + md_table(["", "measured", "holds"], rows)
