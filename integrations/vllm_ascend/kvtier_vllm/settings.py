@@ -275,14 +275,7 @@ class ConnectorSettings:
         budget = extra.get("hbm_hold_budget_fraction", 0.5)
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
             raise ConfigError("kv_connector_extra_config.hbm_hold_budget_fraction", budget, "must be a number in [0, 1]")
-        tenant_share = extra.get("hbm_hold_tenant_fraction", 1.0)
-        if isinstance(tenant_share, bool) or not isinstance(tenant_share, (int, float)) or not 0 < tenant_share <= 1:
-            raise ConfigError("kv_connector_extra_config.hbm_hold_tenant_fraction", tenant_share,
-                              "must be a number in (0, 1]")
-        tracked = extra.get("max_tracked_agents_per_tenant", MAX_TRACKED_AGENTS)
-        if isinstance(tracked, bool) or not isinstance(tracked, int) or not 1 <= tracked <= MAX_TRACKED_AGENTS:
-            raise ConfigError("kv_connector_extra_config.max_tracked_agents_per_tenant", tracked,
-                              f"must be an integer in 1..{MAX_TRACKED_AGENTS}")
+        tenant_share, tracked = _tenant_bounds(extra)
         exclusive = _flag(extra, "exclusive_dram", False)
         if exclusive and not cfg.dram.enabled:
             raise ConfigError("kv_connector_extra_config.exclusive_dram", exclusive,
@@ -311,7 +304,7 @@ class ConnectorSettings:
                    copy_threads, _mib_bytes(extra, "device_staging_mib", 64), _flag(extra, "side_stream", True),
                    record_path, _mib_bytes(extra, "record_max_mib", 1024), placement_params, remote,
                    _cold_rule(extra, cfg), facts.rope if approximate else None,
-                   _flag(extra, "lockstep_transfers", False), float(tenant_share), tracked)
+                   _flag(extra, "lockstep_transfers", False), tenant_share, tracked)
 
     def rank_ssd_path(self, tp_rank: int, tp_size: int) -> Path | None:
         """The LMDB directory of one TP rank (each rank stores its own shard)."""
@@ -449,3 +442,15 @@ def _check_placement(name: Any, params: Mapping[str, float]) -> Any:
 
 def _nested_copy(data: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _nested_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+
+
+def _tenant_bounds(extra: Mapping[str, Any]) -> tuple[float, int]:
+    """``hbm_hold_tenant_fraction`` and ``max_tracked_agents_per_tenant``, checked."""
+    share = extra.get("hbm_hold_tenant_fraction", 1.0)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise ConfigError("kv_connector_extra_config.hbm_hold_tenant_fraction", share, "must be a number in (0, 1]")
+    tracked = extra.get("max_tracked_agents_per_tenant", MAX_TRACKED_AGENTS)
+    if isinstance(tracked, bool) or not isinstance(tracked, int) or not 1 <= tracked <= MAX_TRACKED_AGENTS:
+        raise ConfigError("kv_connector_extra_config.max_tracked_agents_per_tenant", tracked,
+                          f"must be an integer in 1..{MAX_TRACKED_AGENTS}")
+    return float(share), tracked
