@@ -73,6 +73,10 @@ def test_placement_defaults_to_kvtier_and_takes_the_replay_names() -> None:
     ({"max_tracked_agents_per_tenant": 1e9}, "max_tracked_agents_per_tenant=1000000000.0: must be an integer"),
     ({"hint_watch": "127.0.0.1:1", "hint_server": "127.0.0.1:0"}, "hint_watch='127.0.0.1:1': give hint_server"),
     ({"hint_watch": 5}, "hint_watch=5: must be host:port"),
+    ({"hint_server_token_file": "/tmp/t"}, "hint_server_token_file='/tmp/t': needs hint_server"),
+    ({"hint_server": "0.0.0.0:0", "hint_server_token_file": "/nonexistent/tokens"},
+     "hint_server_token_file='/nonexistent/tokens': cannot be read: "),
+    ({"hint_server": "0.0.0.0:0", "hint_server_token_file": 7}, "hint_server_token_file=7: must be the path"),
     ({"copy_threads": 0}, "copy_threads=0: must be an integer in 1..64"),
     ({"device_staging_mib": 0}, "device_staging_mib=0: must be a number > 0"),
     ({"side_stream": "yes"}, "side_stream='yes': must be true or false"),
@@ -184,3 +188,39 @@ def test_mla_is_keyed_without_the_tp_rank_and_rank_0_writes_the_shared_tiers(tmp
         assert layout.bytes_per_token == 61 * 576 * 2  # DeepSeek-V3/R1: 70,272 bytes, the engine's latent page
     gqa = EngineFacts("m", "bfloat16", 32, 2, 2, 32, "fused", "sha256", tp_rank=1, tp_size=2)
     assert not gqa.replicated and gqa.writes_shared_tiers
+
+
+def test_the_hosted_hint_server_beyond_loopback_requires_a_token_from_the_token_file(tmp_path) -> None:
+    """``hint_server`` on all interfaces: without ``hint_server_token_file`` it refuses to start,
+    naming the setting; with it, a client without a token is refused and one with a token applied."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from kvtier_vllm.hint_intake import HintIntake
+
+    from kvtier.sdk import HintClient
+
+    def intake(extra: dict) -> HintIntake:
+        s = ConnectorSettings.build(extra, FACTS, env={})
+        return HintIntake(s, SimpleNamespace(), None, Counter(), 32, {}, None, None, None, None)
+
+    with pytest.raises(ConfigError, match="hint_server='0.0.0.0:0': listens beyond loopback: give hint_server_token"):
+        intake({"hint_server": "0.0.0.0:0"})
+    empty = tmp_path / "none"
+    empty.write_text("# no token yet\n")
+    with pytest.raises(ConfigError, match="hint_server_token_file=.*has no token"):
+        ConnectorSettings.build({"hint_server": "0.0.0.0:0", "hint_server_token_file": str(empty)}, FACTS, env={})
+    tokens = tmp_path / "tokens"
+    tokens.write_text("team-a s3cret-a\n")
+    hosted = intake({"hint_server": "0.0.0.0:0", "hint_server_token_file": str(tokens)})
+    try:
+        port = hosted.address.rsplit(":", 1)[1]
+        for token, sid in ((None, "anon"), ("wrong", "guess"), ("s3cret-a", "mine")):
+            client = HintClient(f"127.0.0.1:{port}", token=token, max_batch_attempts=1)
+            client.emit("session_start", session_id=sid)
+            client.flush(timeout_s=5, give_up_when_down=True)
+            client.close(timeout_s=1)
+        sessions = {s.session_id for s in hosted.hosted.server.graph.sessions()}
+        assert sessions == {"mine"}, sessions
+    finally:
+        hosted.close()

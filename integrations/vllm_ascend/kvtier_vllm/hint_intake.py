@@ -83,7 +83,8 @@ class HintIntake:
             from kvtier.hints.server import BackgroundHintServer
 
             # a tool never seen yet is predicted from all tools' waits (the request-stream hints' agents have no type)
-            self.hosted = BackgroundHintServer(graph=AgentGraph(global_fallback=True), no_store=NO_BLOCK_COMMANDS)
+            self.hosted = BackgroundHintServer(graph=AgentGraph(global_fallback=True), no_store=NO_BLOCK_COMMANDS,
+                                               tokens=settings.hint_server_tokens)
             self.address = self.hosted.start(settings.hint_server)
             placement.graph_reader = self.graph_facts
             log.info("kvtier: hint server hosted in the scheduler process at %s", self.address)

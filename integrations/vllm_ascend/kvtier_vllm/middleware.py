@@ -188,6 +188,11 @@ def _hint_target(scope: dict) -> tuple[str, str | None] | None:
     extra = getattr(kv, "kv_connector_extra_config", None) or {}
     address = extra.get("hint_server")
     if isinstance(address, str) and address and not address.endswith(":0"):
+        token_file = extra.get("hint_server_token_file")
+        if isinstance(token_file, str) and token_file:  # (the connector has read it already: it starts first)
+            from kvtier.hints.server import load_tokens
+
+            return address, next(iter(load_tokens(token_file)), None)
         return address, None
     watch = extra.get("hint_watch")
     if isinstance(watch, str) and watch:

@@ -78,6 +78,9 @@ EXTRA_KEYS: dict[str, str] = {
     "hint_watch": "host:port or unix:PATH of a separate hint server (kvtier serve): follow its agents' tool calls, "
                   "criticality and ends (HintService.Watch) when the server does not run in this process",
     "hint_watch_token": "bearer token for hint_watch (the server's auth; the view is of that token's tenant)",
+    "hint_server_token_file": "file of 'TENANT TOKEN' lines (as kvtier serve --token-file): the hosted hint server "
+                              "requires one of these bearer tokens (needed to listen beyond loopback); the "
+                              "request-stream middleware sends the first",
     "remote_master": "host:port of a Mooncake Store master (mooncake_master --rpc_port): turns on the remote tier, "
                      "a store engines share, read and written after DRAM and SSD; off by default",
     "remote_metadata_server": "the store's HTTP metadata server (default http://<master host>:8080/metadata, "
@@ -251,6 +254,7 @@ class ConnectorSettings:
     lockstep_transfers: bool = False
     hold_tenant_fraction: float = 1.0
     tracked_agents_per_tenant: int = MAX_TRACKED_AGENTS
+    hint_server_tokens: Mapping[str, str] | None = None  # token -> tenant (hint_server_token_file)
 
     @classmethod
     def build(
@@ -282,12 +286,7 @@ class ConnectorSettings:
                               "needs the DRAM tier (dram_capacity_blocks > 0)")
         eviction_set = "policy" in extra or any(
             "policy" in (overrides["tiers"].get(t) or {}) for t in ("dram", "ssd"))
-        watch = extra.get("hint_watch")
-        if watch is not None and (not isinstance(watch, str) or not watch):
-            raise ConfigError("kv_connector_extra_config.hint_watch", watch, "must be host:port or unix:PATH")
-        if watch and extra.get("hint_server"):
-            raise ConfigError("kv_connector_extra_config.hint_watch", watch,
-                              "give hint_server (host it here) or hint_watch (follow one elsewhere), not both")
+        watch, tokens = _hint_settings(extra)
         copy_threads = extra.get("copy_threads", 2)
         if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or not 1 <= copy_threads <= 64:
             raise ConfigError("kv_connector_extra_config.copy_threads", copy_threads, "must be an integer in 1..64")
@@ -304,7 +303,7 @@ class ConnectorSettings:
                    copy_threads, _mib_bytes(extra, "device_staging_mib", 64), _flag(extra, "side_stream", True),
                    record_path, _mib_bytes(extra, "record_max_mib", 1024), placement_params, remote,
                    _cold_rule(extra, cfg), facts.rope if approximate else None,
-                   _flag(extra, "lockstep_transfers", False), tenant_share, tracked)
+                   _flag(extra, "lockstep_transfers", False), tenant_share, tracked, tokens)
 
     def rank_ssd_path(self, tp_rank: int, tp_size: int) -> Path | None:
         """The LMDB directory of one TP rank (each rank stores its own shard)."""
@@ -442,6 +441,40 @@ def _check_placement(name: Any, params: Mapping[str, float]) -> Any:
 
 def _nested_copy(data: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _nested_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+
+
+def _hint_settings(extra: Mapping[str, Any]) -> tuple[str | None, dict[str, str] | None]:
+    """``hint_watch`` and the hosted server's tokens (``hint_server_token_file``, read), checked."""
+    watch = extra.get("hint_watch")
+    if watch is not None and (not isinstance(watch, str) or not watch):
+        raise ConfigError("kv_connector_extra_config.hint_watch", watch, "must be host:port or unix:PATH")
+    if watch and extra.get("hint_server"):
+        raise ConfigError("kv_connector_extra_config.hint_watch", watch,
+                          "give hint_server (host it here) or hint_watch (follow one elsewhere), not both")
+    hosted, path = extra.get("hint_server"), extra.get("hint_server_token_file")
+    if path is None:
+        if isinstance(hosted, str) and hosted:
+            from kvtier.hints.server import is_local_address
+
+            if not is_local_address(hosted):
+                raise ConfigError("kv_connector_extra_config.hint_server", hosted,
+                                  "listens beyond loopback: give hint_server_token_file (clients must present a "
+                                  "token), or listen on 127.0.0.1 / a unix socket")
+        return watch, None
+    key = "kv_connector_extra_config.hint_server_token_file"
+    if not hosted:
+        raise ConfigError(key, path, "needs hint_server (the tokens are the hosted hint server's)")
+    if not isinstance(path, str) or not path:
+        raise ConfigError(key, path, "must be the path of a file of 'TENANT TOKEN' lines")
+    from kvtier.hints.server import load_tokens
+
+    try:
+        tokens = load_tokens(path)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(key, path, f"cannot be read: {exc}") from exc
+    if not tokens:
+        raise ConfigError(key, path, "has no token (lines 'TENANT TOKEN' or 'TOKEN')")
+    return watch, tokens
 
 
 def _tenant_bounds(extra: Mapping[str, Any]) -> tuple[float, int]:
