@@ -6,7 +6,13 @@ past the local hits the store holds), the keys known to be in the store (not
 written again; at most ``REMOTE_KNOWN_MAX``), the keys whose remote load failed
 (not offered again for ``REMOTE_FAILED_TTL_S``: vLLM reschedules a failed load,
 and the store would answer "present" again), the remote writes in flight (plan
-ids below 0, apart from the manager's) and their outcome. Must not wait on the
+ids below 0, apart from the manager's) and their outcome, and whether the store
+is down: after a lookup that failed or went unanswered for
+``REMOTE_LOOKUP_GIVE_UP_S``, every request's lookup is a miss at once
+(``remote_lookup_skipped_down``) while one small probe at a time asks the store
+again; the first probe answered in time brings lookups back (``remote_up_again``).
+Without that, a dead master held every request ``REMOTE_LOOKUP_GIVE_UP_S``
+(TTFT 2 s instead of 50 ms in ``bench/chaos_serve.py``). Must not wait on the
 store on the scheduler's step for longer than ``remote_lookup_wait_ms`` (the
 step then tells vLLM to ask again later), move bytes (the workers do), or
 import vLLM.
@@ -37,6 +43,7 @@ REMOTE_LOOKUP_GIVE_UP_S = 2.0  # a store that has not answered by then counts as
 REMOTE_KNOWN_MAX = 1 << 20  # keys remembered as in the remote store (not written again)
 REMOTE_FAILED_TTL_S = 60.0  # a key whose remote load failed is not offered again for this long
 REMOTE_FAILED_MAX = 1 << 16
+REMOTE_PROBE_EVERY_S = 0.5  # while the store is down: at most one probe started this often
 
 RemotePlan = tuple[int, str, Sequence[BlockKey], Sequence[int]]
 """(plan id, tier, keys, slots) of a write, as the scheduler's store plans are."""
@@ -71,6 +78,8 @@ class RemoteIndex:
         self._ids = itertools.count(-1, -1)
         self.client: Any = remoteshare.acquire(settings.remote, namespace, settings.config.layout.to_layout())
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote-lookup")
+        self._down_s: float | None = None  # since when the store counts as down (None: up)
+        self._probe: tuple[float, Future[float]] | None = None  # (started, future of its answer time) while down
 
     def next_id(self) -> int:
         """A plan id of the remote tier (below 0: apart from the manager's)."""
@@ -90,7 +99,12 @@ class RemoteIndex:
     def hit(self, req_id: str, keys: list[BlockKey], lo: int, hi: int) -> int | None:
         """How many of blocks ``lo:hi`` the remote store holds, as a leading run;
         ``None`` while its answer is still out. The question goes to the lookup
-        thread; this step waits at most ``remote_lookup_wait_ms`` for it."""
+        thread; this step waits at most ``remote_lookup_wait_ms`` for it. While
+        the store is down: 0 at once (see the module doc)."""
+        if self._down_s is not None and self._still_down(keys[lo:hi]):
+            self._lookups.pop(req_id, None)
+            self.counters["remote_lookup_skipped_down"] += 1
+            return 0
         q = self._lookups.get(req_id)
         wait = 0.0
         if q is None or (q.lo, q.hi, q.keys) != (lo, hi, tuple(keys[lo:hi])):  # (approximate keys can change)
@@ -105,12 +119,14 @@ class RemoteIndex:
                 self.counters["remote_lookup_deferred"] += 1
                 return None
             self.counters["remote_lookup_timeouts"] += 1
+            self._went_down("no answer in %.1f s" % REMOTE_LOOKUP_GIVE_UP_S)
             found = []
         except Exception as exc:  # the store's client failing is a miss, never a failed step
             log.warning("kvtier: remote lookup failed: %s", exc)
             self.counters["remote_errors"] += 1
+            self._went_down(str(exc))
             found = []
-        del self._lookups[req_id]
+        self._lookups.pop(req_id, None)  # (gone already when this lookup took the store down)
         n = found.index(False) if False in found else len(found)
         if self._failed:
             now = time.monotonic()
@@ -123,6 +139,37 @@ class RemoteIndex:
         for key in keys[lo + n : lo + len(found)]:  # gone from the store (evicted, or the master restarted)
             self.known.pop(key, None)
         return n
+
+    def _went_down(self, why: str) -> None:
+        if self._down_s is None:
+            self._down_s = time.monotonic()
+            self.counters["remote_down"] += 1
+            for q in self._lookups.values():  # questions queued behind the unanswered one are not asked
+                q.future.cancel()
+            self._lookups.clear()
+            log.warning("kvtier: remote store down (%s): its lookups are misses until a probe is answered", why)
+
+    def _still_down(self, keys: Sequence[BlockKey]) -> bool:
+        """Whether the store still counts as down; starts a probe (of one of ``keys``) when none is out."""
+        now = time.monotonic()
+        if self._probe is not None and self._probe[1].done():
+            started, probe = self._probe
+            self._probe = None
+            if probe.exception() is None and probe.result() < REMOTE_LOOKUP_GIVE_UP_S:
+                log.warning("kvtier: remote store answering again after %.1f s", now - (self._down_s or now))
+                self._down_s = None
+                self.counters["remote_up_again"] += 1
+                return False
+            self._probe = (started, probe) if now - started < REMOTE_PROBE_EVERY_S else None
+        if self._probe is None and keys:
+            self._probe = (now, self._pool.submit(self._timed_contains, keys[:1]))
+        return True
+
+    def _timed_contains(self, keys: Sequence[BlockKey]) -> float:
+        """A probe on the lookup thread: seconds the store took to answer."""
+        start = time.monotonic()
+        self.client.contains_many(keys)
+        return time.monotonic() - start
 
     def forget_lookup(self, req_id: str) -> None:
         """The request ended: its question in flight, if any, is not asked again."""

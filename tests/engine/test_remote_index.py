@@ -1,0 +1,85 @@
+"""The scheduler's view of the remote tier when the store stops answering (no engine).
+
+A dead ``mooncake_master`` left every request's remote lookup unanswered until
+``REMOTE_LOOKUP_GIVE_UP_S``: each request waited 2 s before vLLM scheduled it
+(``bench/chaos_serve.py``: TTFT p50 2.0 s instead of 50 ms while the master was down).
+Now the first lookup that goes unanswered marks the store down: later lookups are misses
+at once, one probe at a time asks the store, and the first probe answered in time brings
+lookups back. The store's client here is a stand-in that blocks like a dead master's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+from kvtier_vllm import remote_index
+from kvtier_vllm.settings import ConnectorSettings, EngineFacts
+
+from kvtier.keys import BlockKey
+
+FACTS = EngineFacts("tiny", "bfloat16", 32, 2, 2, 32, "fused", "sha256")
+
+
+class _Store:
+    """``contains_many`` answers at once while ``up`` is set, else blocks until it is (a dead master)."""
+
+    def __init__(self) -> None:
+        self.up = threading.Event()
+        self.up.set()
+        self.asked = 0
+
+    def contains_many(self, keys):
+        self.asked += 1
+        self.up.wait()
+        return [True] * len(keys)
+
+
+@pytest.fixture
+def index(monkeypatch):
+    store = _Store()
+    monkeypatch.setattr(remote_index.remoteshare, "acquire", lambda *a: store)
+    monkeypatch.setattr(remote_index.remoteshare, "release", lambda client: None)
+    monkeypatch.setattr(remote_index, "REMOTE_LOOKUP_GIVE_UP_S", 0.3)
+    settings = ConnectorSettings.build({"remote_master": "127.0.0.1:1", "remote_lookup_wait_ms": 1}, FACTS, env={})
+    idx = remote_index.RemoteIndex(settings, None, Counter(), 32, None, None)
+    yield idx, store
+    store.up.set()
+    idx.close()
+
+
+def _ask(idx, req: str, keys, limit_s: float = 5.0) -> tuple[int, float]:
+    """Step as the scheduler does until the lookup answers: (blocks found, seconds it took)."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        n = idx.hit(req, keys, 0, len(keys))
+        if n is not None:
+            return n, time.monotonic() - start
+        time.sleep(0.01)
+    raise AssertionError("the lookup never answered")
+
+
+def test_a_store_that_stops_answering_makes_misses_at_once_and_is_used_again_when_it_answers(index) -> None:
+    idx, store = index
+    keys = [BlockKey(i) for i in range(1, 5)]
+    assert _ask(idx, "r0", keys)[0] == 4
+    store.up.clear()  # the master dies
+    n, took = _ask(idx, "r1", keys)
+    assert n == 0 and took >= 0.3  # the first one waits for the give-up, then the store counts as down
+    assert idx.counters["remote_down"] == 1 and idx.counters["remote_lookup_timeouts"] == 1
+    for i in range(20):  # every later request: a miss at once, never a wait
+        n, took = _ask(idx, f"r{i + 2}", keys)
+        assert n == 0 and took < 0.1, took
+    assert idx.counters["remote_lookup_skipped_down"] == 20
+    assert store.asked <= 3  # the hung question and one probe behind it: not one question per request
+    store.up.set()  # the master is back: the probe is answered
+    deadline = time.monotonic() + 5
+    while True:
+        n, _ = _ask(idx, "again", keys)
+        if n == 4:
+            break
+        assert time.monotonic() < deadline, dict(idx.counters)
+        time.sleep(0.05)
+    assert idx.counters["remote_up_again"] == 1
