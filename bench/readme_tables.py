@@ -11,7 +11,8 @@ rewriting or checking every block between the markers
 
 in ``README.md``, the pages under ``docs/`` and ``bench/RESULTS.md``. Must not run replays or benchmarks
 (the scripts that write ``bench/out/*.json`` do: ``bench/replay_results.py``,
-``bench/tune_kvtier.py``, ``bench/misc_results.py``, ``bench/connector_path.py``, ``bench/soak_serve.py``, and
+``bench/tune_kvtier.py``, ``bench/misc_results.py``, ``bench/connector_path.py``, ``bench/soak_serve.py``,
+``bench/chaos_serve.py``, and
 ``kvtier tune --json`` for ``tune-dev*.json``, with the command in the table's caption); figures reach a
 document only through here, so a stale figure is a failed check
 (``tests/test_readme_tables.py``).

@@ -171,10 +171,14 @@ class Server:
 class Load:
     """The client threads (see the module doc) and what they saw."""
 
-    def __init__(self, server: Server, sessions: int, seed: int) -> None:
-        self.server = server
+    def __init__(self, server: Server, sessions: int, seed: int, *, hints: Any = None, sample_fraction: float = 0.25,
+                 max_samples: int = 300) -> None:
+        self.server = server  # (replaced by the chaos run when it restarts the server)
         self.num_sessions = sessions
         self.seed = seed
+        self.hints = hints  # a kvtier.sdk.HintClient: each session, agent and tool call announced there too
+        self.sample_fraction = sample_fraction
+        self.max_samples = max_samples
         self.lock = threading.Lock()
         self.counts = {"sent": 0, "finished": 0, "aborted_by_client": 0, "failed": 0, "sessions": 0,
                        "sessions_abandoned": 0}
@@ -220,6 +224,9 @@ class Load:
             sid, context = f"soak-{index}-{n}", [rng.randrange(3, 259) for _ in range(rng.randrange(40, 120))]
             with self.lock:
                 self.counts["sessions"] += 1
+            session = self.hints.session(sid).start() if self.hints else None
+            agent = session.agent("soak", agent_id="agent").start() if session else None
+            abandoned = False
             for _ in range(rng.randrange(4, 11)):
                 if self.stop.is_set() or len(context) > MAX_MODEL_LEN - 120:
                     break
@@ -247,17 +254,24 @@ class Load:
                     else:
                         self.counts["finished"] += 1
                         self.window.append((got["ttft_s"], got["itl_s"]))
-                        if rng.random() < 0.25 and len(self.samples) < 300:
+                        if rng.random() < self.sample_fraction and len(self.samples) < self.max_samples:
                             self.samples.append({"prompt": list(context), "max_tokens": max_tokens,
-                                                 "text": got["text"]})
+                                                 "text": got["text"], "t": time.monotonic()})
                 if got.get("aborted") or "error" in got:
                     continue  # the turn's answer is lost: the agent asks again with the same context
                 context = context + [rng.randrange(3, 259) for _ in range(max_tokens)]  # (its answer, as new text)
                 if rng.random() < 1 / 8:
                     with self.lock:
                         self.counts["sessions_abandoned"] += 1
+                    abandoned = True
                     break  # abandoned: no end, a new session starts
+                call = agent.tool_call("tool", expected_s=wait_s).start() if agent else None
                 self.stop.wait(wait_s)
+                if call is not None:
+                    call.end()
+            if session is not None and not abandoned:  # announced ended (an abandoned one lapses on the server)
+                agent.end()
+                session.end()
 
     def take_window(self) -> tuple[list[float], list[float]]:
         with self.lock:

@@ -1,11 +1,15 @@
-"""README table of the server soak (``bench/soak_serve.py``).
+"""README tables of the server soak (``bench/soak_serve.py``) and of the faults injected
+under its load (``bench/chaos_serve.py``).
 
 Owns: the renderer of table ``soak-serve`` from ``bench/out/soak-serve.json``: what
 ran (minutes, sessions, tiers, the commit), the load (requests sent, aborted by the
 client, sessions abandoned, failed), latency (TTFT and inter-token p50 / p95 over the
 run), and what must hold (RSS after warm-up and at the end, drains back to idle,
 sampled outputs against a plain engine, every request accounted for), each marked
-held or not. Every figure is read from the JSON.
+held or not; and of table ``chaos-serve`` from ``bench/out/chaos-serve.json``: one row
+per fault (what was injected, what showed it was seen, requests failed and sampled outputs
+wrong in its window, the blocks after the drain that follows it, recovery time against its
+limit, and whether it all held). Every figure is read from the JSON.
 
 Must not: run anything or write any file (``bench/readme_tables.py`` imports this
 module and rewrites the documents).
@@ -57,3 +61,29 @@ def soak_serve(data: dict[str, Any]) -> str:
                f"`.venv-vllm/bin/python bench/soak_serve.py --minutes {data['minutes']:g} --json "
                f"bench/out/soak-serve.json`.\n\n")
     return caption + md_table(["", "measured", "holds"], rows)
+
+
+@table("chaos-serve", "chaos-serve.json")
+def chaos_serve(data: dict[str, Any]) -> str:
+    commit = (data.get("commit") or "unknown")[:7] + (" (modified)" if data.get("code_dirty") else "")
+    idle = data["idle"]["free_blocks"]
+    rows = []
+    for r in data["rows"]:
+        if r["seen"] is None:
+            rows.append([f"`{r['fault']}`", r["injected"], r["evidence"], "not injected", "", "—"])
+            continue
+        rec = "none" if r["recovery_s"] is None else f"{r['recovery_s']:.1f} s"
+        wrong = r.get("wrong", 0) + r.get("resent_differing", 0)
+        rows.append([f"`{r['fault']}`", r["injected"], r["evidence"],
+                     f"{r['failed']} of {r['requests']} requests failed; {wrong} of {r.get('checked', 0)} sampled "
+                     f"outputs wrong; TTFT p50 {_ms(r.get('ttft_p50_s'))}; after it {r['drain_free_blocks']} of "
+                     f"{idle} blocks free, {r['drain_held_blocks']} held",
+                     f"{rec} (limit {r['recovery_limit_s']:.0f} s): {r['recovered']}", _ok(r["ok"])])
+    caption = (f"`vllm serve` with kvtier (DRAM, SSD on its own tmpfs, Mooncake, a followed hint server) under "
+               f"{data['sessions']} agent sessions, {data['hbm_blocks']} HBM blocks, one fault after another (TTFT "
+               f"p50 before the first: {_ms(data['idle'].get('ttft_p50_s'))}); "
+               f"{data['client']['sent']:,} requests, {data['client']['failed']} failed, "
+               f"{data['outputs_differing']} of {data['outputs_checked']} sampled outputs differing from a plain "
+               f"engine; commit {commit}; `.venv-vllm/bin/python bench/chaos_serve.py --json "
+               f"bench/out/chaos-serve.json`.\n\n")
+    return caption + md_table(["fault", "injected", "seen", "survived", "recovery", "holds"], rows)

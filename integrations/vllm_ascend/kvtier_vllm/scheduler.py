@@ -530,6 +530,9 @@ class KVTierScheduler:
             out["record"] = dict(self.recorder.counters)
         if self.remote is not None and self.remote.open:
             out["remote"] = self.remote.stats()
+        w = self.hints.watcher
+        if w is not None:  # a followed hint server: views received, reconnects, why the stream last broke
+            out["hint_watch"] = {"views": w.views, "reconnects": w.reconnects, "last_error": w.last_error}
         return out
 
     def _counted(self) -> None:
