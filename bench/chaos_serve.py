@@ -170,6 +170,17 @@ class Chaos:
                                   "waiting": m.get("vllm:num_requests_waiting"),
                                   "preemptions": m.get("vllm:num_preemptions_total")})
 
+    def count_own(self, outs: list[dict[str, Any]]) -> None:
+        """Requests the harness sent itself (holds, the burst, the restart's): in the load's counts too."""
+        with self.load.lock:
+            self.load.counts["sent"] += len(outs)
+            for got in outs:
+                if "error" in got:
+                    self.load.counts["failed"] += 1
+                    self.load.errors.append(got["error"])
+                else:
+                    self.load.counts["finished"] += 1
+
     def window(self, name: str, what: str, fault: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Run one fault under the load: its row, with the failed requests of its window and the drain after it."""
         with self.load.lock:
@@ -298,8 +309,9 @@ class Chaos:
         self.load.pause()
         for i in range(4):  # critical agents now waiting on a long tool: their (2-block) contexts are held
             prompt = [rng.randrange(3, 259) for _ in range(70)]
-            self.server.complete(prompt, 4, {"kvtier_session_id": f"hold-{i}", "kvtier_agent_id": "a",
-                                             "kvtier_tool_wait_s": 20.0, "kvtier_criticality": 1.0})
+            self.count_own([self.server.complete(prompt, 4, {
+                "kvtier_session_id": f"hold-{i}", "kvtier_agent_id": "a", "kvtier_tool_wait_s": 20.0,
+                "kvtier_criticality": 1.0})])
         time.sleep(0.5)
         held = (self.stats().get("hbm_hold") or {}).get("held_blocks") or 0
         pre0 = self.server.metrics().get("vllm:num_preemptions_total", 0)
@@ -318,9 +330,7 @@ class Chaos:
             t.join()
         t_end = time.monotonic()
         preempted = self.server.metrics().get("vllm:num_preemptions_total", 0) - pre0
-        failed = sum(1 for o in outs if "error" in o)
-        with self.load.lock:
-            self.load.counts["failed"] += failed
+        self.count_own(outs)
         self.extra_samples += [{"prompt": p, "max_tokens": BURST_TOKENS, "text": o.get("text"), "t": t_end}
                                for p, o in zip(prompts, outs) if "text" in o]
         self.load.pause()
@@ -355,6 +365,7 @@ class Chaos:
         wrong = 0
         for smp in again:
             got = self.server.complete(smp["prompt"], smp["max_tokens"])
+            self.count_own([got])
             if first is None and "text" in got:
                 first = round(time.monotonic() - t_kill, 2)
             wrong += got.get("text") != smp["text"]
