@@ -52,7 +52,6 @@ Usage (in the vLLM venv, as root for the tmpfs)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -66,7 +65,17 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from soak_serve import ROOT, Load, Server, _kvtier_stats, _pct, drain  # noqa: E402
+from soak_serve import (  # noqa: E402
+    ROOT,
+    Load,
+    Server,
+    _kvtier_stats,
+    _pct,
+    add_output_arguments,
+    drain,
+    plot_only,
+    write_outputs,
+)
 
 RECOVERY_LIMIT_S = {"mooncake_master": 30.0, "hint_server": 15.0, "ssd_full": 30.0, "ssd_read_errors": 30.0,
                     "preemption_with_holds": 60.0, "engine_sigkill": 240.0}
@@ -527,27 +536,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sessions", type=int, default=6, help="agent sessions at once, one client thread each")
     p.add_argument("--warmup-s", type=float, default=30.0, help="load before the first fault (default 30)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workdir", help="keep the model, SSD directory and logs here (default: a temporary one)")
-    p.add_argument("--keep", action="store_true", help="do not delete the work directory")
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--png", help="write the plot here (needs matplotlib)")
-    p.add_argument("--plot", metavar="JSON", help="only render --png from a results JSON")
+    add_output_arguments(p)
     args = p.parse_args(argv)
-    if args.plot:
-        if not args.png:
-            p.error("--plot needs --png")
-        plot(json.loads(Path(args.plot).read_text()), Path(args.png))
+    if plot_only(p, args, plot):
         return 0
     if args.sessions < 1 or args.warmup_s < 0:
         p.error("--sessions must be >= 1 and --warmup-s >= 0")
     result = run(args)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    if args.png:
-        try:
-            plot(result, Path(args.png))
-        except ImportError:
-            print("chaos: matplotlib is not installed here; render the PNG with --plot JSON --png PNG", flush=True)
+    write_outputs(args, result, plot)
     for row in result["rows"]:
         print(f"{row['fault']:24s} {'ok' if row['ok'] else 'FAILED':6s} recovery {row['recovery_s']} s; "
               f"{row['evidence']}")

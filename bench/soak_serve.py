@@ -487,6 +487,36 @@ def plot(result: dict[str, Any], png: Path) -> None:
     fig.savefig(png, dpi=90)
 
 
+def add_output_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of where a run keeps its files and writes its results (the soak's and the chaos run's)."""
+    p.add_argument("--workdir", help="keep the model, SSD directory and logs here (default: a temporary one)")
+    p.add_argument("--keep", action="store_true", help="do not delete the work directory")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--png", help="write the plot here (needs matplotlib)")
+    p.add_argument("--plot", metavar="JSON", help="only render --png from a results JSON")
+
+
+def plot_only(p: argparse.ArgumentParser, args: argparse.Namespace, render: Any) -> bool:
+    """With ``--plot``: render ``--png`` from that JSON with ``render`` and say so (True)."""
+    if not args.plot:
+        return False
+    if not args.png:
+        p.error("--plot needs --png")
+    render(json.loads(Path(args.plot).read_text()), Path(args.png))
+    return True
+
+
+def write_outputs(args: argparse.Namespace, result: dict[str, Any], render: Any) -> None:
+    """``--json`` and ``--png`` of a finished run (without matplotlib, the PNG is left to ``--plot``)."""
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    if args.png:
+        try:
+            render(result, Path(args.png))
+        except ImportError:
+            print("matplotlib is not installed here; render the PNG with --plot JSON --png PNG", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--minutes", type=float, default=30.0, help="how long the load runs (default 30)")
@@ -500,28 +530,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-kvtier", action="store_true",
                    help="the same load on vLLM without the connector: the baseline of RSS and latency (kvtier's "
                         "checks then read nothing and fail)")
-    p.add_argument("--workdir", help="keep the model, SSD directory and logs here (default: a temporary one)")
-    p.add_argument("--keep", action="store_true", help="do not delete the work directory")
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--png", help="write the plot here (needs matplotlib)")
-    p.add_argument("--plot", metavar="JSON", help="only render --png from a results JSON")
+    add_output_arguments(p)
     args = p.parse_args(argv)
-    if args.plot:
-        if not args.png:
-            p.error("--plot needs --png")
-        plot(json.loads(Path(args.plot).read_text()), Path(args.png))
+    if plot_only(p, args, plot):
         return 0
     if args.minutes <= 0 or args.sessions < 1 or args.sample_s <= 0 or args.drain_s <= 0:
         p.error("--minutes, --sample-s and --drain-s must be > 0 and --sessions >= 1")
     result = run(args)
-    text = json.dumps(result, indent=1)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    if args.png:
-        try:
-            plot(result, Path(args.png))
-        except ImportError:
-            print("soak: matplotlib is not installed here; render the PNG with --plot JSON --png PNG", flush=True)
+    write_outputs(args, result, plot)
     print(json.dumps(result["verdict"], indent=1))
     return 0 if result["verdict"]["ok"] else 1
 
