@@ -92,6 +92,9 @@ class Chaos:
 
         from kvtier.benchmarks.remote import LocalMaster, mooncake_problem
 
+        problem = mooncake_problem()
+        if problem is not None:
+            raise SystemExit(f"chaos: the Mooncake remote tier is needed here: {problem}")
         self.work = work
         self.model = make_chat_model(work / "model")
         self.stats_path = work / "stats.json"
@@ -100,11 +103,23 @@ class Chaos:
         got = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(self.ssd_mount)],
                              capture_output=True, text=True, check=False)
         self.tmpfs_problem = None if got.returncode == 0 else (got.stderr.strip() or "mount failed")
-        problem = mooncake_problem()
-        if problem is not None:
-            raise SystemExit(f"chaos: the Mooncake remote tier is needed here: {problem}")
-        self.master = LocalMaster(work / "master.log").start()
+        self.master = self.hint_proc = self.server = self.hints = self.load = None
+        try:  # a failed start leaves no master, hint server, engine or mount behind
+            self.master = LocalMaster(work / "master.log").start()
+            self._start(work, sessions, seed)
+        except BaseException:
+            self.close()
+            raise
+        self.extra_samples: list[dict[str, Any]] = []  # the burst's and the restart's requests, checked too
+        self.t0 = time.monotonic()
+        self.timeline: list[dict[str, Any]] = []
+        self._sampling = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+
+    def _start(self, work: Path, sessions: int, seed: int) -> None:
+        """The hint server, the engine (read idle) and the load, not yet started."""
         from kvtier.benchmarks.remote import free_port
+        from kvtier.sdk import HintClient
 
         self.hint_port = free_port()
         self.hint_log = open(work / "hints.log", "ab")  # noqa: SIM115 - open while the hint server runs
@@ -115,15 +130,8 @@ class Chaos:
                        "remote_segment_mib": 64, "hint_watch": f"127.0.0.1:{self.hint_port}"}
         self.server = Server(work, "chaos", self.model, self.kvtier)
         self.idle = drain(self.server, None, self.stats_path)
-        from kvtier.sdk import HintClient
-
         self.hints = HintClient(f"127.0.0.1:{self.hint_port}")
         self.load = Load(self.server, sessions, seed, hints=self.hints, sample_fraction=0.5, max_samples=600)
-        self.extra_samples: list[dict[str, Any]] = []  # the burst's and the restart's requests, checked too
-        self.t0 = time.monotonic()
-        self.timeline: list[dict[str, Any]] = []
-        self._sampling = threading.Event()
-        self._sampler = threading.Thread(target=self._sample, daemon=True)
 
     # ---------------------------------------------------------------- helpers
 
@@ -414,14 +422,20 @@ class Chaos:
                 "kvtier_counters": self.stats().get("counters", {}), "timeline": self.timeline}
 
     def close(self) -> None:
-        self.load.stop.set()
-        self.load.go.set()
-        self.server.stop()
-        self.hints.close(timeout_s=1)
-        if self.hint_proc.poll() is None:
-            self.hint_proc.kill()
-        self.hint_log.close()
-        self.master.stop()
+        """Stop whatever was started (also after a start that failed part way)."""
+        if self.load is not None:
+            self.load.stop.set()
+            self.load.go.set()
+        if self.server is not None:
+            self.server.stop()
+        if self.hints is not None:
+            self.hints.close(timeout_s=1)
+        if self.hint_proc is not None:
+            if self.hint_proc.poll() is None:
+                self.hint_proc.kill()
+            self.hint_log.close()
+        if self.master is not None:
+            self.master.stop()
         if self.tmpfs_problem is None:
             subprocess.run(["umount", "-l", str(self.ssd_mount)], check=False)
 
