@@ -27,6 +27,13 @@ Targets (as for ``TieredStore``): DRAM >= 0.8x memcpy, SSD put >= 0.5x write +
 fsync, SSD get >= 0.6x warm read. Every loaded byte is compared with what was
 stored.
 
+Then loads behind writes (``queued`` in the JSON): the latency of one 16-block
+DRAM load and one SSD load, as vLLM steps them (``start_load_kv``, then
+``get_finished`` until the load is reported), with nothing queued and with
+256 MiB of SSD writes queued (``ssd_write_queue_mib``; the queue topped up
+before every load), alternating, p50 / p99 of each. Targets: with the queue,
+p99 <= 1.5x (DRAM) and <= 2x (SSD) of the same load with nothing queued.
+
 Then both callers of the data plane through one function
 (:func:`kvtier.benchmarks.bytepath.measure`, ``callers`` in the JSON): ``TieredStore``
 put / get from the caller's buffers, and the worker through its public calls as
@@ -146,6 +153,93 @@ class WorkerCaller:
         self.worker.shutdown()
 
 
+QUEUED_TARGETS = {"dram": 1.5, "ssd": 2.0}  # p99 with 256 MiB of SSD writes queued / p99 with nothing queued
+
+
+def bench_queued(block_bytes: int, loads: int, workdir: Path, queue_mib: int = 256) -> dict:
+    """Load latency with nothing queued and with ``queue_mib`` of SSD writes queued (see the module doc)."""
+    n = BATCH_BLOCKS
+    store_blocks = max(BATCH_BLOCKS, (queue_mib << 20) // block_bytes // 4)  # engine blocks the writes read
+    layers = block_bytes // LAYER_BYTES
+    facts = EngineFacts("bench", "bfloat16", 16, layers, 8, 128, "fused", "sha256")
+    ssd_dir = Path(tempfile.mkdtemp(prefix=f"queued_{block_bytes}_", dir=workdir))
+    cap = 4 * (queue_mib << 20) // block_bytes + 4 * n
+    settings = ConnectorSettings.build({"dram_capacity_blocks": n, "ssd_path": str(ssd_dir), "ssd_capacity_blocks": cap,
+                                        "ssd_write_queue_mib": queue_mib,
+                                        "staging_mib": 2 * queue_mib + 2 * (n * block_bytes >> 20) + 16,
+                                        "kvtier": {"tiers": {"ssd": {"sync": True}}}}, facts, env={})
+    layout = settings.config.layout.to_layout()
+    engine_blocks = store_blocks + 2 * n
+    worker = KVTierWorker(settings, settings.config.namespace.to_namespace(layout), layout, engine_blocks)
+    gen = torch.Generator().manual_seed(5)
+    caches = {f"model.layers.{i}.self_attn": torch.randn((2, engine_blocks, 16, 8, 128), generator=gen)
+              .to(torch.bfloat16) for i in range(layers)}
+    worker.register_kv_caches(caches)
+    ids = iter(range(1, 1 << 30))
+    src, dst = list(range(n)), list(range(store_blocks + n, store_blocks + 2 * n))
+    keys = list(range(3_000_000, 3_000_000 + n))
+    writer = worker._writers["ssd"]
+    try:
+        for tier in ("dram", "ssd"):  # the blocks the loads read
+            job = StoreJob(next(ids), "seed", tuple(src), tuple(keys), tuple([None] + keys[:-1]),
+                           (TierWrite(next(ids), tier, tuple(range(n)), tuple(range(n)) if tier == "dram" else ()),))
+            worker.wait_for_save(KVTierConnectorMetadata(stores=[job]))
+            _wait(worker, {job.writes[0].plan_id})
+        fresh = iter(range(10_000_000, 1 << 40))
+
+        def top_up() -> None:  # SSD-only stores of fresh keys until queue_mib is queued for the writer
+            while writer.queued_bytes + BATCH_BLOCKS * block_bytes <= writer.bound_bytes:
+                b = list(range(store_blocks))[:BATCH_BLOCKS]
+                ks = [next(fresh) for _ in b]
+                job = StoreJob(next(ids), "writes", tuple(b), tuple(ks), tuple([None] + ks[:-1]),
+                               (TierWrite(next(ids), "ssd", tuple(range(len(b))), ()),))
+                worker.wait_for_save(KVTierConnectorMetadata(stores=[job]))
+                worker.mover.drain(["copy"])  # the copy thread has queued it for the writer
+                worker.get_finished(set())
+
+        def load(tier: str) -> float:
+            job = LoadJob("queued-load", next(ids), tuple(keys), (tier,) * n,
+                          tuple(range(n)) if tier == "dram" else (0,) * n, tuple(dst))
+            t0 = time.perf_counter()
+            worker.start_load_kv(KVTierConnectorMetadata(loads=[job]))
+            while "queued-load" not in worker.get_finished(set())[1]:
+                time.sleep(0.0002)
+            took = time.perf_counter() - t0
+            meta = worker.take_worker_meta()
+            if meta is None or not all(meta.plans.get(job.plan_id, (0, [False]))[1]):
+                raise RuntimeError(f"{tier} load failed")
+            return took
+
+        lat: dict[str, list[float]] = {f"{t}_{q}": [] for t in ("dram", "ssd") for q in ("idle", "queued")}
+        peak = 0
+        for _ in range(loads):
+            for tier in ("dram", "ssd"):
+                worker.mover.drain()  # nothing queued
+                worker.get_finished(set())
+                lat[f"{tier}_idle"].append(load(tier))
+                top_up()
+                peak = max(peak, writer.queued_bytes)
+                lat[f"{tier}_queued"].append(load(tier))
+        worker.mover.drain()
+        verified = all(torch.equal(t[:, src], t[:, dst]) for t in caches.values())
+    finally:
+        worker.shutdown()
+    row: dict = {"block_kib": block_bytes // 1024, "load_blocks": n, "loads": loads, "queued_mib_peak": peak >> 20,
+                 "verified": verified}
+    for k, v in lat.items():
+        v.sort()
+        row[f"{k}_p50_ms"] = 1e3 * v[len(v) // 2]
+        row[f"{k}_p99_ms"] = 1e3 * v[min(len(v) - 1, int(0.99 * len(v)))]
+    for tier in ("dram", "ssd"):
+        row[f"{tier}_p99_queued_vs_idle"] = row[f"{tier}_queued_p99_ms"] / row[f"{tier}_idle_p99_ms"]
+    return row
+
+
+QUEUED_COLUMNS = ("block_kib", "queued_mib_peak", "dram_idle_p50_ms", "dram_idle_p99_ms", "dram_queued_p50_ms",
+                  "dram_queued_p99_ms", "dram_p99_queued_vs_idle", "ssd_idle_p50_ms", "ssd_idle_p99_ms",
+                  "ssd_queued_p50_ms", "ssd_queued_p99_ms", "ssd_p99_queued_vs_idle", "verified")
+
+
 def bench_callers(block_bytes: int, total_bytes: int, repeats: int, workdir: Path) -> list[dict]:
     """Both callers of the data plane through :func:`kvtier.benchmarks.bytepath.measure`."""
     n = max(BATCH_BLOCKS, total_bytes // block_bytes) // BATCH_BLOCKS * BATCH_BLOCKS
@@ -187,7 +281,7 @@ def _measure(worker: KVTierWorker, caches: dict, n: int, block_bytes: int, repea
 
     def dram_store() -> None:
         for job, r in zip(dram_jobs, job_rows):
-            worker._write_tiers(job, r.numpy())
+            worker._write_tiers(job, r.numpy(), job.writes, range(len(r)))
 
     def dram_load() -> None:
         for b, r in zip(batches, out_rows):
@@ -257,8 +351,9 @@ COLUMNS = ("block_kib", "memcpy_gbps", "dram_store_gbps", "dram_put_vs_memcpy", 
            "end_to_end_load_vs_memcpy", "verified")
 
 
-def run(sizes_kib: list[int], total_mib: int, repeats: int, progress=print, callers_only: bool = False) -> dict:
-    results, callers = [], []
+def run(sizes_kib: list[int], total_mib: int, repeats: int, progress=print, callers_only: bool = False,
+        queued_loads: int = 50, queued_mib: int = 256) -> dict:
+    results, callers, queued = [], [], []
     with tempfile.TemporaryDirectory(prefix="kvtier-connector-bench-") as tmp:
         for kib in sizes_kib:
             if not callers_only:
@@ -266,8 +361,13 @@ def run(sizes_kib: list[int], total_mib: int, repeats: int, progress=print, call
                 results.append(bench_size(kib * 1024, total_mib << 20, repeats, Path(tmp)))
             progress(f"[connector_path] block {kib} KiB, both callers ...")
             callers.extend(bench_callers(kib * 1024, total_mib << 20, repeats, Path(tmp)))
+            if queued_loads:
+                progress(f"[connector_path] block {kib} KiB, loads behind {queued_mib} MiB of queued SSD writes ...")
+                queued.append(bench_queued(kib * 1024, queued_loads, Path(tmp), queued_mib))
     met = {k: all(r[k] >= v for r in results) for k, v in TARGETS.items()}
-    return {"results": results, "callers": callers, "targets": TARGETS, "targets_met": met, "total_mib": total_mib,
+    met_queued = {t: all(r[f"{t}_p99_queued_vs_idle"] <= v for r in queued) for t, v in QUEUED_TARGETS.items()}
+    return {"results": results, "callers": callers, "queued": queued, "queued_targets": QUEUED_TARGETS,
+            "queued_targets_met": met_queued, "targets": TARGETS, "targets_met": met, "total_mib": total_mib,
             "repeats": repeats,
             "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             **provenance(("kvtier", "integrations/vllm_ascend"), dirty_key="code_dirty")}
@@ -280,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--total-mib", type=int, default=64, help="bytes moved per measurement (MiB, default 64)")
     ap.add_argument("--repeats", type=int, default=7, help="interleaved rounds; the best is kept (default 7)")
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    ap.add_argument("--queued-loads", type=int, default=50, metavar="N",
+                    help="loads of each tier timed with and without 256 MiB of SSD writes queued (default 50; 0 skips)")
+    ap.add_argument("--queued-mib", type=int, metavar="MIB",
+                    help="SSD writes queued ahead of those loads (MiB; default 4x --total-mib, at most 256)")
     ap.add_argument("--callers-only", action="store_true",
                     help="only the two callers through one function (bench/out/byte-path-callers.json)")
     args = ap.parse_args(argv)
@@ -289,15 +393,24 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--sizes-kib {args.sizes_kib!r}: expected comma-separated integers")
     if any(s <= 0 or s * 1024 % LAYER_BYTES for s in sizes) or args.total_mib <= 0 or args.repeats <= 0:
         ap.error("--sizes-kib must be positive multiples of 64; --total-mib and --repeats positive")
+    if args.queued_loads < 0 or (args.queued_mib is not None and args.queued_mib <= 0):
+        ap.error("--queued-loads must be >= 0 and --queued-mib positive")
     report = run(sizes, args.total_mib, args.repeats, progress=lambda m: print(m, file=sys.stderr, flush=True),
-                 callers_only=args.callers_only)
+                 callers_only=args.callers_only, queued_loads=args.queued_loads,
+                 queued_mib=args.queued_mib or min(256, 4 * args.total_mib))
     if args.callers_only:
         report = {k: v for k, v in report.items() if k not in ("results", "targets", "targets_met")}
     else:
         _print_functions(report)
     print("\nboth callers of the data plane, one function (kvtier.benchmarks.bytepath.measure), GB/s and x baseline:")
     print_table(report["callers"], bytepath.COLUMNS)
-    ok = all(r["verified"] for r in report.get("results", []) + report["callers"])
+    if report["queued"]:
+        print("\nloads behind writes: one 16-block load, ms, with nothing queued and with SSD writes queued "
+              f"(queued_mib_peak):")
+        print_table(report["queued"], QUEUED_COLUMNS)
+        print("targets (p99 queued / idle): " + ", ".join(
+            f"{t} <= {v}x {'yes' if report['queued_targets_met'][t] else 'NO'}" for t, v in QUEUED_TARGETS.items()))
+    ok = all(r["verified"] for r in report.get("results", []) + report["callers"] + report["queued"])
     print(f"loaded bytes verified: {ok}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

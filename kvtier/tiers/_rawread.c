@@ -1,7 +1,8 @@
 /* kvtier.tiers._rawread: the read path for ``raw`` values, in C (and the copy +
 checksum of the write path: copy_sum_many and sum_many, used by the remote
-tier's puts; and copy_many, a host copy split with a second thread, used by the
-vLLM connector's DRAM copies).
+tier's puts; copy_many, a host copy split with a second thread, used by the
+vLLM connector's DRAM copies; and copy_spans, the connector's one-pass gather and
+scatter between the engine's KV cache and pool rows).
 
 What it owns: for a batch of LMDB values (zero-copy views into the map), check
 each one's header exactly as kvtier.tiers.codec's fast path does (magic,
@@ -502,6 +503,76 @@ static PyObject *copy_many(PyObject *self, PyObject *args) {
 }
 
 
+PyDoc_STRVAR(copy_spans_doc,
+"copy_spans(dsts, srcs, table, split) -> None\n\n"
+"Copy byte spans between buffers in one pass: table is a C-contiguous int64 buffer\n"
+"of rows (dst index, dst offset, src index, src offset, length) naming a span of\n"
+"dsts[dst index] (writable) and of srcs[src index]. Every span is checked against\n"
+"its buffers' lengths first; a bad one raises ValueError and nothing is copied.\n"
+"split: share the bytes with the second thread copy_many uses. The GIL is released\n"
+"while they copy. What the vLLM connector's gather and scatter run: each layer's\n"
+"bytes of a KV block straight between the engine's cache and a pool row.");
+
+static PyObject *copy_spans(PyObject *self, PyObject *args) {
+    PyObject *dsts_in, *srcs_in, *table_in;
+    int split = 0;
+    if (!PyArg_ParseTuple(args, "OOOp", &dsts_in, &srcs_in, &table_in, &split)) return NULL;
+    if (!PyList_Check(dsts_in) || !PyList_Check(srcs_in)) {
+        PyErr_SetString(PyExc_TypeError, "dsts and srcs must be lists");
+        return NULL;
+    }
+    Py_ssize_t nd = PyList_GET_SIZE(dsts_in), ns = PyList_GET_SIZE(srcs_in);
+    Py_buffer table;
+    if (PyObject_GetBuffer(table_in, &table, PyBUF_C_CONTIGUOUS) != 0) return NULL;
+    if (table.len % (5 * (Py_ssize_t)sizeof(int64_t)) != 0) {
+        PyBuffer_Release(&table);
+        PyErr_SetString(PyExc_ValueError, "table must hold rows of 5 int64");
+        return NULL;
+    }
+    Py_ssize_t n = table.len / (5 * (Py_ssize_t)sizeof(int64_t));
+    Py_buffer *bufs = (Py_buffer *)PyMem_Calloc((size_t)(nd + ns ? nd + ns : 1), sizeof(Py_buffer));
+    span_t *spans = (span_t *)PyMem_Calloc(2 * (size_t)(n ? n : 1) + 1, sizeof(span_t)); /* mine, then theirs */
+    Py_ssize_t got = 0;
+    PyObject *err = NULL;
+    if (bufs == NULL || spans == NULL) {
+        err = PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < nd + ns; got++) {
+        PyObject *o = got < nd ? PyList_GET_ITEM(dsts_in, got) : PyList_GET_ITEM(srcs_in, got - nd);
+        if (PyObject_GetBuffer(o, &bufs[got], got < nd ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS : PyBUF_C_CONTIGUOUS) != 0)
+            goto done;
+    }
+    const int64_t *t = (const int64_t *)table.buf;
+    for (Py_ssize_t i = 0; i < n; i++, t += 5) {
+        int64_t di = t[0], doff = t[1], si = t[2], soff = t[3], len = t[4];
+        if (di < 0 || di >= nd || si < 0 || si >= ns || doff < 0 || soff < 0 || len < 0 ||
+            doff > bufs[di].len - len || soff > bufs[nd + si].len - len) {
+            PyErr_Format(PyExc_ValueError, "span %zd (dst %lld at %lld, src %lld at %lld, %lld bytes) is outside its buffers",
+                         i, (long long)di, (long long)doff, (long long)si, (long long)soff, (long long)len);
+            goto done;
+        }
+        spans[i] = (span_t){(unsigned char *)bufs[di].buf + doff, (const unsigned char *)bufs[nd + si].buf + soff,
+                            (size_t)len};
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (split) {
+        copy_split(spans, (size_t)n, spans + n);
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) memmove(spans[i].dst, spans[i].src, spans[i].n);
+    }
+    Py_END_ALLOW_THREADS
+    err = Py_None;
+    Py_INCREF(err);
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
+    PyMem_Free(bufs);
+    PyMem_Free(spans);
+    PyBuffer_Release(&table);
+    return err;
+}
+
+
 PyDoc_STRVAR(sum_many_doc,
 "sum_many(buffers) -> list[int]: the XXH3-64 of each contiguous buffer, with the GIL released\n"
 "(the write path of raw values that are sent from where they are, with no copy).");
@@ -553,6 +624,7 @@ static PyMethodDef methods[] = {
     {"copy_sum_many", copy_sum_many, METH_VARARGS, copy_sum_many_doc},
     {"sum_many", sum_many, METH_O, sum_many_doc},
     {"copy_many", copy_many, METH_VARARGS, copy_many_doc},
+    {"copy_spans", copy_spans, METH_VARARGS, copy_spans_doc},
     {"xxh3_64", py_xxh3_64, METH_O, xxh3_doc},
     {"streaming", py_streaming, METH_NOARGS, streaming_doc},
     {NULL, NULL, 0, NULL},

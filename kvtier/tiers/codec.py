@@ -656,6 +656,18 @@ def copy_many(dsts: list[object], srcs: list[object]) -> bool:
     return True
 
 
+def copy_spans(dsts: list[object], srcs: list[object], table: object, split: bool) -> bool:
+    """Copy byte spans between buffers in one pass (C, GIL released): ``table`` is an
+    ``int64 [n, 5]`` array of (dst index, dst offset, src index, src offset, length)
+    into ``dsts`` / ``srcs``; every span is checked against its buffers first (``ValueError``,
+    nothing copied). ``split``: share the bytes with :func:`copy_many`'s second thread.
+    ``False`` (nothing copied) without the C module."""
+    if _rawread is None:
+        return False
+    _rawread.copy_spans(dsts, srcs, table, split)
+    return True
+
+
 def native_raw_read() -> bool:
     """Whether :func:`decode_raw_batch` runs in C (``kvtier.tiers._rawread`` was
     built and bound XXH3) rather than reporting "not shown OK" for every value."""

@@ -113,3 +113,8 @@ def test_connector_path_bench_smoke(tmp_path) -> None:
                 "end_to_end_store_vs_memcpy", "end_to_end_load_vs_memcpy"):
         assert row[key] > 0, key
     assert "targets met" in proc.stdout
+    # loads behind queued SSD writes: the queue really was full while they ran, and every loaded byte checked
+    (q,) = report["queued"]
+    assert q["verified"] is True and q["queued_mib_peak"] >= 16 - 2  # 4x --total-mib, less one job's room
+    assert all(q[f"{t}_{s}_p99_ms"] > 0 for t in ("dram", "ssd") for s in ("idle", "queued"))
+    assert "loads behind writes" in proc.stdout

@@ -116,12 +116,21 @@ def test_corrupt_ssd_value_fails_that_block_and_the_rest(worker) -> None:
 def test_a_released_request_is_reported_only_after_its_blocks_were_read(worker) -> None:
     w, _, _ = worker
     gate = __import__("threading").Event()
-    w.mover.submit_task("copy", "test-gate", 0, 0, gate.wait, lambda: None)  # hold the copy lane: the store cannot read its blocks yet
+    w.mover.submit_task("copy", "test-gate", 0, 0, gate.wait, lambda: None)  # hold the copy lane
+    # an SSD-only store goes through a staging run: its blocks count as read once the copy thread took the run
     job = StoreJob(job_id=7, req_id="r1", block_ids=(1,), keys=(10,), parents=(None,),
-                   writes=(TierWrite(1, "dram", (0,), (0,)),))
+                   writes=(TierWrite(1, "ssd", (0,), ()),))
     w.wait_for_save(KVTierConnectorMetadata(stores=[job]))
     w.start_load_kv(KVTierConnectorMetadata(release=["r1"]))
     assert w.get_finished({"r1"}) == (set(), set())  # still reading
+    # a DRAM store on a CPU cache is gathered straight into its slots on the engine's thread: read at once,
+    # though the copy lane is still held
+    assert w.io.straight
+    job = StoreJob(job_id=8, req_id="r2", block_ids=(2,), keys=(11,), parents=(None,),
+                   writes=(TierWrite(2, "dram", (0,), (0,)),))
+    w.wait_for_save(KVTierConnectorMetadata(stores=[job]))
+    w.start_load_kv(KVTierConnectorMetadata(release=["r2"]))
+    assert w.get_finished({"r2"})[0] == {"r2"}
     gate.set()
     _, sending, _, _ = _drain(w, {1})
     assert sending == {"r1"}
@@ -236,12 +245,13 @@ def test_a_full_staging_ring_stores_and_loads_what_fits_and_counts_the_rest(tmp_
     free gathers and stores its leading blocks only, a load reads its leading blocks
     only (the rest is recomputed), the blocks left out are counted, and the engine's
     thread never waits for room."""
-    w, caches = _build({"dram_capacity_blocks": 8, "staging_mib": 3 * BLOCK_BYTES / (1 << 20)}, seed=2)
+    w, caches = _build({"dram_capacity_blocks": 8, "ssd_path": str(tmp_path),
+                        "staging_mib": 3 * BLOCK_BYTES / (1 << 20)}, seed=2)
     try:
         assert w.ring is not None and w.ring.num_rows == 3
         keys = (20, 21, 22, 23)
         job = StoreJob(job_id=1, req_id="r1", block_ids=(0, 1, 2, 3), keys=keys, parents=(None, 20, 21, 22),
-                       writes=(TierWrite(1, "dram", (0, 1, 2, 3), (0, 1, 2, 3)),))
+                       writes=(TierWrite(1, "ssd", (0, 1, 2, 3), ()),))
         w.wait_for_save(KVTierConnectorMetadata(stores=[job]))
         skipped_stores = skipped_loads = 0
         plans: dict[int, list[bool]] = {}
@@ -261,7 +271,7 @@ def test_a_full_staging_ring_stores_and_loads_what_fits_and_counts_the_rest(tmp_
             step()
             time.sleep(0.01)
         assert plans[1] == [True, True, True, False] and skipped_stores == 1
-        load = LoadJob("r2", 2, keys[:3] + (24,), ("dram",) * 4, (0, 1, 2, 3), (4, 5, 6, 7))
+        load = LoadJob("r2", 2, keys[:3] + (24,), ("ssd",) * 4, (0,) * 4, (4, 5, 6, 7))
         w.start_load_kv(KVTierConnectorMetadata(loads=[load]))
         while "r2" not in received and time.monotonic() < deadline:
             step()
@@ -270,6 +280,18 @@ def test_a_full_staging_ring_stores_and_loads_what_fits_and_counts_the_rest(tmp_
         assert all(_blocks_equal(caches, a, b) for a, b in ((0, 4), (1, 5), (2, 6)))
         assert w.take_load_errors() == {7}
         assert w.ring.rows_in_use == 0 and w.ring.peak_rows_in_use == 3
+        # DRAM traffic on a CPU cache takes no staging: a 4-block store and load are whole
+        job = StoreJob(job_id=3, req_id="r3", block_ids=(0, 1, 2, 3), keys=keys, parents=(None, 20, 21, 22),
+                       writes=(TierWrite(3, "dram", (0, 1, 2, 3), (0, 1, 2, 3)),))
+        w.wait_for_save(KVTierConnectorMetadata(stores=[job]))
+        w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r4", 4, keys, ("dram",) * 4, (0, 1, 2, 3),
+                                                                (4, 5, 6, 7))]))
+        while "r4" not in received and time.monotonic() < deadline:
+            step()
+            time.sleep(0.01)
+        assert plans[3] == plans[4] == [True] * 4 and skipped_stores == skipped_loads == 1
+        assert all(_blocks_equal(caches, a, b) for a, b in ((0, 4), (1, 5), (2, 6), (3, 7)))
+        assert w.ring.peak_rows_in_use == 3
     finally:
         w.shutdown()
 

@@ -47,7 +47,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+
+from kvtier.tiers.codec import copy_spans
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +139,30 @@ class BlockIO:
         self.chunk_blocks = max(1, device_staging_bytes // offset)
         self._staging = (torch.empty((self.chunk_blocks, offset), dtype=torch.uint8, device=self.device)
                          if chunked else None)
+        self._spans = _HostSpans.of(parts, num_blocks) if self.device.type == "cpu" else None
+
+    @property
+    def straight(self) -> bool:
+        """Whether host copies take one pass (:class:`_HostSpans`): a CPU cache of contiguous
+        tensors and kvtier's C module. Otherwise torch's gather / scatter (2-3 passes)."""
+        return self._spans is not None
+
+    def gather_rows(self, block_ids: Sequence[int], dst: np.ndarray, rows: Sequence[int], split: bool = False) -> None:
+        """CPU caches: the bytes of ``block_ids[i]`` into ``dst[rows[i]]`` (``dst`` a host
+        ``uint8 [R, bytes_per_block]`` array such as the DRAM pool's rows), in one pass
+        where :attr:`straight`. ``split``: share a large copy with a second thread. The
+        one-pass copy is C, not torch, so any thread may call it."""
+        if self._spans is not None:
+            self._spans.copy(block_ids, dst, rows, to_rows=True, split=split)
+            return
+        torch.from_numpy(dst)[torch.tensor(list(rows), dtype=torch.long)] = self.gather(block_ids)
+
+    def scatter_rows(self, block_ids: Sequence[int], src: np.ndarray, rows: Sequence[int], split: bool = False) -> None:
+        """CPU caches: ``src[rows[i]]`` into block ``block_ids[i]`` (one pass where :attr:`straight`)."""
+        if self._spans is not None:
+            self._spans.copy(block_ids, src, rows, to_rows=False, split=split)
+            return
+        self._scatter(block_ids, torch.from_numpy(src[list(rows)]))
 
     @property
     def device_staging_bytes(self) -> int:
@@ -222,6 +249,9 @@ class BlockIO:
     def _gather_into(self, rows: torch.Tensor, ids: torch.Tensor, non_blocking: bool) -> None:
         """Each layer's bytes of blocks ``ids`` into its columns of ``rows``."""
         n = len(ids)
+        if self._spans is not None and rows.device.type == "cpu" and rows.is_contiguous():
+            self._spans.copy(ids.tolist(), rows.numpy(), range(n), to_rows=True, split=False)
+            return
         for p in self._parts:
             blocks = p.tensor.index_select(p.block_dim, ids).movedim(p.block_dim, 0).contiguous()
             rows[:, p.offset : p.offset + p.nbytes].copy_(blocks.view(n, -1).view(torch.uint8),
@@ -230,6 +260,9 @@ class BlockIO:
     def _scatter_from(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
         """Each layer's columns of ``rows`` (on the cache's device) into blocks ``ids``."""
         n = len(ids)
+        if self._spans is not None and rows.device.type == "cpu" and rows.is_contiguous():
+            self._spans.copy(ids.tolist(), rows.numpy(), range(n), to_rows=False, split=False)
+            return
         for p in self._parts:
             shape = list(p.tensor.shape)
             del shape[p.block_dim]
@@ -244,6 +277,85 @@ class BlockIO:
         if self.device.type == "cpu":
             return ids
         return ids.pin_memory().to(self.device, non_blocking=True)
+
+
+class _HostSpans:
+    """The one-pass host copy between CPU cache tensors and block rows.
+
+    A block of a contiguous tensor whose block dimension is ``d`` is ``outer``
+    (the product of the dimensions before ``d``: 1, or 2 for ``[2, num_blocks, ...]``)
+    contiguous chunks of ``inner`` bytes; in a block row they follow each other at
+    the part's offset. A copy is then a table of spans (one per chunk, block and
+    layer), built with numpy for all layers of one chunk shape at once and run by
+    :func:`kvtier.tiers.codec.copy_spans` in C with the GIL released: every byte
+    crosses memory once, with no temporary (torch's ``index_select`` / ``movedim`` /
+    ``index_copy_`` path took 2-3 passes). Built only for a CPU cache of contiguous
+    tensors where the C module is present (:meth:`of` returns ``None`` otherwise).
+
+    Right after a torch op, a copy shared with the second thread runs at about half
+    speed on 2 cores: torch's OpenMP threads still spin and take the other core
+    (measured: 0.5-0.7x memcpy, against 1.0-1.2x with ``OMP_WAIT_POLICY=PASSIVE``).
+    Copying long runs with torch instead (its team shares the copy) measured no
+    better: a strided copy into row columns ran at about 0.7x a contiguous one.
+    """
+
+    def __init__(self, parts: Sequence[_Part], bufs: list[np.ndarray],
+                 groups: list[tuple[int, int, np.ndarray, np.ndarray]], num_blocks: int, row_bytes: int) -> None:
+        self.parts = parts
+        self.bufs = bufs  # each part's tensor as flat bytes (views: they keep no copy)
+        self.groups = groups  # (outer, inner bytes, part indices, their offsets in a row)
+        self.num_blocks = num_blocks
+        self.row_bytes = row_bytes
+
+    @classmethod
+    def of(cls, parts: Sequence[_Part], num_blocks: int) -> _HostSpans | None:
+        if not all(p.tensor.is_contiguous() and p.tensor.device.type == "cpu" for p in parts):
+            return None
+        probe = np.zeros((1, 5), dtype=np.int64)
+        if not copy_spans([bytearray(0)], [b""], probe, False):  # no C module: torch's path
+            return None
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for i, p in enumerate(parts):
+            shape = p.tensor.shape
+            outer = int(np.prod(shape[:p.block_dim], dtype=np.int64))
+            by_shape.setdefault((outer, p.nbytes // outer), []).append(i)
+        groups = [(outer, inner, np.array(idx, dtype=np.int64), np.array([parts[i].offset for i in idx], dtype=np.int64))
+                  for (outer, inner), idx in by_shape.items()]
+        bufs = [p.tensor.reshape(-1).view(torch.uint8).numpy() for p in parts]
+        return cls(parts, bufs, groups, num_blocks, sum(p.nbytes for p in parts))
+
+    def copy(self, block_ids: Sequence[int], rows_buf: np.ndarray, rows: Sequence[int], *, to_rows: bool,
+             split: bool) -> None:
+        """Blocks ``block_ids`` into rows ``rows`` of ``rows_buf`` (``to_rows``) or back."""
+        if rows_buf.ndim != 2 or rows_buf.shape[1] != self.row_bytes or not rows_buf.flags.c_contiguous:
+            raise ValueError(f"rows have shape {rows_buf.shape} (C-contiguous: {rows_buf.flags.c_contiguous}), "
+                             f"expected C-contiguous (*, {self.row_bytes})")
+        ids = np.asarray(block_ids, dtype=np.int64)
+        at = np.asarray(rows, dtype=np.int64)
+        if len(ids) != len(at):
+            raise ValueError(f"{len(ids)} blocks but {len(at)} rows")
+        if not len(ids):
+            return
+        tables = []
+        for outer, inner, idx, offsets in self.groups:
+            j = np.arange(outer, dtype=np.int64)[:, None]
+            in_cache = ((j * self.num_blocks + ids) * inner).ravel()  # chunk j of each block
+            in_rows = (at * self.row_bytes + j * inner).ravel()
+            t = np.empty((len(idx), in_cache.size, 5), dtype=np.int64)
+            t[:, :, 4] = inner
+            if to_rows:  # dst: the rows (buffer 0); src: the part's tensor
+                t[:, :, 0], t[:, :, 1] = 0, in_rows + offsets[:, None]
+                t[:, :, 2], t[:, :, 3] = idx[:, None], in_cache
+            else:
+                t[:, :, 0], t[:, :, 1] = idx[:, None], in_cache
+                t[:, :, 2], t[:, :, 3] = 0, in_rows + offsets[:, None]
+            tables.append(t.reshape(-1, 5))
+        table = tables[0] if len(tables) == 1 else np.concatenate(tables)
+        flat = rows_buf.reshape(-1)
+        if to_rows:
+            copy_spans([flat], self.bufs, table, split)
+        else:
+            copy_spans(self.bufs, [flat], table, split)
 
 
 def device_event(device: torch.device) -> Any:

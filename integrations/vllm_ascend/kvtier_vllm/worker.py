@@ -76,11 +76,13 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class _Read:
     """A load whose bytes are in a staging run (``None``: the ring was full), waiting
-    to be scattered by the engine thread."""
+    to be scattered by the engine thread; ``landed``: already scattered straight from
+    the DRAM pool's slots (nothing left to copy)."""
 
     job: LoadJob
     run: Run | None
     oks: list[bool]
+    landed: bool = False
 
 
 @dataclass(slots=True)
@@ -98,7 +100,10 @@ class _Results:
     staging_skipped_loads: int = 0  # blocks not loaded: the staging ring was full
 
 
-LANES = ("copy", "ssd", "remote")  # the worker's ordered lanes on its TransferEngine
+# the worker's ordered lanes on its TransferEngine, in the order they hand on: store copies ("copy") hand
+# on to the slow tiers' writers ("ssd", "remote"); loads and promotions read on "load", which hands a load's
+# remote blocks on to "remote-read". Reads have lanes of their own, so a load never queues behind writes.
+LANES = ("copy", "load", "ssd", "remote-read", "remote")
 
 
 class _Writer:
@@ -254,11 +259,13 @@ class KVTierWorker:
             self.mover.submit_task("ssd", "ssd-delete", len(keys), 0, lambda: self._ssd.delete_many(keys), _nothing)
         nbytes = self.layout.bytes_per_block
         for pj in meta.promotions:
-            self.mover.submit_task("ssd", "ssd->dram", len(pj.keys), len(pj.keys) * nbytes,
+            self.mover.submit_task("load", "ssd->dram", len(pj.keys), len(pj.keys) * nbytes,
                                    lambda pj=pj: self._promote(pj),
                                    lambda pj=pj: self._post_plan(pj.plan_id, [False] * len(pj.keys)))
         for job in meta.loads:
             self._loads.add(job.req_id)
+            if self._load_straight(job):
+                continue
             run = self.ring.take(len(job.keys)) if self.ring is not None else None
             got = len(run) if run is not None else 0
             if got < len(job.keys):  # the ring is full: load what fits, the rest is recomputed
@@ -267,10 +274,38 @@ class KVTierWorker:
             if run is None:
                 self._post_read(job, None, [False] * len(job.keys))
                 continue
-            lane = "ssd" if "ssd" in job.tiers[:got] else "copy"  # remote reads: _read hands on
-            self.mover.submit_task(lane, "ssd->hbm" if lane == "ssd" else "dram->hbm", got, got * nbytes,
+            link = "ssd->hbm" if "ssd" in job.tiers[:got] else "dram->hbm"  # remote reads: _read hands on
+            self.mover.submit_task("load", link, got, got * nbytes,
                                    lambda job=job, run=run: self._read(job, run),
                                    lambda job=job, run=run: self._post_read(job, run, [False] * len(job.keys)))
+
+    def _straight(self) -> bool:
+        """Whether DRAM blocks move straight between the engine's blocks and the pool's
+        slots on the engine's thread: a CPU cache with the one-pass host copy."""
+        return self.io is not None and self.io.straight and self._pool_np is not None
+
+    def _split(self, num_blocks: int) -> bool:
+        """Whether a copy of ``num_blocks`` is shared with a second thread (``copy_threads``)."""
+        return self.settings.copy_threads > 1 and num_blocks * self.layout.bytes_per_block >= media.SPLIT_COPY_MIN_BYTES
+
+    def _load_straight(self, job: LoadJob) -> bool:
+        """A load wholly from DRAM on a CPU cache: scattered now, straight from the pool's slots
+        (protected until the scheduler completes the load), one pass, no staging and no
+        thread hand-off; its result is reported by the next ``get_finished``. ``False``:
+        the load takes the staging path (another tier, approximate reuse, an accelerator)."""
+        if not self._straight() or job.shifts or any(t != "dram" for t in job.tiers):
+            return False
+        n = len(job.keys)
+
+        def scatter() -> list[bool]:
+            self.io.scatter_rows(job.block_ids, self._pool_np, job.slots, self._split(n))  # type: ignore[union-attr]
+            return [True] * n
+
+        # the mover's failure handling, fault hook and link stats, on this thread: a failed copy is a miss
+        oks = self.mover.run_inline("dram->hbm", n, n * self.layout.bytes_per_block, scatter)
+        with self._lock:
+            self._results.reads.append(_Read(job, None, oks, landed=True))
+        return True
 
     def handle_preemptions(self, meta: KVTierConnectorMetadata) -> None:
         """First thing of every step, before vLLM zeroes, copies into or computes any
@@ -295,6 +330,8 @@ class KVTierWorker:
         ``before_forward``: the step's forward overwrites them, so it waits for the copy."""
         assert self.io is not None and self.ring is not None
         for job in jobs:
+            if self._gather_straight(job):
+                continue
             run = self.ring.take(len(job.block_ids))
             got = len(run) if run is not None else 0
             if got < len(job.block_ids):  # the ring is full: store what fits, never wait for room
@@ -309,6 +346,46 @@ class KVTierWorker:
                                          lambda job=job, run=run, ready=ready: self._write(job, run, ready),
                                          lambda job=job, run=run: self._fail_store(job, run))
             self._gathers.setdefault(job.req_id, {})[job.job_id] = fut
+
+    def _gather_straight(self, job: StoreJob) -> bool:
+        """A store with a DRAM write on a CPU cache: the blocks gathered now, on the engine's
+        thread, straight into the DRAM write's slots (reserved by the scheduler), one pass.
+        Its SSD and remote writes then take their copies from those slots on the copy thread,
+        and the DRAM write is reported after them, so the slots are not reused before.
+        ``False``: the store takes the staging path (no DRAM write, a write of rows the DRAM
+        write lacks, an accelerator)."""
+        dram = next((w for w in job.writes if w.tier == "dram"), None)
+        if dram is None or not self._straight():
+            return False
+        slot_of = dict(zip(dram.rows, dram.slots))
+        others = [w for w in job.writes if w is not dram]
+        if any(r not in slot_of for w in others for r in w.rows):
+            return False
+        ids = [job.block_ids[r] for r in dram.rows]
+
+        def gather() -> list[bool]:
+            self.io.gather_rows(ids, self._pool_np, dram.slots, self._split(len(ids)))  # type: ignore[union-attr]
+            return [True] * len(ids)
+
+        if not all(self.mover.run_inline("hbm->dram", len(ids), len(ids) * self.layout.bytes_per_block, gather)):
+            self._fail_store(job, None)  # a failed copy is a miss, never a crash
+            return True
+        self._post_gathered(job)  # the engine blocks are no longer read
+        if not others:
+            self._post_plan(dram.plan_id, [True] * len(dram.rows))
+            return True
+        rows = [slot_of.get(r, 0) for r in range(len(job.block_ids))]  # a job row -> its pool slot
+
+        def write_others() -> None:
+            self._write_tiers(job, self._pool_np, others, rows)
+            self._post_plan(dram.plan_id, [True] * len(dram.rows))
+
+        def fail() -> None:
+            for w in job.writes:
+                self._post_plan(w.plan_id, [False] * len(w.rows))
+
+        self.mover.submit_task("copy", "dram->slow", len(ids), 0, write_others, fail)
+        return True
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(released requests whose blocks are no longer read, requests whose load finished).
@@ -350,7 +427,7 @@ class KVTierWorker:
         job = read.job
         num_ok = read.oks.index(False) if False in read.oks else len(read.oks)
         done = None
-        if num_ok and self.io is not None and read.run is not None:
+        if num_ok and self.io is not None and read.run is not None and not read.landed:
             try:
                 if job.shifts and self._approx is not None:  # approximate reuse: keys turned to this offset
                     rope, regions, dtype = self._approx
@@ -432,20 +509,23 @@ class KVTierWorker:
             if ready is not None:
                 ready.synchronize()
             self._post_gathered(job)  # the engine blocks are no longer read
-            self._write_tiers(job, run.rows.numpy())
+            host = run.rows.numpy()
+            self._write_tiers(job, host, job.writes, range(len(host)))
         finally:
             self.ring.give_back(run)  # type: ignore[union-attr]  # the SSD writes hold their own copies
 
-    def _write_tiers(self, job: StoreJob, host: np.ndarray) -> None:
-        """Write the gathered rows ``host`` (the first ``len(host)`` blocks of the job) to
-        each tier of the job; rows not gathered are reported failed."""
-        got = len(host)
-        for w in job.writes:
+    def _write_tiers(self, job: StoreJob, host: np.ndarray, writes: Sequence[TierWrite],
+                     row_of: Sequence[int]) -> None:
+        """Write the job's gathered blocks to each tier of ``writes``: block ``i`` of the job is
+        ``host[row_of[i]]`` (a staging run, or the DRAM pool's rows); blocks past
+        ``len(row_of)`` were not gathered and are reported failed."""
+        got = len(row_of)
+        for w in writes:
             pos = [i for i, r in enumerate(w.rows) if r < got]
             if w.tier == "dram":
                 assert self._pool_np is not None
-                media.staging_to_pool(self._pool_np, [w.slots[i] for i in pos], host, [w.rows[i] for i in pos],
-                                      self._copy_helper, self.settings.copy_threads)
+                media.staging_to_pool(self._pool_np, [w.slots[i] for i in pos], host,
+                                      [row_of[w.rows[i]] for i in pos], self._copy_helper, self.settings.copy_threads)
                 self._post_plan(w.plan_id, [r < got for r in w.rows])
                 continue
             if not self.writes_shared:  # rank 0 writes this shared tier; this rank's report must not veto it
@@ -468,7 +548,7 @@ class KVTierWorker:
             if not room:  # the tier is behind: skip (a later miss), never queue without limit
                 self._post_plan(w.plan_id, [False] * len(w.rows))
                 continue
-            src_rows = [w.rows[i] for i in pos]
+            src_rows = [row_of[w.rows[i]] for i in pos]
             arena_rows: list[int] = []
             if writer.arena is not None:  # the arena holds bound_bytes of rows: the room above is rows free
                 with self._lock:
@@ -519,14 +599,53 @@ class KVTierWorker:
         """Copy or SSD thread: read the first ``len(run)`` blocks of the load into ``run``;
         blocks from the remote tier (the tail of the load) are read next on the remote thread."""
         host = run.rows.numpy()
-        oks = self._read_tiers(job, host)
         remote = [i for i, t in enumerate(job.tiers[:len(host)]) if t == "remote"]
+        if not remote and not job.shifts and self.io is not None and self.io.straight:
+            self._read_and_land(job, run)
+            return
+        oks = self._read_tiers(job, host)
         if not remote or self._remote is None or not all(oks[:remote[0]]):  # a failed block fails all after it
             self._post_read(job, run, oks)
             return
-        self.mover.submit_task("remote", "remote->hbm", len(remote), len(remote) * host.shape[1],
+        self.mover.submit_task("remote-read", "remote->hbm", len(remote), len(remote) * host.shape[1],
                                lambda: self._read_remote(job, run, oks, remote),
                                lambda: self._post_read(job, run, [False] * len(job.keys)))
+
+    LAND_CHUNK_BYTES = 4 << 20  # a straight load's read and scatter overlap in chunks of this size
+
+    def _read_and_land(self, job: LoadJob, run: Run) -> None:
+        """Load thread, a CPU cache with the one-pass host copy: read the load's DRAM and SSD
+        blocks into ``run`` a chunk at a time and scatter each verified chunk into the engine's
+        blocks (the request's, untouched by any forward until its load is reported) while the
+        next chunk is read: on the copy helper's thread where there is one, so reading and
+        scattering overlap instead of adding up. The scatter is kvtier's C copy, not torch, so
+        no OpenMP team starts beside the forward. A block that fails stops the load there
+        (the blocks after it are reported failed and recomputed)."""
+        assert self.io is not None
+        host = run.rows.numpy()
+        got = len(host)
+        oks = [False] * len(job.keys)
+        chunk = max(1, self.LAND_CHUNK_BYTES // host.shape[1])
+        scatters: list[Future[None]] = []
+        try:
+            for lo in range(0, got, chunk):
+                hi = min(got, lo + chunk)
+                part = self._read_tiers(job, host, lo, hi)
+                oks[lo:hi] = part[lo:hi]
+                k = next((i for i in range(lo, hi) if not part[i]), hi)
+                if k > lo:
+                    args = (job.block_ids[lo:k], host, range(lo, k), False)  # not split: the helper is the second thread
+                    if self._copy_helper is not None:
+                        scatters.append(self._copy_helper.submit(self.io.scatter_rows, *args))
+                    else:
+                        self.io.scatter_rows(*args)
+                if k < hi:
+                    break
+        finally:
+            for f in scatters:
+                f.result()  # every scatter is done (or its error raised) before the load is reported
+        with self._lock:
+            self._results.reads.append(_Read(job, run, oks, landed=True))
 
     def _read_remote(self, job: LoadJob, run: Run, oks: list[bool], rows: Sequence[int]) -> None:
         """Remote thread: read and verify the load's remote blocks ``rows`` into ``run``."""
@@ -535,12 +654,13 @@ class KVTierWorker:
             oks[i] = bool(ok)
         self._post_read(job, run, oks)
 
-    def _read_tiers(self, job: LoadJob, host: np.ndarray) -> list[bool]:
-        """Read the load's first ``len(host)`` blocks into ``host``; one ok per key of the job."""
-        got = len(host)
+    def _read_tiers(self, job: LoadJob, host: np.ndarray, lo: int = 0, hi: int | None = None) -> list[bool]:
+        """Read the load's blocks ``lo:hi`` (default: its first ``len(host)``) into the same rows
+        of ``host``; one ok per key of the job."""
+        got = len(host) if hi is None else hi
         oks = [False] * len(job.keys)
-        dram = [i for i, t in enumerate(job.tiers[:got]) if t == "dram"]
-        ssd = [i for i, t in enumerate(job.tiers[:got]) if t == "ssd"]
+        dram = [i for i in range(lo, got) if job.tiers[i] == "dram"]
+        ssd = [i for i in range(lo, got) if job.tiers[i] == "ssd"]
         if dram and self._pool_np is not None:
             got_dram = media.pool_to_staging(self._pool_np, [job.slots[i] for i in dram], host, dram,
                                              self._copy_helper, self.settings.copy_threads)
