@@ -3,8 +3,11 @@
 Owns: the renderer of table ``connector-path`` (``bench/connector_path.py``:
 the connector worker's DRAM and SSD functions against memcpy and raw file I/O,
 and its whole store / load path against memcpy), of table ``byte-path-callers``
-(``bench/connector_path.py --callers-only``: ``TieredStore`` and the connector's worker
-through one function, ``kvtier.benchmarks.bytepath.measure``) and of table ``remote``
+(``TieredStore`` and the connector's worker through one function,
+``kvtier.benchmarks.bytepath.measure``, the worker's whole path marked against
+its targets), of table ``loads-behind-writes`` (a load's latency with and
+without SSD writes queued; both from the same ``bench/connector_path.py`` run)
+and of table ``remote``
 (``kvtier bench remote``: the Mooncake remote tier against Mooncake's own
 batch calls). Every figure is read from the JSON; ratios are computed there,
 in the same run as their baselines.
@@ -50,23 +53,58 @@ def connector_path(data: dict[str, Any]) -> str:
     return caption + md_table(header, rows)
 
 
-@table("byte-path-callers", "byte-path-callers.json")
+def _commit(data: dict[str, Any]) -> str:
+    return (data.get("commit") or "unknown")[:7] + (" (modified)" if data.get("code_dirty") else "")
+
+
+@table("byte-path-callers", "connector-path.json")
 def byte_path_callers(data: dict[str, Any]) -> str:
-    commit = (data.get("commit") or "unknown")[:7] + (" (modified)" if data.get("code_dirty") else "")
+    t = data["worker_targets"]
+
+    def cell(r: dict[str, Any], gbps: str, ratio: str, digits: int) -> str:
+        return _cell(r, gbps, ratio, t[ratio] if r["caller"] == "connector worker" else None, digits)
+
     rows = [[r["caller"], f"{r['block_kib']} KiB", f"{r['memcpy_gbps']:.1f}",
-             _cell(r, "dram_put_gbps", "dram_put_vs_memcpy", None, 1),
-             _cell(r, "dram_get_gbps", "dram_get_vs_memcpy", None, 1), f"{r['raw_file_write_gbps']:.2f}",
-             _cell(r, "ssd_put_gbps", "ssd_put_vs_raw_write", None, 2), f"{r['raw_file_read_gbps']:.1f}",
-             _cell(r, "ssd_get_gbps", "ssd_get_vs_raw_read", None, 1)] for r in data["callers"]]
+             cell(r, "dram_put_gbps", "dram_put_vs_memcpy", 1), cell(r, "dram_get_gbps", "dram_get_vs_memcpy", 1),
+             f"{r['raw_file_write_gbps']:.2f}", cell(r, "ssd_put_gbps", "ssd_put_vs_raw_write", 2),
+             f"{r['raw_file_read_gbps']:.1f}", cell(r, "ssd_get_gbps", "ssd_get_vs_raw_read", 1)]
+            for r in data["callers"]]
     verified = "every byte read back verified" if all(r["verified"] for r in data["callers"]) else "BYTES WRONG"
     caption = (f"Both callers of the data plane through one function (`kvtier.benchmarks.bytepath.measure`; "
-               f"`bench/connector_path.py --callers-only --json bench/out/byte-path-callers.json`: {data['total_mib']} MiB per measurement, best of "
-               f"{data['repeats']} interleaved rounds, {verified}; commit {commit}). `TieredStore` puts and gets "
-               "the caller's buffers (one copy); the connector's worker, driven as vLLM steps it, gathers the "
-               "engine's blocks into staging and writes the tier, then reads the tier into staging and scatters "
-               "into other engine blocks (two copies each way, and the step's polling):\n\n")
+               f"`bench/connector_path.py --json bench/out/connector-path.json`: {data['total_mib']} MiB per "
+               f"measurement, best of {data['repeats']} interleaved rounds, {verified}; commit {_commit(data)}). "
+               "`TieredStore` puts and gets the caller's buffers; the connector's worker, driven as vLLM steps it, "
+               "gathers the engine's blocks straight into the DRAM pool's slots and scatters loads straight from "
+               "them (one pass each way); SSD stores gather into staging and the writer copies it; SSD loads read "
+               "into staging and scatter each chunk while the next is read. Targets of the worker's whole path "
+               f"(issue 57): DRAM >= {t['dram_put_vs_memcpy']}x memcpy, SSD store >= {t['ssd_put_vs_raw_write']}x "
+               f"write + fsync, SSD load >= {t['ssd_get_vs_raw_read']}x warm read:\n\n")
     header = ["caller", "block", "memcpy GB/s", "DRAM put", "DRAM get", "write + fsync GB/s", "SSD put",
               "warm read GB/s", "SSD get"]
+    return caption + md_table(header, rows)
+
+
+@table("loads-behind-writes", "connector-path.json")
+def loads_behind_writes(data: dict[str, Any]) -> str:
+    t = data["queued_targets"]
+
+    def ratio(r: dict[str, Any], tier: str) -> str:
+        x = r[f"{tier}_p99_queued_vs_idle"]
+        return f"{x:.2f}x {'✓' if x <= t[tier] else '✗'}"
+
+    rows = [[f"{r['block_kib']} KiB", f"{r['queued_mib_peak']}",
+             *(f"{r[f'{tier}_{q}_p50_ms']:.1f} / {r[f'{tier}_{q}_p99_ms']:.1f}" for tier in ("dram", "ssd")
+               for q in ("idle", "queued")),
+             ratio(r, "dram"), ratio(r, "ssd")] for r in data["queued"]]
+    verified = "every loaded byte verified" if all(r["verified"] for r in data["queued"]) else "LOADED BYTES WRONG"
+    loads = data["queued"][0]["loads"] if data["queued"] else 0
+    caption = (f"Loads behind writes (`bench/connector_path.py`, same run as above; commit {_commit(data)}): one "
+               f"16-block load as vLLM steps it (`start_load_kv`, then `get_finished` until reported), {loads} of "
+               "each tier with nothing queued and as many with the SSD writer's queue topped up before each load, "
+               f"alternating; {verified}. p50 / p99 in ms. Targets: queued p99 <= {t['dram']}x (DRAM) and "
+               f"<= {t['ssd']}x (SSD) of idle p99:\n\n")
+    header = ["block", "SSD writes queued (MiB, peak)", "DRAM load, idle", "DRAM load, queued", "SSD load, idle",
+              "SSD load, queued", "DRAM p99 queued / idle", "SSD p99 queued / idle"]
     return caption + md_table(header, rows)
 
 

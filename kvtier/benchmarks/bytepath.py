@@ -9,9 +9,10 @@ baseline. A caller is an adapter over one public path:
 * :class:`StoreCaller` -- :class:`~kvtier.store.TieredStore` ``put`` / ``get``
   between the caller's buffers and a DRAM-only or SSD-only store (one copy);
 * ``WorkerCaller`` in ``bench/connector_path.py`` (needs vLLM) -- the connector's
-  worker as vLLM drives it: store jobs gathered from the engine's blocks into the
-  staging ring and written to the tier, loads read into the ring and scattered
-  into other engine blocks, stepped until reported (two copies each way).
+  worker as vLLM drives it: store jobs gathered from the engine's blocks (straight
+  into DRAM slots, or into staging for SSD) and written to the tier, loads
+  scattered into other engine blocks (straight from DRAM slots, or read into
+  staging from SSD), stepped until reported.
 
 Both move their tier bytes through :mod:`kvtier.transfer.media` on a
 :class:`~kvtier.transfer.mover.TransferEngine`; what differs is the caller's end.
@@ -58,7 +59,7 @@ def measure(caller: ByteCaller, repeats: int, workdir: Path) -> dict:
     memcpy()  # fault the baseline's buffers in before anything is timed
     caller.put("dram")
     memcpy_s, dram_put_s, dram_get_s = interleaved_best_seconds(
-        [memcpy, lambda: caller.put("dram"), lambda: caller.get("dram")], repeats)
+        [memcpy, lambda: caller.put("dram"), lambda: caller.get("dram")], repeats, shuffle=True)
     verified = all(torch.equal(a, b) for a, b in zip(blocks, caller.read_back()))
     raw_write_s, ssd_put_s, raw_read_s, ssd_get_s = interleaved_best_seconds(
         [raw_write, lambda: caller.put("ssd"), raw_read, lambda: caller.get("ssd")], repeats)

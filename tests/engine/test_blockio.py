@@ -135,3 +135,45 @@ def test_side_stream_copies_are_ordered_by_events_without_host_waits(monkeypatch
     assert io.scatter([0, 1], want) == "event of side"
     assert log == ["side waits for engine", "side copies:", "side records", "end", "engine waits for event of side"]
     assert torch.equal(io.gather([0, 1]), want)
+
+
+def _reference_row(caches: dict, block: int) -> torch.Tensor:
+    """A block's row as the module doc defines it, built with torch alone (the slow path)."""
+    parts = []
+    for cache in caches.values():
+        for t in (cache if isinstance(cache, tuple) else (cache,)):
+            dim = 1 if t.shape[0] == 2 and t.shape[1] == NUM_BLOCKS else 0
+            parts.append(t.select(dim, block).contiguous().view(-1).view(torch.uint8))
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "kv-first", "ascend-split"])
+def test_one_pass_gather_and_scatter_rows_move_exactly_the_chosen_blocks_and_slots(kind: str) -> None:
+    """gather_rows / scatter_rows (the worker's DRAM path: engine blocks straight into pool
+    slots and back) on blocks and slots that are neither adjacent nor in order."""
+    caches = _caches(kind)
+    io = BlockIO(caches, NUM_BLOCKS)
+    if not io.straight:
+        pytest.skip("kvtier's C module (kvtier.tiers._rawread) is not built: the one-pass path is off")
+    pool = torch.zeros((5, io.bytes_per_block), dtype=torch.uint8).numpy()
+    want = {b: _reference_row(caches, b) for b in range(NUM_BLOCKS)}
+    io.gather_rows([4, 0, 2], pool, [3, 1, 4], split=True)
+    assert all(torch.equal(torch.from_numpy(pool[s]), want[b]) for b, s in ((4, 3), (0, 1), (2, 4)))
+    assert not pool[0].any() and not pool[2].any()  # slots not named are untouched
+    io.scatter_rows([5, 1], pool, [4, 3])  # slot 4 holds block 2, slot 3 block 4
+    assert torch.equal(_reference_row(caches, 5), want[2]) and torch.equal(_reference_row(caches, 1), want[4])
+    assert all(torch.equal(_reference_row(caches, b), want[b]) for b in (0, 2, 3, 4))  # others untouched
+
+
+def test_a_span_outside_its_buffers_copies_nothing() -> None:
+    caches = _caches("cpu")
+    io = BlockIO(caches, NUM_BLOCKS)
+    if not io.straight:
+        pytest.skip("kvtier's C module (kvtier.tiers._rawread) is not built: the one-pass path is off")
+    before = {k: v.clone() for k, v in caches.items()}
+    pool = torch.ones((2, io.bytes_per_block), dtype=torch.uint8).numpy()
+    with pytest.raises(ValueError, match="outside its buffers"):
+        io.scatter_rows([0, NUM_BLOCKS], pool, [0, 1])  # block NUM_BLOCKS is past the cache
+    assert all(torch.equal(before[k], caches[k]) for k in caches)  # not even block 0 was written
+    with pytest.raises(ValueError, match="C-contiguous"):
+        io.gather_rows([0], pool[:, :-1], [0])

@@ -5,27 +5,43 @@ this rank's DRAM slab pool, SSD (LMDB) tier and remote-tier client (a
 Mooncake Store shared by engines, :mod:`~.remoteshare`), and the jobs that
 move host bytes for the scheduler's plans. The bytes move through kvtier's
 data plane, as :class:`~kvtier.store.TieredStore`'s do: the copies are
-:mod:`kvtier.transfer.media`'s staging-row movers, run on a
+:mod:`kvtier.transfer.media`'s movers, run on a
 :class:`~kvtier.transfer.mover.TransferEngine` (``self.mover``: its failure
-handling, ``fault_hook`` and link statistics) in three ordered lanes,
-``copy`` (DRAM slots), ``ssd`` (LMDB reads, writes, deletes) and ``remote``
-(the shared store's reads and writes). What stays here is vLLM's: the
-gather and scatter between the engine's blocks and the staging ring.
-Reports per-block results, store jobs whose engine blocks it finished
-reading, finished loads and the engine block ids whose load failed.
+handling, ``fault_hook`` and link statistics) in ordered lanes (``LANES``):
+``copy`` (a store's hand-off from staging), ``ssd`` and ``remote`` (the slow
+tiers' writes and deletes), and, so that a load never queues behind a
+write, ``load`` (a load's DRAM and SSD reads, SSD -> DRAM promotions) and
+``remote-read``. What stays here is vLLM's: the gather and scatter between
+the engine's blocks and host rows. Reports per-block results, store jobs
+whose engine blocks it finished reading, finished loads and the engine block
+ids whose load failed.
 
-Every torch operation on engine blocks runs on the engine's own thread
-(gather in ``wait_for_save``, scatter in ``get_finished``); the background
-threads touch only host buffers, through numpy and LMDB. So the connector
-never starts an OpenMP team beside the forward on vLLM's CPU backend (whose
-worker is pinned to its cores), and on an accelerator the copies are ordered
-on the engine's stream: layer by layer from the device into a run of the
-staging ring (pinned, so not blocking), then an event the copy thread waits
-for; a load's run is copied to the device without blocking and reused once
-its event has passed.
+One copy each way on the host. On a CPU cache with kvtier's C module
+(:attr:`~.blockio.BlockIO.straight`) a store with a DRAM write is gathered
+on the engine's thread straight into the slots the scheduler reserved, and
+a load wholly from DRAM is scattered straight from its slots (which stay
+reserved until the scheduler completes the load): one pass, no staging, no
+thread hand-off. The store's SSD and remote writes take their own copies
+from those slots on the copy thread, and its DRAM write is reported after
+them, so the slots are not reused first. A load with SSD blocks is read
+into a staging run a chunk at a time on the ``load`` lane, and each verified
+chunk is scattered into the engine's blocks (the request's own, which no
+forward reads until the load is reported) by the copy helper while the
+next chunk is read.
+
+Threads and torch. Torch operations on engine blocks run on the engine's
+own thread (gathers in ``wait_for_save`` / ``handle_preemptions``,
+scatters in ``get_finished``); background threads touch host buffers only
+through numpy, LMDB and kvtier's C copy (whose chunked scatter into a CPU
+cache is not torch). So the connector never starts an OpenMP team beside
+the forward on vLLM's CPU backend (whose worker is pinned to its cores). On
+an accelerator the copies are ordered on the engine's stream: layer by
+layer from the device into a run of the staging ring (pinned, so not
+blocking), then an event the copy thread waits for; a load's run is copied
+to the device without blocking and reused once its event has passed.
 
 Host memory is fixed: every block in flight between the engine's blocks
-and the tiers sits in the staging ring (``staging_mib``,
+and the tiers sits in a DRAM slot or the staging ring (``staging_mib``,
 :mod:`~.staging`); a store or load that finds it full moves the blocks
 that fit and reports the rest failed (counted), never waiting on the
 engine's thread. The host copies waiting for the SSD writer are bounded
@@ -192,6 +208,10 @@ class KVTierWorker:
                 "bytes; this model's KV cache is not supported by the kvtier connector"
             )
         self.io = io
+        if io.device.type == "cpu":
+            log.info("kvtier: DRAM stores and loads %s", "move straight between the KV cache and the pool in one pass"
+                     if io.straight else "go through torch's gather and the staging ring (the cache's tensors are not "
+                     "contiguous, or kvtier's C module kvtier.tiers._rawread was not built)")
         if self.settings.approximate_rope is not None:
             self._approx = _approximate(io, self.layout, self.settings.approximate_rope)
         cfg = self.settings.config
@@ -293,7 +313,7 @@ class KVTierWorker:
         (protected until the scheduler completes the load), one pass, no staging and no
         thread hand-off; its result is reported by the next ``get_finished``. ``False``:
         the load takes the staging path (another tier, approximate reuse, an accelerator)."""
-        if not self._straight() or job.shifts or any(t != "dram" for t in job.tiers):
+        if not job.keys or not self._straight() or job.shifts or any(t != "dram" for t in job.tiers):
             return False
         n = len(job.keys)
 
@@ -454,9 +474,12 @@ class KVTierWorker:
         """``lockstep_transfers``: wait until every transfer queued so far has finished. Each
         lane runs in order, so a no-op queued behind its work returns once that work is done;
         twice over, for a job one lane hands on to another (a store's copy, then its SSD or
-        remote write; a DRAM or SSD read, then the remote tier's part)."""
+        remote write; a DRAM or SSD read, then the remote tier's part); then the copy helper,
+        which lands SSD loads."""
         for _ in range(2):
             self.mover.drain()
+        if self._copy_helper is not None:  # loads the helper is still scattering, and reports
+            self._copy_helper.submit(int).result()
 
     REMOTE_COUNTERS = ("missing", "remote_errors", "checksum_failures", "decode_failures", "mismatches",
                        "key_mismatches", "removed_corrupt", "put_pinned_blocks", "put_direct_blocks",
@@ -618,34 +641,57 @@ class KVTierWorker:
         blocks into ``run`` a chunk at a time and scatter each verified chunk into the engine's
         blocks (the request's, untouched by any forward until its load is reported) while the
         next chunk is read: on the copy helper's thread where there is one, so reading and
-        scattering overlap instead of adding up. The scatter is kvtier's C copy, not torch, so
-        no OpenMP team starts beside the forward. A block that fails stops the load there
-        (the blocks after it are reported failed and recomputed)."""
+        scattering overlap instead of adding up, also across loads (the helper reports the load
+        after its last scatter, and this thread goes on to the next load). The scatter is
+        kvtier's C copy, not torch, so no OpenMP team starts beside the forward. A block that
+        fails stops the load there (the blocks after it are reported failed and recomputed)."""
         assert self.io is not None
         host = run.rows.numpy()
         got = len(host)
         oks = [False] * len(job.keys)
         chunk = max(1, self.LAND_CHUNK_BYTES // host.shape[1])
-        scatters: list[Future[None]] = []
+        helper = self._copy_helper
+        scattered: list[int] = [got]  # the first block whose scatter failed (got: none)
+        futures: list[Future[None]] = []
+
+        def scatter(lo: int, k: int) -> None:
+            try:
+                self.io.scatter_rows(job.block_ids[lo:k], host, range(lo, k), False)  # type: ignore[union-attr]
+            except (RuntimeError, ValueError) as exc:  # a failed copy is a miss, never a crash
+                log.warning("kvtier: load into engine blocks failed: %s", exc)
+                scattered[0] = min(scattered[0], lo)
+
+        def land() -> None:
+            for i in range(scattered[0], got):
+                oks[i] = False
+            with self._lock:
+                self._results.reads.append(_Read(job, run, oks, landed=True))
+
         try:
             for lo in range(0, got, chunk):
                 hi = min(got, lo + chunk)
                 part = self._read_tiers(job, host, lo, hi)
                 oks[lo:hi] = part[lo:hi]
                 k = next((i for i in range(lo, hi) if not part[i]), hi)
-                if k > lo:
-                    args = (job.block_ids[lo:k], host, range(lo, k), False)  # not split: the helper is the second thread
-                    if self._copy_helper is not None:
-                        scatters.append(self._copy_helper.submit(self.io.scatter_rows, *args))
-                    else:
-                        self.io.scatter_rows(*args)
+                if k > lo and helper is not None:
+                    futures.append(helper.submit(scatter, lo, k))
+                elif k > lo:
+                    scatter(lo, k)
                 if k < hi:
                     break
-        finally:
-            for f in scatters:
-                f.result()  # every scatter is done (or its error raised) before the load is reported
-        with self._lock:
-            self._results.reads.append(_Read(job, run, oks, landed=True))
+        except BaseException:
+            for f in futures:  # nothing may still write the engine's blocks once the load is reported failed
+                f.result()
+            raise
+        if helper is None:
+            land()
+            return
+        try:
+            helper.submit(land)  # after the scatters: the helper runs in order
+        except RuntimeError:  # the helper is shutting down: wait here
+            for f in futures:
+                f.result()
+            land()
 
     def _read_remote(self, job: LoadJob, run: Run, oks: list[bool], rows: Sequence[int]) -> None:
         """Remote thread: read and verify the load's remote blocks ``rows`` into ``run``."""
