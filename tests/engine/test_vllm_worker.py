@@ -354,3 +354,44 @@ def test_a_hybrid_models_failed_load_fails_its_request_not_block_ids(tmp_path) -
     _, _, recving, errors = _drain(w, set(), {"r1"})
     assert not errors and w.take_failed_loads() == {"r1"}
     w.shutdown()
+
+
+@pytest.mark.parametrize("yield_s", [2.0, 0.0])
+def test_a_slow_tier_write_waits_for_the_loads_reading_when_it_starts(tmp_path, yield_s: float) -> None:
+    """Loads first: an SSD write queued while an SSD load reads starts once the load has read
+    (at most ``WRITE_YIELD_S`` later); with no yield it starts beside the read."""
+    w, caches = _build({"dram_capacity_blocks": 4, "ssd_path": str(tmp_path)}, seed=4)
+    w.WRITE_YIELD_S = yield_s
+    try:
+        _store(w)  # keys 10, 11 on SSD
+        events: list[tuple[str, float]] = []
+        put_many, get_many = w._ssd.put_many, w._ssd.get_many_into
+
+        def slow_get(*args, **kwargs):
+            events.append(("read-start", time.monotonic()))
+            time.sleep(0.4)
+            out = get_many(*args, **kwargs)
+            events.append(("read-end", time.monotonic()))
+            return out
+
+        def noted_put(items, **kwargs):
+            events.append(("write-start", time.monotonic()))
+            return put_many(items, **kwargs)
+
+        w._ssd.get_many_into, w._ssd.put_many = slow_get, noted_put
+        w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r2", 5, (10, 11), ("ssd", "ssd"), (0, 0), (6, 7))]))
+        while not events:  # the load is reading
+            time.sleep(0.005)
+        job = StoreJob(job_id=6, req_id="r3", block_ids=(3,), keys=(30,), parents=(None,),
+                       writes=(TierWrite(7, "ssd", (0,), ()),))
+        w.wait_for_save(KVTierConnectorMetadata(stores=[job]))
+        plans, _, _, _ = _drain(w, {5, 7}, {"r2"})
+        assert plans[5] == [True, True] and plans[7] == [True]
+        when = dict(events)
+        if yield_s:
+            assert when["write-start"] >= when["read-end"]
+        else:
+            assert when["write-start"] < when["read-end"]
+        assert _blocks_equal(caches, 1, 6) and _blocks_equal(caches, 2, 7)
+    finally:
+        w.shutdown()

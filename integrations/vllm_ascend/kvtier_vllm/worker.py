@@ -11,7 +11,8 @@ handling, ``fault_hook`` and link statistics) in ordered lanes (``LANES``):
 ``copy`` (a store's hand-off from staging), ``ssd`` and ``remote`` (the slow
 tiers' writes and deletes), and, so that a load never queues behind a
 write, ``load`` (a load's DRAM and SSD reads, SSD -> DRAM promotions) and
-``remote-read``. What stays here is vLLM's: the gather and scatter between
+``remote-read``; and a slow tier's write waits (at most ``WRITE_YIELD_S``)
+for the loads reading when it starts. What stays here is vLLM's: the gather and scatter between
 the engine's blocks and host rows. Reports per-block results, store jobs
 whose engine blocks it finished reading, finished loads and the engine block
 ids whose load failed.
@@ -181,6 +182,9 @@ class KVTierWorker:
         self._copy_helper = (ThreadPoolExecutor(settings.copy_threads - 1, thread_name_prefix="kvtier-copy-helper")
                              if settings.copy_threads > 1 else None)
         self._lock = threading.Lock()
+        # loads reading on the load lanes (posted when read or landed): the slow tiers' writers yield to them
+        self._reading = 0
+        self._reads_done = threading.Condition(self._lock)
         self._results = _Results()
         self._gathers: dict[str, dict[int, Future[None]]] = {}  # req id -> store job id -> future
         self._written_back: KVTierConnectorMetadata | None = None  # the step whose write-backs were copied out
@@ -286,6 +290,8 @@ class KVTierWorker:
             self._loads.add(job.req_id)
             if self._load_straight(job):
                 continue
+            with self._lock:
+                self._reading += 1  # until _post_read / landing posts it
             run = self.ring.take(len(job.keys)) if self.ring is not None else None
             got = len(run) if run is not None else 0
             if got < len(job.keys):  # the ring is full: load what fits, the rest is recomputed
@@ -600,6 +606,8 @@ class KVTierWorker:
                     pos: Sequence[int], nbytes: int, arena_rows: Sequence[int] = ()) -> None:
         """SSD or remote thread: write ``items`` (rows ``pos`` of ``w``; in ``arena_rows`` of the
         writer's arena, if any); the plan reports the leading run written."""
+        with self._lock:  # loads first: a write waits (at most WRITE_YIELD_S) for the loads reading now
+            self._reads_done.wait_for(lambda: self._reading <= 0, timeout=self.WRITE_YIELD_S)
         try:  # the queued bytes (and arena rows) are given back however the write ends (an error fails the plan)
             written = media.staging_to_slow(writer.tier, items, w.codec, w.pin_ttl_s)
         finally:
@@ -634,6 +642,10 @@ class KVTierWorker:
                                lambda: self._read_remote(job, run, oks, remote),
                                lambda: self._post_read(job, run, [False] * len(job.keys)))
 
+    # a slow tier's write waits at most this long for the loads reading when it starts: loads decide a
+    # user's TTFT, writes only what a later request finds (the writer's queue stays bounded: stores
+    # that find it full are skipped and counted)
+    WRITE_YIELD_S = 0.05
     LAND_CHUNK_BYTES = 4 << 20  # a straight load's read and scatter overlap in chunks of this size
 
     def _read_and_land(self, job: LoadJob, run: Run) -> None:
@@ -664,8 +676,7 @@ class KVTierWorker:
         def land() -> None:
             for i in range(scattered[0], got):
                 oks[i] = False
-            with self._lock:
-                self._results.reads.append(_Read(job, run, oks, landed=True))
+            self._post_read(job, run, oks, landed=True)
 
         try:
             for lo in range(0, got, chunk):
@@ -727,9 +738,12 @@ class KVTierWorker:
         oks = media.ssd_to_pool(self._ssd, [BlockKey(k) for k in job.keys], self._pool, job.slots, None)()
         self._post_plan(job.plan_id, list(map(bool, oks)))
 
-    def _post_read(self, job: LoadJob, run: Run | None, oks: list[bool]) -> None:
+    def _post_read(self, job: LoadJob, run: Run | None, oks: list[bool], landed: bool = False) -> None:
         with self._lock:
-            self._results.reads.append(_Read(job, run, oks))
+            self._results.reads.append(_Read(job, run, oks, landed))
+            self._reading -= 1
+            if self._reading <= 0:
+                self._reads_done.notify_all()
 
     def _post_plan(self, plan_id: int, oks: Sequence[bool]) -> None:
         with self._lock:
