@@ -17,7 +17,7 @@ with its baseline in the same run:
   engine blocks vs ``memcpy``;
 * ``ssd_store``: ``_write_ssd`` (LMDB, ``sync``: one fsync'ed transaction per
   16-block job) vs ``write`` + ``fsync`` of the same bytes per 16 blocks;
-* ``ssd_load``: ``_read_tiers`` of a load job from SSD (warm page cache, checksums
+* ``ssd_load``: ``reads.read_tiers`` of a load job from SSD (warm page cache, checksums
   verified) vs ``readinto`` of the raw file;
 * ``end_to_end_store`` / ``end_to_end_load`` (no target): the whole worker
   path a step sees for DRAM, through its public calls, stepped until reported.
@@ -300,7 +300,7 @@ def _measure(worker: KVTierWorker, caches: dict, n: int, block_bytes: int, repea
     def dram_load() -> None:  # straight from the slots into other engine blocks (staged rows on an accelerator)
         for b, r in zip(batches, out_rows):
             if not worker._load_straight(load_job(b, "dram")):
-                assert all(worker._read_tiers(load_job(b, "dram"), r.numpy()))
+                assert all(worker.reads.read_tiers(load_job(b, "dram"), r.numpy()))
 
     def ssd_store() -> None:
         for b, r in zip(batches, job_rows):
@@ -313,7 +313,7 @@ def _measure(worker: KVTierWorker, caches: dict, n: int, block_bytes: int, repea
 
     def ssd_load() -> None:
         for b, r in zip(batches, out_rows):
-            assert all(worker._read_tiers(load_job(b, "ssd"), r.numpy()))
+            assert all(worker.reads.read_tiers(load_job(b, "ssd"), r.numpy()))
 
     blocks = list(rows)
     outs = [torch.empty(block_bytes, dtype=torch.uint8) for _ in range(n)]
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{k} >= {v} {'yes' if report['worker_targets_met'][k] else 'NO'}" for k, v in WORKER_TARGETS.items()))
     if report["queued"]:
         print("\nloads behind writes: one 16-block load, ms, with nothing queued and with SSD writes queued "
-              f"(queued_mib_peak):")
+              "(queued_mib_peak):")
         print_table(report["queued"], QUEUED_COLUMNS)
         print("targets (p99 queued / idle): " + ", ".join(
             f"{t} <= {v}x {'yes' if report['queued_targets_met'][t] else 'NO'}" for t, v in QUEUED_TARGETS.items()))

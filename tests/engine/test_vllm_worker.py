@@ -359,9 +359,9 @@ def test_a_hybrid_models_failed_load_fails_its_request_not_block_ids(tmp_path) -
 @pytest.mark.parametrize("yield_s", [2.0, 0.0])
 def test_a_slow_tier_write_waits_for_the_loads_reading_when_it_starts(tmp_path, yield_s: float) -> None:
     """Loads first: an SSD write queued while an SSD load reads starts once the load has read
-    (at most ``WRITE_YIELD_S`` later); with no yield it starts beside the read."""
+    (at most ``reads.write_yield_s`` later); with no yield it starts beside the read."""
     w, caches = _build({"dram_capacity_blocks": 4, "ssd_path": str(tmp_path)}, seed=4)
-    w.WRITE_YIELD_S = yield_s
+    w.reads.write_yield_s = yield_s
     try:
         _store(w)  # keys 10, 11 on SSD
         events: list[tuple[str, float]] = []

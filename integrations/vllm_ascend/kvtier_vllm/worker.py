@@ -11,8 +11,8 @@ handling, ``fault_hook`` and link statistics) in ordered lanes (``LANES``):
 ``copy`` (a store's hand-off from staging), ``ssd`` and ``remote`` (the slow
 tiers' writes and deletes), and, so that a load never queues behind a
 write, ``load`` (a load's DRAM and SSD reads, SSD -> DRAM promotions) and
-``remote-read``; and a slow tier's write waits (at most ``WRITE_YIELD_S``)
-for the loads reading when it starts. What stays here is vLLM's: the gather and scatter between
+``remote-read``; and a slow tier's write waits (at most
+``LoadReads.write_yield_s``) for the loads reading when it starts (:mod:`~.reads`). What stays here is vLLM's: the gather and scatter between
 the engine's blocks and host rows. Reports per-block results, store jobs
 whose engine blocks it finished reading, finished loads and the engine block
 ids whose load failed.
@@ -82,6 +82,7 @@ from kvtier.transfer.mover import TransferEngine
 
 from . import remoteshare, ssdshare
 from .blockio import BlockIO, KVCache
+from .reads import LoadReads
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob, PromoteJob, StoreJob, TierWrite
 from .rerotate import KeyRegion, Rope, key_regions, rerotate_rows
 from .settings import ConnectorSettings
@@ -182,9 +183,7 @@ class KVTierWorker:
         self._copy_helper = (ThreadPoolExecutor(settings.copy_threads - 1, thread_name_prefix="kvtier-copy-helper")
                              if settings.copy_threads > 1 else None)
         self._lock = threading.Lock()
-        # loads reading on the load lanes (posted when read or landed): the slow tiers' writers yield to them
-        self._reading = 0
-        self._reads_done = threading.Condition(self._lock)
+        self.reads = LoadReads(self.mover, self._copy_helper, settings.copy_threads, self._post_read)
         self._results = _Results()
         self._gathers: dict[str, dict[int, Future[None]]] = {}  # req id -> store job id -> future
         self._written_back: KVTierConnectorMetadata | None = None  # the step whose write-backs were copied out
@@ -243,6 +242,7 @@ class KVTierWorker:
                 arena = np.empty((rows, io.bytes_per_block), dtype=np.uint8)
                 if self._remote.register_region(arena):
                     writer.arena, writer.free_rows = arena, list(range(rows))
+        self.reads.bind(io, self._pool_np, self._ssd, self._remote)
 
     @property
     def ssd_queued_peak_bytes(self) -> int:
@@ -290,20 +290,19 @@ class KVTierWorker:
             self._loads.add(job.req_id)
             if self._load_straight(job):
                 continue
-            with self._lock:
-                self._reading += 1  # until _post_read / landing posts it
+            self.reads.begin()  # until self.reads.post reports it
             run = self.ring.take(len(job.keys)) if self.ring is not None else None
             got = len(run) if run is not None else 0
             if got < len(job.keys):  # the ring is full: load what fits, the rest is recomputed
                 with self._lock:
                     self._results.staging_skipped_loads += len(job.keys) - got
             if run is None:
-                self._post_read(job, None, [False] * len(job.keys))
+                self.reads.post(job, None, [False] * len(job.keys))
                 continue
             link = "ssd->hbm" if "ssd" in job.tiers[:got] else "dram->hbm"  # remote reads: _read hands on
             self.mover.submit_task("load", link, got, got * nbytes,
-                                   lambda job=job, run=run: self._read(job, run),
-                                   lambda job=job, run=run: self._post_read(job, run, [False] * len(job.keys)))
+                                   lambda job=job, run=run: self.reads.read(job, run),
+                                   lambda job=job, run=run: self.reads.post(job, run, [False] * len(job.keys)))
 
     def _straight(self) -> bool:
         """Whether DRAM blocks move straight between the engine's blocks and the pool's
@@ -606,8 +605,7 @@ class KVTierWorker:
                     pos: Sequence[int], nbytes: int, arena_rows: Sequence[int] = ()) -> None:
         """SSD or remote thread: write ``items`` (rows ``pos`` of ``w``; in ``arena_rows`` of the
         writer's arena, if any); the plan reports the leading run written."""
-        with self._lock:  # loads first: a write waits (at most WRITE_YIELD_S) for the loads reading now
-            self._reads_done.wait_for(lambda: self._reading <= 0, timeout=self.WRITE_YIELD_S)
+        self.reads.yield_to_loads()  # loads first: wait (a little) for the loads reading now
         try:  # the queued bytes (and arena rows) are given back however the write ends (an error fails the plan)
             written = media.staging_to_slow(writer.tier, items, w.codec, w.pin_ttl_s)
         finally:
@@ -626,109 +624,6 @@ class KVTierWorker:
         if run is not None:
             self.ring.give_back(run)  # type: ignore[union-attr]
 
-    def _read(self, job: LoadJob, run: Run) -> None:
-        """Copy or SSD thread: read the first ``len(run)`` blocks of the load into ``run``;
-        blocks from the remote tier (the tail of the load) are read next on the remote thread."""
-        host = run.rows.numpy()
-        remote = [i for i, t in enumerate(job.tiers[:len(host)]) if t == "remote"]
-        if not remote and not job.shifts and self.io is not None and self.io.straight:
-            self._read_and_land(job, run)
-            return
-        oks = self._read_tiers(job, host)
-        if not remote or self._remote is None or not all(oks[:remote[0]]):  # a failed block fails all after it
-            self._post_read(job, run, oks)
-            return
-        self.mover.submit_task("remote-read", "remote->hbm", len(remote), len(remote) * host.shape[1],
-                               lambda: self._read_remote(job, run, oks, remote),
-                               lambda: self._post_read(job, run, [False] * len(job.keys)))
-
-    # a slow tier's write waits at most this long for the loads reading when it starts: loads decide a
-    # user's TTFT, writes only what a later request finds (the writer's queue stays bounded: stores
-    # that find it full are skipped and counted)
-    WRITE_YIELD_S = 0.05
-    LAND_CHUNK_BYTES = 4 << 20  # a straight load's read and scatter overlap in chunks of this size
-
-    def _read_and_land(self, job: LoadJob, run: Run) -> None:
-        """Load thread, a CPU cache with the one-pass host copy: read the load's DRAM and SSD
-        blocks into ``run`` a chunk at a time and scatter each verified chunk into the engine's
-        blocks (the request's, untouched by any forward until its load is reported) while the
-        next chunk is read: on the copy helper's thread where there is one, so reading and
-        scattering overlap instead of adding up, also across loads (the helper reports the load
-        after its last scatter, and this thread goes on to the next load). The scatter is
-        kvtier's C copy, not torch, so no OpenMP team starts beside the forward. A block that
-        fails stops the load there (the blocks after it are reported failed and recomputed)."""
-        assert self.io is not None
-        host = run.rows.numpy()
-        got = len(host)
-        oks = [False] * len(job.keys)
-        chunk = max(1, self.LAND_CHUNK_BYTES // host.shape[1])
-        helper = self._copy_helper
-        scattered: list[int] = [got]  # the first block whose scatter failed (got: none)
-        futures: list[Future[None]] = []
-
-        def scatter(lo: int, k: int) -> None:
-            try:
-                self.io.scatter_rows(job.block_ids[lo:k], host, range(lo, k), False)  # type: ignore[union-attr]
-            except (RuntimeError, ValueError) as exc:  # a failed copy is a miss, never a crash
-                log.warning("kvtier: load into engine blocks failed: %s", exc)
-                scattered[0] = min(scattered[0], lo)
-
-        def land() -> None:
-            for i in range(scattered[0], got):
-                oks[i] = False
-            self._post_read(job, run, oks, landed=True)
-
-        try:
-            for lo in range(0, got, chunk):
-                hi = min(got, lo + chunk)
-                part = self._read_tiers(job, host, lo, hi)
-                oks[lo:hi] = part[lo:hi]
-                k = next((i for i in range(lo, hi) if not part[i]), hi)
-                if k > lo and helper is not None:
-                    futures.append(helper.submit(scatter, lo, k))
-                elif k > lo:
-                    scatter(lo, k)
-                if k < hi:
-                    break
-        except BaseException:
-            for f in futures:  # nothing may still write the engine's blocks once the load is reported failed
-                f.result()
-            raise
-        if helper is None:
-            land()
-            return
-        try:
-            helper.submit(land)  # after the scatters: the helper runs in order
-        except RuntimeError:  # the helper is shutting down: wait here
-            for f in futures:
-                f.result()
-            land()
-
-    def _read_remote(self, job: LoadJob, run: Run, oks: list[bool], rows: Sequence[int]) -> None:
-        """Remote thread: read and verify the load's remote blocks ``rows`` into ``run``."""
-        got = media.slow_to_staging(self._remote, [BlockKey(job.keys[i]) for i in rows], run.rows.numpy(), rows)
-        for i, ok in zip(rows, got):
-            oks[i] = bool(ok)
-        self._post_read(job, run, oks)
-
-    def _read_tiers(self, job: LoadJob, host: np.ndarray, lo: int = 0, hi: int | None = None) -> list[bool]:
-        """Read the load's blocks ``lo:hi`` (default: its first ``len(host)``) into the same rows
-        of ``host``; one ok per key of the job."""
-        got = len(host) if hi is None else hi
-        oks = [False] * len(job.keys)
-        dram = [i for i in range(lo, got) if job.tiers[i] == "dram"]
-        ssd = [i for i in range(lo, got) if job.tiers[i] == "ssd"]
-        if dram and self._pool_np is not None:
-            got_dram = media.pool_to_staging(self._pool_np, [job.slots[i] for i in dram], host, dram,
-                                             self._copy_helper, self.settings.copy_threads)
-            for i, ok in zip(dram, got_dram):
-                oks[i] = ok
-        if ssd and self._ssd is not None:
-            got_ssd = media.slow_to_staging(self._ssd, [BlockKey(job.keys[i]) for i in ssd], host, ssd)
-            for i, ok in zip(ssd, got_ssd):
-                oks[i] = ok
-        return oks
-
     def _promote(self, job: PromoteJob) -> None:
         """SSD -> DRAM (a prefetch): read verified values straight into the reserved slots."""
         if self._ssd is None or self._pool is None:
@@ -739,11 +634,9 @@ class KVTierWorker:
         self._post_plan(job.plan_id, list(map(bool, oks)))
 
     def _post_read(self, job: LoadJob, run: Run | None, oks: list[bool], landed: bool = False) -> None:
+        """A load read (or failed), for the next ``get_finished`` (any thread; through ``self.reads.post``)."""
         with self._lock:
             self._results.reads.append(_Read(job, run, oks, landed))
-            self._reading -= 1
-            if self._reading <= 0:
-                self._reads_done.notify_all()
 
     def _post_plan(self, plan_id: int, oks: Sequence[bool]) -> None:
         with self._lock:
