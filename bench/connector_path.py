@@ -162,6 +162,7 @@ WORKER_TARGETS = {"dram_put_vs_memcpy": 0.8, "dram_get_vs_memcpy": 0.8, "ssd_put
 def bench_queued(block_bytes: int, loads: int, workdir: Path, queue_mib: int = 256) -> dict:
     """Load latency with nothing queued and with ``queue_mib`` of SSD writes queued (see the module doc)."""
     n = BATCH_BLOCKS
+    queue_mib = max(queue_mib, 2 * (n * block_bytes >> 20))  # room for the seed store and a job of writes
     store_blocks = max(BATCH_BLOCKS, (queue_mib << 20) // block_bytes // 4)  # engine blocks the writes read
     layers = block_bytes // LAYER_BYTES
     facts = EngineFacts("bench", "bfloat16", 16, layers, 8, 128, "fused", "sha256")
@@ -401,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queued-loads", type=int, default=50, metavar="N",
                     help="loads of each tier timed with and without 256 MiB of SSD writes queued (default 50; 0 skips)")
     ap.add_argument("--queued-mib", type=int, metavar="MIB",
-                    help="SSD writes queued ahead of those loads (MiB; default 4x --total-mib, at most 256)")
+                    help="SSD writes queued ahead of those loads (MiB; default 4x --total-mib, at most 256; at least "
+                         "two 16-block jobs)")
     ap.add_argument("--callers-only", action="store_true",
                     help="only the two callers through one function and the loads behind writes")
     args = ap.parse_args(argv)
