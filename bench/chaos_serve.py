@@ -26,7 +26,8 @@ The faults, in order (``FAULTS``):
 * ``ssd_read_errors``: every value in the SSD tier's LMDB gets a flipped payload byte, from
   another process, while the engine runs. Recovery: the flip to the next block loaded from
   the SSD after the first failed load (the bad values are misses, recomputed, and deleted).
-* ``preemption_with_holds``: critical agents (criticality 1) whose requests say a 20 s tool
+* ``preemption_with_holds``: critical agents (criticality 1; the load's agents say 0.5, so
+  none of them keeps the critical agents' HBM budget while paused) whose requests say a 20 s tool
   wait leave HBM holds; then 8 requests at once that fit at first and outgrow the pool while
   decoding (vLLM preempts). Recovery: the burst's end to every block free and none held
   (the holds lapse at their TTL).
@@ -131,7 +132,11 @@ class Chaos:
         self.server = Server(work, "chaos", self.model, self.kvtier)
         self.idle = drain(self.server, None, self.stats_path)
         self.hints = HintClient(f"127.0.0.1:{self.hint_port}")
-        self.load = Load(self.server, sessions, seed, hints=self.hints, sample_fraction=0.5, max_samples=600)
+        # The load's agents are not critical (0.5, under the placement's critical_at): a paused agent's reserve
+        # keeps its share of the critical agents' HBM budget until it comes back, so a critical load agent paused
+        # in a wait could leave preemption_with_holds' agents nothing to hold (seen in CI: the fault not seen)
+        self.load = Load(self.server, sessions, seed, hints=self.hints, sample_fraction=0.5, max_samples=600,
+                         criticality=0.5)
 
     # ---------------------------------------------------------------- helpers
 
@@ -329,8 +334,13 @@ class Chaos:
             self.count_own([self.server.complete(prompt, 4, {
                 "kvtier_session_id": f"hold-{i}", "kvtier_agent_id": "a", "kvtier_tool_wait_s": 20.0,
                 "kvtier_criticality": 1.0})])
-        time.sleep(0.5)
-        held = (self.stats().get("hbm_hold") or {}).get("held_blocks") or 0
+        def held_now() -> int:  # a probe steps the engine, whose next step rewrites the stats file
+            self.server.complete([5, 6, 7], 1)
+            time.sleep(0.3)
+            return (self.stats().get("hbm_hold") or {}).get("held_blocks") or 0
+
+        self.wait_for(lambda: held_now() > 0, 5.0)
+        held = held_now()
         pre0 = self.server.metrics().get("vllm:num_preemptions_total", 0)
         # 8 requests that all fit at first (5-6 blocks each) and then outgrow the pool while decoding
         prompts = [[rng.randrange(3, 259) for _ in range(rng.randrange(150, 190))] for _ in range(8)]
@@ -346,7 +356,6 @@ class Chaos:
         for t in threads:
             t.join()
         t_end = time.monotonic()
-        preempted = self.server.metrics().get("vllm:num_preemptions_total", 0) - pre0
         self.count_own(outs)
         self.extra_samples += [{"prompt": p, "max_tokens": BURST_TOKENS, "text": o.get("text"), "t": t_end}
                                for p, o in zip(prompts, outs) if "text" in o]
@@ -361,6 +370,7 @@ class Chaos:
 
         self.wait_for(back, RECOVERY_LIMIT_S["preemption_with_holds"])
         rec = round(time.monotonic() - t_end, 2) if back() else None
+        preempted = self.server.metrics().get("vllm:num_preemptions_total", 0) - pre0  # read after the engine settled
         self.load.go.set()
         return {"seen": held > 0 and preempted > 0, "recovery_s": rec,
                 "recovered": "every HBM block free and none held (a drain after the burst)",

@@ -172,13 +172,14 @@ class Load:
     """The client threads (see the module doc) and what they saw."""
 
     def __init__(self, server: Server, sessions: int, seed: int, *, hints: Any = None, sample_fraction: float = 0.25,
-                 max_samples: int = 300) -> None:
+                 max_samples: int = 300, criticality: float | None = None) -> None:
         self.server = server  # (replaced by the chaos run when it restarts the server)
         self.num_sessions = sessions
         self.seed = seed
         self.hints = hints  # a kvtier.sdk.HintClient: each session, agent and tool call announced there too
         self.sample_fraction = sample_fraction
         self.max_samples = max_samples
+        self.criticality = criticality  # sent as kvtier_criticality when set (else kvtier's default, 1.0)
         self.lock = threading.Lock()
         self.counts = {"sent": 0, "finished": 0, "aborted_by_client": 0, "failed": 0, "sessions": 0,
                        "sessions_abandoned": 0}
@@ -235,6 +236,8 @@ class Load:
                 context = context + [rng.randrange(3, 259) for _ in range(rng.randrange(16, 49))]
                 wait_s = rng.uniform(*WAIT_S)
                 params = {"kvtier_session_id": sid, "kvtier_agent_id": "agent", "kvtier_tool_wait_s": wait_s}
+                if self.criticality is not None:
+                    params["kvtier_criticality"] = self.criticality
                 max_tokens = rng.randrange(6, 17)
                 abort = rng.uniform(0.02, 0.3) if rng.random() < 0.1 else None
                 with self.lock:

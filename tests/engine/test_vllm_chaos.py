@@ -50,7 +50,7 @@ def test_each_fault_is_seen_survived_and_recovered_from_in_time(chaos, fault: st
     row = next(r for r in result["rows"] if r["fault"] == fault)
     if row["seen"] is None:
         pytest.skip(row["evidence"])
-    assert row["seen"], (row, log[-3000:])
+    assert row["seen"], (row["evidence"], row, log[-3000:])  # the evidence first: a long message is cut
     assert row["failed"] == 0, (row, result["client_errors"])
     assert row.get("wrong", 0) == 0 and row.get("resent_differing", 0) == 0, row
     assert (row["drain_free_blocks"], row["drain_held_blocks"]) == (result["idle"]["free_blocks"], 0), row
