@@ -59,5 +59,6 @@ if [ "$#" -eq 0 ] && [ "${KVTIERTEST_SKIP_ENGINE:-0}" != "1" ]; then
   # the remote extra: two engines share blocks through a real mooncake_master (tests/engine/test_vllm_remote.py)
   $PIP "$VLLM_VENV/bin/python" -q -e ".[test,remote,agents]"
   # with the fault suite's connector-path case: the worker's transfers under injected faults (issue 43)
-  KVTIERTEST_REQUIRE_VLLM=1 "$VLLM_VENV/bin/python" -m pytest -q tests/engine tests/fault/test_fault_connector_path.py
+  # every phase timed (--durations=0): python scripts/durations_table.py on the log gives docs/testing.md's table
+  KVTIERTEST_REQUIRE_VLLM=1 "$VLLM_VENV/bin/python" -m pytest -q --durations=0 tests/engine tests/fault/test_fault_connector_path.py
 fi

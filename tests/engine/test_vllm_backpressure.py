@@ -22,10 +22,12 @@ plus a margin for the allocator, while the stores it skipped
 add up to far more than that: an unbounded queue would have held them, and
 this test would fail.
 
-Outputs: the token ids equal a run without any connector, and token ids and
-logprobs equal the do-nothing connector's. (vLLM's connector path by itself
-moves a few bf16 logprobs by about 1e-3 on this model: measured with 40
-prompts: 5 of them, the same with kvtier and with the do-nothing connector.)
+Outputs: token ids and logprobs equal the do-nothing connector's. (vLLM's
+connector path by itself moves a few bf16 logprobs by about 1e-3 on this model:
+measured with 40 prompts: 5 of them, the same with kvtier and with the
+do-nothing connector. A third run without any connector, which checked only
+that, cost CI 3 minutes and is gone: the do-nothing connector's outputs are the
+reference, and ``test_vllm_engine.py`` compares kvtier with no connector.)
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from .engine_support import BLOCK_SIZE, ENGINE, SMALL_LLAMA, make_model, run_child
+from .engine_support import BLOCK_SIZE, ENGINE, PROCESS_SPLIT, SMALL_LLAMA, make_model, run_child
 
 pytestmark = pytest.mark.slow
 
@@ -61,9 +63,11 @@ def test_a_slow_ssd_keeps_host_memory_bounded_and_outputs_unchanged(tmp_path: Pa
     spec = {"model": str(model), "engine": engine, "max_tokens": 4, "phases": phases, "cpu_attention": "vec"}
     here = Path(__file__).resolve().parent
     path = os.pathsep.join([str(here), str(here.parents[1] / "bench"), os.environ.get("PYTHONPATH", "")])
-    env = {"PYTHONPATH": path.rstrip(os.pathsep), "KVTIERTEST_SSD_SLOWDOWN": str(SLOWDOWN)}
+    # vLLM's own process split (engine core and worker processes), not the other engine tests' single process:
+    # the slowed writer sleeps in proportion to the time each write took, and in one process the scheduler's and
+    # frontend's work on the same interpreter lengthened those writes until the writer no longer drained in 300 s
+    env = {"PYTHONPATH": path.rstrip(os.pathsep), "KVTIERTEST_SSD_SLOWDOWN": str(SLOWDOWN), **PROCESS_SPLIT}
     limit = 600  # each run (about 3-4 min here; the slow one waits for its writer to drain)
-    plain = run_child(tmp_path, "plain", {**spec, "kvtier": None}, timeout_s=limit)
     null = run_child(tmp_path, "null", {**spec, "kvtier": {}, "connector_name": "NullConnector",
                                         "connector_module_path": "null_connector"}, env=env, timeout_s=limit)
     kvtier = {"dram_capacity_blocks": DRAM_BLOCKS, "ssd_path": str(tmp_path / "ssd"), "ssd_write_queue_mib": QUEUE_MIB,
@@ -71,8 +75,7 @@ def test_a_slow_ssd_keeps_host_memory_bounded_and_outputs_unchanged(tmp_path: Pa
     slow = run_child(tmp_path, "slow", {**spec, "kvtier": kvtier, "connector_name": "SlowSSDConnector",
                                         "connector_module_path": "slow_ssd_connector"}, env=env, timeout_s=limit)
 
-    p, n, s = (r["phases"][1] for r in (plain, null, slow))
-    assert [o["token_ids"] for o in s["outputs"]] == [o["token_ids"] for o in p["outputs"]]
+    n, s = (r["phases"][1] for r in (null, slow))
     assert s["outputs"] == n["outputs"]  # token ids and logprobs
     counters = s["stats"]["counters"]
     assert s["stats"]["pending_plans"] == 0, "the slowed writer did not drain within the idle timeout"

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import pytest
 
-from .engine_support import ENGINE, run_child
+from .engine_support import ENGINE, PROCESS_SPLIT, run_child
 from .hybrid_model import WINDOW, make_hybrid_model
 
 pytestmark = pytest.mark.slow
@@ -64,11 +64,14 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
                 "kvtier": extra, "phases": phases}
 
     runs: dict = {"ssd": ssd}
-    runs["baseline"] = run_child(tmp, "baseline", spec(None, [{"prompts": [p]} for p in (A, B, C, A2)]))
+    # vLLM's own process split: with the engine in one process (the other engine tests' default) the
+    # repeat of A found no external hit (seen once; not yet explained), so this test keeps the split
+    split = {"env": PROCESS_SPLIT}
+    runs["baseline"] = run_child(tmp, "baseline", spec(None, [{"prompts": [p]} for p in (A, B, C, A2)]), **split)
     runs["first"] = run_child(tmp, "first", spec("first", [
-        {"prompts": [A]}, {"prompts": [B]}, *({"prompts": [p], "reset_prefix_cache": True} for p in (A, C, A2))]))
+        {"prompts": [A]}, {"prompts": [B]}, *({"prompts": [p], "reset_prefix_cache": True} for p in (A, C, A2))]), **split)
     runs["restart"] = run_child(tmp, "restart", spec("restart", [{"prompts": [A]}],
-                                                     engine={"distributed_executor_backend": "mp"}))
+                                                     engine={"distributed_executor_backend": "mp"}), **split)
     runs["first_log"] = (tmp / "first.log").read_text()
     return runs
 

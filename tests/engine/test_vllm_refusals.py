@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from .engine_support import ENGINE, run_child
+from .engine_support import ENGINE, PROCESS_SPLIT, run_child
 from .ssm_model import TINY_GRANITE4H, make_ssm_model
 
 A = [(i * 7 + 3) % 997 + 3 for i in range(200)]
@@ -133,7 +133,7 @@ def test_kvtier_refuses_the_hybrid_model_at_engine_start_naming_the_mamba_layers
     spec = {"model": str(model), "engine": ENGINE, "kvtier": {"dram_capacity_blocks": 64},
             "phases": [{"prompts": [A]}]}
     with pytest.raises(AssertionError, match="engine child refused failed"):
-        run_child(tmp, "refused", spec)
+        run_child(tmp, "refused", spec, env=PROCESS_SPLIT)  # the engine core's own process, whose start fails
     log = (tmp / "refused.log").read_text()
     refusals = [line for line in log.splitlines() if "ValueError: kvtier: " in line]
     assert refusals, log[-6000:]
