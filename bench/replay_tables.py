@@ -305,7 +305,7 @@ def surface_ablation(data: dict[str, Any]) -> str:
     first = pts[0]
     wall = sum(sum(p["wall_s"].values()) for p in pts)
     caption = (f"`kvtier` prefill computed (over the bound) and later-turn TTFT p99 with decisions of the full "
-               f"surface added to the connector as it comes, `--surface {_BASE}` (issue 41): the recommended setup, "
+               f"surface added to the connector as it comes, `--surface {_BASE}`: the recommended setup, "
                f"`vllm` (the connector's `exclusive_dram`: exclusive DRAM, waiting agents' HBM in next-use order, "
                f"deferred loads: live), each decision alone, exclusive DRAM "
                f"with the order or with dead blocks freed, all five, and all but each one. Dev traces ("
