@@ -39,14 +39,17 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_chat_model(directory: Path) -> Path:
-    """The random tiny Llama in ``directory`` with a tokenizer and chat template (reused when there)."""
+def make_chat_model(directory: Path, config: dict | None = None) -> Path:
+    """The random tiny Llama in ``directory`` with a tokenizer and chat template (reused when there).
+    ``config``: another Llama shape with the same ``vocab_size`` (default: ``TINY_LLAMA``)."""
     if (directory / "tokenizer.json").exists():
         return directory
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    make_model(directory)
+    if config is not None and config.get("vocab_size") != TINY_LLAMA["vocab_size"]:
+        raise ValueError(f"chat model config: vocab_size must be {TINY_LLAMA['vocab_size']} (the tokenizer's)")
+    make_model(directory, config=config)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     for ch in pre_tokenizers.ByteLevel.alphabet():
         vocab[ch] = len(vocab)

@@ -42,7 +42,8 @@ def launch(cmd: list[str], log, log_path: Path, port: int, name: str, **popen) -
 
 class Server:
     def __init__(self, tmp: Path, name: str, model: Path, kvtier: dict | None, middleware: bool,
-                 hbm_blocks: int = 24) -> None:
+                 hbm_blocks: int = 24, engine_args: tuple[str, ...] = ()) -> None:
+        """``engine_args``: more ``vllm serve`` flags, after (and so overriding) the ones here."""
         self.port = free_port()
         self.log_path = tmp / f"{name}.server.log"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -57,6 +58,7 @@ class Server:
                                                         "kv_connector_extra_config": kvtier})]
         if middleware:
             cmd += ["--middleware", "kvtier_vllm.middleware.RequestStreamHints"]
+        cmd += list(engine_args)
         self.log = open(self.log_path, "w")  # noqa: SIM115 - open while the server runs
         self.proc = launch(cmd, self.log, self.log_path, self.port, name)
 
