@@ -69,6 +69,9 @@ TIER_NAMES: tuple[str, ...] = ("hbm", "dram", "ssd")
 SSD_CODECS: tuple[str, ...] = ("auto", "raw", "zstd", "bplane-zstd", "rq4", "rq3")
 DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "npu", "xpu", "mps", "hpu")
 ENV_PREFIX = "KVTIER_"
+SCRIPT_ENV = frozenset({"KVTIER_VENV", "KVTIER_PIP_TRIES"})
+"""Variables the project's own scripts read (``scripts/test.sh``: which venv, how often pip retries); not
+settings, so the strict check below lets them pass."""
 
 _DEVICE_RE = re.compile(r"^(?P<type>[a-z]+)(?::(?P<index>\d+))?$")
 _LMDB_ENTRY_OVERHEAD_BYTES = 2 * 4096  # key leaf + overflow-page header, rounded up
@@ -649,10 +652,14 @@ def _from_env(env: Mapping[str, str]) -> dict[tuple[str, ...], object]:
         if not name.startswith(ENV_PREFIX):
             continue
         path = by_name.get(name)
+        if path is None and name in SCRIPT_ENV:
+            continue
         if path is None:
-            close = difflib.get_close_matches(name, list(by_name), n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(name, text, f"unknown kvtier environment variable{hint}; valid: {', '.join(sorted(by_name))}")
+            close = difflib.get_close_matches(name, list(by_name), n=3)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            raise ConfigError(name, text, f"unknown kvtier environment variable{hint} (every setting has one: "
+                                          f"KVTIER_ + its path in the config file, sections joined by __, as "
+                                          f"KVTIER_TIERS__DRAM__CAPACITY_BLOCKS; docs/tiers.md)")
         try:
             flat[path] = _KINDS[_LEAVES[path]][1](_dotted(path), text)
         except ConfigError as err:

@@ -27,6 +27,16 @@ class UnknownPolicyError(ConfigError):
     """A policy name is not registered; the message lists the valid names."""
 
 
+class MissingExtraError(KVTierError, ModuleNotFoundError):
+    """An optional dependency is not installed; the message names the extra that brings it. The CLI prints
+    it as one line and exits 2 (an install problem, not a bug); ``except ImportError`` still catches it."""
+
+    def __init__(self, what: str, extra: str, module: str) -> None:
+        self.extra = extra
+        super().__init__(f"{what} needs the '{extra}' extra ({module} is not installed): "
+                         f"pip install 'kvtier[{extra}]'", name=module)
+
+
 class ProtocolError(KVTierError, RuntimeError):
     """A caller broke a two-phase protocol (e.g. completed a plan twice)."""
 

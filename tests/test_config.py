@@ -21,6 +21,7 @@ from kvtier.config import (
     KVTierConfig,
     LayoutConfig,
     NamespaceConfig,
+    SCRIPT_ENV,
     RemoteTierConfig,
     SSDTierConfig,
     auto_map_size_bytes,
@@ -32,6 +33,7 @@ from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
 
 MiB = 1 << 20
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def names(cls: type) -> list[str]:
@@ -284,8 +286,23 @@ def test_bad_env_raises_naming_setting_and_value(name: str, text: str, setting: 
 
 
 def test_unknown_env_var_suggests_the_close_one() -> None:
-    with pytest.raises(ConfigError, match="did you mean KVTIER_TIERS__SSD__CAPACITY_BLOCKS"):
+    with pytest.raises(ConfigError, match="did you mean KVTIER_TIERS__SSD__CAPACITY_BLOCKS") as info:
         load_config(env={"KVTIER_TIERS__SSD__CAPACITY": "5"})
+    text = str(info.value)
+    assert len(text) < 400, text  # at most three suggestions, not every variable
+    import re
+
+    assert len(re.findall(r"KVTIER_[A-Z]\w*", text)) <= 1 + 3 + 1, text  # the variable, 3 suggestions, 1 example
+
+
+def test_the_projects_own_script_variables_are_not_settings() -> None:
+    """scripts/test.sh reads KVTIER_VENV and scripts/pip_retry.sh KVTIER_PIP_TRIES: a shell that exported them
+    still loads the config (and so starts ``kvtier serve``); a typo beside them is still refused."""
+    assert load_config(env={"KVTIER_VENV": ".venv", "KVTIER_PIP_TRIES": "4"}).write_through is False
+    scripts = (ROOT / "scripts" / "test.sh").read_text() + (ROOT / "scripts" / "pip_retry.sh").read_text()
+    assert all(name in scripts for name in SCRIPT_ENV)  # still read there (else drop them from SCRIPT_ENV)
+    with pytest.raises(ConfigError, match="KVTIER_VENVV"):
+        load_config(env={"KVTIER_VENV": ".venv", "KVTIER_VENVV": ".venv"})
 
 
 # --- bad values: each class, from overrides and from a YAML file

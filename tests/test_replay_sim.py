@@ -319,3 +319,19 @@ def test_vllm_scheduler_runs_another_request_while_one_loads() -> None:
         assert next(r for r in recs if r.session == 0 and r.index == 1).hit_dram_tokens == 4 * 64
         order[sched] = [(r.agent_id, r.index) for r in recs]
     assert order == {"plain": [("a", 0), ("b", 0), ("a", 1), ("c", 0)], "vllm": [("a", 0), ("b", 0), ("c", 0), ("a", 1)]}
+
+
+def test_throughput_per_chip_ends_with_the_last_request_not_the_last_timer() -> None:
+    """On a short trace, a policy's timers (kvtier's prefetch and reserve) fire after the last request: the
+    span that tok/s/chip divides by ends with the last request, so two policies that serve the same work in
+    the same time report the same throughput."""
+    reqs = tuple(Request(i, 640 + 64 * i, 8, tuple(range(10 + i)), 0.0 if i == 0 else 2.0,
+                         "start" if i == 0 else "tool", "tool_use", 0.0) for i in range(3))
+    w = Workload("short", 64, (Session("s0", (Agent("root", None, "main", reqs),)),), open_loop=False)
+    spec = ReplaySpec(workload=w, profile=PROFILE, hbm_blocks=(1000,))
+    rows = {p: run_point(spec, p, 1, spec.capacities()[0]) for p in ("lru", "kvtier")}
+    assert rows["lru"]["prefill_tokens_computed"] == rows["kvtier"]["prefill_tokens_computed"]
+    assert rows["kvtier"]["throughput_per_chip_tok_s"] == pytest.approx(rows["lru"]["throughput_per_chip_tok_s"],
+                                                                        rel=0.01)
+    result = Simulator(w, SimConfig(hbm_blocks=1000, dram_blocks=200, conc=1), make_placement("kvtier"), PROFILE).run()
+    assert result.makespan_s == max(r.finish_s for r in result.records)

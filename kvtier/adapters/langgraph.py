@@ -31,7 +31,12 @@ import secrets
 from typing import Any
 from uuid import UUID
 
-from langchain_core.callbacks import BaseCallbackHandler
+try:
+    from langchain_core.callbacks import BaseCallbackHandler
+except ModuleNotFoundError as _err:
+    from ..errors import MissingExtraError
+
+    raise MissingExtraError("kvtier.adapters.langgraph", "agents", _err.name or "langchain_core") from None
 
 from ._session import HintSession, tagged
 

@@ -33,7 +33,12 @@ import dataclasses
 import secrets
 from typing import Any
 
-from agents import RunHooks
+try:
+    from agents import RunHooks
+except ModuleNotFoundError as _err:
+    from ..errors import MissingExtraError
+
+    raise MissingExtraError("kvtier.adapters.openai_agents", "agents", _err.name or "agents") from None
 
 from ._session import HintSession, tagged
 

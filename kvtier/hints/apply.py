@@ -29,7 +29,7 @@ from ..keys import mix64
 from ._gen import hints_pb2 as pb
 
 KEY_BYTES = 16
-NO_STORE = ("this hint server has no store for block-key commands (start it with `kvtier hints serve --store`, "
+NO_STORE = ("this hint server has no store for block-key commands (start it with `kvtier serve --store`, "
             "or host it with a TieredStore)")
 """Why pin / unpin / prefetch are refused by a hint server without a store (never dropped silently)."""
 

@@ -45,8 +45,9 @@ def _zmq() -> Any:
     try:
         import zmq
     except ModuleNotFoundError:
-        raise ModuleNotFoundError("kvtier.kvevents needs pyzmq and msgpack: pip install 'kvtier[events]'",
-                                  name="zmq") from None
+        from ..errors import MissingExtraError
+
+        raise MissingExtraError("kvtier.kvevents (engine KV events)", "events", "zmq") from None
     return zmq
 
 

@@ -122,8 +122,9 @@ def _msgpack() -> Any:
     try:
         import msgpack
     except ModuleNotFoundError:
-        raise ModuleNotFoundError(
-            "kvtier.kvevents needs msgpack and pyzmq: pip install 'kvtier[events]'", name="msgpack") from None
+        from ..errors import MissingExtraError
+
+        raise MissingExtraError("kvtier.kvevents (engine KV events)", "events", "msgpack") from None
     return msgpack
 
 

@@ -402,7 +402,10 @@ class Simulator:
                                f"{self.policy.name!r}, HBM used {self.mgr.used_blocks('hbm')} of "
                                f"{self.hbm_capacity_blocks}, {self.mgr.num_pinned()} pinned); "
                                f"a policy holds HBM nobody can free")
-        return SimResult(self.records, self.session_latency_s, self.now, self.cfg.warmup_s,
+        # the makespan ends with the last request, not with the policy timers that fire after it (a prefetch
+        # or reserve timer left over would stretch a short trace's span and cut its tok/s/chip)
+        makespan = max((r.finish_s for r in self.records), default=self.now)
+        return SimResult(self.records, self.session_latency_s, makespan, self.cfg.warmup_s,
                          dict(self.bytes_moved), self.block_touches, dict(self.counters))
 
     def _start_sessions(self) -> None:
