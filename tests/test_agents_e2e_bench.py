@@ -79,14 +79,13 @@ def test_plot_mode_and_the_readme_table_render_from_the_json(tmp_path: Path) -> 
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "middleware" in proc.stdout and "0.333" in proc.stdout  # the middleware row's later p50
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import readme_tables
-
-        readme_tables._load_renderers()
-        text = readme_tables.TABLES["agents-e2e"][1](data)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    # rendered in a child: importing the table modules here would leave them registered in this process
+    render = subprocess.run([sys.executable, "-c", "import json, sys; sys.path.insert(0, 'bench'); "
+                             "import readme_tables as t; t._load_renderers(); "
+                             f"print(t.TABLES['agents-e2e'][1](json.load(open({str(path)!r}))))"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert render.returncode == 0, render.stderr
+    text = render.stdout
     assert "commit 0123456" in text and "(0.33x)" in text and "8 agents at once" in text
     assert text.count("\n| ") == 1 + len(bench.CONFIGS)  # header + one row per configuration
 
