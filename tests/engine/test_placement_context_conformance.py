@@ -269,6 +269,11 @@ def test_recompute_time_is_non_negative_and_grows_with_tokens(host) -> None:
     assert times[0] >= 0.0 and times == sorted(times) and times[-1] > times[2]
 
 
+def test_load_wait_is_non_negative_and_finite(host) -> None:
+    wait = host.ctx.load_wait_s()
+    assert 0.0 <= wait < float("inf")
+
+
 def test_call_at_runs_the_callback_once_when_due(host) -> None:
     fired: list[str] = []
     host.ctx.call_at(host.ctx.now + 5.0, fired.append, "due")

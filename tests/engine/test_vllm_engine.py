@@ -19,6 +19,11 @@ Scenario, one engine process per step, all over one SSD directory:
    directory aside (a WARNING names it), starts with an empty tier, computes
    A (nothing to load) with the baseline's output, and serves it from kvtier
    after a prefix cache reset.
+6. sync: ``sync_dram_loads`` (DRAM only): A's second run loads its 192 tokens from DRAM
+   synchronously, in the step that runs it (vLLM never waits for the load), with the
+   baseline's output; then the same with every DRAM -> engine copy failing
+   (``failing_load_connector.py``): the blocks are reported as load errors, vLLM
+   recomputes them, and the output is still the baseline's.
 """
 
 from __future__ import annotations
@@ -63,6 +68,14 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     runs["truncated"] = run_child(tmp, "truncated", spec(kvtier("truncated"), [
         {"prompts": [A]}, {"prompts": [A], "reset_prefix_cache": True}], engine={"distributed_executor_backend": "mp"}))
     runs["truncated_log"] = (tmp / "truncated.log").read_text()
+    # synchronous DRAM loads (DRAM only), then the same with every DRAM -> engine copy failing
+    sync = {"dram_capacity_blocks": 64, "sync_dram_loads": True}
+    twice = [{"prompts": [A, B]}, {"prompts": [A], "reset_prefix_cache": True}]
+    runs["sync"] = run_child(tmp, "sync", spec({**sync, "stats_path": str(tmp / "sync.stats.json")}, twice))
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+    runs["sync_failing"] = run_child(tmp, "sync_failing", {
+        **spec({**sync, "stats_path": str(tmp / "sync_failing.stats.json")}, twice),
+        "connector_name": "FailingLoadConnector", "connector_module_path": "failing_load_connector"}, env=env)
     return runs
 
 
@@ -160,3 +173,24 @@ def test_a_truncated_ssd_file_is_set_aside_and_the_engine_serves_from_an_empty_t
     aside = [p for p in world["ssd"].iterdir() if p.name.startswith("tp0-of-1.unusable-")]
     assert len(aside) == 1 and (aside[0] / "data.mdb").exists()
     assert "data.mdb is truncated" in world["truncated_log"] and f"set aside as {aside[0]}" in world["truncated_log"]
+
+
+def test_a_synchronous_dram_load_serves_the_hit_with_identical_output(world: dict) -> None:
+    sync = world["sync"]
+    cold, warm = sync["phases"]
+    assert _outputs(sync, 0) == _outputs(world["baseline"], 0)
+    counters = warm["stats"]["counters"]
+    assert counters["load_sync"] == 1  # planned synchronous: vLLM ran A in the step it loaded
+    assert counters["hit_tokens_dram"] == A_HIT_TOKENS
+    assert warm["external_hits"] == A_HIT_TOKENS
+    assert _outputs(sync, 1) == _outputs(world["baseline"], 0)[:1]
+
+
+def test_a_failed_synchronous_load_is_recomputed_with_identical_output(world: dict) -> None:
+    failing = world["sync_failing"]
+    counters = failing["phases"][1]["stats"]["counters"]
+    assert counters["load_sync"] == 1
+    assert counters["load_failed_blocks"] == A_HIT_TOKENS // BLOCK_SIZE
+    assert counters.get("hit_tokens", 0) == 0
+    assert _outputs(failing, 0) == _outputs(world["baseline"], 0)
+    assert _outputs(failing, 1) == _outputs(world["baseline"], 0)[:1]

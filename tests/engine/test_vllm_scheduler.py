@@ -302,3 +302,87 @@ def test_a_tagged_request_without_a_tool_wait_starts_a_turn_end() -> None:
     sched.on_new_request(untagged)
     sched.request_finished(untagged)
     assert sched.counters["user_waits"] == 1  # no agent, no wait
+
+
+def _run_steps(sched: KVTierScheduler, clock: list[float], fixed_s: float, per_token_s: float) -> None:
+    """Twelve engine steps of one running request, prefill chunks and decodes, each taking
+    ``fixed_s + tokens * per_token_s`` on ``clock``; an idle gap of 100 s before the last."""
+    for i in range(12):
+        tokens = (64, 256, 1, 1, 512, 1, 128, 1, 1, 320, 1, 1)[i]
+        if i == 11:
+            _step(sched, {})  # the engine idles: a step of nothing, then 100 s with no steps
+            clock[0] += 100.0
+        _step(sched, {"running": tokens})
+        clock[0] += fixed_s + tokens * per_token_s
+
+
+@pytest.mark.parametrize(("fixed_s", "per_token_s", "loads"), [
+    (0.05, 1e-6, False),  # a step's fixed cost dominates (the tiny test model): recompute 4 blocks
+    (0.001, 1e-3, True),  # the forward dominates (a real model): load them
+])
+def test_recompute_when_cheaper_weighs_the_fitted_step_against_the_load(fixed_s, per_token_s, loads) -> None:
+    sched, kvm = _sched(recompute_when_cheaper=True)
+    clock = [1000.0]
+    sched.placement.clock = lambda: clock[0]
+    _, job, write = _store_r1(sched, kvm)
+    sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True] * 4)}, {job.job_id: 1}))
+    _run_steps(sched, clock, fixed_s, per_token_s)
+    assert sched.placement.load_wait_s() == pytest.approx(fixed_s, rel=0.05)  # the idle gap was not a step
+    assert sched.placement.recompute_time_s(1000) == pytest.approx(1000 * per_token_s, rel=0.05)
+    r2 = FakeRequest("r2", 4)
+    sched.on_new_request(r2)
+    got = sched.get_num_new_matched_tokens(r2, 0)
+    assert got == ((4 * BS, True) if loads else (0, False))
+    assert sched.counters["load_skipped_cheaper"] == (0 if loads else 1)
+    assert sched.counters["load_skipped_cheaper_tokens"] == (0 if loads else 4 * BS)
+
+
+def test_without_recompute_when_cheaper_a_hit_is_always_loaded() -> None:
+    sched, kvm = _sched()
+    clock = [1000.0]
+    sched.placement.clock = lambda: clock[0]
+    _, job, write = _store_r1(sched, kvm)
+    sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True] * 4)}, {job.job_id: 1}))
+    _run_steps(sched, clock, 0.05, 1e-6)
+    r2 = FakeRequest("r2", 4)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (4 * BS, True)
+    assert sched.placement.load_wait_s() == 0.0  # nothing fitted: the steps are not timed
+
+
+def _cpu_sched(**extra) -> tuple[KVTierScheduler, FakeKVCacheManager]:
+    facts = EngineFacts("tiny", "bfloat16", BS, 2, 2, 32, "fused", "sha256", device_type="cpu")
+    settings = ConnectorSettings.build({"dram_capacity_blocks": 8, **extra}, facts, env={})
+    ns = settings.config.namespace.to_namespace(settings.config.layout.to_layout())
+    sched = KVTierScheduler(settings, ns, BS, 1)
+    kvm = FakeKVCacheManager()
+    sched.bind_kv_cache_manager(kvm)
+    return sched, kvm
+
+
+def test_sync_dram_loads_plans_a_dram_hit_for_this_steps_forward() -> None:
+    sched, kvm = _cpu_sched(sync_dram_loads=True)
+    _, job, write = _store_r1(sched, kvm)
+    sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True] * 4)}, {job.job_id: 1}))
+    r2 = FakeRequest("r2", 4)
+    sched.on_new_request(r2)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (4 * BS, False)  # not asynchronous: vLLM runs it now
+    kvm.blocks["r2"] = [20, 21, 22, 23, 24]
+    sched.update_state_after_alloc(r2, kvm.blocks["r2"], 4 * BS)
+    (load,) = _step(sched, {"r2": 2}).loads
+    assert load.sync and load.tiers == ("dram",) * 4 and load.block_ids == (20, 21, 22, 23)
+    assert sched.counters["load_sync"] == 1
+
+
+@pytest.mark.parametrize(("device", "extra", "problem"), [
+    ("cuda", {}, "built for CPU engines"),
+    ("cpu", {"dram_capacity_blocks": 0, "ssd_capacity_blocks": 8}, "needs the DRAM tier"),
+])
+def test_sync_dram_loads_is_refused_where_it_is_not_built(tmp_path, device, extra, problem) -> None:
+    from kvtier.errors import ConfigError
+
+    facts = EngineFacts("tiny", "bfloat16", BS, 2, 2, 32, "fused", "sha256", device_type=device)
+    if "ssd_capacity_blocks" in extra:
+        extra = {**extra, "ssd_path": str(tmp_path / "ssd")}
+    with pytest.raises(ConfigError, match=problem) as err:
+        ConnectorSettings.build({"dram_capacity_blocks": 8, "sync_dram_loads": True, **extra}, facts, env={})
+    assert "sync_dram_loads" in str(err.value)

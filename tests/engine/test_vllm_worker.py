@@ -96,6 +96,18 @@ def test_store_then_load_from_dram_and_ssd_into_other_blocks(worker) -> None:
     assert _blocks_equal(caches, 1, 6) and _blocks_equal(caches, 2, 7)
 
 
+def test_a_synchronous_load_is_in_place_when_start_load_kv_returns_and_not_reported_received(worker) -> None:
+    w, caches, _ = worker
+    _store(w)
+    w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r2", 3, (10, 11), ("dram", "dram"), (0, 1), (4, 5),
+                                                           sync=True)]))
+    assert _blocks_equal(caches, 1, 4) and _blocks_equal(caches, 2, 5)  # before any get_finished: the forward's
+    _, recving = w.get_finished(set())
+    meta = w.take_worker_meta()
+    assert recving == set()  # vLLM runs the request already: "received" would be an error there
+    assert meta is not None and meta.plans == {3: (1, [True, True])} and not w.take_load_errors()
+
+
 def test_corrupt_ssd_value_fails_that_block_and_the_rest(worker) -> None:
     w, caches, _ = worker
     _store(w)

@@ -172,6 +172,7 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tp_ran
         rope_problem=rope if isinstance(rope, str) else "",
         page_bytes=spec.page_size_bytes,
         window_blocks=window,
+        device_type=str(current_platform.device_type),
     )
 
 

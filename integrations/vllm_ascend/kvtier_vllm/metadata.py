@@ -22,7 +22,9 @@ class LoadJob:
     ``keys[i]`` is read from ``tiers[i]`` (``dram``, ``ssd`` or ``remote``;
     ``slots[i]`` for DRAM) into ``block_ids[i]``; remote blocks come last. ``block_ids`` beyond ``len(keys)`` had no readable block
     when planned and always fail. ``shifts[i]`` (approximate reuse only; empty
-    otherwise): turn block ``i``'s keys by that many positions after reading it.
+    otherwise): turn block ``i``'s keys by that many positions after reading it. ``sync``: vLLM
+    runs the request in this step, so the blocks must be in place before its forward (and the
+    request is not reported as received).
     """
 
     req_id: str
@@ -32,6 +34,7 @@ class LoadJob:
     slots: tuple[int, ...]
     block_ids: tuple[int, ...]
     shifts: tuple[int, ...] = ()
+    sync: bool = False  # synchronous (sync_dram_loads): in the engine blocks before this step's forward
 
 
 @dataclass(frozen=True, slots=True)

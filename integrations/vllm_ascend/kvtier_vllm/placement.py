@@ -66,6 +66,10 @@ DEFAULT_LINKS: dict[str, tuple[float, float]] = {
 }
 
 
+STEP_LINK = "engine:step"
+"""The engine's step as a link of :attr:`EnginePlacement.links`: tokens for bytes (see ``step_started``)."""
+
+
 class HBMHolds:
     """References on idle vLLM HBM blocks, by tag (an agent's context tail),
     bounded by ``budget_blocks`` in all and by ``tenant_budget_blocks`` per tenant
@@ -251,6 +255,7 @@ class EnginePlacement:
         # (primary KV cache group, other groups with their windows): see HBMHolds; set before bind_block_pool
         self.hold_groups: tuple[int, tuple[tuple[int, int], ...]] = (0, ())
         self.links = LinkModel(prior=DEFAULT_LINKS)
+        self._last_step: tuple[float, int, set[str]] | None = None  # (start, tokens, request ids): step_started
         self.prefetches = PrefetchTracker(counters)
         self.criticalities: dict[AgentKey, float] = {}
         # the agents requests named, least recent first (at most MAX_TRACKED_AGENTS): their tenant
@@ -548,7 +553,23 @@ class EnginePlacement:
         return self.links.predict_s(link, nbytes)
 
     def recompute_time_s(self, num_tokens: int) -> float:
-        return num_tokens / self.prefill_tokens_per_s
+        fit = self.links.params(STEP_LINK)
+        return num_tokens / (fit[1] if fit is not None else self.prefill_tokens_per_s)
+
+    def load_wait_s(self) -> float:
+        fit = self.links.params(STEP_LINK)
+        return fit[0] if fit is not None else 0.0
+
+    def step_started(self, scheduled: Mapping[str, int]) -> None:
+        """Each scheduler step (``scheduled``: request id -> tokens this step). The time since the
+        previous step is that step's cost, observed on ``links``' ``engine:step`` link (its "bytes"
+        are tokens: seconds = fixed cost + tokens / prefill rate) when a request of the previous step
+        runs in this one too, so that the engine did not idle in between. O(requests this step)."""
+        now = self.now
+        prev = self._last_step
+        if prev is not None and not prev[2].isdisjoint(scheduled):
+            self.links.observe(STEP_LINK, prev[1], now - prev[0])
+        self._last_step = (now, sum(scheduled.values()), set(scheduled)) if scheduled else None
 
     def running_blocks(self) -> int:
         """HBM blocks referenced (by requests and holds): vLLM's KV usage."""

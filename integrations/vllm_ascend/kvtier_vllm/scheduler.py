@@ -112,6 +112,7 @@ class _Match:
     keys: tuple[BlockKey, ...] = ()  # approximate reuse: the keys to load (segment masters in place of own)
     shifts: tuple[int, ...] = ()  # and by how many positions each block's keys turn
     held: tuple[BlockKey, ...] = ()  # the local hit, referenced until its load is planned (see _drop_match)
+    sync: bool = False  # loaded before this step's forward (sync_dram_loads)
 
 
 class KVTierScheduler:
@@ -241,9 +242,12 @@ class KVTierScheduler:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens past ``num_computed_tokens`` (block aligned) that kvtier can load,
-        and whether the load is asynchronous (always, when there are any). Reads
+        and whether the load is asynchronous (always, when there are any, but a hit
+        wholly in DRAM under ``sync_dram_loads``: loaded before this step's forward). Reads
         the in-memory index only. The last prompt token is never offered: the
-        engine must compute at least one token to sample."""
+        engine must compute at least one token to sample. With
+        ``recompute_when_cheaper`` a DRAM / SSD hit the placement's ``should_load``
+        finds slower than recomputing is not offered (vLLM computes it)."""
         self.placement.settle_order()  # (before this pass allocates: the waits that started last step)
         self._drop_match(request.request_id)  # asked again (its allocation failed, or it was deferred)
         st = self._state(request)
@@ -277,12 +281,23 @@ class KVTierScheduler:
             remote = got
         if hit.num_blocks + remote == 0:
             return 0, False
+        sync = self.settings.sync_dram_loads and not remote and not shifts and \
+            hit.count("dram") == hit.num_blocks
+        if self.settings.recompute_when_cheaper and not sync and not remote and not shifts and \
+                not self.policy.should_load(self.placement, {t: hit.count(t) for t in ("dram", "ssd")},
+                                            num_computed_tokens):
+            self.counters["load_skipped_cheaper"] += 1
+            self.counters["load_skipped_cheaper_tokens"] += hit.num_blocks * self.block_size
+            return 0, False
         end = start + hit.num_blocks + remote
         held = tuple(keys[start:start + hit.num_blocks])
         self.manager.acquire(held)
         self._matches[request.request_id] = _Match(start, hit.num_blocks, remote, tuple(keys[start:end]),
-                                                   tuple(shifts[start:end]) if any(shifts[start:end]) else (), held)
-        return (hit.num_blocks + remote) * self.block_size, True
+                                                   tuple(shifts[start:end]) if any(shifts[start:end]) else (), held,
+                                                   sync)
+        if sync:
+            self.counters["load_sync"] += 1
+        return (hit.num_blocks + remote) * self.block_size, not sync
 
     def _drop_match(self, req_id: str) -> _Match | None:
         """Forget ``req_id``'s answered lookup, releasing its hit. The hit is referenced
@@ -331,7 +346,7 @@ class KVTierScheduler:
         self.counters["load_short_blocks"] += local - got  # (none: the match was held until now)
         remote = tuple(keys[local:]) if got == local else ()  # the remote run must follow the local one
         if got + len(remote) == 0:  # cannot happen within one step; the worker fails every block
-            job = LoadJob(request.request_id, 0, (), (), (), targets)
+            job = LoadJob(request.request_id, 0, (), (), (), targets, sync=match.sync)
         else:
             tiers = (plan.tiers if plan is not None else ()) + ("remote",) * len(remote)
             slots = tuple(s if t != "ssd" else 0 for s, t in zip(plan.slots, plan.tiers)) if plan is not None else ()
@@ -343,7 +358,7 @@ class KVTierScheduler:
                 rows = list(range(got)) + list(range(local, local + len(remote)))
                 st.approx_loaded.update(match.start_block + r for r, x in zip(rows, shifts) if x)
             job = LoadJob(request.request_id, plan_id, (plan.keys if plan is not None else ()) + remote, tiers,
-                          slots + (0,) * len(remote), targets, shifts)
+                          slots + (0,) * len(remote), targets, shifts, match.sync)
             self._load_plans[plan_id] = (request.request_id, plan, remote)
             if self.exclusive and plan is not None and st.approx is None:
                 self.write_backs.load_starts[plan_id] = match.start_block
@@ -373,6 +388,8 @@ class KVTierScheduler:
         """This step's loads, stores (blocks that become full in this step's
         forward), releases and SSD deletions. Resets the per-step state."""
         self.hints.poll()
+        if self.settings.recompute_when_cheaper:
+            self.placement.step_started(scheduler_output.num_scheduled_tokens)  # the step cost it weighs loads by
         self.placement.scheduled(scheduler_output.num_scheduled_tokens)  # allocated by now: holds may go
         self.placement.tick()
         self.placement.settle_order()

@@ -56,6 +56,14 @@ EXTRA_KEYS: dict[str, str] = {
                           "step reports what finished (get_finished waits for it), so the schedule depends on the "
                           "requests alone, not on thread timing: reproducible runs, the step the replay models. "
                           "Costs the overlap of copies with the forward. Default false",
+    "sync_dram_loads": "true (CPU engines): a hit wholly in DRAM loads synchronously, in the step that runs its "
+                       "request, before the forward: the request does not wait a scheduler step for its load. "
+                       "Other hits load asynchronously as before. Default false",
+    "recompute_when_cheaper": "true: per request, recompute a hit instead of loading it when that is faster: a load "
+                              "costs its transfer plus one engine step (vLLM runs a request whose KV loads a step "
+                              "later), recomputing costs its tokens at the engine's prefill rate; both are fitted "
+                              "from the engine's own steps as it runs (counted: load_skipped_cheaper). For a model "
+                              "whose forward is cheap next to a step's fixed cost. Default false: always load",
     "policy": "eviction policy of the DRAM and SSD tiers (a registered kvtier policy name; default: the placement's)",
     "placement": "placement policy, the same object the replay runs (default: the config file's placement.policy, "
                  "kvtier; lru-dram for write-through LRU with no agent actions; ttl, kvflow, tokencake, ...): see "
@@ -136,6 +144,7 @@ class EngineFacts:
     # per KV cache group (vLLM's hybrid KV cache manager): 0 for full attention, else how many blocks
     # before a reuse point its sliding window reads (vLLM's own rule: ceil((window - 1) / block_size))
     window_blocks: tuple[int, ...] = (0,)
+    device_type: str = "unknown"  # vLLM's platform device type: cpu, cuda, npu, ...
 
     @property
     def hybrid(self) -> bool:
@@ -255,6 +264,8 @@ class ConnectorSettings:
     hold_tenant_fraction: float = 1.0
     tracked_agents_per_tenant: int = MAX_TRACKED_AGENTS
     hint_server_tokens: Mapping[str, str] | None = None  # token -> tenant (hint_server_token_file)
+    recompute_when_cheaper: bool = False
+    sync_dram_loads: bool = False
 
     @classmethod
     def build(
@@ -303,7 +314,8 @@ class ConnectorSettings:
                    copy_threads, _mib_bytes(extra, "device_staging_mib", 64), _flag(extra, "side_stream", True),
                    record_path, _mib_bytes(extra, "record_max_mib", 1024), placement_params, remote,
                    _cold_rule(extra, cfg), facts.rope if approximate else None,
-                   _flag(extra, "lockstep_transfers", False), tenant_share, tracked, tokens)
+                   _flag(extra, "lockstep_transfers", False), tenant_share, tracked, tokens,
+                   _flag(extra, "recompute_when_cheaper", False), _sync_loads(extra, facts, cfg))
 
     def rank_ssd_path(self, tp_rank: int, tp_size: int) -> Path | None:
         """The LMDB directory of one TP rank (each rank stores its own shard)."""
@@ -383,6 +395,19 @@ def _refuse_unbuilt(facts: EngineFacts, env: Mapping[str, str], remote: RemoteSe
         raise ConfigError(setting + "exclusive_dram", exclusive,
                           f"placement {placement!r} writes DRAM through; exclusive DRAM is for a placement that "
                           "writes a block down as HBM evicts it (kvtier)")
+
+
+def _sync_loads(extra: Mapping[str, Any], facts: EngineFacts, cfg: KVTierConfig) -> bool:
+    """``sync_dram_loads``, where it is built: a CPU engine (the worker's one-pass host copy
+    runs on the engine's thread before the forward), one KV cache group, a DRAM tier."""
+    sync = _flag(extra, "sync_dram_loads", False)
+    problem = ("is built for CPU engines (the KV cache in host memory); on " + facts.device_type + " leave it off"
+               if facts.device_type != "cpu" else
+               "is not built for models with several KV cache groups (sliding-window hybrids)" if facts.hybrid else
+               "needs the DRAM tier (dram_capacity_blocks > 0)" if not cfg.dram.enabled else "")
+    if sync and problem:
+        raise ConfigError("kv_connector_extra_config.sync_dram_loads", sync, problem)
+    return sync
 
 
 def _flag(extra: Mapping[str, Any], key: str, default: bool) -> bool:

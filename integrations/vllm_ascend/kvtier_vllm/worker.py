@@ -290,6 +290,12 @@ class KVTierWorker:
             self._loads.add(job.req_id)
             if self._load_straight(job):
                 continue
+            if job.sync:  # (the scheduler plans one only for a DRAM hit on a CPU engine, which goes straight)
+                log.warning("kvtier: a synchronous load of request %s cannot take the one-pass host copy here; "
+                            "its %d blocks are recomputed", job.req_id, len(job.block_ids))
+                with self._lock:
+                    self._results.reads.append(_Read(job, None, [False] * len(job.keys), landed=True))
+                continue
             self.reads.begin()  # until self.reads.post reports it
             run = self.ring.take(len(job.keys)) if self.ring is not None else None
             got = len(run) if run is not None else 0
@@ -429,7 +435,10 @@ class KVTierWorker:
                 jobs.pop(job_id, None)
                 if not jobs:
                     del self._gathers[req_id]
-        recving = {self._land_read(read, meta) for read in res.reads}
+        recving = {self._land_read(read, meta) for read in res.reads if not read.job.sync}
+        for read in res.reads:  # synchronous: in place before the forward; vLLM runs the request already
+            if read.job.sync:
+                self._land_read(read, meta)
         sending = {r for r in self._release if r not in self._gathers and r not in self._loads}
         self._release -= sending
         cpu_s = self.mover.cpu_s  # the background jobs' CPU time since the last report
@@ -468,7 +477,7 @@ class KVTierWorker:
                 self._scattered.append((done, read.run))
         if job.plan_id:  # per block: did the tier return verified bytes
             meta.plans[job.plan_id] = (1, read.oks)
-        if num_ok < len(job.block_ids) and self.fail_requests:
+        if num_ok < len(job.block_ids) and self.fail_requests and not job.sync:
             self._failed_loads.add(job.req_id)
         elif num_ok < len(job.block_ids):
             self._load_errors.update(job.block_ids[num_ok:])
