@@ -242,10 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    from .replay.cli import DESCRIPTION as REPLAY_DESCRIPTION, add_arguments as add_replay_arguments
+    from .replay.cli import DESCRIPTION as REPLAY_DESCRIPTION, USAGE as REPLAY_USAGE
+    from .replay.cli import add_arguments as add_replay_arguments
 
     r = sub.add_parser("replay", help="replay agent traces and compare KV placement policies (the main job)",
-                       description=REPLAY_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       usage=REPLAY_USAGE, description=REPLAY_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_replay_arguments(r)
     r.set_defaults(func=_cmd_replay)
 

@@ -19,45 +19,38 @@ from typing import Any
 DESCRIPTION = """\
 Replay agent traces closed-loop against a modelled engine and compare KV-cache
 placement policies on TTFT, interactivity, throughput per chip and prefill work.
-With no --trace, replays the embedded workload: deterministic AgentX-shaped
-coding-agent sessions (see kvtier.replay.generator) over four HBM capacities;
---workload apps replays generated TokenCake-style applications. Policies: lru
-(vLLM prefix caching, HBM only), lru-dram (LMCache-style write-through to
-DRAM/SSD), arc, s3fifo, ttl (Continuum), minwaste (InferCept), tokencake
-(TokenCake), kvflow (KVFlow), kvtier (agent-aware: DRAM exclusive of HBM,
-every tier ordered by predicted next use, critical-path reserve, tool-wait
-prefetch, dead-KV retirement; ablations kvtier-space-only, kvtier-time-only,
-kvtier-inclusive, kvtier-lru-order, kvtier-no-dead), belady-hbm (offline
-optimum of HBM eviction, HBM only).
-
-Every result is judged against two references computed in the same run on the
-same requests: the floor (an unbounded cache) and the bound (Belady over HBM +
-DRAM + SSD as one tier: no placement over those tiers computes less; exact at
-conc 1 for sessions without parallel agents, else an estimate). Every policy is
-offered the same tiers and capacities; the "tiers used" column says which it
-uses. Admission order (--admission) is the engine scheduler's, applied alike
-to every policy. A request larger than HBM stops the run (rc 2) unless
---skip-oversized.
-
---engines N (with --routing, --remote-blocks, --remote-gbps) replays a fleet
-of N modelled engines sharing the sessions, optionally with a remote tier
-they share, to size a fleet: MODELLED figures per policy (prefill computed,
-TTFT, bytes on the remote links); no floor/bound references there.
-
---cold-codec NAME --codec-profile FILE.json stores the cold tiers (host DRAM
-and SSD; HBM stays exact) with a KV codec as kvtier bench codecs measured
-it: the same DRAM/SSD bytes hold ratio x more blocks, their links carry
-compressed bytes, and the codec's CPU time (encode once per block written
-down, decode per block loaded) is modelled as more stages of each transfer
-(see kvtier.replay.codec). The report states the codec, its ratio and the
-blocks each tier holds.
+Every result is judged against a floor (an unbounded cache) and a bound (Belady
+over HBM + DRAM + SSD as one tier). With no --trace, replays an embedded
+coding-agent workload over four HBM capacities.
+Full reference (policies, workloads, judging, fleets, codecs): docs/replay.md
 """
 
+USAGE = "%(prog)s [-h] [--trace PATH] [--policies LIST] [options]"
 
 DEFAULT_HBM_SCALES = (0.6, 0.8, 1.0, 1.5)  # embedded workload, no capacity given: fractions of the profile's HBM
 
+# --surface additions, in a few words each (docs/replay.md and kvtier.placement.surface.ADDITIONS say it in full)
+_SURFACE_ADDITIONS_SHORT = {
+    "exclusive": "exclusive DRAM",
+    "order": "policy's HBM order",
+    "drop": "free idle HBM copies",
+    "prefetch": "prefetch into HBM",
+    "defer": "defer behind copies down",
+    "requeue": "next-use order in vLLM's free queue",
+}
+
+
+def _surface_help() -> str:
+    """``--surface`` in brief: the bases, then every addition (MODELLED ONLY) with a few words."""
+    from ..placement.surface import ADDITIONS, ALL
+
+    adds = ", ".join(f"+{n}: {_SURFACE_ADDITIONS_SHORT.get(n, a.means)}" for n, a in ADDITIONS.items())
+    return (f"BASE[+ADDITION...]: full (default), vllm or vllm-write-through; additions, MODELLED ONLY: {adds}, "
+            f"+{ALL}: all but requeue")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Every ``kvtier replay`` flag, one line of help each; docs/replay.md explains them."""
     from ..cliargs import (
         listed,
         nonnegative_float,
@@ -66,103 +59,77 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         positive_int,
         writable_file,
     )
-    from ..placement.surface import surfaces_help
-    from .profiles import HARDWARE, MODELS
+    from .profiles import DEFAULT_PROFILE, HARDWARE, MODELS
     from .run import DEFAULT_POLICIES
     from .sim import SCHEDULERS, TOOL_WAITS
 
-    p.add_argument("--trace", metavar="PATH",
-                   help="AgentX/Weka JSON, Mooncake JSONL, or a directory or tarball of them "
-                        "(default: the embedded workload)")
-    p.add_argument("--skip-bad", action="store_true", help="skip (and count) malformed traces instead of failing")
-    p.add_argument("--shared-prefix", choices=("none", "declared"), default=None,
-                   help="none: each trace's block ids are its own (hash_id_scope local, as aiperf replays it); "
-                        "declared: the tools + system prefix traces declare (tool_tokens, system_tokens) is "
-                        "shared across sessions that declare the same sizes (default: none for --trace, "
-                        "declared for the embedded workload)")
-    p.add_argument("--sessions", type=positive_int, metavar="N",
-                   help="embedded workload: number of sessions (default 30); traces: replay only the first N")
-    p.add_argument("--config", metavar="FILE",
-                   help="a kvtier config file (e.g. one kvtier tune wrote): its placement section (policy and "
-                        "constants) is replayed as the policy named 'config', added to --policies")
-    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                   help=f"comma-separated policies to compare (default: {','.join(DEFAULT_POLICIES)})")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), metavar="LIST",
+                   help=f"comma-separated policies to compare (default: {', '.join(DEFAULT_POLICIES)})")
+    p.add_argument("--config", metavar="FILE", help="also replay a config file's policy, as 'config'")
     p.add_argument("--profile", default=None, metavar="HW:MODEL[:CHIPS]",
-                   help="hardware and model profile, e.g. h100-80gb:llama-3.1-8b (the default), "
-                        "b200:llama-3.1-70b:4, ascend-910c:deepseek-r1 (MLA: a 576-wide latent per layer, no "
-                        "heads), h100-80gb:gemma-3-27b (sliding-window hybrid: 52 of 62 layers see only the last "
-                        "1024 tokens, so a block keeps their KV only within a window before a reuse point; the "
-                        "report's sliding_window gives that share and the block bytes with and without it). "
-                        f"Hardware: {', '.join(HARDWARE)}; models: {', '.join(MODELS)}")
+                   help=f"hardware and model (default {DEFAULT_PROFILE}); hardware: {', '.join(HARDWARE)}; "
+                        f"models: {', '.join(MODELS)}")
     p.add_argument("--profile-file", metavar="YAML", help="override profile fields from a YAML file")
-    p.add_argument("--block-size", type=positive_int, metavar="TOKENS",
-                   help="engine block size: re-block the trace (merge exactly, split with derived ids)")
-    p.add_argument("--conc", type=positive_int, default=8, help="live session trees (closed loop; default 8)")
+    p.add_argument("--conc", type=positive_int, default=8, metavar="N",
+                   help="live session trees, closed loop (default 8)")
     p.add_argument("--sweep-conc", type=listed(positive_int), metavar="1,2,4,...", help="replay every listed conc")
-    cap = p.add_mutually_exclusive_group()
-    cap.add_argument("--hbm-blocks", type=listed(positive_int), metavar="N[,N...]",
-                     help="HBM KV capacity in blocks (default: what the profile's HBM holds after weights; "
-                          "the embedded workload with no capacity given: 0.6, 0.8, 1.0 and 1.5 of that)")
-    cap.add_argument("--hbm-fraction", type=listed(positive_float), metavar="F[,F...]",
-                     help="HBM capacity as a fraction of the working set: conc sessions of mean footprint live at once, "
-                          "capped by the distinct blocks (several: capacity sweep)")
-    p.add_argument("--dram-blocks", type=nonnegative_int,
-                   help="DRAM tier capacity in blocks (default 2x HBM; raw blocks: with --cold-codec, a byte budget "
-                        "that holds ratio x as many)")
-    p.add_argument("--ssd-blocks", type=nonnegative_int, default=0,
-                   help="SSD tier capacity in blocks (default 0: off; raw blocks, as --dram-blocks)")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the embedded workload (default 0)")
-    p.add_argument("--warmup", type=nonnegative_float, default=0.0, metavar="S",
-                   help="exclude requests ready before S simulated seconds from the figures")
-    p.add_argument("--gap-cap", type=nonnegative_float, metavar="S", help="cap tool/user gaps at S seconds (AgentX uses 10)")
-    p.add_argument("--time-scale", type=positive_float, default=1.0, metavar="X",
-                   help="open-loop traces (Mooncake): multiply arrival times by X (0.5 = twice the rate)")
-    p.add_argument("--max-batch-tokens", type=positive_int, default=8192, help="token budget per engine step (default 8192)")
     p.add_argument("--slo-ttft-p99", type=positive_float, metavar="S",
-                   help="SLO capacity search: the largest conc (doubling, then bisecting) at which the later-turn "
-                        "TTFT p99 is at most S seconds, per policy, at the first HBM capacity")
+                   help="SLO search: largest conc with later-turn TTFT p99 <= S")
     p.add_argument("--slo-interactivity", type=positive_float, metavar="TOK_S",
-                   help="SLO capacity search: p50 interactivity floor (tokens/s/user)")
+                   help="SLO search: p50 interactivity floor (tokens/s/user)")
+    p.add_argument("--no-references", action="store_true", help="skip the floor and bound runs (faster)")
     p.add_argument("--skip-oversized", action="store_true",
-                   help="skip (and count) requests that need more HBM than given, alike for every policy, the floor "
-                        "and the bound (default: refuse to run, naming the largest and the capacity it needs)")
-    p.add_argument("--admission", default="fcfs", metavar="ORDER",
-                   help="engine admission order, alike for every policy: fcfs (default, vLLM's), critical-first "
-                        "(TokenCake's), oldest-app (oldest session first, critical agents ahead)")
-    p.add_argument("--surface", default="full", metavar="NAME",
-                   help="what the engine lets placement do: " + surfaces_help())
-    p.add_argument("--agent-ends", default="reported", choices=["reported", "unknown"],
-                   help="whether the policy learns when an agent is done: reported (default; live, the SDK's agent "
-                        "ends through a hint server) or unknown (hints in kv_transfer_params only, or from the "
-                        "request-stream middleware, which reports no ends: a turn without a tool call, a user's "
-                        "turn or the agent's last, is a turn_end wait of TURN_END_GAP_S, as the live connector then "
-                        "has it; the references do not depend on it)")
-    p.add_argument("--tool-waits", default="predicted", choices=list(TOOL_WAITS),
-                   help="what a policy is told of a tool wait: predicted (default: the hint plane's prediction "
-                        "from the waits seen so far, per agent type as the SDK names it, then per tool), "
-                        "predicted-stream (the chain of hints derived from the request stream, which name no agent "
-                        "type: per session and tool, then per tool, then over all tools) or announced (its true "
-                        "length, as an agent that announces exactly how long its tool takes: an oracle, to measure "
-                        "what prediction error costs)")
-    p.add_argument("--scheduler", default="plain", choices=list(SCHEDULERS),
-                   help="how the engine admits requests each step: plain (default: up to the running limit, "
-                        "whatever the step's token budget; a block is a prefix hit once computed) or vllm (vLLM "
-                        "0.32's scheduler: admitted only while the step has tokens left, a block scheduled "
-                        "earlier in the step is a prefix hit, as vLLM caches a block when it allocates it, and a "
-                        "request loading from DRAM or SSD takes no running slot until its load is done)")
-    p.add_argument("--split", default="all", choices=["all", "tune", "eval"],
-                   help="traces: replay the tuning half (1st, 3rd, ... session by sorted id), the evaluation half "
-                        "(2nd, 4th, ...) or all (default)")
-    p.add_argument("--no-references", action="store_true",
-                   help="skip the floor and bound runs (faster; no computed/bound figures)")
+                   help="skip requests larger than HBM (default: stop, rc 2)")
     p.add_argument("--jobs", type=positive_int, metavar="N",
-                   help="replay points in N worker processes (default: the CPUs this process may use, at most 8)")
+                   help="worker processes (default: usable CPUs, at most 8)")
     p.add_argument("--full", action="store_true", help="print the full table of every figure after the summary")
     p.add_argument("--json", metavar="PATH", type=writable_file, help="write every figure as JSON")
     p.add_argument("--plot", metavar="PATH.png", type=writable_file,
-                   help="write a PNG: prefill computed / bound and later-turn TTFT p99 per policy over the swept "
-                        "HBM capacity or conc (bars when nothing is swept)")
+                   help="write a PNG of computed/bound and TTFT p99")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+    w = p.add_argument_group("workload")
+    w.add_argument("--trace", metavar="PATH",
+                   help="trace file, directory or tarball (default: embedded)")
+    w.add_argument("--skip-bad", action="store_true", help="skip (and count) malformed traces instead of failing")
+    w.add_argument("--shared-prefix", choices=("none", "declared"), default=None,
+                   help="share declared prefixes across sessions? (default: none; embedded workload: declared)")
+    w.add_argument("--sessions", type=positive_int, metavar="N",
+                   help="embedded: sessions (default 30); traces: first N")
+    w.add_argument("--split", default="all", choices=["all", "tune", "eval"],
+                   help="traces: the tuning or evaluation half (default all)")
+    w.add_argument("--seed", type=nonnegative_int, default=0, metavar="N",
+                   help="seed of the generated workloads (default 0)")
+    w.add_argument("--block-size", type=positive_int, metavar="TOKENS",
+                   help="re-block the workload to this block size")
+    w.add_argument("--warmup", type=nonnegative_float, default=0.0, metavar="S",
+                   help="leave requests ready before S seconds out (default 0)")
+    w.add_argument("--gap-cap", type=nonnegative_float, metavar="S",
+                   help="cap tool/user gaps at S seconds (default: no cap)")
+    w.add_argument("--time-scale", type=positive_float, default=1.0, metavar="X",
+                   help="open-loop traces: scale arrival times (default 1)")
+
+    c = p.add_argument_group("capacity and engine model")
+    cap = c.add_mutually_exclusive_group()
+    cap.add_argument("--hbm-blocks", type=listed(positive_int), metavar="N[,N...]",
+                     help="HBM KV capacity in blocks (default: the profile's)")
+    cap.add_argument("--hbm-fraction", type=listed(positive_float), metavar="F[,F...]",
+                     help="HBM capacity as a fraction of the working set")
+    c.add_argument("--dram-blocks", type=nonnegative_int, metavar="N",
+                   help="DRAM capacity in blocks (default 2x HBM)")
+    c.add_argument("--ssd-blocks", type=nonnegative_int, default=0, metavar="N",
+                   help="SSD capacity in blocks (default 0: none)")
+    c.add_argument("--max-batch-tokens", type=positive_int, default=8192, metavar="N",
+                   help="token budget per engine step (default 8192)")
+    c.add_argument("--admission", default="fcfs", metavar="ORDER",
+                   help="fcfs (default), critical-first or oldest-app")
+    c.add_argument("--scheduler", default="plain", choices=list(SCHEDULERS),
+                   help="engine admission per step (default plain)")
+    c.add_argument("--surface", default="full", metavar="NAME", help=_surface_help())
+    c.add_argument("--agent-ends", default="reported", choices=["reported", "unknown"],
+                   help="told when an agent ends? (default reported)")
+    c.add_argument("--tool-waits", default="predicted", choices=list(TOOL_WAITS),
+                   help="what tool waits policies see (default predicted)")
     add_codec_arguments(p)
     add_fleet_arguments(p)
     add_rounds_arguments(p)
@@ -173,27 +140,17 @@ def add_codec_arguments(p: argparse.ArgumentParser) -> None:
     from ..cliargs import positive_int
     from .codec import TIER_CHOICES
 
-    c = p.add_argument_group("compressed cold tiers (kvtier.replay.codec)")
+    c = p.add_argument_group("compressed cold tiers",
+                             "A tier holds floor(capacity x ratio) blocks; each block is encoded once on\n"
+                             "its way down and decoded on each load.")
     c.add_argument("--cold-codec", metavar="NAME",
-                   help="KV codec of the cold tiers (host DRAM and SSD; HBM stays exact), as --codec-profile "
-                        "measured it: e.g. rq4, rq3 (lossy: rotation + 4/3-bit quantization), zstd, bplane-zstd "
-                        "(lossless), raw (stored as is: the same results as without this flag). --dram-blocks and "
-                        "--ssd-blocks stay byte budgets in raw blocks: a compressed tier holds floor(capacity x "
-                        "ratio) blocks; its links carry raw bytes / ratio; each block written down from HBM is "
-                        "encoded once (a compressed DRAM copy goes on to the SSD as is), each loaded to HBM is "
-                        "decoded; encode and decode are FIFO stages of the transfer at the profile's GB/s per core "
-                        "x --codec-cores, and the policies' load-or-recompute estimates include them. Needs "
-                        "--codec-profile")
+                   help="codec of DRAM and SSD, e.g. rq4 (needs --codec-profile)")
     c.add_argument("--codec-profile", metavar="FILE.json",
-                   help="the codec profile that kvtier bench codecs writes (its --json FILE.json; e.g. "
-                        "bench/out/codecs.json): {\"codecs\": [{\"codec\", \"ratio\" (raw bytes / stored bytes), "
-                        "\"encode_gbps\", \"decode_gbps\" (GB/s of raw bytes per CPU core)}, ...]}; needs --cold-codec")
+                   help="the JSON that kvtier bench codecs writes (--json)")
     c.add_argument("--cold-codec-tiers", choices=tuple(TIER_CHOICES), default=None,
-                   help="which cold tiers --cold-codec compresses: dram,ssd (default) or ssd (DRAM holds raw "
-                        "blocks: an SSD block is decoded into DRAM when staged there, encoded on its way to the SSD)")
+                   help="tiers compressed: dram,ssd (default) or ssd")
     c.add_argument("--codec-cores", type=positive_int, default=None, metavar="N",
-                   help="CPU cores encoding, and N more decoding, the cold tiers' blocks (default 1: the profile's "
-                        "per-core GB/s as measured)")
+                   help="cores encoding, N more decoding (default 1)")
 
 
 def cold_codec_from_args(args: argparse.Namespace) -> Any:
@@ -222,80 +179,44 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     from ..cliargs import nonnegative_int, positive_float, positive_int
     from .fleet import DEFAULT_REMOTE_GBPS, ROUTINGS
 
-    f = p.add_argument_group("a fleet of engines (kvtier.replay.fleet; every figure is modelled)")
+    f = p.add_argument_group("a fleet of engines (modelled; no floor or bound)")
     f.add_argument("--engines", type=positive_int, default=1, metavar="N",
-                   help="engines serving the sessions (default 1: one engine, as without this flag); HBM, DRAM and "
-                        "SSD flags are per engine (--hbm-fraction: of one engine's share, conc/N sessions), --conc "
-                        "counts the live sessions of the whole fleet; with N > 1 or a remote tier no floor/bound "
-                        "references are run, and belady-hbm is left out of the default --policies")
+                   help="engines serving the sessions (default 1)")
     f.add_argument("--routing", choices=ROUTINGS, default="round-robin",
-                   help="which engine a ready request goes to: round-robin (the next engine in turn, per request; "
-                        "default), session (sticky: every request of a session to the engine of its first, sessions "
-                        "assigned round-robin), kv-aware (the engine the live router, kvtier.routing, would pick: "
-                        "over the longest prefix it can read, each block weighs its fastest tier's weight, HBM 1.0, "
-                        "DRAM 0.8, SSD 0.5, remote tier 0.3; ties: least running+waiting requests, then lowest "
-                        "index)")
+                   help="which engine a request goes to (default round-robin)")
     f.add_argument("--remote-blocks", type=nonnegative_int, default=0, metavar="B",
-                   help="capacity in blocks of a remote tier shared by all engines (LRU; default 0: none): every "
-                        "computed block is written through to it, and a request's blocks missing from its engine "
-                        "but held there are loaded instead of recomputed")
+                   help="shared remote tier, in blocks (default 0: none)")
     f.add_argument("--remote-gbps", type=positive_float, default=DEFAULT_REMOTE_GBPS, metavar="GB_S",
-                   help=f"bandwidth of each engine's link to the remote tier, GB/s each way (default "
-                        f"{DEFAULT_REMOTE_GBPS:g}: an assumed 100 Gb/s NIC per engine; transfer time = bytes / "
-                        "bandwidth, no latency term)")
+                   help=f"each engine's remote link, GB/s (default {DEFAULT_REMOTE_GBPS:g})")
 
 
 def add_rounds_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags of ``--workload rounds`` (all-gather rounds; see kvtier.replay.rounds)."""
-    import textwrap
-
+    """``--workload`` and the flags of its generated workloads: ``apps`` (kvtier.replay.appgen)
+    and ``rounds`` (all-gather rounds, kvtier.replay.rounds)."""
     from ..cliargs import nonnegative_int, positive_float, positive_int
-    from .rounds import DEFAULT_SLO_ROUND_S, DIFF_MEASURED, ROUND_LATENCIES, ROUND_POLICIES, RoundsWorkload
+    from .rounds import DEFAULT_SLO_ROUND_S, ROUND_LATENCIES, RoundsWorkload
 
     d = RoundsWorkload()
-    strategies = [
-        "A per-round cost model over the profile: the largest number of agents whose slowest round meets "
-        "--round-slo-ms, per KV strategy (default: all of " + ", ".join(ROUND_POLICIES) + "; --policies picks "
-        "some). Overflow beyond HBM is swapped through host DRAM for every strategy but lru.",
-        "lru: vLLM prefix caching; each agent receives the others' outputs in its own order after its private "
-        "history, so it prefills them all; what HBM cannot hold is recomputed.",
-        "lru-dram: the same, the overflow swapped through host DRAM.",
-        "layout: exact sharing through the SDK's round-aware prompt layout (kvtier.sdk.rounds.RoundLayout: the "
-        "shared outputs first, in agent-id order, then each agent's private part). A round's new shared tokens "
-        "are prefilled once for all agents, but every agent's private part follows a longer prefix each round "
-        "and is recomputed: with a long private history the layout can lose to lru.",
-        "diff: prompts as lru's; each received segment stored as master + lossless diff at "
-        f"{DIFF_MEASURED['diff_over_raw']:.3f} of its raw bytes (measured: {DIFF_MEASURED['source']}). Exact, so "
-        "no recompute is saved.",
-        "approx: APPROXIMATE reuse; each received segment served from its producer's KV re-rotated to the "
-        "agent's offset (only observations prefilled). Its quality is measured on a live engine and reported "
-        "with it.",
-    ]
-    g = p.add_argument_group("all-gather rounds (--workload rounds: kvtier.replay.rounds)",
-                             "\n".join(textwrap.fill(t, 76, subsequent_indent="  " if i else "")
-                                       for i, t in enumerate(strategies)))
+    g = p.add_argument_group("generated workloads (--workload apps, --workload rounds)")
     g.add_argument("--workload", choices=["traces", "apps", "rounds"], default="traces",
-                   help="traces: agent traces / the embedded workload (default); apps: generated TokenCake-style "
-                        "applications (agent DAGs with tool calls, Poisson arrivals; see --app, --rate); rounds: "
-                        "generated all-gather rounds, SLO capacity search over the number of agents")
-    a = p.add_argument_group("applications (--workload apps: kvtier.replay.appgen)")
-    a.add_argument("--app", choices=["code-writer", "deep-research", "mixed"], default="code-writer",
-                   help="application shape (default code-writer)")
-    a.add_argument("--rate", type=positive_float, default=0.5, metavar="APPS_PER_S",
-                   help="Poisson arrival rate of applications (default 0.5)")
-    a.add_argument("--apps", type=positive_int, default=40, metavar="N", help="applications to replay (default 40)")
-    g.add_argument("--round-slo-ms", type=positive_float, default=DEFAULT_SLO_ROUND_S * 1e3,
-                   help=f"round latency SLO in ms (default {DEFAULT_SLO_ROUND_S * 1e3:.0f})")
+                   help="traces (default: --trace or embedded), apps or rounds")
+    g.add_argument("--app", choices=["code-writer", "deep-research", "mixed"], default="code-writer",
+                   help="apps: application shape (default code-writer)")
+    g.add_argument("--rate", type=positive_float, default=0.5, metavar="APPS_PER_S",
+                   help="apps: Poisson arrival rate (default 0.5)")
+    g.add_argument("--apps", type=positive_int, default=40, metavar="N", help="apps: applications (default 40)")
+    g.add_argument("--round-slo-ms", type=positive_float, default=DEFAULT_SLO_ROUND_S * 1e3, metavar="MS",
+                   help=f"rounds: round latency SLO (default {DEFAULT_SLO_ROUND_S * 1e3:.0f})")
     g.add_argument("--round-latency", choices=list(ROUND_LATENCIES), default="full",
-                   help="full: prefill + every output token of the round (default); ttft: until every agent "
-                        "has its first output token")
-    g.add_argument("--rounds", type=positive_int, default=d.num_rounds, help=f"rounds per run (default {d.num_rounds})")
-    g.add_argument("--private-tokens", type=nonnegative_int, default=d.private_tokens,
-                   help=f"private history per agent (default {d.private_tokens})")
-    g.add_argument("--observe-tokens", type=nonnegative_int, default=d.observe_tokens,
-                   help=f"new private input per agent per round (default {d.observe_tokens})")
-    g.add_argument("--output-tokens", type=positive_int, default=d.output_tokens,
-                   help=f"output per agent per round, the shared segment (default {d.output_tokens})")
+                   help="rounds: full round or ttft (default full)")
+    g.add_argument("--rounds", type=positive_int, default=d.num_rounds, metavar="N",
+                   help=f"rounds: rounds per run (default {d.num_rounds})")
+    g.add_argument("--private-tokens", type=nonnegative_int, default=d.private_tokens, metavar="N",
+                   help=f"rounds: private history per agent (default {d.private_tokens})")
+    g.add_argument("--observe-tokens", type=nonnegative_int, default=d.observe_tokens, metavar="N",
+                   help=f"rounds: new input per agent per round (default {d.observe_tokens})")
+    g.add_argument("--output-tokens", type=positive_int, default=d.output_tokens, metavar="N",
+                   help=f"rounds: output per agent per round (default {d.output_tokens})")
 
 
 def build_spec(args: argparse.Namespace, progress=None) -> Any:
