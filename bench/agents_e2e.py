@@ -378,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    if int(args.hbm_contexts * args.context_tokens / BLOCK_SIZE) * BLOCK_SIZE < args.context_tokens + 512:
+        ap.error(f"--hbm-contexts {args.hbm_contexts:g}: HBM must hold one request of --context-tokens + 512 "
+                 f"(vLLM's max model length here), {args.context_tokens + 512} tokens")
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     bad = [n for n in names if n not in CONFIGS]
     if bad:

