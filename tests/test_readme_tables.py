@@ -65,3 +65,22 @@ def test_the_shipped_kvtier_constants_are_the_ones_tuned_on_the_tuning_half() ->
     assert tuned["split"] == "tune"
     assert KVTier.next_use_trust == tuned["chosen_next_use_trust"]
     assert KVTier.user_wait_s == tuned["chosen_user_wait_s"]
+
+
+def test_a_replay_table_bolds_the_shipped_policy_and_compares_with_lru_dram(rt) -> None:
+    import json
+
+    import replay_tables  # (registered by the fixture's _load_renderers)
+
+    from kvtier.replay.report import main_point
+
+    report = json.loads((ROOT / "bench" / "out" / "replay-dev-eval.json").read_text())
+    rows = main_point(report["results"])
+    text = replay_tables.policy_table(report, rows)
+    bold = [line for line in text.splitlines() if line.startswith("| **")]
+    assert len(bold) == 1 and bold[0].startswith("| **kvtier** |")  # not the ablation that computes least
+    assert "| vs lru-dram |" in text and "less prefill than lru-dram" in text
+    # a baseline kvtier loses to is said plainly
+    cheap = {**next(r for r in rows if r["policy"] == "lru-dram"), "prefill_tokens_computed": 1.0}
+    text = replay_tables.policy_table(report, [r for r in rows if r["policy"] != "lru-dram"] + [cheap])
+    assert "MORE prefill than lru-dram" in text
