@@ -40,8 +40,10 @@ def policy_table(report: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     if ship is not None and fair is not None and fair["prefill_tokens_computed"]:
         c, f = ship["prefill_tokens_computed"], fair["prefill_tokens_computed"]
         bound = rows[0].get("bound_prefill_tokens")
-        caption += (f" **{SHIPPED}** (bold, the shipped policy) computes {abs(1 - c / f):.0%} "
-                    f"{'less' if c <= f else 'MORE'} prefill than {FAIR} with the same tiers ({c / 1e6:.2f}M "
+        share = abs(1 - c / f)
+        caption += (f" **{SHIPPED}** (bold, the shipped policy) computes {share:.0%}" if share >= 0.095 else
+                    f" **{SHIPPED}** (bold, the shipped policy) computes {share:.1%}")
+        caption += (f" {'less' if c <= f else 'more'} prefill than {FAIR} with the same tiers ({c / 1e6:.2f}M "
                     f"against {f / 1e6:.2f}M)" + (f", {c / bound:.3f}x the bound" if bound else "") +
                     f"; later-turn TTFT p99 {ship['ttft_p99_later_turns_s']:.1f} s against "
                     f"{fair['ttft_p99_later_turns_s']:.1f} s.")
