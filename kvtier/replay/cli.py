@@ -197,7 +197,9 @@ def add_rounds_arguments(p: argparse.ArgumentParser) -> None:
     from .rounds import DEFAULT_SLO_ROUND_S, ROUND_LATENCIES, RoundsWorkload
 
     d = RoundsWorkload()
-    g = p.add_argument_group("generated workloads (--workload apps, --workload rounds)")
+    g = p.add_argument_group("generated workloads (--workload apps, --workload rounds)",
+                             "rounds compares lru, lru-dram, layout (exact sharing, kvtier.sdk.rounds.RoundLayout), "
+                             "diff (master + lossless diff) and approx (APPROXIMATE reuse, keys re-rotated)")
     g.add_argument("--workload", choices=["traces", "apps", "rounds"], default="traces",
                    help="traces (default: --trace or embedded), apps or rounds")
     g.add_argument("--app", choices=["code-writer", "deep-research", "mixed"], default="code-writer",

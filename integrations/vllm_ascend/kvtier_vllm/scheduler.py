@@ -115,6 +115,16 @@ class _Match:
     sync: bool = False  # loaded before this step's forward (sync_dram_loads)
 
 
+def _recompute_instead(policy: Any, ctx: Any, hit: Any, counters: Counter[str], block_size: int) -> bool:
+    """``recompute_when_cheaper``: the placement's ``should_load`` finds recomputing ``hit`` (its DRAM and
+    SSD blocks) faster than loading it on the live context ``ctx``; counted."""
+    if policy.should_load(ctx, {t: hit.count(t) for t in ("dram", "ssd")}, 0):
+        return False
+    counters["load_skipped_cheaper"] += 1
+    counters["load_skipped_cheaper_tokens"] += hit.num_blocks * block_size
+    return True
+
+
 class KVTierScheduler:
     """The scheduler-side half. One instance per engine (scheduler process).
 
@@ -242,12 +252,9 @@ class KVTierScheduler:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens past ``num_computed_tokens`` (block aligned) that kvtier can load,
-        and whether the load is asynchronous (always, when there are any, but a hit
-        wholly in DRAM under ``sync_dram_loads``: loaded before this step's forward). Reads
-        the in-memory index only. The last prompt token is never offered: the
-        engine must compute at least one token to sample. With
-        ``recompute_when_cheaper`` a DRAM / SSD hit the placement's ``should_load``
-        finds slower than recomputing is not offered (vLLM computes it)."""
+        and whether the load is asynchronous (always, but a DRAM hit under ``sync_dram_loads``).
+        Reads the in-memory index only. The last prompt token is never offered: the
+        engine must compute at least one token to sample (nor a hit ``_recompute_instead`` skips)."""
         self.placement.settle_order()  # (before this pass allocates: the waits that started last step)
         self._drop_match(request.request_id)  # asked again (its allocation failed, or it was deferred)
         st = self._state(request)
@@ -281,13 +288,9 @@ class KVTierScheduler:
             remote = got
         if hit.num_blocks + remote == 0:
             return 0, False
-        sync = self.settings.sync_dram_loads and not remote and not shifts and \
-            hit.count("dram") == hit.num_blocks
-        if self.settings.recompute_when_cheaper and not sync and not remote and not shifts and \
-                not self.policy.should_load(self.placement, {t: hit.count(t) for t in ("dram", "ssd")},
-                                            num_computed_tokens):
-            self.counters["load_skipped_cheaper"] += 1
-            self.counters["load_skipped_cheaper_tokens"] += hit.num_blocks * self.block_size
+        sync = self.settings.sync_dram_loads and not (remote or shifts) and hit.count("dram") == hit.num_blocks
+        if self.settings.recompute_when_cheaper and not (sync or remote or shifts) and \
+                _recompute_instead(self.policy, self.placement, hit, self.counters, self.block_size):
             return 0, False
         end = start + hit.num_blocks + remote
         held = tuple(keys[start:start + hit.num_blocks])
