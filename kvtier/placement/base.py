@@ -98,9 +98,9 @@ class PlacementContext(Protocol):
 
     def recompute_time_s(self, num_tokens: int) -> float:
         """Predicted seconds to prefill ``num_tokens`` again (0.0 for none), as if no context were cached.
-        Replay: its hardware profile's model. Live: the engine's prefill rate fitted from its own steps
-        (seconds = fixed cost + tokens / rate), a constant rate (``prefill_tokens_per_s``, 20,000 by
-        default) until enough steps were seen."""
+        Replay: its hardware profile's model. Live: where the connector times the engine's steps
+        (``recompute_when_cheaper``), the prefill rate fitted from them (seconds = fixed cost + tokens /
+        rate); else, and until enough steps were seen, a constant rate (``prefill_tokens_per_s``, 20,000)."""
         ...
 
     def load_wait_s(self) -> float:
