@@ -130,8 +130,12 @@ def main() -> None:
             agent_session(client, f"demo-{i}")
         client.flush()
         stats = client.stats()
-    print(f"sent {stats.emitted} hint events: {stats.accepted} accepted, {stats.rejected} rejected, "
-          f"{stats.num_dropped} dropped {dict((k, v) for k, v in stats.dropped.items() if v)}")
+    print(f"sent {stats.emitted} hint events: {stats.accepted} accepted, {stats.rejected} rejected "
+          f"{dict(stats.rejected_by_reason or {})}, {stats.num_dropped} dropped "
+          f"{dict((k, v) for k, v in stats.dropped.items() if v)}")
+    if (stats.rejected_by_reason or {}).get("no_store"):
+        print("(the pin commands were refused: a server without a store cannot pin blocks; `kvtier serve --store` "
+              "or the vLLM connector's hint_server can)")
     if local is not None:
         box, stop = local
         stop()

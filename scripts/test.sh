@@ -25,6 +25,12 @@ $PIP "$VENV/bin/python" -q -e ".[test,plot]"
 # (scripts/install_mooncake_libs.sh) and requires them (KVTIERTEST_REQUIRE_MOONCAKE=1).
 if [ "$#" -eq 0 ]; then
   bash scripts/install_mooncake_libs.sh
+  # Debian's docker-compose checks deploy/compose.yaml (tests/test_deploy.py); without it (not root, no apt)
+  # that one test skips and says so
+  command -v docker-compose >/dev/null || [ "$(id -u)" -ne 0 ] ||
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker-compose >/dev/null 2>&1 ||
+    { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker-compose >/dev/null 2>&1; } ||
+    echo "docker-compose could not be installed: tests/test_deploy.py skips the compose check"
   $PIP "$VENV/bin/python" -q -e ".[remote]"
   KVTIER_VENV="$VENV" bash integrations/sglang/setup_sglang_venv.sh
   PYTHON="$PY" bash integrations/aiperf/setup_aiperf_venv.sh

@@ -86,8 +86,16 @@ def test_every_documented_command_parses(where: str, command: str, tmp_path, mon
 
 
 def test_the_readme_sdk_snippet_runs_with_no_server() -> None:
-    (snippet,) = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if 'HintClient("127.0.0.1:50051")' in b]
-    code = "def run_tool():\n    pass\n" + snippet.replace("127.0.0.1:50051", "127.0.0.1:1")  # nothing listens
+    """The quickstart's SDK lines, with nothing listening at the hint server's address: they must not raise,
+    and the request they send carries the session and agent ids (``client`` records it: no engine here;
+    examples/agent_to_engine.py runs the same against one)."""
+    (snippet,) = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if 'HintClient("127.0.0.1:50071")' in b]
+    code = ("import types\nsent = []\ndef run_tool():\n    pass\n"
+            "client = types.SimpleNamespace(chat=types.SimpleNamespace(completions=types.SimpleNamespace(\n"
+            "    create=lambda *a, **kw: sent.append(kw))))\n"
+            + snippet.replace("127.0.0.1:50071", "127.0.0.1:1")  # nothing listens
+            + "params = sent[0]['extra_body']['kv_transfer_params']\n"
+              "assert params['kvtier_session_id'] == 's1' and params['kvtier_agent_id'].startswith('coder'), params\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
 
@@ -105,7 +113,7 @@ def test_the_store_snippet_compiles_and_its_config_validates(tmp_path) -> None:
 
 def test_the_readme_is_a_guide_of_at_most_300_lines_linking_pages_that_exist() -> None:
     assert README.count("\n") <= 300, f"README.md has {README.count(chr(10))} lines: move detail to docs/"
-    links = re.findall(r"\]\(((?:docs|integrations)/[^)#]+)", README)
+    links = re.findall(r"\]\(((?:docs|integrations|examples|deploy)/[^)#]+)", README)
     assert len(links) >= 8 and all((ROOT / link).is_file() for link in links), links
 
 

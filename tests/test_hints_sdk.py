@@ -149,6 +149,7 @@ def test_the_first_drop_of_each_reason_is_logged(caplog) -> None:
             client.emit("session_start", session_id=f"s{i}")
     warnings = [r for r in caplog.records if "queue_full" in r.getMessage()]
     assert len(warnings) == 1 and client.stats().dropped["queue_full"] == 2
+    assert "127.0.0.1:1" in warnings[0].getMessage()  # which server: a wrong port is otherwise silent
     client.close(timeout_s=0.1)
 
 

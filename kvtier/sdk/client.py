@@ -332,8 +332,8 @@ class _Emitter:
             if error:
                 self._last_error = error
         if first and reason not in ("closed",):
-            _log.warning("kvtier hints: dropping events (%s)%s; counted in stats().dropped, further drops of this "
-                         "reason are not logged", reason, f": {error}" if error else "")
+            _log.warning("kvtier hints to %s: dropping events (%s)%s; counted in stats().dropped, further drops of "
+                         "this reason are not logged", self.target, reason, f": {error}" if error else "")
 
     def stats(self) -> ClientStats:
         """Counters now (see :class:`ClientStats`)."""
