@@ -228,6 +228,12 @@ def _cmd_analyze_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_traces(args: argparse.Namespace) -> int:
+    from .replay.tracefetch import command
+
+    return command(args)
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .inspect import inspect_dir
 
@@ -338,6 +344,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description=ROUTE_DESCRIPTION)
     add_route_arguments(o)
     o.set_defaults(func=_cmd_route)
+
+    from .replay.tracefetch import add_arguments as add_traces_arguments
+
+    tr = sub.add_parser("traces", help="fetch the public traces the docs replay (list, fetch NAME)",
+                        description="The public agent traces kvtier's docs and tests replay: list them, or fetch "
+                                    "them from their public source, verified by SHA-256.")
+    add_traces_arguments(tr)
+    tr.set_defaults(func=_cmd_traces)
 
     i = sub.add_parser("inspect", help="list and verify what an SSD tier directory holds",
                        description="List namespaces, layouts, codecs, block counts, bytes and ages of an SSD "

@@ -37,6 +37,10 @@ class MissingExtraError(KVTierError, ModuleNotFoundError):
                          f"pip install 'kvtier[{extra}]'", name=module)
 
 
+class FetchError(KVTierError, OSError):
+    """A download failed or did not verify; the message names the file, its URL and what went wrong."""
+
+
 class ProtocolError(KVTierError, RuntimeError):
     """A caller broke a two-phase protocol (e.g. completed a plan twice)."""
 
