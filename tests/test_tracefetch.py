@@ -137,3 +137,12 @@ def test_a_fetched_mooncake_trace_is_the_shared_one(tmp_path, mirror) -> None:
         _publish(root, source, remote, (SHARED / local).read_bytes())
     (path,) = fetch(["mooncake_fast25"], tmp_path, url)
     assert path.read_bytes() == (SHARED / "mooncake_fast25" / "conversation_trace.jsonl").read_bytes()
+
+
+def test_a_missing_public_trace_says_how_to_fetch_it(tmp_path, capsys) -> None:
+    missing = tmp_path / "elsewhere" / "weka_claude_code" / "weka_dev_120.tar.xz"
+    assert main(["replay", "--trace", str(missing), "--split", "eval"]) == 2
+    err = capsys.readouterr().err
+    assert f"kvtier traces fetch weka_dev_120 --dest {tmp_path / 'elsewhere'}" in err, err
+    assert main(["replay", "--trace", str(tmp_path / "mine.json")]) == 2  # not a public one: no hint
+    assert "traces fetch" not in capsys.readouterr().err

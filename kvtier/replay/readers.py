@@ -165,7 +165,9 @@ def load_trace_with_report(
     started = time.perf_counter()
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"trace path {str(path)!r} does not exist")
+        from .tracefetch import missing_hint
+
+        raise FileNotFoundError(f"trace path {str(path)!r} does not exist{missing_hint(path)}")
     loader = _Loader(skip_bad=skip_bad, block_size=block_size, shared_prefix=shared_prefix)
     loader.load_blobs(_iter_blobs(path, loader))
     return loader.finish(_workload_name(path), str(path), started)

@@ -53,6 +53,18 @@ SETS: dict[str, TraceSet] = {s.name: s for s in (
 )}
 
 
+def missing_hint(path: str | Path) -> str:
+    """For a trace path that does not exist: how to fetch it, where it is one of the catalogued files
+    (its traces directory is what the path names before the catalogued part), else ``""``."""
+    text = Path(path).as_posix()
+    for s in SETS.values():
+        for local in s.files:
+            if text == local or text.endswith("/" + local):
+                dest = text[: -len(local)].rstrip("/") or "."
+                return f"; it is a public trace: kvtier traces fetch {s.name} --dest {dest}"
+    return ""
+
+
 def default_dest() -> Path:
     """``$XDG_CACHE_HOME/kvtier/traces`` (``~/.cache/kvtier/traces`` without it)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
