@@ -64,10 +64,15 @@ def test_anthropic_bodies_and_the_session_fallbacks() -> None:
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok"}]}]}
     d2 = h.request("anthropic", {}, back, now=2.0)
     assert d2.session_id == d.session_id and _kinds(d2.events) == ["tool_call_end"]
-    # prompt_cache_key, user and metadata name a session; each its own
+    # vLLM's session_id, prompt_cache_key, user and metadata name a session; each its own
+    fingerprinted = h.counters["sessions_fingerprinted"]
     ids = {h.request("openai", {}, {**_chat("q"), key: value}, now=3.0).session_id
-           for key, value in [("prompt_cache_key", "k1"), ("user", "k1"), ("metadata", {"session_id": "k1"})]}
-    assert len(ids) == 3
+           for key, value in [("session_id", "k1"), ("prompt_cache_key", "k1"), ("user", "k1"),
+                              ("metadata", {"session_id": "k1"})]}
+    assert len(ids) == 4 and h.counters["sessions_fingerprinted"] == fingerprinted
+    # Dynamo's session header, as any session header
+    d3 = h.request("openai", {"x-dynamo-session-id": "dyn"}, _chat("q"), now=4.0)
+    assert d3.session_id == h.request("openai", {"x-session-id": "dyn"}, _chat("q"), now=4.0).session_id
 
 
 def test_an_sdk_tagged_request_is_left_alone() -> None:

@@ -2,8 +2,8 @@
 
 Claude Code, Codex, Qwen Code and apps on the OpenAI or Anthropic clients do not
 call kvtier's SDK, yet every request says who it belongs to (a session header,
-``prompt_cache_key``, ``user`` or ``metadata``; else the conversation's first
-messages) and the protocol itself says when the agent waits on a tool: a
+vLLM's ``session_id``, ``prompt_cache_key``, ``user`` or ``metadata``; else the
+conversation's first messages) and the protocol itself says when the agent waits on a tool: a
 response that ends in a tool call starts the wait, and the same agent's next
 request, carrying the tool result, ends it. :class:`StreamHints` turns a
 request / response pair into
@@ -62,7 +62,7 @@ from typing import Any, Iterable, Mapping
 from ..sdk.handles import AGENT_ID_PARAM, KV_TRANSFER_PARAMS, SESSION_ID_PARAM
 
 SESSION_HEADERS = ("x-claude-code-session-id", "x-qwen-code-session-id", "x-session-id", "session-id",
-                   "x-codex-session-id", "x-opencode-session-id")
+                   "x-codex-session-id", "x-opencode-session-id", "x-dynamo-session-id")
 """Request headers that name a session, first found wins (lower case, as ASGI gives them)."""
 AGENT_HEADERS = ("x-agent-id", "x-claude-code-agent-id")
 """Request headers that name an agent within its session."""
@@ -242,7 +242,7 @@ class StreamHints:
                 v = self._valid(headers[h])
                 if v is not None:
                     return "hdr:" + v
-        for key in ("prompt_cache_key", "user"):
+        for key in ("session_id", "prompt_cache_key", "user"):  # session_id: vLLM's own field
             if key in body:
                 v = self._valid(body[key])
                 if v is not None:

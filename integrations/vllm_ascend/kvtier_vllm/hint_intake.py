@@ -10,7 +10,8 @@ after the request ended), and the start of every wait: a tagged request's end
 (``tool`` with ``kvtier_tool_wait_s``, else ``turn_end``) or a tool call the
 server announces (re-timing a ``turn_end`` wait). The placement policy decides
 what a wait does (holds, order, prefetch); the shared rounds get the server's
-round announcements; and the check of each new request's ``kv_transfer_params``
+round announcements; the agents of requests that name only vLLM's session
+(:class:`.native_sessions.NativeSessions`); and the check of each new request's ``kv_transfer_params``
 (refused keys counted, named in a rate-limited log line). The hosted server refuses block-key
 commands, saying why (:data:`NO_BLOCK_COMMANDS`). Must not import vLLM, plan loads or stores, or wait on the
 hint server on the scheduler's step (a read of the hosted one gives up after
@@ -30,6 +31,7 @@ from kvtier.placement import ToolWait
 from kvtier.placement.base import TURN_END_GAP_S
 from kvtier.sdk.params import KV_TRANSFER_PARAMS, VALIDATORS, check_request_params
 
+from .native_sessions import NativeSessions
 from .placement import EnginePlacement
 from .rounds import SharedRounds
 from .settings import MAX_TRACKED_AGENTS, ConnectorSettings
@@ -75,6 +77,7 @@ class HintIntake:
         self._ended_agents: set[AgentKey] = set()
         self._next_poll_s = 0.0
         self._param_log_s, self._param_logs = 0.0, 0  # refused kv_transfer_params: log lines this second
+        self.native = NativeSessions(counters, MAX_TRACKED_AGENTS)  # requests named only by vLLM's session_id
         self.hosted: Any = None
         self.address: str | None = None
         self.watcher: Any = None
@@ -121,10 +124,13 @@ class HintIntake:
         its context kept behind every agent that does come back.
         The placement policy decides (hold its HBM blocks, order its host copies,
         schedule a prefetch). The context is remembered for tool calls a hint
-        server announces."""
+        server announces. An agent named only by vLLM's session id waits as long as its gaps
+        predict (:meth:`.native_sessions.NativeSessions.ended`)."""
         agent = st.agent
         if agent is None:
             return
+        if wait_s is None:
+            wait_s = self.native.ended(*agent)
         keys = self._keys_of(st)
         hashes = list(st.request.block_hashes[: len(keys)])
         if self.following and keys:

@@ -135,10 +135,7 @@ class KVTierScheduler:
     def __init__(self, settings: ConnectorSettings, namespace: Namespace, block_size: int, world_size: int,
                  kv_events: bool = False, window_blocks: Sequence[int] = (0,)) -> None:
         cfg = settings.config
-        self.settings = settings
-        self.namespace = namespace
-        self.block_size = block_size
-        self.world_size = world_size
+        self.settings, self.namespace, self.block_size, self.world_size = settings, namespace, block_size, world_size
         self.policy = make_placement(settings.placement, "kv_connector_extra_config.placement",
                                      settings.placement_params)
         specs = []
@@ -585,6 +582,8 @@ class KVTierScheduler:
             spans = request_approximate_segments(params)
             if spans is not None or is_approximate_salt(getattr(request, "cache_salt", None)):
                 st.approx = self._segment_blocks(request, spans or [])
+            if session_id is None:  # no kvtier tags: vLLM's own session id names it (NativeSessions)
+                st.session_id, st.agent_id = self.hints.native.tags(request, self._keys(st))
         return st
 
     def _segment_blocks(self, request: Any, spans: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
