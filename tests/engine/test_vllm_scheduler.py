@@ -304,6 +304,25 @@ def test_a_tagged_request_without_a_tool_wait_starts_a_turn_end() -> None:
     assert sched.counters["user_waits"] == 1  # no agent, no wait
 
 
+def test_vllms_session_id_names_an_untagged_request_and_kvtier_tags_win() -> None:
+    """Precedence (docs/agents.md): kvtier's tags, when a request has them; else vLLM's own
+    ``Request.session_id``, whose agent the connector derives (``native_sessions``)."""
+    sched, kvm = _sched()
+    native = FakeRequest("r1", 4)
+    native.session_id = "vs"
+    tagged = FakeRequest("r2", 4, params={"kvtier_session_id": "s", "kvtier_agent_id": "a"})
+    tagged.session_id = "vs"  # also has vLLM's: the tags win
+    for r, blocks in ((native, [10, 11, 12, 13, 14]), (tagged, [20, 21, 22, 23, 24])):
+        kvm.blocks[r.request_id] = blocks
+        sched.on_new_request(r)
+    _step(sched, {"r1": native.num_tokens, "r2": tagged.num_tokens})
+    for r in (native, tagged):
+        sched.request_finished(r)
+    assert sched.placement.is_waiting(("vs", "vllm-0")) and sched.placement.is_waiting(("s", "a"))
+    assert not sched.placement.is_waiting(("vs", "vllm-1"))
+    assert sched.counters["native_session_requests"] == 1 and sched.counters["native_session_agents"] == 1
+
+
 def _run_steps(sched: KVTierScheduler, clock: list[float], fixed_s: float, per_token_s: float) -> None:
     """Twelve engine steps of one running request, prefill chunks and decodes, each taking
     ``fixed_s + tokens * per_token_s`` on ``clock``; an idle gap of 100 s before the last."""
