@@ -11,7 +11,8 @@ after the request ended), and the start of every wait: a tagged request's end
 server announces (re-timing a ``turn_end`` wait). The placement policy decides
 what a wait does (holds, order, prefetch); the shared rounds get the server's
 round announcements; the agents of requests that name only vLLM's session
-(:class:`.native_sessions.NativeSessions`); and the check of each new request's ``kv_transfer_params``
+(:class:`.native_sessions.NativeSessions`), prefix breaks (:class:`.prefix_breaks.PrefixBreaks`); and the check
+of each new request's ``kv_transfer_params``
 (refused keys counted, named in a rate-limited log line). The hosted server refuses block-key
 commands, saying why (:data:`NO_BLOCK_COMMANDS`). Must not import vLLM, plan loads or stores, or wait on the
 hint server on the scheduler's step (a read of the hosted one gives up after
@@ -32,6 +33,7 @@ from kvtier.placement.base import TURN_END_GAP_S
 from kvtier.sdk.params import KV_TRANSFER_PARAMS, VALIDATORS, check_request_params
 
 from .native_sessions import NativeSessions
+from .prefix_breaks import PrefixBreaks
 from .placement import EnginePlacement
 from .rounds import SharedRounds
 from .settings import MAX_TRACKED_AGENTS, ConnectorSettings
@@ -78,6 +80,7 @@ class HintIntake:
         self._next_poll_s = 0.0
         self._param_log_s, self._param_logs = 0.0, 0  # refused kv_transfer_params: log lines this second
         self.native = NativeSessions(counters, MAX_TRACKED_AGENTS)  # requests named only by vLLM's session_id
+        self.breaks = PrefixBreaks(counters, block_size)
         self.hosted: Any = None
         self.address: str | None = None
         self.watcher: Any = None
@@ -111,6 +114,14 @@ class HintIntake:
         if self.hosted is not None:
             self.hosted.stop()
             self.hosted = None
+
+    def arrived(self, st: Any) -> None:
+        """A new request: where kvtier's tags name no session, vLLM's own session id does
+        (:class:`.native_sessions.NativeSessions`); then its agent's prefix is checked against
+        the agent's previous prompt (:class:`.prefix_breaks.PrefixBreaks`)."""
+        if st.session_id is None:
+            st.session_id, st.agent_id = self.native.tags(st.request, self._keys_of(st))
+        self.breaks.arrived(st.agent, getattr(st.request, "prompt_token_ids", None))
 
     def request_done(self, st: Any, wait_s: float | None) -> None:
         """A tagged request finished: its agent now waits, on a tool for ``wait_s``

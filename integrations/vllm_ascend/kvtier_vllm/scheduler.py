@@ -582,8 +582,7 @@ class KVTierScheduler:
             spans = request_approximate_segments(params)
             if spans is not None or is_approximate_salt(getattr(request, "cache_salt", None)):
                 st.approx = self._segment_blocks(request, spans or [])
-            if session_id is None:  # no kvtier tags: vLLM's own session id names it (NativeSessions)
-                st.session_id, st.agent_id = self.hints.native.tags(request, self._keys(st))
+            self.hints.arrived(st)  # vLLM's own session id names it where kvtier's tags do not; prefix breaks
         return st
 
     def _segment_blocks(self, request: Any, spans: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
