@@ -155,7 +155,10 @@ def serve(args: argparse.Namespace, work: Path) -> tuple[subprocess.Popen, str]:
 
         model, name = str(make_chat_model(work / "model")), "tiny"
         hbm = 1280  # tokens of KV cache (bytes, for this tokenizer): the longest prompt, about 1.5 agents' contexts
-        engine = ["--block-size", str(TINY_BLOCK), "--max-model-len", str(hbm), "--enforce-eager",
+        # a small slice of host memory for the CPU backend (its default, 0.92, fails where other processes hold
+        # memory), and the engine in one process: what the tiny model needs
+        engine = ["--gpu-memory-utilization", "0.2", "--distributed-executor-backend", "uni",
+                  "--block-size", str(TINY_BLOCK), "--max-model-len", str(hbm), "--enforce-eager",
                   "--num-gpu-blocks-override", str(hbm // TINY_BLOCK + 1), "--seed", "0",
                   "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
         dram = 2 * args.agents * hbm // TINY_BLOCK
