@@ -346,7 +346,8 @@ def test_recompute_when_cheaper_weighs_the_fitted_step_against_the_load(fixed_s,
     _, job, write = _store_r1(sched, kvm)
     sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True] * 4)}, {job.job_id: 1}))
     _run_steps(sched, clock, fixed_s, per_token_s)
-    assert sched.placement.load_wait_s() == pytest.approx(fixed_s, rel=0.05)  # the idle gap was not a step
+    # a step like the running one (1 decode token), not the idle gap: the gap was not a step
+    assert sched.placement.load_wait_s() == pytest.approx(fixed_s + per_token_s, rel=0.05)
     assert sched.placement.recompute_time_s(1000) == pytest.approx(1000 * per_token_s, rel=0.05)
     r2 = FakeRequest("r2", 4)
     sched.on_new_request(r2)
@@ -354,6 +355,29 @@ def test_recompute_when_cheaper_weighs_the_fitted_step_against_the_load(fixed_s,
     assert got == ((4 * BS, True) if loads else (0, False))
     assert sched.counters["load_skipped_cheaper"] == (0 if loads else 1)
     assert sched.counters["load_skipped_cheaper_tokens"] == (0 if loads else 4 * BS)
+
+
+def test_recompute_when_cheaper_charges_no_step_while_the_engine_idles() -> None:
+    """A load waits a step only behind what is running: once the last step ended long
+    ago (or scheduled nothing) the engine idles and a load costs its transfer alone, so
+    the hit a busy engine would recompute (fixed cost dominating) is loaded."""
+    sched, kvm = _sched(recompute_when_cheaper=True)
+    clock = [1000.0]
+    sched.placement.clock = lambda: clock[0]
+    _, job, write = _store_r1(sched, kvm)
+    sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True] * 4)}, {job.job_id: 1}))
+    _run_steps(sched, clock, 0.05, 1e-6)
+    busy = sched.placement.load_wait_s()
+    _step(sched, {"running": 300})  # a bigger batch runs: its step is the one a load waits behind
+    assert sched.placement.load_wait_s() == pytest.approx(0.05 + 300e-6, rel=0.05) and busy < 0.05 + 300e-6
+    clock[0] += 1.0  # no step for 1 s, far over twice a step: nothing runs
+    assert sched.placement.load_wait_s() == 0.0
+    _step(sched, {})  # a step that scheduled nothing: idle too
+    assert sched.placement.load_wait_s() == 0.0
+    r2 = FakeRequest("r2", 4)
+    sched.on_new_request(r2)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (4 * BS, True)
+    assert sched.counters["load_skipped_cheaper"] == 0
 
 
 def test_without_recompute_when_cheaper_a_hit_is_always_loaded() -> None:

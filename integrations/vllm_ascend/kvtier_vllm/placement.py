@@ -557,8 +557,15 @@ class EnginePlacement:
         return num_tokens / (fit[1] if fit is not None else self.prefill_tokens_per_s)
 
     def load_wait_s(self) -> float:
-        fit = self.links.params(STEP_LINK)
-        return fit[0] if fit is not None else 0.0
+        """The step a request whose KV loads asynchronously waits through: one like the last step the
+        engine ran (fixed cost + its tokens / prefill rate), while requests run; 0.0 when the engine
+        idles (its last step scheduled nothing, or ended over twice its predicted length ago: nothing
+        runs that the load would wait behind) or no step was fitted yet."""
+        fit, last = self.links.params(STEP_LINK), self._last_step
+        if fit is None or last is None:
+            return 0.0
+        step_s = fit[0] + last[1] / fit[1]
+        return step_s if self.now - last[0] <= 2.0 * step_s else 0.0
 
     def step_started(self, scheduled: Mapping[str, int]) -> None:
         """Each scheduler step (``scheduled``: request id -> tokens this step). The time since the
