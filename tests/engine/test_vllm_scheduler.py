@@ -357,27 +357,29 @@ def test_recompute_when_cheaper_weighs_the_fitted_step_against_the_load(fixed_s,
     assert sched.counters["load_skipped_cheaper_tokens"] == (0 if loads else 4 * BS)
 
 
-def test_recompute_when_cheaper_charges_no_step_while_the_engine_idles() -> None:
-    """A load waits a step only behind what is running: once the last step ended long
-    ago (or scheduled nothing) the engine idles and a load costs its transfer alone, so
-    the hit a busy engine would recompute (fixed cost dominating) is loaded."""
+def test_recompute_when_cheaper_charges_the_running_step_and_an_idle_engine_its_fixed_cost() -> None:
+    """A load waits through a step: its fixed cost (the scheduler-worker round trip) always, and the
+    forward of what runs beside it while requests run; once the last step ended long ago (or
+    scheduled nothing) the engine idles and only the fixed cost is charged."""
     sched, kvm = _sched(recompute_when_cheaper=True)
     clock = [1000.0]
     sched.placement.clock = lambda: clock[0]
     _, job, write = _store_r1(sched, kvm)
     sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True] * 4)}, {job.job_id: 1}))
-    _run_steps(sched, clock, 0.05, 1e-6)
-    busy = sched.placement.load_wait_s()
+    _run_steps(sched, clock, 0.001, 1e-3)
     _step(sched, {"running": 300})  # a bigger batch runs: its step is the one a load waits behind
-    assert sched.placement.load_wait_s() == pytest.approx(0.05 + 300e-6, rel=0.05) and busy < 0.05 + 300e-6
-    clock[0] += 1.0  # no step for 1 s, far over twice a step: nothing runs
-    assert sched.placement.load_wait_s() == 0.0
-    _step(sched, {})  # a step that scheduled nothing: idle too
-    assert sched.placement.load_wait_s() == 0.0
+    assert sched.placement.load_wait_s() == pytest.approx(0.001 + 0.3, rel=0.05)
     r2 = FakeRequest("r2", 4)
     sched.on_new_request(r2)
-    assert sched.get_num_new_matched_tokens(r2, 0) == (4 * BS, True)
-    assert sched.counters["load_skipped_cheaper"] == 0
+    assert sched.get_num_new_matched_tokens(r2, 0) == (0, False)  # 0.3 s behind the batch: recompute 4 blocks
+    clock[0] += 1.0  # no step for 1 s, far over twice a step: nothing runs
+    assert sched.placement.load_wait_s() == pytest.approx(0.001, rel=0.05)
+    _step(sched, {})  # a step that scheduled nothing: idle too
+    assert sched.placement.load_wait_s() == pytest.approx(0.001, rel=0.05)
+    r3 = FakeRequest("r3", 4)
+    sched.on_new_request(r3)
+    assert sched.get_num_new_matched_tokens(r3, 0) == (4 * BS, True)  # idle: the load is faster
+    assert sched.counters["load_skipped_cheaper"] == 1
 
 
 def test_without_recompute_when_cheaper_a_hit_is_always_loaded() -> None:

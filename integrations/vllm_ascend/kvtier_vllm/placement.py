@@ -557,15 +557,16 @@ class EnginePlacement:
         return num_tokens / (fit[1] if fit is not None else self.prefill_tokens_per_s)
 
     def load_wait_s(self) -> float:
-        """The step a request whose KV loads asynchronously waits through: one like the last step the
-        engine ran (fixed cost + its tokens / prefill rate), while requests run; 0.0 when the engine
-        idles (its last step scheduled nothing, or ended over twice its predicted length ago: nothing
-        runs that the load would wait behind) or no step was fitted yet."""
+        """The step a request whose KV loads asynchronously waits through: the engine's fixed cost of a
+        step (the round trip through the scheduler and the workers, paid even by an idle engine) plus,
+        while requests run, the tokens of one like the last step (its forward); the running part is
+        left out when the engine idles (its last step scheduled nothing, or ended over twice its
+        predicted length ago). 0.0 until a step was fitted."""
         fit, last = self.links.params(STEP_LINK), self._last_step
-        if fit is None or last is None:
+        if fit is None:
             return 0.0
-        step_s = fit[0] + last[1] / fit[1]
-        return step_s if self.now - last[0] <= 2.0 * step_s else 0.0
+        step_s = fit[0] + (last[1] / fit[1] if last is not None else 0.0)
+        return step_s if last is not None and self.now - last[0] <= 2.0 * step_s else fit[0]
 
     def step_started(self, scheduled: Mapping[str, int]) -> None:
         """Each scheduler step (``scheduled``: request id -> tokens this step). The time since the
