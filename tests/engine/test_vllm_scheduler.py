@@ -431,3 +431,30 @@ def test_sync_dram_loads_is_refused_where_it_is_not_built(tmp_path, device, extr
     with pytest.raises(ConfigError, match=problem) as err:
         ConnectorSettings.build({"dram_capacity_blocks": 8, "sync_dram_loads": True, **extra}, facts, env={})
     assert "sync_dram_loads" in str(err.value)
+
+
+def test_stats_file_rewritten_at_most_every_interval_while_busy_and_at_once_when_idle(tmp_path, monkeypatch) -> None:
+    """Each rewrite costs the engine's thread a temporary file and a rename: while a request is
+    live the file is rewritten at most every ``STATS_EVERY_S``, and the moment the last live
+    request finishes it shows the latest counters (a reader waiting for idle reads them)."""
+    import json
+
+    from kvtier_vllm import scheduler as sched_mod
+
+    path = tmp_path / "stats.json"
+    sched, kvm = _sched(stats_path=str(path))
+    clock = [100.0]
+    monkeypatch.setattr(sched_mod, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    r1, job, write = _store_r1(sched, kvm)
+    sched.update_connector_output(KVTierWorkerMetadata())
+    first = json.loads(path.read_text())["counters"]
+    sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True] * 4)}, {job.job_id: 1}))
+    assert json.loads(path.read_text())["counters"] == first  # 0 s later, r1 live: not yet
+    clock[0] += sched_mod.STATS_EVERY_S
+    sched.update_connector_output(KVTierWorkerMetadata())
+    assert json.loads(path.read_text())["counters"]["stored_blocks_dram"] == 4  # the interval passed
+    sched.counters["lookups"] += 7
+    sched.update_connector_output(KVTierWorkerMetadata())
+    assert json.loads(path.read_text())["counters"]["lookups"] != sched.counters["lookups"]
+    sched.request_finished(r1)  # the last live request: written at once
+    assert json.loads(path.read_text())["counters"]["lookups"] == sched.counters["lookups"]
