@@ -80,7 +80,8 @@ EXTRA_KEYS: dict[str, str] = {
                       "on_reuse), before the forward that overwrites it, and a load out of DRAM moves the block. "
                       "Default false: every computed block is written through. Models with one KV cache group",
     "tenant": "cache salt: tenants never share blocks",
-    "stats_path": "JSON file the scheduler side rewrites with its counters (for operators and tests)",
+    "stats_path": "JSON file the scheduler side rewrites with its counters (for operators and tests): at most every "
+                  "0.25 s while requests run, at once when none does",
     "hint_server": "host:port or unix:PATH: host kvtier's hint server (gRPC) in the scheduler process; "
                    "agents' tool calls announced there start their wait, and its DAG gives their criticality",
     "hint_watch": "host:port or unix:PATH of a separate hint server (kvtier serve): follow its agents' tool calls, "
