@@ -106,7 +106,8 @@ class PlacementContext(Protocol):
     def load_wait_s(self) -> float:
         """Seconds a load delays its request besides the transfer. Live: one engine step like the one running
         (its fixed cost alone while the engine idles), fitted from its steps (vLLM runs a request whose KV
-        loads asynchronously a step later; 0.0 until fitted). Replay: 0.0 (its mover's transfer times are the whole cost)."""
+        loads asynchronously a step later; 0.0 until fitted). Replay: 0.0 (its mover's transfer times are
+        the whole cost)."""
         ...
 
     def running_blocks(self) -> int:

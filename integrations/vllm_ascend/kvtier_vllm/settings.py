@@ -61,7 +61,8 @@ EXTRA_KEYS: dict[str, str] = {
                        "Other hits load asynchronously as before. Default false",
     "recompute_when_cheaper": "true: per request, recompute a hit instead of loading it when that is faster: a load "
                               "costs its transfer plus one engine step like the running one (vLLM runs a request whose "
-                              "KV loads a step later: its fixed cost even while the engine idles), recomputing costs its tokens at the engine's prefill rate; both are fitted "
+                              "KV loads a step later: its fixed cost even while the engine idles), recomputing costs "
+                              "its tokens at the engine's prefill rate; both are fitted "
                               "from the engine's own steps as it runs (counted: load_skipped_cheaper). For a model "
                               "whose forward is cheap next to a step's fixed cost. Default false: always load",
     "policy": "eviction policy of the DRAM and SSD tiers (a registered kvtier policy name; default: the placement's)",
