@@ -565,8 +565,10 @@ class EnginePlacement:
         fit, last = self.links.params(STEP_LINK), self._last_step
         if fit is None:
             return 0.0
-        step_s = fit[0] + (last[1] / fit[1] if last is not None else 0.0)
-        return step_s if last is not None and self.now - last[0] <= 2.0 * step_s else fit[0]
+        if last is None:
+            return fit[0]
+        step_s = fit[0] + last[1] / fit[1]
+        return step_s if self.now - last[0] <= 2.0 * step_s else fit[0]
 
     def step_started(self, scheduled: Mapping[str, int]) -> None:
         """Each scheduler step (``scheduled``: request id -> tokens this step). The time since the
