@@ -75,6 +75,31 @@ def test_anthropic_bodies_and_the_session_fallbacks() -> None:
     assert d3.session_id == h.request("openai", {"x-session-id": "dyn"}, _chat("q"), now=4.0).session_id
 
 
+def test_a_request_forcing_a_tool_call_carries_its_wait_learned_from_the_agent_then_the_session() -> None:
+    h = StreamHints(StreamLimits(forced_call_wait_s=7.0))
+    tools = [{"type": "function", "function": {"name": "bash"}}]
+    forced = {**_chat("task"), "tools": tools, "tool_choice": {"type": "function", "function": {"name": "bash"}}}
+    d = h.request("openai", {"x-session-id": "s"}, forced, now=0.0)
+    assert d.params["kvtier_tool_wait_s"] == 7.0  # nothing seen yet: the default
+    h.response(d, [("c1", "bash")], now=1.0)
+    back = {**forced, "messages": forced["messages"] + [{"role": "assistant", "tool_calls": [{"id": "c1"}]},
+                                                        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}
+    assert h.request("openai", {"x-session-id": "s"}, back, now=3.5).params["kvtier_tool_wait_s"] == 2.5
+    # another agent of the session: the session's last wait; "required" forces a call too
+    sub = {**_chat("search", system={"role": "system", "content": "searcher"}), "tools": tools,
+           "tool_choice": "required"}
+    assert h.request("openai", {"x-session-id": "s"}, sub, now=4.0).params["kvtier_tool_wait_s"] == 2.5
+    # a choice the model may decline, or no tools: no wait said
+    for body in ({**forced, "tool_choice": "auto"}, {**forced, "tool_choice": "none"}, {**forced, "tools": []},
+                 {**_chat("task"), "tool_choice": "required"}):
+        assert "kvtier_tool_wait_s" not in h.request("openai", {"x-session-id": "s"}, body, now=5.0).params
+    anthropic = {"model": "m", "messages": [{"role": "user", "content": "go"}], "tools": [{"name": "bash"}]}
+    for choice, said in [({"type": "any"}, True), ({"type": "tool", "name": "bash"}, True), ({"type": "auto"}, False)]:
+        got = h.request("anthropic", {"x-session-id": "a"}, {**anthropic, "tool_choice": choice}, now=6.0)
+        assert ("kvtier_tool_wait_s" in got.params) is said
+    assert h.counters["requests_forcing_tool_calls"] == 5
+
+
 def test_an_sdk_tagged_request_is_left_alone() -> None:
     h = StreamHints()
     body = {**_chat("x"), "kv_transfer_params": {"kvtier_session_id": "mine", "kvtier_agent_id": "a"}}
@@ -330,6 +355,19 @@ def test_the_middleware_tags_the_body_and_reads_tool_calls_from_json_and_sse() -
         {"type": "http.response.body", "body": sse, "more_body": False}], headers=[(b"x-session-id", b"s1")])
     assert [(k, f.get("tool_call_id")) for k, f in mw._client.events[3:]] == [("tool_call_end", "c1"),
                                                                                ("tool_call_start", "c2")]
+
+
+def test_the_middleware_says_a_forced_calls_wait_unless_the_client_did() -> None:
+    mw = _middleware()
+    forced = {**_chat("go"), "tools": [{"type": "function", "function": {"name": "bash"}}], "tool_choice": "required"}
+    reply = [{"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]},
+             {"type": "http.response.body", "body": b"{}", "more_body": False}]
+    seen, _ = _asgi(mw, "/v1/chat/completions", json.dumps(forced).encode(), reply)
+    assert json.loads(seen["body"])["kv_transfer_params"]["kvtier_tool_wait_s"] == 10.0
+    own = {**forced, "kv_transfer_params": {"kvtier_tool_wait_s": 3.0}}
+    seen, _ = _asgi(mw, "/v1/chat/completions", json.dumps(own).encode(), reply)
+    params = json.loads(seen["body"])["kv_transfer_params"]
+    assert params["kvtier_tool_wait_s"] == 3.0 and "kvtier_session_id" in params
 
 
 def test_the_middleware_passes_through_what_it_cannot_or_must_not_read() -> None:

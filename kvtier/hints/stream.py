@@ -18,6 +18,16 @@ request / response pair into
   takes a slot there); a session or agent pushed out of the bounds below ends
   there too, its calls ``cancelled``.
 
+A request that forces a tool call (OpenAI ``tool_choice`` ``"required"`` or a
+named function; Anthropic ``{"type": "any"}`` or ``{"type": "tool"}``) says its
+wait before the engine runs it: its tags also carry ``kvtier_tool_wait_s``, the
+agent's last tool wait (else its session's, else
+:attr:`StreamLimits.forced_call_wait_s`), so the connector starts a tool wait
+when the request finishes. The ``tool_call_start`` the response brings reaches
+the hint server only after that, and a connector that sees it on no engine step
+before the tool returns (an engine idle while every agent runs a tool) would
+otherwise have waited on the agent's user (``turn_end``) the whole time.
+
 Identifiers are correlation metadata, never authorization: an id is used only
 when it is a string of at most :attr:`StreamLimits.max_id_bytes` bytes with no
 control characters (else the request falls back to its fingerprint, counted),
@@ -60,6 +70,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from ..sdk.handles import AGENT_ID_PARAM, KV_TRANSFER_PARAMS, SESSION_ID_PARAM
+from ..sdk.params import MAX_TOOL_WAIT_S, TOOL_WAIT_PARAM
 
 SESSION_HEADERS = ("x-claude-code-session-id", "x-qwen-code-session-id", "x-session-id", "session-id",
                    "x-codex-session-id", "x-opencode-session-id", "x-dynamo-session-id")
@@ -81,6 +92,8 @@ class StreamLimits:
     call_ttl_s: float = 500.0  # a tool call with no result after this long is ended (status timeout); under
     # the hint server's session TTL (600 s), so a call never outlives its session there
     fingerprint_chars: int = 4096  # of the system prompt and first message, hashed for a fingerprint
+    forced_call_wait_s: float = 10.0  # a forced tool call's wait before any wait of its session was seen (the
+    # connector's wait for a call the hint server has no prediction for)
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
@@ -93,6 +106,7 @@ class _Agent:
     parent: str  # "" for a root
     announced: bool = False  # agent_spawn sent (with its first tool call)
     calls: dict[str, tuple[str, float]] = field(default_factory=dict)  # call id -> (tool name, started)
+    last_wait_s: float | None = None  # its last tool wait, response to the request with the result
 
 
 @dataclass(slots=True)
@@ -101,6 +115,7 @@ class _Session:
     root_system: str  # digest of the first agent's system prompt
     announced: bool = False  # session_start sent (with its first tool call)
     agents: OrderedDict[str, _Agent] = field(default_factory=OrderedDict)
+    last_wait_s: float | None = None  # the last tool wait of any of its agents
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +124,7 @@ class Derived:
 
     session_id: str
     agent_id: str
-    params: dict[str, str]
+    params: dict[str, Any]
     events: list[tuple[str, dict[str, Any]]]
 
 
@@ -198,8 +213,15 @@ class StreamHints:
         matched = bool(results & agent.calls.keys())  # (before any is removed)
         for cid in list(agent.calls):  # the agent is back: its calls are over
             status = "ok" if cid in results or (results and not matched) else "cancelled"
+            if status == "ok":
+                agent.last_wait_s = sess.last_wait_s = max(0.001, now - agent.calls[cid][1])
             events.append(self._end_call(sid, aid, agent, cid, status))
-        return Derived(sid, aid, {SESSION_ID_PARAM: sid, AGENT_ID_PARAM: aid}, events)
+        tags: dict[str, Any] = {SESSION_ID_PARAM: sid, AGENT_ID_PARAM: aid}
+        if _forces_tool_call(api, body):
+            self.counters["requests_forcing_tool_calls"] += 1
+            tags[TOOL_WAIT_PARAM] = min(MAX_TOOL_WAIT_S, next(
+                w for w in (agent.last_wait_s, sess.last_wait_s, self.limits.forced_call_wait_s) if w is not None))
+        return Derived(sid, aid, tags, events)
 
     def _end_call(self, sid: str, aid: str, agent: _Agent, cid: str, status: str) -> tuple[str, dict[str, Any]]:
         del agent.calls[cid]
@@ -346,6 +368,16 @@ class StreamHints:
                                and d[3] in getattr(self._sessions[d[1]].agents.get(d[2]), "calls", ())]
             heapq.heapify(self._deadlines)
         return events
+
+
+def _forces_tool_call(api: str, body: dict[str, Any]) -> bool:
+    """Whether ``body`` makes the model's response a tool call: tools offered and ``tool_choice`` required
+    (OpenAI ``"required"`` or ``{"type": "function", ...}``; Anthropic ``{"type": "any" | "tool"}``)."""
+    if not isinstance(body.get("tools"), list) or not body["tools"]:
+        return False
+    choice = body.get("tool_choice")
+    kind = choice.get("type") if isinstance(choice, dict) else choice
+    return kind in (("required", "function") if api == "openai" else ("any", "tool"))
 
 
 def _list(value: Any) -> list[Any] | tuple[()]:

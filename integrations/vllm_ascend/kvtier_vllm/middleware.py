@@ -10,7 +10,9 @@ An ASGI middleware (vLLM's ``--middleware`` takes one by import path). For each
 :class:`kvtier.hints.stream.StreamHints` derive the session, the agent and its
 tool waits from what the client sent, writes the session and agent into the
 request's ``kv_transfer_params`` (as :func:`kvtier.sdk.tag_request` would; a
-request that already carries them is left alone: an SDK hint wins), reads the
+request that already carries them is left alone: an SDK hint wins), and the
+tool wait of a request that forces a tool call (``kvtier_tool_wait_s``, unless
+the client set it), reads the
 tool calls the response ends in, and sends the hint events to the connector's
 hint server (``hint_server``, or the server it follows with ``hint_watch``,
 taken from the engine's own ``--kv-transfer-config``), whose history predicts
@@ -117,7 +119,7 @@ class RequestStreamHints:
         self._export()
         if derived is None:
             return None, raw
-        body["kv_transfer_params"] = {**(params or {}), **derived.params}
+        body["kv_transfer_params"] = {**derived.params, **(params or {})}  # the client's own kvtier_tool_wait_s wins
         self._emit(derived.events)
         return derived, json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
