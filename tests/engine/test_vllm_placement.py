@@ -442,3 +442,30 @@ def test_a_tenant_flooding_holds_and_sessions_leaves_another_tenant_its_hold_and
     eng.now += 120.0  # every hold lapses; nothing stays referenced
     eng.step()
     assert holds.held_blocks == 0 and eng.pool.get_num_free_blocks() == free_at_start
+
+
+def test_a_tool_wait_the_request_said_is_re_timed_once_by_the_hint_servers_prediction() -> None:
+    """A request that said its tool wait (the middleware's guess for a forced tool call) starts a tool wait
+    when it finishes; the call announced after the response re-times it once with the server's prediction
+    (``waits_retimed``), the same wait (``tool_waits`` stays 1); later polls leave it."""
+    from kvtier.sdk import HintClient, tag_request
+
+    eng = _Engine(101, placement="kvtier", hint_server="127.0.0.1:0")
+    sched = eng.sched
+    try:
+        client = HintClient(sched.hint_address)
+        with client.session("s"), client.agent("coder") as agent:
+            said = tag_request({}, "s", agent.agent_id, tool_wait_s=2.0)["kv_transfer_params"]
+            eng.serve("r1", _ctx(1, 4), said)
+            eng.step()
+            c = sched.counters
+            assert (c["user_waits"], c["tool_waits"], c["waits_retimed"]) == (0, 1, 0)
+            assert sched.placement.is_waiting(("s", agent.agent_id), tool=True)
+            with client.tool_call("bash", expected_s=20.0):
+                _step_until(eng, "waits_retimed")
+                for _ in range(5):
+                    eng.step()
+                assert (c["user_waits"], c["tool_waits"], c["waits_retimed"]) == (0, 1, 1)
+        client.close()
+    finally:
+        sched.shutdown()

@@ -221,10 +221,12 @@ def test_stream_hints_do_no_harm_and_reach_the_connector(runs: dict, name: str) 
     # every tool wait reached the connector through the hint server, predicted there
     assert stream["counters"].get("tool_waits", 0) >= AGENTS * (TURNS - 1) * REPEATS * 0.8, stream["counters"]
     assert stream["counters"].get("tool_wait_predictions", 0) > 0, stream["counters"]
-    # each request's end started a turn_end wait (an agent's last turn too: it is not left busy), and the
-    # tool call the middleware announced after the response re-timed it
-    assert stream["counters"].get("user_waits", 0) >= AGENTS * TURNS * REPEATS * 0.8, stream["counters"]
-    assert stream["counters"].get("waits_retimed", 0) >= AGENTS * (TURNS - 1) * REPEATS * 0.8, stream["counters"]
+    # each request's end started a wait (a tool wait as long as the middleware guessed for a forced call; a
+    # turn_end wait for the last turn: the agent is not left busy), and the tool call the middleware announced
+    # after the response re-timed it with the server's prediction
+    c = stream["counters"]
+    assert c.get("user_waits", 0) + c.get("tool_waits", 0) >= AGENTS * TURNS * REPEATS * 0.8, c
+    assert c.get("waits_retimed", 0) >= AGENTS * (TURNS - 1) * REPEATS * 0.8, c
     print(f"\n{name}: hits {_hits(stream):.0f}, {_hits(stream) / _hits(none_) - 1:+.1%} against no hints, "
           f"{_hits(stream) / _hits(tagged) - 1:+.1%} against hand-tagged")
 

@@ -73,8 +73,9 @@ class HintIntake:
         self._pump = pump
         self._rounds = rounds
         self._counted = counted
-        # agent -> its latest finished context (keys, vLLM hashes), for tool calls the hint server announces
-        self._last_ctx: OrderedDict[AgentKey, tuple[list[BlockKey], list[Any]]] = OrderedDict()
+        # agent -> its latest finished context (keys, vLLM hashes, whether the hint server has not timed its wait
+        # yet), for tool calls the hint server announces
+        self._last_ctx: OrderedDict[AgentKey, tuple[list[BlockKey], list[Any], bool]] = OrderedDict()
         self._graph_cache: Facts = {}
         self._ended_agents: set[AgentKey] = set()
         self._next_poll_s = 0.0
@@ -145,7 +146,7 @@ class HintIntake:
         keys = self._keys_of(st)
         hashes = list(st.request.block_hashes[: len(keys)])
         if self.following and keys:
-            self._last_ctx[agent] = (keys, hashes)
+            self._last_ctx[agent] = (keys, hashes, True)
             self._last_ctx.move_to_end(agent)
             while len(self._last_ctx) > MAX_TRACKED_AGENTS:
                 self._last_ctx.popitem(last=False)
@@ -161,13 +162,14 @@ class HintIntake:
             self._start_wait(agent, keys, hashes, TURN_END_GAP_S, finishing, "turn_end")
 
     def _start_wait(self, agent: AgentKey, keys: list[BlockKey], hashes: list[Any], wait_s: float,
-                    finishing_blocks: int, cause: str = "tool") -> None:
+                    finishing_blocks: int, cause: str = "tool", counted: bool = True) -> None:
         self.placement.waiting_starts(agent, keys, hashes, finishing_blocks, tool=cause == "tool")
         try:
             self.policy.on_wait_start(self.placement, ToolWait(agent, tuple(keys), cause, wait_s))
         finally:
             self.placement.waiting_started()
-        self.counters["tool_waits" if cause == "tool" else "user_waits"] += 1
+        if counted:  # (a tool wait re-timed is the same wait)
+            self.counters["tool_waits" if cause == "tool" else "user_waits"] += 1
         self._pump()
 
     def graph_facts(self, agent: AgentKey) -> tuple[float, str | None] | None:
@@ -177,8 +179,9 @@ class HintIntake:
 
     def poll(self) -> None:
         """With a hint server (hosted here, or followed with ``hint_watch``): start the wait of every agent it has a
-        tool call in flight for (its predicted return; 10 s without one), or re-time the ``turn_end`` wait its
-        request's end started (``waits_retimed``: the call is announced after the response), refresh
+        tool call in flight for (its predicted return; 10 s without one), or re-time the wait its request's end
+        started, once (``waits_retimed``: the call is announced after the response; a ``turn_end`` wait, or a
+        tool wait as long as the request said, e.g. the middleware's guess for a forced call), refresh
         the agents' criticalities and parents, and tell the policy which agents and
         sessions ended (it retires their private blocks in DRAM / SSD). At most
         every 50 ms; called each step."""
@@ -266,14 +269,18 @@ class HintIntake:
         for sid, aid, returns_s in calls:
             agent = (sid, aid)
             known = self._last_ctx.get(agent)
-            if agent in busy:
+            if agent in busy or not known:
                 continue
-            if known and not self.placement.is_waiting(agent, tool=True):
-                keys, hashes = known
-                if self.placement.is_waiting(agent):  # on its turn's end: the call announced since re-times it
+            keys, hashes, untimed = known
+            on_tool = self.placement.is_waiting(agent, tool=True)
+            if not on_tool or (untimed and returns_s is not None):
+                # a wait its request's end started (on the turn's end, or on a tool for as long as the request
+                # said: the middleware's guess for a forced call) is re-timed by the server's prediction, once
+                if self.placement.is_waiting(agent):
                     self.counters["waits_retimed"] += 1
+                self._last_ctx[agent] = (keys, hashes, False)
                 self._start_wait(agent, keys, hashes,
-                                 max(0.01, returns_s - now) if returns_s is not None else 10.0, 0)
+                                 max(0.01, returns_s - now) if returns_s is not None else 10.0, 0, counted=not on_tool)
 
     def check_params(self, req_id: str, params: Any) -> None:
         """Check a new request's ``kv_transfer_params`` (:func:`~kvtier.sdk.params.check_request_params`).
