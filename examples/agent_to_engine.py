@@ -12,7 +12,9 @@ What it does, in the order a user would:
    for real, plus ``--tool-s`` seconds standing in for a build or test run); the tool's
    output goes back as the next turn's tool message. With ``--sdk`` the agents also send
    their sessions, agents and tool calls through ``kvtier.sdk.HintClient`` to the same
-   hint server and tag each request with its agent;
+   hint server and tag each request with its agent and, since each turn but the last is
+   made to end in a tool call, that tool's expected wait (``kvtier_tool_wait_s``; the
+   middleware does the same for a request that forces a tool call);
 3. reads the engine's ``/metrics`` before and after and says what kvtier did: prompt
    tokens it served from its tiers, tool waits it started, blocks it stored. It exits 1
    when kvtier served no later turn, so CI can run it
@@ -106,6 +108,8 @@ def agent(a: int, args: argparse.Namespace, model: str, hints: Any, log: list, e
     system = f"You are coding agent {a}. Repository: kvtier. {task}"
     msgs: list[dict[str, Any]] = [{"role": "system", "content": system},
                                   {"role": "user", "content": "Find where the tiers are defined and fix the bug."}]
+    from kvtier.sdk import tag_request
+
     with contextlib.ExitStack() as scope:
         handle = None
         if hints is not None:  # `with` starts and ends the session and the agent (failed on an exception)
@@ -121,8 +125,9 @@ def _turns(a: int, args: argparse.Namespace, model: str, client: Any, session: s
             last = turn == args.turns - 1
             tool = list(TOOLS)[(a + turn) % len(TOOLS)]
             extra: dict[str, Any] = {"return_token_ids": True}
-            if handle is not None:
-                extra["kv_transfer_params"] = handle.tag({})["kv_transfer_params"]
+            if handle is not None:  # the call this turn is made to end in, and how long its tool should take
+                tagged = tag_request({}, handle.session_id, handle.agent_id, None if last else args.tool_s)
+                extra["kv_transfer_params"] = tagged["kv_transfer_params"]
             t0 = time.perf_counter()
             resp = client.chat.completions.create(
                 model=model, messages=msgs, temperature=0, max_tokens=8 if last else 40, prompt_cache_key=session,
