@@ -70,9 +70,6 @@ def test_anthropic_bodies_and_the_session_fallbacks() -> None:
            for key, value in [("session_id", "k1"), ("prompt_cache_key", "k1"), ("user", "k1"),
                               ("metadata", {"session_id": "k1"})]}
     assert len(ids) == 4 and h.counters["sessions_fingerprinted"] == fingerprinted
-    # Dynamo's session header, as any session header
-    d3 = h.request("openai", {"x-dynamo-session-id": "dyn"}, _chat("q"), now=4.0)
-    assert d3.session_id == h.request("openai", {"x-session-id": "dyn"}, _chat("q"), now=4.0).session_id
 
 
 def test_a_request_forcing_a_tool_call_carries_its_wait_learned_from_the_agent_then_the_session() -> None:
@@ -98,6 +95,45 @@ def test_a_request_forcing_a_tool_call_carries_its_wait_learned_from_the_agent_t
         got = h.request("anthropic", {"x-session-id": "a"}, {**anthropic, "tool_choice": choice}, now=6.0)
         assert ("kvtier_tool_wait_s" in got.params) is said
     assert h.counters["requests_forcing_tool_calls"] == 5
+
+
+def test_dynamo_names_the_run_its_chains_and_their_parents() -> None:
+    """NVIDIA Dynamo's clients: ``nvext.agent_context`` (run, trajectory, parent trajectory; the newer
+    workflow / program names too), else ``X-Dynamo-Session-ID`` (a chain) and ``X-Dynamo-Parent-Session-ID``:
+    one kvtier session per run (per tree of chains), one agent per chain, a child under its parent."""
+    h = StreamHints()
+
+    def ctx(**kw: str) -> dict:
+        return {**_chat("task"), "nvext": {"agent_context": {"session_type_id": "coding", **kw},
+                                           "agent_hints": {"priority": 5, "osl": 64}}}
+
+    planner = h.request("openai", {}, ctx(session_id="run-1", trajectory_id="planner"), now=0.0)
+    coder = h.request("openai", {}, ctx(session_id="run-1", trajectory_id="coder", parent_trajectory_id="planner"),
+                      now=0.1)
+    newer = h.request("openai", {}, ctx(workflow_id="run-1", program_id="tester", parent_program_id="planner"),
+                      now=0.2)
+    assert planner.session_id == coder.session_id == newer.session_id
+    assert len({planner.agent_id, coder.agent_id, newer.agent_id}) == 3
+    h.response(planner, [("p1", "plan")], now=0.3)
+    spawn = [e for e in h.response(coder, [("c1", "bash")], now=0.4) if e[0] == "agent_spawn"]
+    assert spawn[0][1]["parent_agent_id"] == planner.agent_id  # the parent the client named
+    assert (h.counters["dynamo_agent_context"], h.counters["dynamo_agent_hints"]) == (3, 3)
+    # the headers: a chain, its parent chain, and a grandchild whose session is the tree's root
+    root = h.request("openai", {"x-dynamo-session-id": "r"}, _chat("t"), now=1.0)
+    child = h.request("openai", {"x-dynamo-session-id": "c", "x-dynamo-parent-session-id": "r"}, _chat("t"), now=1.1)
+    grand = h.request("openai", {"x-dynamo-session-id": "g", "x-dynamo-parent-session-id": "c"}, _chat("t"), now=1.2)
+    assert root.session_id == child.session_id == grand.session_id != planner.session_id
+    assert len({root.agent_id, child.agent_id, grand.agent_id}) == 3
+    h.response(root, [("r1", "x")], now=1.3)
+    h.response(child, [("c1", "x")], now=1.4)
+    spawn = [e for e in h.response(grand, [("g1", "x")], now=1.5) if e[0] == "agent_spawn"]
+    assert spawn[0][1]["parent_agent_id"] == child.agent_id
+    # another tenant's equal chain id is another session; a bad id falls back to the other identities
+    other = h.request("openai", {"x-dynamo-session-id": "r", "authorization": "Bearer b"}, _chat("t"), now=2.0)
+    assert other.session_id != root.session_id
+    odd = h.request("openai", {"x-session-id": "plain"}, {**_chat("t"), "nvext": {"agent_context": {
+        "session_id": "run-1", "trajectory_id": ["not", "a", "string"]}}}, now=2.1)
+    assert odd.session_id == h.request("openai", {"x-session-id": "plain"}, _chat("t"), now=2.2).session_id
 
 
 def test_an_sdk_tagged_request_is_left_alone() -> None:

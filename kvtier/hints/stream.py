@@ -2,7 +2,7 @@
 
 Claude Code, Codex, Qwen Code and apps on the OpenAI or Anthropic clients do not
 call kvtier's SDK, yet every request says who it belongs to (a session header,
-vLLM's ``session_id``, ``prompt_cache_key``, ``user`` or ``metadata``; else the
+Dynamo's ``nvext.agent_context``, vLLM's ``session_id``, ``prompt_cache_key``, ``user`` or ``metadata``; else the
 conversation's first messages) and the protocol itself says when the agent waits on a tool: a
 response that ends in a tool call starts the wait, and the same agent's next
 request, carrying the tool result, ends it. :class:`StreamHints` turns a
@@ -38,11 +38,15 @@ Agents: one per (session, agent header or system prompt + first message), so a
 client that reuses a session id for unrelated conversations gets one agent per
 conversation. An agent with another system prompt than the session's first
 agent, or named by an agent header, is its sub-agent (a child in the graph);
-one with the same system prompt is a peer (a root of its own).
+one with the same system prompt is a peer (a root of its own). NVIDIA Dynamo's
+clients name both (:meth:`StreamHints._dynamo`): ``nvext.agent_context`` names the
+run (the session), the trajectory (the agent) and its parent; the
+``X-Dynamo-Session-ID`` header names a chain (the agent) and
+``X-Dynamo-Parent-Session-ID`` its parent, the tree of chains one session.
 
 Owns: parsing request and response bodies of the OpenAI chat completions and
 Anthropic messages APIs (JSON and server-sent events), the bounded per-session
-state (sessions, agents, tool calls in flight) and its counters.
+state (sessions, agents, tool calls in flight, Dynamo chains' roots) and its counters.
 Must not: do I/O, read a clock (callers pass ``now``), import an engine, or
 trust a field's type: every body here comes from a client.
 
@@ -73,8 +77,10 @@ from ..sdk.handles import AGENT_ID_PARAM, KV_TRANSFER_PARAMS, SESSION_ID_PARAM
 from ..sdk.params import MAX_TOOL_WAIT_S, TOOL_WAIT_PARAM
 
 SESSION_HEADERS = ("x-claude-code-session-id", "x-qwen-code-session-id", "x-session-id", "session-id",
-                   "x-codex-session-id", "x-opencode-session-id", "x-dynamo-session-id")
+                   "x-codex-session-id", "x-opencode-session-id")
 """Request headers that name a session, first found wins (lower case, as ASGI gives them)."""
+DYNAMO_CHAIN_HEADER, DYNAMO_PARENT_HEADER = "x-dynamo-session-id", "x-dynamo-parent-session-id"
+"""NVIDIA Dynamo's headers: one reasoning / tool chain (a kvtier agent) and its parent chain."""
 AGENT_HEADERS = ("x-agent-id", "x-claude-code-agent-id")
 """Request headers that name an agent within its session."""
 APIS = ("openai", "anthropic")
@@ -157,6 +163,7 @@ class StreamHints:
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._deadlines: list[tuple[float, str, str, str]] = []  # (expires, session, agent, call id)
         self._live_calls = 0  # calls in flight, over all sessions
+        self._chain_roots: OrderedDict[tuple[str, str], str] = OrderedDict()  # (tenant, Dynamo chain) -> root chain
         self.counters: Counter[str] = Counter()
 
     def __len__(self) -> int:
@@ -182,11 +189,15 @@ class StreamHints:
         tenant = _digest(headers.get("authorization", ""), headers.get("x-api-key", ""), n=32)
         system, first, results = self._read(api, body)
         convo = _digest(system[: self.limits.fingerprint_chars], first[: self.limits.fingerprint_chars])
-        raw = self._session_id(headers, body)
+        dynamo = self._dynamo(tenant, headers, body)
+        if dynamo is not None:
+            raw, agent_hdr, parent_name = dynamo
+        else:
+            raw, parent_name = self._session_id(headers, body), None
+            agent_hdr = next((v for v in (self._valid(headers.get(h)) for h in AGENT_HEADERS) if v is not None), None)
         if raw is None:
             self.counters["sessions_fingerprinted"] += 1
         sid = "s-" + _digest(tenant, "h" if raw is not None else "f", raw if raw is not None else convo)
-        agent_hdr = next((v for v in (self._valid(headers.get(h)) for h in AGENT_HEADERS) if v is not None), None)
         aid = "a-" + _digest(agent_hdr, n=12) if agent_hdr is not None else "a-" + convo[:12]
         sys_digest = _digest(system[: self.limits.fingerprint_chars])
         sess = self._sessions.get(sid)
@@ -201,7 +212,11 @@ class StreamHints:
             # another system prompt (or an agent header): a sub-agent of the session's first agent; the same
             # system prompt with another first message: a peer conversation, a root of its own
             sub = aid != sess.root and (agent_hdr is not None or sys_digest != sess.root_system)
-            agent = sess.agents[aid] = _Agent(parent=sess.root if sub else "")
+            parent = sess.root if sub else ""
+            if parent_name is not None:  # a parent the client named (Dynamo); one not seen yet makes a root
+                parent = "a-" + _digest(parent_name, n=12)
+                parent = parent if parent != aid and parent in sess.agents else ""
+            agent = sess.agents[aid] = _Agent(parent=parent)
             while len(sess.agents) > self.limits.max_agents_per_session:
                 old_aid, old = next(iter(sess.agents.items()))
                 if old_aid == aid:
@@ -257,6 +272,38 @@ class StreamHints:
             self.counters["ids_refused"] += 1
             return None
         return value
+
+    def _dynamo(self, tenant: str, headers: Mapping[str, str], body: dict[str, Any]
+                ) -> tuple[str, str, str | None] | None:
+        """(session, agent, parent agent or ``None``) as NVIDIA Dynamo's clients name them, else ``None``.
+        ``nvext.agent_context`` first: ``session_id`` (the run; ``workflow_id`` in newer builds), ``trajectory_id``
+        (one reasoning / tool chain: the agent; ``program_id``) and ``parent_trajectory_id``
+        (``parent_program_id``). Then the headers: ``X-Dynamo-Session-ID`` names a chain (the agent) and
+        ``X-Dynamo-Parent-Session-ID`` its parent chain; a chain's session is its tree's root chain (a chain
+        whose parent was not seen: that parent's). ``nvext.agent_hints`` are counted, not used."""
+        nvext = body.get("nvext")
+        if isinstance(nvext, dict):
+            if isinstance(nvext.get("agent_hints"), dict):
+                self.counters["dynamo_agent_hints"] += 1
+            ctx = nvext.get("agent_context")
+            if isinstance(ctx, dict):
+                session = self._valid(ctx.get("session_id", ctx.get("workflow_id")))
+                chain = self._valid(ctx.get("trajectory_id", ctx.get("program_id")))
+                if session is not None and chain is not None:
+                    self.counters["dynamo_agent_context"] += 1
+                    parent = ctx.get("parent_trajectory_id", ctx.get("parent_program_id"))
+                    return "nvext:" + session, chain, self._valid(parent) if parent else None
+        chain = self._valid(headers.get(DYNAMO_CHAIN_HEADER))
+        if chain is None:
+            return None
+        self.counters["dynamo_session_headers"] += 1
+        parent = self._valid(headers.get(DYNAMO_PARENT_HEADER))
+        root = self._chain_roots.get((tenant, parent), parent) if parent is not None else chain
+        self._chain_roots[(tenant, chain)] = root
+        self._chain_roots.move_to_end((tenant, chain))
+        while len(self._chain_roots) > self.limits.max_sessions:
+            self._chain_roots.popitem(last=False)
+        return "dynamo:" + root, chain, parent
 
     def _session_id(self, headers: Mapping[str, str], body: dict[str, Any]) -> str | None:
         for h in SESSION_HEADERS:
