@@ -223,7 +223,13 @@ def test_one_session_id_reused_for_unrelated_conversations() -> None:
 
 
 @pytest.mark.parametrize("body", [None, [], "text", {"messages": "no"}, {"messages": [1, None, {"role": 5}]},
-                                  {"messages": [{"role": "user", "content": {"odd": [1, 2]}}], "metadata": [1]}])
+                                  {"messages": [{"role": "user", "content": {"odd": [1, 2]}}], "metadata": [1]},
+                                  {"messages": [], "nvext": [1]}, {"messages": [], "nvext": {"agent_context": "x"}},
+                                  {"messages": [], "nvext": {"agent_context": {"session_id": float("nan"),
+                                                                               "trajectory_id": "t" * 10_000}}},
+                                  {"messages": [], "nvext": {"agent_context": {"session_id": "s", "trajectory_id": "t",
+                                                                               "parent_trajectory_id": {"a": 1}}}},
+                                  {"messages": [], "tools": "x", "tool_choice": {"type": ["required"]}}])
 def test_odd_bodies_never_raise(body: object) -> None:
     h = StreamHints()
     d = h.request("openai", {}, body, now=0.0)
