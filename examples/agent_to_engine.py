@@ -108,8 +108,6 @@ def agent(a: int, args: argparse.Namespace, model: str, hints: Any, log: list, e
     system = f"You are coding agent {a}. Repository: kvtier. {task}"
     msgs: list[dict[str, Any]] = [{"role": "system", "content": system},
                                   {"role": "user", "content": "Find where the tiers are defined and fix the bug."}]
-    from kvtier.sdk import tag_request
-
     with contextlib.ExitStack() as scope:
         handle = None
         if hints is not None:  # `with` starts and ends the session and the agent (failed on an exception)
@@ -120,6 +118,8 @@ def agent(a: int, args: argparse.Namespace, model: str, hints: Any, log: list, e
 
 def _turns(a: int, args: argparse.Namespace, model: str, client: Any, session: str, msgs: list[dict[str, Any]],
            handle: Any, log: list, errors: list) -> None:
+    from kvtier.sdk import tag_request
+
     try:
         for turn in range(args.turns):
             last = turn == args.turns - 1
