@@ -209,21 +209,7 @@ class StreamHints:
         self._sessions.move_to_end(sid)
         agent = sess.agents.get(aid)
         if agent is None:
-            # another system prompt (or an agent header): a sub-agent of the session's first agent; the same
-            # system prompt with another first message: a peer conversation, a root of its own
-            sub = aid != sess.root and (agent_hdr is not None or sys_digest != sess.root_system)
-            parent = sess.root if sub else ""
-            if parent_name is not None:  # a parent the client named (Dynamo); one not seen yet makes a root
-                parent = "a-" + _digest(parent_name, n=12)
-                parent = parent if parent != aid and parent in sess.agents else ""
-            agent = sess.agents[aid] = _Agent(parent=parent)
-            while len(sess.agents) > self.limits.max_agents_per_session:
-                old_aid, old = next(iter(sess.agents.items()))
-                if old_aid == aid:
-                    break
-                del sess.agents[old_aid]
-                events += self._forget_agent(sid, old_aid, old)
-            self.counters["agents"] += 1
+            agent = self._new_agent(sid, sess, aid, agent_hdr is not None, parent_name, sys_digest, events)
         sess.agents.move_to_end(aid)
         matched = bool(results & agent.calls.keys())  # (before any is removed)
         for cid in list(agent.calls):  # the agent is back: its calls are over
@@ -237,6 +223,27 @@ class StreamHints:
             tags[TOOL_WAIT_PARAM] = min(MAX_TOOL_WAIT_S, next(
                 w for w in (agent.last_wait_s, sess.last_wait_s, self.limits.forced_call_wait_s) if w is not None))
         return Derived(sid, aid, tags, events)
+
+    def _new_agent(self, sid: str, sess: _Session, aid: str, named: bool, parent_name: str | None, sys_digest: str,
+                   events: list[tuple[str, dict[str, Any]]]) -> _Agent:
+        """A session's new agent, the least recently seen pushed out past the bound (its events onto ``events``).
+        Another system prompt (or an agent header, ``named``): a sub-agent of the session's first agent; the same
+        system prompt with another first message: a peer conversation, a root of its own; a parent the client
+        named (Dynamo): that agent, or a root while it was not seen."""
+        sub = aid != sess.root and (named or sys_digest != sess.root_system)
+        parent = sess.root if sub else ""
+        if parent_name is not None:
+            parent = "a-" + _digest(parent_name, n=12)
+            parent = parent if parent != aid and parent in sess.agents else ""
+        agent = sess.agents[aid] = _Agent(parent=parent)
+        while len(sess.agents) > self.limits.max_agents_per_session:
+            old_aid, old = next(iter(sess.agents.items()))
+            if old_aid == aid:
+                break
+            del sess.agents[old_aid]
+            events += self._forget_agent(sid, old_aid, old)
+        self.counters["agents"] += 1
+        return agent
 
     def _end_call(self, sid: str, aid: str, agent: _Agent, cid: str, status: str) -> tuple[str, dict[str, Any]]:
         del agent.calls[cid]
