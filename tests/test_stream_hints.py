@@ -128,12 +128,38 @@ def test_dynamo_names_the_run_its_chains_and_their_parents() -> None:
     h.response(child, [("c1", "x")], now=1.4)
     spawn = [e for e in h.response(grand, [("g1", "x")], now=1.5) if e[0] == "agent_spawn"]
     assert spawn[0][1]["parent_agent_id"] == child.agent_id
+    # a run's trajectory with no parent is a root, not a child of the run's first trajectory
+    peer = h.request("openai", {}, ctx(session_id="run-1", trajectory_id="reviewer"), now=1.6)
+    spawn = [e for e in h.response(peer, [("v1", "x")], now=1.7) if e[0] == "agent_spawn"]
+    assert spawn[0][1]["parent_agent_id"] == ""
+    # agent_context's chain form (no trajectory): session_id names a chain under parent_session_id
+    chain = {**_chat("t"), "nvext": {"agent_context": {"session_id": "c", "parent_session_id": "r"}}}
+    assert h.request("openai", {}, chain, now=1.8).agent_id == child.agent_id
     # another tenant's equal chain id is another session; a bad id falls back to the other identities
     other = h.request("openai", {"x-dynamo-session-id": "r", "authorization": "Bearer b"}, _chat("t"), now=2.0)
     assert other.session_id != root.session_id
     odd = h.request("openai", {"x-session-id": "plain"}, {**_chat("t"), "nvext": {"agent_context": {
         "session_id": "run-1", "trajectory_id": ["not", "a", "string"]}}}, now=2.1)
     assert odd.session_id == h.request("openai", {"x-session-id": "plain"}, _chat("t"), now=2.2).session_id
+
+
+def test_named_parents_that_loop_back_never_raise() -> None:
+    """A client naming parents can make a loop (an agent pushed out of its session and named again under its
+    own child): the loop is cut when the agent is made, and announcing never recurses without end."""
+    h = StreamHints(StreamLimits(max_agents_per_session=2))
+
+    def chain(name: str, parent: str | None = None) -> dict:
+        hdrs = {"x-dynamo-session-id": name}
+        return hdrs | ({"x-dynamo-parent-session-id": parent} if parent else {})
+
+    a = h.request("openai", chain("A"), _chat("t"), now=0.0)
+    b = h.request("openai", chain("B", "A"), _chat("t"), now=0.1)
+    h.request("openai", chain("C", "A"), _chat("t"), now=0.2)  # A is pushed out of the session's two agents
+    b = h.request("openai", chain("B", "A"), _chat("t"), now=0.3)
+    a = h.request("openai", chain("A", "B"), _chat("t"), now=0.4)  # B's parent is A: a loop, cut
+    events = h.response(a, [("a1", "x")], now=0.5) + h.response(b, [("b1", "x")], now=0.6)
+    spawns = {e[1]["agent_id"]: e[1]["parent_agent_id"] for e in events if e[0] == "agent_spawn"}
+    assert spawns[a.agent_id] == ""
 
 
 def test_an_sdk_tagged_request_is_left_alone() -> None:
@@ -229,7 +255,8 @@ def test_one_session_id_reused_for_unrelated_conversations() -> None:
                                                                                "trajectory_id": "t" * 10_000}}},
                                   {"messages": [], "nvext": {"agent_context": {"session_id": "s", "trajectory_id": "t",
                                                                                "parent_trajectory_id": {"a": 1}}}},
-                                  {"messages": [], "tools": "x", "tool_choice": {"type": ["required"]}}])
+                                  {"messages": [], "tools": [{"x": 1}], "tool_choice": {"type": ["required"]}},
+                                  {"messages": [], "tools": [1], "tool_choice": [{"type": "function"}]}])
 def test_odd_bodies_never_raise(body: object) -> None:
     h = StreamHints()
     d = h.request("openai", {}, body, now=0.0)

@@ -232,9 +232,12 @@ class StreamHints:
         named (Dynamo): that agent, or a root while it was not seen."""
         sub = aid != sess.root and (named or sys_digest != sess.root_system)
         parent = sess.root if sub else ""
-        if parent_name is not None:
-            parent = "a-" + _digest(parent_name, n=12)
-            parent = parent if parent != aid and parent in sess.agents else ""
+        if parent_name is not None:  # named by the client (Dynamo; "": a root): kept only if seen and no loop
+            parent = "a-" + _digest(parent_name, n=12) if parent_name else ""
+            up, steps = parent, 0
+            while up and up != aid and up in sess.agents and steps <= self.limits.max_agents_per_session:
+                up, steps = sess.agents[up].parent, steps + 1
+            parent = parent if parent in sess.agents and up != aid else ""
         agent = sess.agents[aid] = _Agent(parent=parent)
         while len(sess.agents) > self.limits.max_agents_per_session:
             old_aid, old = next(iter(sess.agents.items()))
@@ -281,36 +284,49 @@ class StreamHints:
         return value
 
     def _dynamo(self, tenant: str, headers: Mapping[str, str], body: dict[str, Any]
-                ) -> tuple[str, str, str | None] | None:
-        """(session, agent, parent agent or ``None``) as NVIDIA Dynamo's clients name them, else ``None``.
-        ``nvext.agent_context`` first: ``session_id`` (the run; ``workflow_id`` in newer builds), ``trajectory_id``
-        (one reasoning / tool chain: the agent; ``program_id``) and ``parent_trajectory_id``
-        (``parent_program_id``). Then the headers: ``X-Dynamo-Session-ID`` names a chain (the agent) and
-        ``X-Dynamo-Parent-Session-ID`` its parent chain; a chain's session is its tree's root chain (a chain
-        whose parent was not seen: that parent's). ``nvext.agent_hints`` are counted, not used."""
+                ) -> tuple[str, str, str] | None:
+        """(session, agent, parent agent or ``""``) as NVIDIA Dynamo's clients name them, else ``None``.
+        ``nvext.agent_context`` first, in either of its forms: a run (``session_id``, or ``workflow_id``) with
+        one trajectory per agent (``trajectory_id`` / ``program_id``, under ``parent_trajectory_id`` /
+        ``parent_program_id``); or, without a trajectory, ``session_id`` naming one chain (the agent) under
+        ``parent_session_id``. Then the headers: ``X-Dynamo-Session-ID`` names a chain and
+        ``X-Dynamo-Parent-Session-ID`` its parent chain. Chains without a run are one session per tree, keyed
+        by the tree's root chain (a chain whose parent was not seen: that parent's). ``nvext.agent_hints``
+        are counted, not used."""
         nvext = body.get("nvext")
+        chain = parent = None
         if isinstance(nvext, dict):
             if isinstance(nvext.get("agent_hints"), dict):
                 self.counters["dynamo_agent_hints"] += 1
             ctx = nvext.get("agent_context")
             if isinstance(ctx, dict):
-                session = self._valid(ctx.get("session_id", ctx.get("workflow_id")))
-                chain = self._valid(ctx.get("trajectory_id", ctx.get("program_id")))
-                if session is not None and chain is not None:
+                def first(*keys: str) -> str | None:
+                    return next((v for v in (self._valid(ctx.get(k)) for k in keys) if v is not None), None)
+
+                trajectory = first("trajectory_id", "program_id")
+                run = first("session_id", "workflow_id")
+                if trajectory is not None and run is not None:
                     self.counters["dynamo_agent_context"] += 1
-                    parent = ctx.get("parent_trajectory_id", ctx.get("parent_program_id"))
-                    return "nvext:" + session, chain, self._valid(parent) if parent else None
-        chain = self._valid(headers.get(DYNAMO_CHAIN_HEADER))
+                    return "nvext:" + run, trajectory, first("parent_trajectory_id", "parent_program_id") or ""
+                if run is not None and "session_id" in ctx and "trajectory_id" not in ctx and "program_id" not in ctx:
+                    self.counters["dynamo_agent_context"] += 1
+                    chain, parent = run, first("parent_session_id")
         if chain is None:
-            return None
-        self.counters["dynamo_session_headers"] += 1
-        parent = self._valid(headers.get(DYNAMO_PARENT_HEADER))
-        root = self._chain_roots.get((tenant, parent), parent) if parent is not None else chain
-        self._chain_roots[(tenant, chain)] = root
+            chain = self._valid(headers.get(DYNAMO_CHAIN_HEADER))
+            if chain is None:
+                return None
+            self.counters["dynamo_session_headers"] += 1
+            parent = self._valid(headers.get(DYNAMO_PARENT_HEADER))
+        root = chain
+        if parent is not None:
+            root = self._chain_roots.get((tenant, parent), parent)
+            self._chain_roots[(tenant, parent)] = root  # (refreshed: a live parent is not pushed out first)
+            self._chain_roots.move_to_end((tenant, parent))
+        root = self._chain_roots.setdefault((tenant, chain), root)  # a chain keeps the tree it first joined
         self._chain_roots.move_to_end((tenant, chain))
         while len(self._chain_roots) > self.limits.max_sessions:
             self._chain_roots.popitem(last=False)
-        return "dynamo:" + root, chain, parent
+        return "dynamo:" + root, chain, parent or ""
 
     def _session_id(self, headers: Mapping[str, str], body: dict[str, Any]) -> str | None:
         for h in SESSION_HEADERS:
@@ -393,10 +409,12 @@ class StreamHints:
         if not sess.announced:
             sess.announced = True
             events.append(("session_start", {"session_id": sid}))
-        if agent.parent and agent.parent in sess.agents:
-            events += self._announce(sid, sess, agent.parent, sess.agents[agent.parent])
-        elif agent.parent:
+        if agent.parent and agent.parent not in sess.agents:
             agent.parent = ""  # its parent was forgotten: a root
+        elif agent.parent and not sess.agents[agent.parent].announced:
+            was, agent.announced = agent.announced, True  # (a parent chain that loops back ends here)
+            events += self._announce(sid, sess, agent.parent, sess.agents[agent.parent])
+            agent.announced = was
         if not agent.announced:
             agent.announced = True
             # agent_type = the session: the hint server's history predicts waits per (session, tool)

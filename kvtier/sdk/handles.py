@@ -51,7 +51,9 @@ def tag_request(body: Mapping[str, Any], session_id: str, agent_id: str,
     ``tool_wait_s``: when the agent will call a tool with this response and
     expects to come back after about that long, the engine connector keeps the
     request's KV for that wait as its placement policy decides (``kvtier_tool_wait_s``;
-    with the ``kvtier`` policy a critical agent's HBM blocks are held).
+    with the ``kvtier`` policy a critical agent's HBM blocks are held). Where the
+    connector hosts or follows a hint server, the tool call announced there re-times
+    that wait once with the server's prediction (``expected_s``, else its history).
 
     ``criticality`` (0..1, 1 = on the session's critical path) tells the
     connector how critical the agent is when no hint server says so

@@ -131,7 +131,10 @@ class HintIntake:
         :data:`TURN_END_GAP_S`). With a hint server the framework (or the
         request-stream middleware) announces the turn's tool calls only after this:
         the ``turn_end`` wait starts all the same, and a tool call announced later
-        re-times it (``_apply``, counted in ``waits_retimed``). Without it the
+        re-times it (``_apply``, counted in ``waits_retimed``); so does a call's predicted
+        return a tool wait the request stated (the middleware's guess for a forced call, or
+        the client's own ``kvtier_tool_wait_s``: the server's prediction, from the announced
+        ``expected_s`` or its history, wins), once. Without it the
         agent would stay busy in kvtier's next-use order until its session expired,
         its context kept behind every agent that does come back.
         The placement policy decides (hold its HBM blocks, order its host copies,
@@ -273,9 +276,10 @@ class HintIntake:
                 continue
             keys, hashes, untimed = known
             on_tool = self.placement.is_waiting(agent, tool=True)
-            if not on_tool or (untimed and returns_s is not None):
+            if not on_tool or (untimed and returns_s is not None and returns_s > now):
                 # a wait its request's end started (on the turn's end, or on a tool for as long as the request
-                # said: the middleware's guess for a forced call) is re-timed by the server's prediction, once
+                # said: the middleware's guess for a forced call) is re-timed by the server's prediction, once;
+                # a call predicted back already is likely the agent's previous one, its end not yet at the server
                 if self.placement.is_waiting(agent):
                     self.counters["waits_retimed"] += 1
                 self._last_ctx[agent] = (keys, hashes, False)
