@@ -409,12 +409,10 @@ class StreamHints:
         if not sess.announced:
             sess.announced = True
             events.append(("session_start", {"session_id": sid}))
-        if agent.parent and agent.parent not in sess.agents:
-            agent.parent = ""  # its parent was forgotten: a root
-        elif agent.parent and not sess.agents[agent.parent].announced:
-            was, agent.announced = agent.announced, True  # (a parent chain that loops back ends here)
+        if agent.parent and agent.parent in sess.agents:  # (no loop: _new_agent cuts any at its one new edge)
             events += self._announce(sid, sess, agent.parent, sess.agents[agent.parent])
-            agent.announced = was
+        elif agent.parent:
+            agent.parent = ""  # its parent was forgotten: a root
         if not agent.announced:
             agent.announced = True
             # agent_type = the session: the hint server's history predicts waits per (session, tool)
