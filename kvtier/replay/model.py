@@ -78,6 +78,10 @@ class Request:
     ``partial_block``: the id a trace listed for the trailing partial block
     (Mooncake lists one), at the trace's own block size; ``None`` when none
     was listed or the workload was re-blocked. Never cached or simulated.
+    ``answer_block_ids``: the full blocks the answer filled after the
+    prompt's, as the recording engine cached them (kvtier's recorder writes
+    them); ``None`` when not recorded, and the replay then takes the next
+    request's blocks up to the answer's end as the answer's.
     """
 
     index: int
@@ -93,6 +97,7 @@ class Request:
     kind: str = "n"
     api_time_s: float | None = None
     partial_block: BlockId | None = None
+    answer_block_ids: tuple[BlockId, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,7 +395,7 @@ class _Reblocker:
         prev_dst: tuple[BlockId, ...] = ()
         for r, (kept, src) in zip(agent.requests, _new_suffixes(agent)):
             prev_dst = self.map_ids(src, kept, prev_dst)
-            out.append(replace(r, block_ids=prev_dst, partial_block=None))
+            out.append(replace(r, block_ids=prev_dst, partial_block=None, answer_block_ids=None))
         return replace(agent, requests=tuple(out))
 
 

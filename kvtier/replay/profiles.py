@@ -146,7 +146,12 @@ class HardwareProfile:
     HBM read; ``step_overhead_s`` is added once per engine step (scheduler,
     kernel launch, sampling). ``collective_latency_s`` is one small all-reduce
     among the chips (charged twice per layer per step when there are several).
-    SSD figures are per node of ``chips_per_node``.
+    SSD figures are per node of ``chips_per_node``. ``request_overhead_s`` is
+    what a client's TTFT holds outside the engine's steps (the API server's
+    tokenization, request handling and the first chunk's way back): 0 in the
+    shipped profiles, which price the engine alone; a profile fitted to a
+    served engine (:mod:`kvtier.replay.calibrate`) measures it, and the replay
+    then reports TTFT as the client sees it.
     """
 
     name: str
@@ -163,6 +168,7 @@ class HardwareProfile:
     step_overhead_s: float
     collective_latency_s: float
     chips_per_node: int
+    request_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_str("hardware.name", self.name)
@@ -171,7 +177,8 @@ class HardwareProfile:
         for name in ("hbm_bw_bytes_s", "peak_flops", "host_link_bw_bytes_s",
                      "ssd_read_bw_bytes_s", "ssd_write_bw_bytes_s"):
             _check_number(f"hardware.{name}", getattr(self, name), minimum=0.0, strict=True)
-        for name in ("host_link_latency_s", "ssd_latency_s", "step_overhead_s", "collective_latency_s"):
+        for name in ("host_link_latency_s", "ssd_latency_s", "step_overhead_s", "collective_latency_s",
+                     "request_overhead_s"):
             _check_number(f"hardware.{name}", getattr(self, name), minimum=0.0, strict=False)
         for name in ("mfu_prefill", "mbu_decode"):
             value = _check_number(f"hardware.{name}", getattr(self, name), minimum=0.0, strict=True)

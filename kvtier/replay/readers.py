@@ -627,6 +627,8 @@ class _WekaTrace:
                 self._share_prefix(raw_ids, input_tokens, prefix)
             block_ids, partial = _full_blocks(ids.map(raw_ids, self.source, f"{at}.hash_ids"),
                                               input_tokens, self.block_size, self.source, at)
+            raw_answer = f.get("out_hash_ids", False)
+            answer = None if raw_answer is None else ids.map(raw_answer, self.source, f"{at}.out_hash_ids")
             stop = f.text("stop")
             think = f.seconds("think_time", required=False)
             api = f.seconds("api_time", required=False)
@@ -645,7 +647,7 @@ class _WekaTrace:
                 cause, depends = ("tool" if prev_stop == "tool_use" else "user"), ()
             draft.requests.append(
                 Request(index, input_tokens, output_tokens, block_ids, gap, cause, stop, sent, depends,
-                        f.text("model"), kind, api, partial)
+                        f.text("model"), kind, api, partial, answer)
             )
             prev_sent, prev_end, prev_stop = sent, sent + (api or 0.0), stop
         return prev_end

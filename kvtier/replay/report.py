@@ -29,7 +29,8 @@ from .sim import SimResult
 
 RESULT_FIELDS = (
     "policy", "conc", "hbm_blocks", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_p50_first_turn_s",
-    "ttft_p99_first_turn_s", "ttft_p50_later_turns_s", "ttft_p99_later_turns_s", "interactivity_p50",
+    "ttft_p99_first_turn_s", "ttft_p50_later_turns_s", "ttft_p99_later_turns_s", "ttft_mean_later_turns_s",
+    "makespan_s", "interactivity_p50",
     "e2e_mean_s", "e2e_p99_s", "throughput_per_chip_tok_s", "input_tok_s_per_chip", "output_tok_s_per_chip",
     "prefill_tokens_computed", "prefill_tokens_hit_hbm", "prefill_tokens_hit_dram", "prefill_tokens_hit_ssd",
     "bytes_moved", "hit_rate_hbm", "hit_rate_dram", "hit_rate_ssd", "num_requests",
@@ -72,6 +73,8 @@ def summarize(result: SimResult, *, policy: str, conc: int, hbm_blocks: int, num
         "ttft_p99_first_turn_s": percentile(first, 99),
         "ttft_p50_later_turns_s": percentile(later, 50),
         "ttft_p99_later_turns_s": percentile(later, 99),
+        "ttft_mean_later_turns_s": sum(later) / len(later) if later else math.nan,
+        "makespan_s": result.makespan_s,
         "interactivity_p50": percentile(inter, 50),
         "e2e_mean_s": sum(lat) / len(lat) if lat else math.nan,
         "e2e_p99_s": percentile(lat, 99),

@@ -102,6 +102,8 @@ class ReplaySpec:
     agent_ends: bool = True  # the policy learns agents' ends (a hint server's); False: kv_transfer_params only
     tool_waits: str = "predicted"  # or "predicted-stream" (the request-stream chain), "announced" (true lengths)
     scheduler: str = "plain"  # or "vllm": admission within the step's token budget, blocks cached at allocation
+    max_running: int = 256  # requests the engine runs at once (vLLM's max_num_seqs)
+    recorded_starts: bool = False  # closed loop: sessions start at their recorded starts (SimConfig.recorded_starts)
     references: bool = True
     jobs: int = 1
     slo_ttft_p99_s: float | None = None  # SLO capacity search: later-turn TTFT p99 bound (s)
@@ -157,7 +159,8 @@ def sim_config(spec: ReplaySpec, conc: int, hbm_blocks: int) -> SimConfig:
                      max_batch_tokens=spec.max_batch_tokens, warmup_s=spec.warmup_s, gap_cap_s=spec.gap_cap_s,
                      max_sessions=spec.max_sessions, time_scale=spec.time_scale, skip_requests=skip,
                      admission=spec.admission, surface=spec.surface, cold_codec=spec.cold_codec,
-                     agent_ends=spec.agent_ends, tool_waits=spec.tool_waits, scheduler=spec.scheduler)
+                     agent_ends=spec.agent_ends, tool_waits=spec.tool_waits, scheduler=spec.scheduler,
+                     max_running=spec.max_running, recorded_starts=spec.recorded_starts)
 
 
 # ------------------------------------------------------------ capacity check

@@ -135,6 +135,10 @@ class SimConfig:
     # allocates it, and a
     # request admitted with a load from a lower tier takes no running slot until the load is done).
     scheduler: str = "plain"
+    # Closed loop: start every session at its recorded start (``Session.recorded_at_s``, which kvtier's
+    # recorder writes), offset from the earliest, instead of ``conc`` at once: a recording replayed
+    # as it was served (``conc`` then plays no part). Every session must carry a recorded start.
+    recorded_starts: bool = False
 
     def tier_blocks(self, tier: str) -> int:
         """Blocks ``tier`` holds: its capacity, times the cold codec's ratio where it compresses ``tier``."""
@@ -322,6 +326,9 @@ class Simulator:
         self.now = 0.0
         self._seq = itertools.count()
         self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
+        # the time the event being run was due (None between events): a request that arrives during a step
+        # is ready from then, not from the step's end, when the engine next looks (it waits out the step)
+        self._due_s: float | None = None
         self.ctx = SimContext(self, int(config.hbm_blocks * config.pin_budget_fraction))
         prio = admission_order(config.admission)
         self.waiting = _WaitQueue((lambda run: prio(self.ctx, run.sess.idx, run.agent.agent_id, run.sess.start_s))
@@ -409,12 +416,23 @@ class Simulator:
                          dict(self.bytes_moved), self.block_touches, dict(self.counters))
 
     def _start_sessions(self) -> None:
-        """The first sessions: every one at its arrival (open loop), else ``conc`` of them."""
+        """The first sessions: every one at its arrival (open loop) or its recorded start
+        (``recorded_starts``), else ``conc`` of them."""
         if self.w.open_loop:  # every session (one request each) starts at its recorded arrival
             self._next_session = len(self._sessions)
             for idx, session in enumerate(self._sessions):
                 arrival = session.root.requests[0].arrival_s if session.root.requests else 0.0
                 self._at(arrival * self.cfg.time_scale, self._start_session, idx)
+        elif self.cfg.recorded_starts:
+            starts = [s.recorded_at_s for s in self._sessions]
+            if any(t is None for t in starts):
+                missing = next(s.session_id for s in self._sessions if s.recorded_at_s is None)
+                raise ConfigError("recorded_starts", True, f"session {missing!r} has no recorded start "
+                                  "(start_unix_s, written by kvtier's recorder); replay it with conc instead")
+            first = min(starts, default=0.0)
+            self._next_session = len(self._sessions)
+            for idx, t in enumerate(starts):
+                self._at(t - first, self._start_session, idx)
         else:
             for _ in range(min(self.cfg.conc, len(self._sessions))):
                 self._start_next_session()
@@ -440,8 +458,12 @@ class Simulator:
     def _pop_due(self) -> None:
         """Run every event due by ``self.now``, in (time, sequence) order."""
         while self._events and self._events[0][0] <= self.now:
-            _, _, fn, args = heapq.heappop(self._events)
-            fn(*args)
+            due, _, fn, args = heapq.heappop(self._events)
+            self._due_s = due
+            try:
+                fn(*args)
+            finally:
+                self._due_s = None
             if self.victims.pending:
                 self.victims.write()
 
@@ -458,7 +480,7 @@ class Simulator:
         self._start_session(self._next_session - 1)
 
     def _start_session(self, idx: int) -> None:
-        sr = _SessionRun(idx, self._sessions[idx], self.now)
+        sr = _SessionRun(idx, self._sessions[idx], self._arrived_s())
         root = sr.session.root
         self.graph.start_session("replay", sr.sid, self.now)
         self.graph.spawn_agent("replay", sr.sid, root.agent_id, self.now, agent_type=self._agent_type(sr, root),
@@ -503,7 +525,12 @@ class Simulator:
         if self.cfg.gap_cap_s is not None:
             gap = min(gap, self.cfg.gap_cap_s)
         sr.running.add(agent.agent_id)
-        self._at(self.now + gap, self._on_ready, sr, agent, req, gap)
+        self._at(self._arrived_s() + gap, self._on_ready, sr, agent, req, gap)
+
+    def _arrived_s(self) -> float:
+        """When what is being handled happened: the due time of the event being run (a step may have
+        passed it), else now."""
+        return self.now if self._due_s is None else min(self.now, self._due_s)
 
     def _on_ready(self, sr: _SessionRun, agent: Agent, req: Request, waited_s: float) -> None:
         agent_key = (sr.idx, agent.agent_id)
@@ -513,7 +540,7 @@ class Simulator:
         self.ctx.waiting_agents.pop(agent_key, None)
         self._waiting_ctx.pop(agent_key, None)
         self.graph.start_request("replay", sr.sid, agent.agent_id, str(req.index), self.now)
-        run = _Run(sr, agent, req, self.now)
+        run = _Run(sr, agent, req, self._arrived_s())
         self.policy.on_wait_end(self.ctx, agent_key, run.keys)
         skipped = (sr.idx, agent.agent_id, req.index) in self.cfg.skip_requests
         if self.prefetches.on_ready(run, agent_key, skipped):
@@ -708,9 +735,13 @@ class Simulator:
         self.counters["hbm_requeued_blocks"] = self.counters.get("hbm_requeued_blocks", 0) + n
 
     def _cache_output_blocks(self, run: _Run) -> tuple[BlockKey, ...]:
-        """Blocks the answer filled become cacheable: the next request of the same
-        agent names them (its prompt extends this one). Returns the agent's context keys."""
+        """Blocks the answer filled become cacheable: those the recording names
+        (``Request.answer_block_ids``), else the next request of the same agent's
+        up to the answer's end (its prompt extends this one, the answer as generated).
+        Returns the agent's context keys."""
         agent, req = run.agent, run.req
+        if req.answer_block_ids is not None:
+            return self._cache_recorded_answer(run, req.answer_block_ids)
         if req.index + 1 >= len(agent.requests):
             return run.keys
         nxt = agent.requests[req.index + 1].block_ids
@@ -725,6 +756,19 @@ class Simulator:
                 self.mgr.complete_store(plan, True)
                 self._write_through(plan.keys, run.keys[-1] if n else None, (run.sess.idx, agent.agent_id))
         return nxt[:upto]
+
+    def _cache_recorded_answer(self, run: _Run, answer: tuple[BlockKey, ...]) -> tuple[BlockKey, ...]:
+        """Cache the blocks the recording says the answer filled, as the engine did; the agent's context
+        is the prompt and, where the next prompt goes on with them, those blocks."""
+        keys, agent = run.keys, run.agent
+        if answer:
+            plan = self.mgr.prepare_store("hbm", answer, keys[-1] if keys else None)
+            if plan is not None:
+                self.mgr.complete_store(plan, True)
+                self._write_through(plan.keys, keys[-1] if keys else None, (run.sess.idx, agent.agent_id))
+        nxt = agent.requests[run.req.index + 1].block_ids if run.req.index + 1 < len(agent.requests) else ()
+        n = len(keys)
+        return keys + answer if answer and nxt[:n + len(answer)] == keys + answer else keys
 
     def _agent_type(self, sr: _SessionRun, agent: Agent) -> str:
         """The agent type the hint plane keys tool-wait history by: the trace's, as an SDK announces it; the
@@ -750,7 +794,10 @@ class Simulator:
         self.records.append(RequestRecord(
             session=run.sess.idx, agent_id=run.agent.agent_id, index=req.index,
             first_turn=run.agent.parent_id is None and req.index == 0,
-            ready_s=run.ready_s, first_token_s=run.first_token_s, finish_s=self.now,
+            # a client sent the request its API overhead before the engine saw it (0 unless the profile was
+            # fitted to a served engine): TTFT as the client measures it
+            ready_s=run.ready_s - self.profile.hardware.request_overhead_s, first_token_s=run.first_token_s,
+            finish_s=self.now,
             input_tokens=req.input_tokens, output_tokens=req.output_tokens,
             hit_hbm_tokens=run.hit["hbm"], hit_dram_tokens=run.hit["dram"], hit_ssd_tokens=run.hit["ssd"],
             computed_tokens=run.computed_tokens, measured=run.ready_s >= self.cfg.warmup_s,

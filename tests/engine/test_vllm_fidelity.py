@@ -112,7 +112,8 @@ def test_the_recording_holds_every_request_and_no_prompt(both: dict) -> None:
     requests = both["requests"]
     assert [r["in"] for r in obj["requests"]] == [len(tokens) for _, tokens in requests]
     assert all(r["out"] == OUT and r["stop"] == "end_turn" for r in obj["requests"])
-    assert all(set(r) == {"t", "type", "model", "in", "out", "hash_ids", "stop", "api_time", "think_time"}
+    assert all(set(r) == {"t", "type", "model", "in", "out", "hash_ids", "out_hash_ids", "stop", "api_time",
+                          "think_time"}
                for r in obj["requests"])
     token_runs = {tuple(tokens[:8]) for _, tokens in requests}
     assert not any(tuple(r["hash_ids"][:8]) in token_runs for r in obj["requests"])

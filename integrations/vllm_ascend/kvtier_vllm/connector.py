@@ -263,6 +263,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched = KVTierScheduler(settings, namespace, facts.block_size, world, kv_events=kv_events,
                                           window_blocks=facts.window_blocks)
             self._sched.write_stats()
+            if settings.record_path and not getattr(vllm_config, "shutdown_timeout", 1):
+                # vLLM's default --shutdown-timeout 0 kills the engine core at once on stop: the connector's
+                # shutdown never runs, and the recording's last flush interval and the final stats are lost
+                log.warning("kvtier: record_path is set but vLLM's --shutdown-timeout is 0: a stopped engine is "
+                            "killed before kvtier writes the recording's last 10 s out; serve with "
+                            "--shutdown-timeout 10 (or more)")
         else:
             layout: KVLayout = settings.config.layout.to_layout()
             self._worker = KVTierWorker(settings, namespace, layout, kv_cache_config.num_blocks,
