@@ -41,7 +41,7 @@ def test_tagged_agents_become_traces_with_their_gaps_and_tool_stops(tmp_path: Pa
                                                                                           2.0, None)
     assert (r2["t"], r2["stop"], r2["think_time"], r2["api_time"]) == (5.0, "end_turn", 3.0, 1.0)
     assert r2["hash_ids"][:2] == r1["hash_ids"] == traces["s:b"]["requests"][0]["hash_ids"]  # one id per block
-    assert set(r1) == {"t", "type", "model", "in", "out", "hash_ids", "out_hash_ids", "stop", "api_time", "think_time"}
+    assert set(r1) == {"t", "type", "model", "in", "out", "hash_ids", "stop", "api_time", "think_time"}
     w = load_trace(tmp_path)  # what kvtier replay reads
     assert w.block_size == 16 and len(w.sessions) == 3
     by_id = {s.session_id: s for s in w.sessions}

@@ -181,13 +181,29 @@ def test_the_recorder_writes_the_answer_blocks_and_the_reader_maps_them_with_the
     rec.arrived("a1", "s", "a", 40, [11, 12], now=1.0)
     rec.finished("a1", 30, tool_wait=True, now=2.0, answer_keys=[13, 14])
     rec.arrived("a2", "s", "a", 80, [11, 12, 13, 99, 15], now=3.0)
-    rec.finished("a2", 2, tool_wait=False, now=4.0)
+    rec.finished("a2", 2, tool_wait=False, now=4.0, answer_keys=[])
+    rec.arrived("a3", "s", "a", 90, [11, 12, 13, 99, 15], now=5.0)
+    rec.finished("a3", 2, tool_wait=False, now=6.0)  # not known: left out, and the replay infers them
     rec.close()
     obj = json.loads(next(tmp_path.glob("*.json")).read_text())
-    r1, r2 = obj["requests"]
-    assert len(r1["out_hash_ids"]) == 2 and r2["out_hash_ids"] == []
+    r1, r2, r3 = obj["requests"]
+    assert len(r1["out_hash_ids"]) == 2 and r2["out_hash_ids"] == [] and "out_hash_ids" not in r3
     assert r1["out_hash_ids"][0] == r2["hash_ids"][2] and r1["out_hash_ids"][1] != r2["hash_ids"][3]
     reqs = load_trace(tmp_path).sessions[0].root.requests
-    assert len(reqs[0].answer_block_ids) == 2 and reqs[1].answer_block_ids == ()
+    assert len(reqs[0].answer_block_ids) == 2 and reqs[1].answer_block_ids == () and reqs[2].answer_block_ids is None
     assert reqs[0].answer_block_ids[0] == reqs[1].block_ids[2]  # equal keys, equal ids, as for prompts
     assert reqs[0].answer_block_ids[1] != reqs[1].block_ids[3]
+
+
+def test_a_request_that_arrives_during_a_step_is_ready_from_its_arrival() -> None:
+    profile = fitted_profile(SHAPE, flops=8e10, hbm_bw=1.5e10, step_s=0.01, request_s=0.0, hbm_blocks=80,
+                             block_size=64)
+    long = Request(0, 1400, 2, tuple(range(1, 22)), 0.0, "start", "end_turn", 0.0)
+    short = Request(0, 128, 2, (100, 101), 0.0, "start", "end_turn", 0.0)
+    w = Workload("w", 64, (Session("a", (Agent("root", None, "main", (long,)),), recorded_at_s=50.0),
+                           Session("b", (Agent("root", None, "main", (short,)),), recorded_at_s=51.0)), False)
+    res = Simulator(w, SimConfig(hbm_blocks=80, recorded_starts=True), make_placement("lru"), profile).run()
+    a, b = sorted(res.records, key=lambda r: r.session)
+    step = profile.step_time_s(1400, 0, 0, 0)
+    assert step > 2.0 and a.first_token_s == pytest.approx(step)  # b arrived 1 s into a's prefill step ...
+    assert b.ready_s == 1.0 and b.ttft_s > step - 1.0  # ... and waited out the rest of it

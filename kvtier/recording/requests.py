@@ -128,12 +128,13 @@ class RequestRecorder:
                    time.time() if now is None else now))
 
     def finished(self, req_id: str, output_tokens: int, tool_wait: bool, now: float | None = None,
-                 answer_keys: Sequence[int] = ()) -> None:
+                 answer_keys: Sequence[int] | None = None) -> None:
         """A request finished with ``output_tokens``; ``tool_wait``: it announced a tool call;
-        ``answer_keys``: the keys of the full blocks its answer filled after the prompt's full blocks (the
-        engine caches them: the next turn hits them only if its prompt holds the answer as generated)."""
+        ``answer_keys``: the keys of the full blocks its answer filled after the prompt's full blocks that the
+        engine computed and cached (the next turn hits them only if its prompt holds the answer as generated);
+        ``None``: not known, and the file leaves ``out_hash_ids`` out."""
         self._put(("finished", req_id, int(output_tokens), bool(tool_wait), time.time() if now is None else now,
-                   list(answer_keys)))
+                   None if answer_keys is None else list(answer_keys)))
 
     def close(self) -> None:
         """Write every trace and stop the writer (idempotent)."""
@@ -192,7 +193,8 @@ class RequestRecorder:
             return
         trace_id, request = pending
         request["out"] = output_tokens
-        request["out_hash_ids"] = [self._anon(k) for k in answer_keys]
+        if answer_keys is not None:
+            request["out_hash_ids"] = [self._anon(k) for k in answer_keys]
         request["stop"] = STOP_TOOL_USE if tool_wait else STOP_END_TURN
         request["api_time"] = round(max(0.0, now - request["_arrival"]), 6)
         trace = self._traces.get(trace_id)

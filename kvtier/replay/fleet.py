@@ -123,7 +123,11 @@ class _Driver(Simulator):
             fleet.hand_over(last, agent_key, req.block_ids)
         fleet.home[agent_key] = engine
         engine.now = max(engine.now, fleet.event_s)
-        engine._on_ready(sr, agent, req, waited_s)
+        engine._due_s = self._due_s  # ready from the event's time, as in one Simulator
+        try:
+            engine._on_ready(sr, agent, req, waited_s)
+        finally:
+            engine._due_s = None
 
     def _end_session(self, sr: _SessionRun) -> None:
         self.session_latency_s.append(self.now - sr.start_s)
@@ -178,8 +182,12 @@ class _Engine(Simulator):
             if not (own_due or fleet_due):
                 return
             if own_due and (not fleet_due or own[0][:2] < fleet_events[0][:2]):
-                _, _, fn, args = heapq.heappop(own)
-                fn(*args)
+                due, _, fn, args = heapq.heappop(own)
+                self._due_s = due
+                try:
+                    fn(*args)
+                finally:
+                    self._due_s = None
             else:
                 self.fleet.run_fleet_event(self.now)
             if self.victims.pending:
@@ -320,7 +328,11 @@ class FleetSimulator:
         t, _, fn, args = heapq.heappop(self.driver._events)
         self.event_s = t
         self.driver.now = t if host_now_s is None else max(t, host_now_s)
-        fn(*args)
+        self.driver._due_s = t
+        try:
+            fn(*args)
+        finally:
+            self.driver._due_s = None
 
     def run(self) -> SimResult:
         """Replay every session; call once. Each turn of the loop runs the earliest of:

@@ -136,8 +136,9 @@ class SimConfig:
     # request admitted with a load from a lower tier takes no running slot until the load is done).
     scheduler: str = "plain"
     # Closed loop: start every session at its recorded start (``Session.recorded_at_s``, which kvtier's
-    # recorder writes), offset from the earliest, instead of ``conc`` at once: a recording replayed
-    # as it was served (``conc`` then plays no part). Every session must carry a recorded start.
+    # recorder writes), offset from the earliest and times ``time_scale``, instead of ``conc`` at once: a
+    # recording replayed as it was served (``conc`` then plays no part). Every session must carry a recorded
+    # start. Open loop already starts every session at its arrival: there it changes nothing.
     recorded_starts: bool = False
 
     def tier_blocks(self, tier: str) -> int:
@@ -432,7 +433,7 @@ class Simulator:
             first = min(starts, default=0.0)
             self._next_session = len(self._sessions)
             for idx, t in enumerate(starts):
-                self._at(t - first, self._start_session, idx)
+                self._at((t - first) * self.cfg.time_scale, self._start_session, idx)
         else:
             for _ in range(min(self.cfg.conc, len(self._sessions))):
                 self._start_next_session()
@@ -554,6 +555,7 @@ class Simulator:
         self.counters["skipped_requests"] += 1
         run.uncached = run.skipped = True
         run.first_token_s = self.now
+        self._due_s = None  # what waits for it goes on from now: another it waits for may have ended since
         self._finish(run)
 
     # ------------------------------------------------------------------ mover
@@ -748,7 +750,8 @@ class Simulator:
         n = len(run.keys)
         if nxt[:n] != run.keys:
             return run.keys
-        upto = min(len(nxt), (req.input_tokens + req.output_tokens) // self.block_size)
+        # vLLM computed (and cached) every token but the last one sampled, which it never fed back
+        upto = min(len(nxt), (req.input_tokens + req.output_tokens - 1) // self.block_size)
         out_keys = nxt[n:upto]
         if out_keys:
             plan = self.mgr.prepare_store("hbm", out_keys, run.keys[-1] if n else None)

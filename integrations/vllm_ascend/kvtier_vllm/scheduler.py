@@ -494,8 +494,10 @@ class KVTierScheduler:
             self.remote.forget_lookup(request.request_id)
         self.placement.finished(request.request_id)
         wait_s = request_tool_wait_s(getattr(request, "kv_transfer_params", None))
-        if self.recorder is not None:  # with the full blocks the answer filled, which vLLM cached
-            answer = self._keys(st)[int(request.num_prompt_tokens) // self.block_size:] if st is not None else []
+        if self.recorder is not None:  # with the full blocks the answer filled that vLLM computed and cached
+            bs = self.block_size  # (vLLM hashes a block the last sampled token fills, but never computes it)
+            answer = self._keys(st)[int(request.num_prompt_tokens) // bs:int(request.num_computed_tokens) // bs] \
+                if st is not None else None
             self.recorder.finished(request.request_id, int(request.num_output_tokens), wait_s is not None,
                                    answer_keys=answer)
         if st is not None:
