@@ -71,6 +71,8 @@ class Admission:
             if self.vllm and run.loads_pending:
                 run.holding = True
                 self.num_holding += 1
+                run.step_wait = True  # its load finishes with the engine's next step, not before
+                run.loads_pending += 1
             if sim.victims.pending:  # the slots it takes are reused once their old blocks are copied out
                 done = sim.victims.write(run.load_ready_s if run.loads_pending else None)
                 if done is not None:

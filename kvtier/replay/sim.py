@@ -195,6 +195,7 @@ class _Run:
         "sess", "agent", "req", "keys", "ready_s", "prefill_left", "ctx_tokens", "decode_left",
         "first_token_s", "held", "store_plan", "computed_keys", "loads_pending", "load_ready_s",
         "hit", "computed_tokens", "uncached", "reserved", "prefetch", "skipped", "take", "holding",
+        "step_wait",
     )
 
     def __init__(self, sess: "_SessionRun", agent: Agent, req: Request, ready_s: float) -> None:
@@ -219,6 +220,9 @@ class _Run:
         # scheduler "vllm": admitted with a load from a lower tier, not running yet (vLLM's
         # WAITING_FOR_REMOTE_KVS): it takes no running slot until the load is done and a slot is free
         self.holding = False
+        # scheduler "vllm": its load is reported done at the end of the engine step after its admission, at the
+        # earliest (vLLM's worker loads during that step's forward and reports finished loads after it)
+        self.step_wait = False
 
 
 class _WaitQueue:
@@ -607,7 +611,12 @@ class Simulator:
             weighted_ctx += take * run.ctx_tokens
         batch = len(self.decoding)
         decode_ctx = sum(r.ctx_tokens for r in self.decoding)
+        stepping = [r for r in self.prefilling if r.step_wait]  # loads this step carries out ("vllm")
         if not chunks and not batch:  # only prefills waiting for their loads (or, "vllm", for a running slot)
+            if stepping:  # an engine with nothing to run still steps, at its fixed cost, to finish the loads
+                self.now += self.profile.hardware.step_overhead_s
+                self._loads_stepped(stepping)
+                return
             pending = [r.load_ready_s for r in self.prefilling if r.loads_pending]
             if pending:
                 self.now = max(self.now, min(pending))
@@ -615,13 +624,14 @@ class Simulator:
         dt = self.profile.step_time_s(prefill_tokens, weighted_ctx / prefill_tokens if prefill_tokens else 0,
                                       batch, decode_ctx)
         steps = 1
-        if not chunks:  # decode only: fast-forward to the next finish or event
+        if not chunks and not stepping:  # decode only: fast-forward to the next finish or event
             steps = min(r.decode_left for r in self.decoding)
             next_s = self._next_event_s()
             if next_s is not None:
                 steps = min(steps, max(1, math.ceil((next_s - self.now) / dt)))
             steps = max(1, steps)
         self.now += dt * steps
+        self._loads_stepped(stepping)
         for run in self.decoding:
             run.decode_left -= steps
             run.ctx_tokens += steps
@@ -641,6 +651,13 @@ class Simulator:
             self.prefilling = [r for r in self.prefilling if r.prefill_left > 0]
         for run in finished:
             self._finish(run)
+
+    @staticmethod
+    def _loads_stepped(runs: list[_Run]) -> None:
+        """The step that carried out ``runs``' loads ended: they are done once their transfers are."""
+        for run in runs:
+            run.step_wait = False
+            run.loads_pending -= 1
 
     def _prefill_done(self, run: _Run) -> None:
         run.first_token_s = self.now
