@@ -23,6 +23,7 @@ module and rewrites the documents).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from readme_tables import md_table, table
@@ -144,7 +145,8 @@ def agents_e2e_tiny(data: dict[str, Any]) -> str:
 def replay_seconds(data: dict[str, Any]) -> str:
     """The replay's seconds against the engine's (``bench/replay_seconds.py``)."""
     s, f = data["settings"], data["fit"]
-    commit = data["commit"] + (" (uncommitted changes)" if data.get("code_dirty") else "")
+    commit = data["commit"][:7] + (" (uncommitted changes)" if data.get("code_dirty") else "")
+    links = re.sub(r"\b([0-9a-f]{7})[0-9a-f]{33}\b", r"\1", s["links"])
     labels = {"none": "no connector (replay: `lru`, no DRAM)",
               "sdk": "kvtier + SDK hints (replay: `kvtier`, surface `vllm`, waits announced)"}
     rows = []
@@ -162,7 +164,7 @@ def replay_seconds(data: dict[str, Any]) -> str:
                f"{f['hbm_bytes_per_s'] / 1e9:.1f} GB/s, {f['step_overhead_s'] * 1e3:.1f} ms a step, "
                f"{f['request_overhead_s'] * 1e3:.1f} ms a request; mean error on its own timings "
                f"{f['mean_relative_error']:.1%}, largest {f['max_relative_error']:.0%}); host link from "
-               f"{s['links']}. Engine / replay (replay's error); targets: prefill within "
+               f"{links}. Engine / replay (replay's error); targets: prefill within "
                f"{data['targets']['prefill']:.0%}, TTFT within {data['targets']['ttft']:.0%}; commit {commit}; "
                f"`.venv-vllm/bin/python bench/replay_seconds.py --json bench/out/replay-seconds.json`.\n\n")
     return caption + md_table(["configuration", "later TTFT p50", "later TTFT p99", "later TTFT mean",

@@ -613,13 +613,7 @@ class Simulator:
         decode_ctx = sum(r.ctx_tokens for r in self.decoding)
         stepping = [r for r in self.prefilling if r.step_wait]  # loads this step carries out ("vllm")
         if not chunks and not batch:  # only prefills waiting for their loads (or, "vllm", for a running slot)
-            if stepping:  # an engine with nothing to run still steps, at its fixed cost, to finish the loads
-                self.now += self.profile.hardware.step_overhead_s
-                self._loads_stepped(stepping)
-                return
-            pending = [r.load_ready_s for r in self.prefilling if r.loads_pending]
-            if pending:
-                self.now = max(self.now, min(pending))
+            self._idle_step(stepping)
             return
         dt = self.profile.step_time_s(prefill_tokens, weighted_ctx / prefill_tokens if prefill_tokens else 0,
                                       batch, decode_ctx)
@@ -651,6 +645,17 @@ class Simulator:
             self.prefilling = [r for r in self.prefilling if r.prefill_left > 0]
         for run in finished:
             self._finish(run)
+
+    def _idle_step(self, stepping: list[_Run]) -> None:
+        """Nothing to compute: an engine with loads to carry out still steps, at its fixed cost; else the
+        clock moves to the first load that lands."""
+        if stepping:
+            self.now += self.profile.hardware.step_overhead_s
+            self._loads_stepped(stepping)
+            return
+        pending = [r.load_ready_s for r in self.prefilling if r.loads_pending]
+        if pending:
+            self.now = max(self.now, min(pending))
 
     @staticmethod
     def _loads_stepped(runs: list[_Run]) -> None:
