@@ -73,7 +73,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 DEV_TRACE = ROOT.parent / "shared" / "traces" / "weka_claude_code" / "weka_dev_120.tar.xz"
@@ -137,34 +137,39 @@ def _text(rng: random.Random, n: int) -> str:
     return "".join(out)[:n]
 
 
-def _chat(port: int, body: dict) -> dict[str, Any]:
-    """One streamed chat completion: TTFT, the end-to-end time, the tool call, the output ids, usage."""
+def stream_chat(port: int, body: dict) -> Iterator[tuple[float, dict[str, Any]]]:
+    """POST a streamed chat completion to the server at ``port``; yields each data chunk with the
+    ``time.perf_counter()`` it arrived at. A status other than 200 raises, with the body's start."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    t0 = time.perf_counter()
     try:
         conn.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:400]!r}")
-        ttft, ids, call, usage = None, [], {"id": None, "name": None, "arguments": ""}, {}
         for raw in resp:
             line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            for ch in chunk.get("choices") or []:
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                ids += ch.get("token_ids") or []
-                for tc in (ch.get("delta") or {}).get("tool_calls") or []:
-                    call["id"] = tc.get("id") or call["id"]
-                    fn = tc.get("function") or {}
-                    call["name"] = fn.get("name") or call["name"]
-                    call["arguments"] += fn.get("arguments") or ""
-        return {"ttft_s": ttft, "e2e_s": time.perf_counter() - t0, "ids": ids, "call": call, "usage": usage}
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield time.perf_counter(), json.loads(line[6:])
     finally:
         conn.close()
+
+
+def _chat(port: int, body: dict) -> dict[str, Any]:
+    """One streamed chat completion: TTFT, the end-to-end time, the tool call, the output ids, usage."""
+    t0 = time.perf_counter()
+    ttft, ids, call, usage = None, [], {"id": None, "name": None, "arguments": ""}, {}
+    for t, chunk in stream_chat(port, body):
+        usage = chunk.get("usage") or usage
+        for ch in chunk.get("choices") or []:
+            if ttft is None:
+                ttft = t - t0
+            ids += ch.get("token_ids") or []
+            for tc in (ch.get("delta") or {}).get("tool_calls") or []:
+                call["id"] = tc.get("id") or call["id"]
+                fn = tc.get("function") or {}
+                call["name"] = fn.get("name") or call["name"]
+                call["arguments"] += fn.get("arguments") or ""
+    return {"ttft_s": ttft, "e2e_s": time.perf_counter() - t0, "ids": ids, "call": call, "usage": usage}
 
 
 def _agent(port: int, a: int, plan: dict, mode: str, rec: list, errors: list) -> None:
@@ -462,15 +467,21 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in data["checks"].items()}, indent=1))
     for r in data["configs"]:
         r.pop("ids")  # compared above; too large to keep
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(data, indent=1) + "\n")
-    if args.png:
-        try:
-            plot(data, args.png)
-        except ImportError:
-            print("agents_e2e: no matplotlib here; render the plot with --plot JSON --png PNG from a venv that has it")
+    write_outputs(data, args.json, args.png, plot, "agents_e2e")
     return 0
+
+
+def write_outputs(data: dict[str, Any], json_path: Path | None, png: Path | None, draw: Any, name: str) -> None:
+    """Write a benchmark's JSON and its plot (``draw(data, png)``), where asked; without matplotlib, say how to
+    draw it later (``--plot JSON --png PNG``)."""
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(data, indent=1) + "\n")
+    if png:
+        try:
+            draw(data, png)
+        except ImportError:
+            print(f"{name}: no matplotlib here; render the plot with --plot JSON --png PNG from a venv that has it")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ Usage (in the vLLM venv; about 10 minutes on 2 cores)::
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import random
 import statistics
@@ -68,26 +67,14 @@ def _stream(port: int, prompt_tokens: int, max_tokens: int, seed: int) -> dict[s
     body = {"model": "tiny", "messages": [{"role": "user", "content": f"{seed} " + e2e._text(rng, prompt_tokens)}],
             "temperature": 0, "max_tokens": max_tokens, "min_tokens": max_tokens, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     t0 = time.perf_counter()
-    try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:400]!r}")
-        chunks, usage = [], {}
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            n = sum(len(ch.get("token_ids") or []) for ch in chunk.get("choices") or [])
-            if n:
-                chunks.append((time.perf_counter(), n))
-        return {"t0": t0, "chunks": chunks, "prompt_tokens": usage.get("prompt_tokens")}
-    finally:
-        conn.close()
+    chunks, usage = [], {}
+    for t, chunk in e2e.stream_chat(port, body):
+        usage = chunk.get("usage") or usage
+        n = sum(len(ch.get("token_ids") or []) for ch in chunk.get("choices") or [])
+        if n:
+            chunks.append((t, n))
+    return {"t0": t0, "chunks": chunks, "prompt_tokens": usage.get("prompt_tokens")}
 
 
 def _together(port: int, n: int, prompt_tokens: int, max_tokens: int, seed: int) -> list[dict[str, Any]]:
@@ -317,14 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             "profile": fit.profile.to_overrides(), "commands": commands, "targets": TARGETS, "configs": configs,
             "all_within_target": all(all(c["within_target"].values()) for c in configs.values())}
     print(render(data))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(data, indent=1) + "\n")
-    if args.png:
-        try:
-            plot(data, args.png)
-        except ImportError:
-            print("replay_seconds: no matplotlib here; render the plot with --plot JSON --png PNG")
+    e2e.write_outputs(data, args.json, args.png, plot, "replay_seconds")
     return 0
 
 
