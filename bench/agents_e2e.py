@@ -215,12 +215,13 @@ MAX_BATCHED_TOKENS = 2048  # vLLM's --max-num-batched-tokens here
 # server without a connector thus computed with 1 thread and one with any connector with 2: the same
 # 800-token prefill took 2.25 s against 1.21 s (kvtier) and 1.15 s (vLLM's do-nothing connector). Every
 # server here keeps none back, so that every configuration computes with the same threads.
-ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+RESERVED_CPUS = 0
 
 
-def same_threads() -> None:
-    """Give every ``vllm serve`` this process starts the same compute threads (:data:`ENGINE_ENV`)."""
-    os.environ.update(ENGINE_ENV)
+def same_threads(reserved_cpus: int = RESERVED_CPUS) -> None:
+    """Give every ``vllm serve`` this process starts the same compute threads: vllm-cpu keeps
+    ``reserved_cpus`` CPUs back from them, whatever the connector (:data:`RESERVED_CPUS`)."""
+    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpus)
 
 
 def engine_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -240,7 +241,6 @@ def run_config(work: Path, model: Path, name: str, plans: list[dict], args: argp
     (``record_path``; a kvtier configuration only)."""
     from tests.engine.serve_support import Server, free_port
 
-    same_threads()
     hbm = hbm_blocks(args)
     dram = 2 * len(plans) * (args.context_tokens // BLOCK_SIZE + 2)
     kv: dict[str, Any] | None = None
@@ -435,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "bench"), os.environ.get("PYTHONPATH")]))
 
     plans = plan_agents(args.agents, args.turns, args.context_tokens, args.wait_scale)
+    same_threads()
     print(f"agents_e2e: {len(plans)} agents from {[p['trace'] for p in plans]}", flush=True)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="kvtier-agents-e2e-") as tmp:

