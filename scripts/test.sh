@@ -67,4 +67,7 @@ if [ "$#" -eq 0 ] && [ "${KVTIERTEST_SKIP_ENGINE:-0}" != "1" ]; then
   # with the fault suite's connector-path case: the worker's transfers under injected faults (issue 43)
   # every phase timed (--durations=0): python scripts/durations_table.py on the log gives docs/testing.md's table
   KVTIERTEST_REQUIRE_VLLM=1 "$VLLM_VENV/bin/python" -m pytest -q --durations=0 tests/engine tests/fault/test_fault_connector_path.py
+  # the connector's interface tests against vllm 0.33.0 and 0.34.0's Python sources (issue 59; no CPU
+  # build of either exists, so no engine: see the script), about 3 minutes with the downloads
+  KVTIERTEST_VLLM_VENV="$VLLM_VENV" bash scripts/vllm_next.sh -rs
 fi

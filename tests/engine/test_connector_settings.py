@@ -101,14 +101,14 @@ def test_bad_placement_settings_name_the_key(extra: dict, match: str) -> None:
         ConnectorSettings.build(extra, FACTS, env={})
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.5+cpu"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.5+cpu", "0.33.0", "0.34.0"])
 def test_tested_versions_pass(version: str) -> None:
     assert check_vllm_version(version) == version
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "garbage"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.35.0", "1.0.0", "garbage"])
 def test_untested_versions_fail_with_the_range(version: str) -> None:
-    with pytest.raises(RuntimeError, match=r"tested with vllm>=0.32,<0.33.*allow_untested_vllm"):
+    with pytest.raises(RuntimeError, match=r"tested with vllm>=0.32,<0.35.*allow_untested_vllm"):
         check_vllm_version(version)
     assert check_vllm_version(version, allow_untested=True) == version
 

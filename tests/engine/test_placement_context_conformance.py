@@ -27,6 +27,8 @@ from kvtier.replay.model import Workload
 from kvtier.replay.profiles import get_profile
 from kvtier.replay.sim import SimConfig, Simulator
 
+pytestmark = pytest.mark.vllm_interface  # no engine: also run against newer vLLMs (scripts/vllm_next.sh)
+
 # (the conftest leaves out only test_vllm_*.py where vLLM is missing: the main venv skips this module)
 BlockPool = pytest.importorskip("vllm.v1.core.block_pool").BlockPool
 

@@ -12,6 +12,8 @@ from kvtier_vllm import rerotate
 from kvtier_vllm.blockio import BlockIO
 from kvtier_vllm.rerotate import Rope, key_regions, rerotate_rows, rope_of
 
+pytestmark = pytest.mark.vllm_interface  # no engine: also run against newer vLLMs (scripts/vllm_next.sh)
+
 NUM_BLOCKS, BS, HEADS, DIM = 4, 4, 2, 8
 
 

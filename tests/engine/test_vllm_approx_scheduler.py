@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
+
 from kvtier_vllm.settings import ConnectorSettings, EngineFacts
 
 from kvtier.sdk import approximate_segments
 
 from .test_vllm_placement import BS, _Engine, _Request
+
+pytestmark = pytest.mark.vllm_interface  # no engine: also run against newer vLLMs (scripts/vllm_next.sh)
 
 SEGMENT = [(7 * j + 3) % 997 for j in range(3 * BS)]  # 3 blocks
 SALT = approximate_segments({}, [])["cache_salt"]

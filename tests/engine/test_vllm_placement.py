@@ -25,6 +25,8 @@ from vllm.v1.core.block_pool import BlockPool
 
 from kvtier.sdk import tag_request
 
+pytestmark = pytest.mark.vllm_interface  # no engine: also run against newer vLLMs (scripts/vllm_next.sh)
+
 BS = 32
 
 

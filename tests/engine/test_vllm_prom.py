@@ -11,6 +11,8 @@ from prometheus_client import REGISTRY
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
+pytestmark = pytest.mark.vllm_interface  # no engine: also run against newer vLLMs (scripts/vllm_next.sh)
+
 LABELS = ["model_name", "engine"]
 
 

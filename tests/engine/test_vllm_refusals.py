@@ -73,6 +73,7 @@ def _granite_mamba_spec(block_size: int, mode: str):
                      mamba_cache_mode=mode)
 
 
+@pytest.mark.vllm_interface
 @pytest.mark.parametrize("mode", ["align", "none"])
 def test_a_mamba2_hybrids_state_group_is_refused_naming_mambaspec(mode: str) -> None:
     # full attention (accepted on its own) + the Mamba2 layer's state: the state group refuses the model,
@@ -84,12 +85,14 @@ def test_a_mamba2_hybrids_state_group_is_refused_naming_mambaspec(mode: str) -> 
     assert "without the kvtier connector" in message  # what to do instead
 
 
+@pytest.mark.vllm_interface
 def test_a_pure_mamba_model_is_refused_the_same_way() -> None:
     # Mamba2ForCausalLM-style: no attention group at all; refused for the state, not for lacking attention
     message = _refusal(_granite_mamba_spec(2048, "none"))
     assert "MambaSpec" in message and "without the kvtier connector" in message
 
 
+@pytest.mark.vllm_interface
 def test_an_encoder_decoder_models_cross_attention_is_refused_naming_it() -> None:
     from vllm.v1.kv_cache_interface import CrossAttentionSpec
 
@@ -99,6 +102,7 @@ def test_an_encoder_decoder_models_cross_attention_is_refused_naming_it() -> Non
     assert "without the kvtier connector" in message
 
 
+@pytest.mark.vllm_interface
 def test_deepseek_v4s_versioned_sparse_mla_is_refused_naming_it() -> None:
     import torch
     from vllm.v1.kv_cache_interface import MLAAttentionSpec

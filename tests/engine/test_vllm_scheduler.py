@@ -12,6 +12,8 @@ from kvtier_vllm.metadata import KVTierWorkerMetadata
 from kvtier_vllm.scheduler import KVTierScheduler
 from kvtier_vllm.settings import ConnectorSettings, EngineFacts
 
+pytestmark = pytest.mark.vllm_interface  # no engine: also run against newer vLLMs (scripts/vllm_next.sh)
+
 BS = 32
 
 

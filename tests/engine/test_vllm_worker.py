@@ -23,6 +23,8 @@ from kvtier_vllm.worker import KVTierWorker
 from kvtier.keys import key_to_bytes
 from kvtier.tiers.codec import HEADER_BYTES
 
+pytestmark = pytest.mark.vllm_interface  # no engine: also run against newer vLLMs (scripts/vllm_next.sh)
+
 NUM_BLOCKS, BS, HEADS, DIM = 8, 32, 2, 32
 
 
