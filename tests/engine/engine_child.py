@@ -8,7 +8,8 @@ vLLM KV events (``kv_events``: ``KVEventsConfig`` fields), optionally vLLM's
 ``MultiConnector`` (``multi_connector``: its children in order, see
 :func:`_multi_connector`), and phases (prompts as
 token ids, optionally one ``kv_transfer_params`` dict and one vLLM ``cache_salt``
-(``cache_salts``) per prompt; ``reset_prefix_cache`` before a phase). The
+(``cache_salts``) per prompt, and one vLLM ``kv_hints`` envelope (``kv_hints``, as builtins) per
+prompt; ``reset_prefix_cache`` before a phase). The
 output has the engine's ``num_gpu_blocks`` and whether its hybrid KV cache
 manager is on, and, per phase, each prompt's generated token ids and per-token
 logprobs (``outputs``), vLLM's own TTFT and cached-token count per request
@@ -45,6 +46,27 @@ def _wait_idle(stats_path: str | None, timeout_s: float = 30.0) -> dict:
             return stats
         time.sleep(0.05)
     return stats
+
+
+def _generate_with_hints(llm, prompts: list, sps: list, envelopes: list) -> list:
+    """``llm.generate`` for requests that carry vLLM ``kv_hints`` (which ``LLM.generate`` does
+    not take): each added through ``LLMEngine.add_request(kv_hints=...)``, the engine stepped
+    until all finish; outputs in the prompts' order."""
+    import msgspec
+    from vllm.v1.kv_hints import KvHintsEnvelope
+
+    engine = llm.llm_engine
+    order = {}
+    for i, (prompt, sp, env) in enumerate(zip(prompts, sps, envelopes)):
+        hints = msgspec.convert(env, KvHintsEnvelope) if env is not None else None
+        engine.add_request(f"hinted-{i}", prompt, sp, kv_hints=hints)  # (returns vLLM's internal id)
+        order[f"hinted-{i}"] = i  # the outputs carry this one
+    outs: list = [None] * len(prompts)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[order[out.request_id]] = out
+    return outs
 
 
 def _tree_cpu_s() -> float:
@@ -194,7 +216,9 @@ def main(spec_path: str, out_path: str | None) -> None:
         salts = phase.get("cache_salts") or [None] * len(phase["prompts"])  # vLLM's own, one per prompt
         prompts = [TokensPrompt(prompt_token_ids=p) if salt is None
                    else TokensPrompt(prompt_token_ids=p, cache_salt=salt) for p, salt in zip(phase["prompts"], salts)]
-        outs = llm.generate(prompts, sps, use_tqdm=False)
+        envelopes = phase.get("kv_hints")  # one vLLM KvHintsEnvelope (as builtins) or None per prompt
+        outs = llm.generate(prompts, sps, use_tqdm=False) if not envelopes else \
+            _generate_with_hints(llm, prompts, sps if isinstance(sps, list) else [sps] * len(prompts), envelopes)
         answered.append(time.perf_counter())
         gen_s, cpu_s = answered[-1] - t1, _tree_cpu_s() - cpu1
         rows, timings = [], []

@@ -325,6 +325,47 @@ def test_vllms_session_id_names_an_untagged_request_and_kvtier_tags_win() -> Non
     assert sched.counters["native_session_requests"] == 1 and sched.counters["native_session_agents"] == 1
 
 
+def test_vllms_kv_hints_envelopes_pin_prefetch_retain_and_release_with_every_outcome_counted() -> None:
+    """vLLM's ``Request.kv_hints`` (its own ``KvHintsEnvelope`` struct) read as kvtier's
+    vocabulary (``kvtier.sdk.kv_hints``): ``identity`` names the agent, ``pin`` sets its
+    criticality, ``prefetch`` starts a tool wait (brought back), ``retain`` a wait that is
+    not, ``release`` ends the agent; each action's outcome is a counter."""
+    from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+    def envelope(agent: str, *actions: tuple[str, dict]) -> KvHintsEnvelope:
+        acts = [KvHintAction("id", "identity", "1", {"session_id": "s", "agent_id": agent})]
+        acts += [KvHintAction(str(i), kind, "1", payload) for i, (kind, payload) in enumerate(actions)]
+        return KvHintsEnvelope("0.1", f"m-{agent}", acts)
+
+    sched, kvm = _sched()
+    reqs = {"pin": envelope("a1", ("pin", {"priority": 0.9}), ("prefetch", {"after_s": 3.0})),
+            "retain": envelope("a2", ("retain", {"duration_s": 60.0})),
+            "release": envelope("a3", ("release", {}), ("vllm.set_priority", {"ttl_seconds": 1})),
+            "odd": envelope("a4", ("pin", {"priority": float("nan")}), ("retain", {"duration_s": 1e12}))}
+    for i, (name, env) in enumerate(reqs.items()):
+        r = FakeRequest(name, 4)
+        r.block_hashes = [bytes([i, b]) * 16 for b in range(4)]
+        r.kv_hints = env
+        kvm.blocks[name] = list(range(10 * i + 10, 10 * i + 15))
+        sched.on_new_request(r)
+        reqs[name] = r
+    _step(sched, {r.request_id: r.num_tokens for r in reqs.values()})
+    assert sched.placement.criticality(("s", "a1")) == 0.9
+    for r in reqs.values():
+        sched.request_finished(r)
+    c = sched.counters
+    assert sched.placement.is_waiting(("s", "a1"), tool=True) and c["tool_waits"] == 1  # prefetch: a tool wait
+    assert sched.placement.is_waiting(("s", "a2")) and not sched.placement.is_waiting(("s", "a2"), tool=True)
+    assert sched.placement.is_waiting(("s", "a4"))  # the clipped retain
+    assert c["kv_hints_waits_retained"] == 2 and c["user_waits"] == 2
+    assert not sched.placement.is_waiting(("s", "a3")) and c["kv_hints_agents_released"] == 1
+    assert c["kv_hints_envelopes"] == 4 and c["kv_hints_identity_accepted"] == 4
+    assert (c["kv_hints_pin_accepted"], c["kv_hints_prefetch_accepted"], c["kv_hints_retain_accepted"]) == (1, 1, 1)
+    assert (c["kv_hints_release_accepted"], c["kv_hints_other_unknown"]) == (1, 1)
+    assert (c["kv_hints_pin_rejected"], c["kv_hints_retain_clipped"]) == (1, 1)
+    assert sched.stats()["counters"]["kv_hints_envelopes"] == 4  # the stats file and /metrics carry them
+
+
 def _run_steps(sched: KVTierScheduler, clock: list[float], fixed_s: float, per_token_s: float) -> None:
     """Twelve engine steps of one running request, prefill chunks and decodes, each taking
     ``fixed_s + tokens * per_token_s`` on ``clock``; an idle gap of 100 s before the last."""

@@ -13,7 +13,8 @@ what a wait does (holds, order, prefetch); the shared rounds get the server's
 round announcements; the agents of requests that name only vLLM's session
 (:class:`.native_sessions.NativeSessions`), prefix breaks (:class:`.prefix_breaks.PrefixBreaks`); and the check
 of each new request's ``kv_transfer_params``
-(refused keys counted, named in a rate-limited log line). The hosted server refuses block-key
+and vLLM ``kv_hints`` envelope (:mod:`kvtier.sdk.kv_hints`: outcomes counted; ``release`` ends the
+agent, ``retain`` starts a wait not brought back) (refused keys counted, named in a rate-limited log line). The hosted server refuses block-key
 commands, saying why (:data:`NO_BLOCK_COMMANDS`). Must not import vLLM, plan loads or stores, or wait on the
 hint server on the scheduler's step (a read of the hosted one gives up after
 1 s; a followed one is read from its latest snapshot).
@@ -30,6 +31,7 @@ from typing import Any
 from kvtier.keys import BlockKey
 from kvtier.placement import ToolWait
 from kvtier.placement.base import TURN_END_GAP_S
+from kvtier.sdk.kv_hints import KvHints, read_kv_hints
 from kvtier.sdk.params import KV_TRANSFER_PARAMS, VALIDATORS, check_request_params
 
 from .native_sessions import NativeSessions
@@ -142,8 +144,19 @@ class HintIntake:
         server announces. An agent named only by vLLM's session id waits as long as its gaps
         predict (:meth:`.native_sessions.NativeSessions.ended`)."""
         agent = st.agent
+        hints: KvHints | None = st.kv_hints
         if agent is None:
+            if hints is not None and (hints.release or hints.retain_s is not None):
+                self.counters["kv_hints_no_agent"] += 1  # nothing names the agent to release or retain
             return
+        if hints is not None and hints.release:  # vLLM's kv_hints: the agent is done, its KV goes first
+            self.counters["kv_hints_agents_released"] += 1
+            self.policy.on_agent_end(self.placement, agent, tuple(self._keys_of(st)))
+            self._pump()
+            return
+        retain = "turn_end"
+        if wait_s is None and hints is not None and hints.retain_s is not None:
+            wait_s, retain = hints.retain_s, "retain"  # kept that long, not brought back
         if wait_s is None:
             wait_s = self.native.ended(*agent)
         keys = self._keys_of(st)
@@ -159,7 +172,10 @@ class HintIntake:
             self.counters["waits_not_started_busy"] += 1  # another request of the agent runs: it does not wait
             return
         finishing = -(-int(st.request.num_tokens) // self.block_size)
-        if wait_s is not None:
+        if retain == "retain":
+            self.counters["kv_hints_waits_retained"] += 1
+            self._start_wait(agent, keys, hashes, wait_s, finishing, "turn_end")
+        elif wait_s is not None:
             self._start_wait(agent, keys, hashes, wait_s, finishing)
         else:
             self._start_wait(agent, keys, hashes, TURN_END_GAP_S, finishing, "turn_end")
@@ -285,6 +301,17 @@ class HintIntake:
                 self._last_ctx[agent] = (keys, hashes, False)
                 self._start_wait(agent, keys, hashes,
                                  max(0.01, returns_s - now) if returns_s is not None else 10.0, 0, counted=not on_tool)
+
+    def read_kv_hints(self, request: Any, params: Any) -> KvHints | None:
+        """A new request's vLLM ``kv_hints`` envelope read as kvtier's hints
+        (:func:`~kvtier.sdk.kv_hints.read_kv_hints`; its ``kv_transfer_params`` win), every
+        action's outcome counted (``kv_hints_<action>_<outcome>``, ``kv_hints_envelopes``)."""
+        hints = read_kv_hints(getattr(request, "kv_hints", None), params)
+        if hints is not None:
+            self.counters["kv_hints_envelopes"] += 1
+            for kind, outcome in hints.outcomes:
+                self.counters[f"kv_hints_{kind}_{outcome}"] += 1
+        return hints
 
     def check_params(self, req_id: str, params: Any) -> None:
         """Check a new request's ``kv_transfer_params`` (:func:`~kvtier.sdk.params.check_request_params`).

@@ -67,7 +67,7 @@ class SharedRounds:
     def served(self, st: Any) -> None:
         """A finished request (the scheduler's record of it) of a shared round: learn the round's
         shared prefix from it (the first one), count its agent as served, settle."""
-        tag = request_round(getattr(st.request, "kv_transfer_params", None))
+        tag = request_round(st.params)
         if tag is None or st.session_id is None or st.agent_id is None:
             return
         rkey = (st.session_id, tag[0])

@@ -49,6 +49,7 @@ from kvtier.manager import LoadPlan, StorePlan, TierManager, TierSpec
 from kvtier.placement import make_placement
 from kvtier.placement.surface import surface
 from kvtier.sdk.handles import is_approximate_salt
+from kvtier.sdk.kv_hints import merged_params
 from kvtier.sdk.params import (
     request_approximate_segments,
     request_criticality,
@@ -126,6 +127,8 @@ class _Req:
     approx: list[tuple[int, int]] | None = None
     approx_loaded: set[int] = field(default_factory=set)  # block indices loaded from another request's copy
     lane_keys: dict[int, list[BlockKey]] = field(default_factory=dict)  # hybrid: other KV cache groups' keys
+    params: Any = None  # its kv_transfer_params, with what its vLLM kv_hints envelope adds (kvtier.sdk.kv_hints)
+    kv_hints: Any = None  # kvtier.sdk.kv_hints.KvHints read from that envelope, or None
 
     @property
     def agent(self) -> tuple[str, str] | None:
@@ -265,8 +268,7 @@ class KVTierScheduler:
         self.counters["requests"] += 1
         agent = st.agent
         if agent is not None:
-            params = getattr(request, "kv_transfer_params", None)
-            self.placement.note_agent(agent, request_tenant(params), request_criticality(params))
+            self.placement.note_agent(agent, request_tenant(st.params), request_criticality(st.params))
         if self.recorder is not None:
             prompt = int(request.num_prompt_tokens)
             self.recorder.arrived(request.request_id, st.session_id, st.agent_id, prompt,
@@ -493,7 +495,7 @@ class KVTierScheduler:
         if self.remote is not None:
             self.remote.forget_lookup(request.request_id)
         self.placement.finished(request.request_id)
-        wait_s = request_tool_wait_s(getattr(request, "kv_transfer_params", None))
+        wait_s = request_tool_wait_s(st.params if st is not None else getattr(request, "kv_transfer_params", None))
         if self.recorder is not None:  # with the full blocks the answer filled that vLLM computed and cached
             bs = self.block_size  # (vLLM hashes a block the last sampled token fills, but never computes it)
             answer = self._keys(st)[int(request.num_prompt_tokens) // bs:int(request.num_computed_tokens) // bs] \
@@ -605,8 +607,11 @@ class KVTierScheduler:
         if st is None:
             params = getattr(request, "kv_transfer_params", None)
             self.hints.check_params(request.request_id, params)
+            kv_hints = self.hints.read_kv_hints(request, params)
+            params = merged_params(params, kv_hints)
             session_id, agent_id = request_tags(params)
-            st = self._reqs[request.request_id] = _Req(request, session_id, agent_id)
+            st = self._reqs[request.request_id] = _Req(request, session_id, agent_id, params=params,
+                                                       kv_hints=kv_hints)
             spans = request_approximate_segments(params)
             if spans is not None or is_approximate_salt(getattr(request, "cache_salt", None)):
                 st.approx = self._segment_blocks(request, spans or [])

@@ -85,7 +85,7 @@ class StorePlanner:
             self.write_backs.watch(self.kv_cache_manager.get_block_ids(req_id)[0][start:upto], new, parents)
         pin_ttl_s = 0.0  # an agent's blocks are soft-pinned in the remote store
         # cold blocks (their agent then waits long) go to the slow tiers with the lossy codec
-        cold = self.cold.codec_for(request_tool_wait_s(getattr(st.request, "kv_transfer_params", None))) \
+        cold = self.cold.codec_for(request_tool_wait_s(st.params)) \
             if self.cold is not None else None
         plans = self._tier_plans(units, watching, cold)
         self.events.pump()
