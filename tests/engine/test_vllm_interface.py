@@ -44,27 +44,35 @@ def test_every_hook_the_connector_defines_is_one_vllm_calls() -> None:
     assert not missing, f"kvtier defines hooks this vLLM's KVConnectorBase_V1 no longer has (never called): {missing}"
 
 
-def _params(fn) -> tuple[list[str], bool]:
+def _params(fn) -> tuple[list[inspect.Parameter], bool]:
     sig = inspect.signature(fn)
-    names = [p.name for p in sig.parameters.values()
+    named = [p for p in sig.parameters.values()
              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in ("self", "cls")]
-    return names, any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
+    return named, any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
 
 
 def test_every_hook_takes_the_arguments_vllm_passes() -> None:
+    """vLLM passes a hook's leading arguments by position and may name any of them: kvtier's
+    must start with vLLM's names, and any more it takes must have defaults (an argument vLLM
+    drops would otherwise be a TypeError on the call). The constructor too: vLLM's factory
+    calls it with (vllm_config, role, kv_cache_config)."""
     connector, base, hma = _classes()
     wrong = {}
-    for name, value in vars(connector).items():
-        if name.startswith("_") or name in KVTIER_OWN or isinstance(value, property):
+    names = ["__init__"] + [n for n in vars(connector) if not n.startswith("_")]
+    for name in names:
+        value = vars(connector).get(name)
+        if name in KVTIER_OWN or isinstance(value, property):
             continue
         theirs = getattr(base, name, None) or getattr(hma, name, None)
         if theirs is None or not callable(theirs):
             continue
         want, _ = _params(theirs)
         have, takes_any = _params(getattr(connector, name))
-        # vLLM passes a hook's leading arguments by position and may name any of them
-        if have[:len(want)] != want and not (takes_any and set(have) <= set(want)):
-            wrong[name] = (want, have)
+        want_names, have_names = [p.name for p in want], [p.name for p in have]
+        extra_required = [p.name for p in have[len(want):] if p.default is inspect.Parameter.empty]
+        if (have_names[:len(want)] != want_names or extra_required) and not (takes_any and set(have_names) <= set(
+                want_names)):
+            wrong[name] = (want_names, have_names)
     assert not wrong, f"hooks whose parameters differ from this vLLM's (vLLM's, kvtier's): {wrong}"
 
 
@@ -73,7 +81,9 @@ def test_the_request_fields_the_connector_reads_are_still_there() -> None:
 
     params = inspect.signature(Request.__init__).parameters
     # read with getattr and a default (absent = untagged): a rename would be silent
-    assert "session_id" in params, "vLLM's Request no longer takes 'session_id'"
+    for name in ("session_id", "kv_hints"):  # vLLM's own session id; its typed KV hints (kvtier.sdk.kv_hints)
+        assert name in params, f"vLLM's Request no longer takes {name!r}"
     source = inspect.getsource(Request.__init__)
-    for attr in ("self.block_hashes", "self.num_computed_tokens", "self.kv_transfer_params", "self.session_id"):
+    for attr in ("self.block_hashes", "self.num_computed_tokens", "self.kv_transfer_params", "self.session_id",
+                 "self.kv_hints"):
         assert attr in source, f"vLLM's Request no longer sets {attr}"

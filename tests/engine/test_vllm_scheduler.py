@@ -366,6 +366,29 @@ def test_vllms_kv_hints_envelopes_pin_prefetch_retain_and_release_with_every_out
     assert sched.stats()["counters"]["kv_hints_envelopes"] == 4  # the stats file and /metrics carry them
 
 
+def test_a_kv_hints_release_waits_for_the_agents_other_requests() -> None:
+    """vLLM copies a request's ``kv_hints`` to each of its ``n > 1`` children, and an agent may
+    have requests in flight together: a ``release`` while another request of the agent runs
+    does not end the agent (counted ``kv_hints_release_busy``); the last one's does."""
+    from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+    env = KvHintsEnvelope("0.1", "m", [KvHintAction("0", "identity", "1", {"session_id": "s", "agent_id": "a"}),
+                                       KvHintAction("1", "release", "1", {})])
+    sched, kvm = _sched()
+    reqs = []
+    for name in ("n0", "n1"):
+        r = FakeRequest(name, 4)
+        r.kv_hints = env
+        kvm.blocks[name] = [10, 11, 12, 13, 14] if name == "n0" else [20, 21, 22, 23, 24]
+        sched.on_new_request(r)
+        reqs.append(r)
+    _step(sched, {r.request_id: r.num_tokens for r in reqs})
+    sched.request_finished(reqs[0])
+    assert (sched.counters["kv_hints_release_busy"], sched.counters["kv_hints_agents_released"]) == (1, 0)
+    sched.request_finished(reqs[1])
+    assert sched.counters["kv_hints_agents_released"] == 1
+
+
 def _run_steps(sched: KVTierScheduler, clock: list[float], fixed_s: float, per_token_s: float) -> None:
     """Twelve engine steps of one running request, prefill chunks and decodes, each taking
     ``fixed_s + tokens * per_token_s`` on ``clock``; an idle gap of 100 s before the last."""

@@ -150,6 +150,9 @@ class HintIntake:
                 self.counters["kv_hints_no_agent"] += 1  # nothing names the agent to release or retain
             return
         if hints is not None and hints.release:  # vLLM's kv_hints: the agent is done, its KV goes first
+            if any((o.session_id, o.agent_id) == agent for o in self._reqs.values()):
+                self.counters["kv_hints_release_busy"] += 1  # not while another request of it runs (n > 1 too)
+                return
             self.counters["kv_hints_agents_released"] += 1
             self.policy.on_agent_end(self.placement, agent, tuple(self._keys_of(st)))
             self._pump()
@@ -306,7 +309,11 @@ class HintIntake:
         """A new request's vLLM ``kv_hints`` envelope read as kvtier's hints
         (:func:`~kvtier.sdk.kv_hints.read_kv_hints`; its ``kv_transfer_params`` win), every
         action's outcome counted (``kv_hints_<action>_<outcome>``, ``kv_hints_envelopes``)."""
-        hints = read_kv_hints(getattr(request, "kv_hints", None), params)
+        try:
+            hints = read_kv_hints(getattr(request, "kv_hints", None), params)
+        except Exception:  # (it never raises on what a client sends; if ever, the request is served unhinted)
+            log.exception("kvtier: request %s: kv_hints could not be read", str(request.request_id)[:64])
+            hints = KvHints(outcomes=[("envelope", "malformed")])
         if hints is not None:
             self.counters["kv_hints_envelopes"] += 1
             for kind, outcome in hints.outcomes:
