@@ -52,7 +52,9 @@ def _serve(kind: str, conn: Any) -> None:
             from ..agents.graph import GraphLimits
             from ..hints.server import HintServer, tune_gc_for_serving
 
-            server = HintServer(graph_limits=GraphLimits(max_sessions_per_client=10_000))
+            # with a store, as `kvtier serve --store` runs: the clients' pin commands are applied (a server
+            # without one refuses block-key commands); a small DRAM-only store whose pins name absent blocks
+            server = HintServer(graph_limits=GraphLimits(max_sessions_per_client=10_000), store=_bench_store())
             tune_gc_for_serving()  # as `kvtier serve` does
             address = await server.start("127.0.0.1:0")
         else:
@@ -73,6 +75,17 @@ def _serve(kind: str, conn: Any) -> None:
         await asyncio.Event().wait()
 
     asyncio.run(main())
+
+
+def _bench_store() -> Any:
+    from ..config import load_config
+    from ..store import TieredStore
+
+    cfg = load_config(env={}, overrides={
+        "layout": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "block_size": 4},
+        "tiers": {"hbm": {"enabled": False}, "dram": {"capacity_blocks": 64}}, "put_tier": "dram",
+        "pin_budget_blocks": 1 << 20})
+    return TieredStore(cfg)
 
 
 class _ServerProcess:
