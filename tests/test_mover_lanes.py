@@ -57,3 +57,18 @@ def test_a_failing_task_calls_fail_and_is_counted(mover, fault: str) -> None:
     assert (st.jobs, st.blocks, st.failed_blocks) == (1, 4, 4)
     assert mover.failed_jobs == 1 and mover.links["hbm->ssd"].failed_blocks == 0
     assert mover.cpu_s > 0.0
+
+
+@pytest.mark.parametrize("error", [OSError(5, "disk"), TypeError("a bug")])
+def test_a_failing_submitted_job_still_calls_on_done_with_every_block_failed(mover, error: Exception) -> None:
+    """``submit`` (TieredStore's path) as ``submit_task`` does: any exception in a job, a bug
+    included, completes it as failed, so the plan waiting on ``on_done`` is never left pending."""
+    from kvtier.transfer.mover import TransferJob
+
+    def run():
+        raise error
+
+    done: list = []
+    oks = mover.submit(TransferJob("dram->hbm", 3, 24, run, done.append)).result(timeout=10)
+    assert list(oks) == [False] * 3 and [list(d) for d in done] == [[False] * 3]
+    assert mover.failed_jobs == 1 and mover.links["dram->hbm"].failed_blocks == 3

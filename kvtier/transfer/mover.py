@@ -174,9 +174,11 @@ class TransferEngine:
             return list(run())  # host copies: no stream to enter (once per job of every put and get)
         except (OSError, RuntimeError, ValueError) as exc:  # a failed copy is a miss, never a crash
             log.warning("kvtier transfer on %s failed: %s", link, exc)
-            with self._lock:
-                self.failed_jobs += 1
-            return [False] * num_blocks
+        except Exception:  # a bug: still fail the blocks (on_done runs), or their plan would wait forever
+            log.exception("kvtier transfer on %s failed unexpectedly", link)
+        with self._lock:
+            self.failed_jobs += 1
+        return [False] * num_blocks
 
     def _account(
         self, link: str, num_blocks: int, num_bytes: int, oks: list[bool], start: float, submitted_at: float,
