@@ -12,9 +12,9 @@ server announces (re-timing a ``turn_end`` wait). The placement policy decides
 what a wait does (holds, order, prefetch); the shared rounds get the server's
 round announcements; the agents of requests that name only vLLM's session
 (:class:`.native_sessions.NativeSessions`), prefix breaks (:class:`.prefix_breaks.PrefixBreaks`); and the check
-of each new request's ``kv_transfer_params``
-and vLLM ``kv_hints`` envelope (:mod:`kvtier.sdk.kv_hints`: outcomes counted; ``release`` ends the
-agent, ``retain`` starts a wait not brought back) (refused keys counted, named in a rate-limited log line). The hosted server refuses block-key
+of each new request's ``kv_transfer_params`` (refused keys counted, named in a rate-limited log line)
+and of its vLLM ``kv_hints`` envelope (:mod:`kvtier.sdk.kv_hints`: every action's outcome counted;
+``release`` ends the agent, ``retain`` starts a wait not brought back). The hosted server refuses block-key
 commands, saying why (:data:`NO_BLOCK_COMMANDS`). Must not import vLLM, plan loads or stores, or wait on the
 hint server on the scheduler's step (a read of the hosted one gives up after
 1 s; a followed one is read from its latest snapshot).
