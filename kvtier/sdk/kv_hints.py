@@ -94,25 +94,21 @@ def _field(obj: Any, name: str) -> Any:
     return getattr(obj, name, None) if not isinstance(obj, (str, bytes, int, float, list, tuple)) else None
 
 
-def _number(value: Any) -> bool:
-    """A finite int or float (an int too large for a float is compared as an int: never converted first)."""
-    if isinstance(value, bool):
-        return False
-    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
-
-
-def _seconds(value: Any) -> tuple[float | None, str]:
-    if not _number(value) or value <= 0:
-        return None, "rejected"
-    return (float(MAX_TOOL_WAIT_S), "clipped") if value > MAX_TOOL_WAIT_S else (float(value), "accepted")
-
-
-def _priority(value: Any) -> tuple[float | None, str]:
-    if not _number(value):
-        return None, "rejected"
-    if value < 0 or value > 1:
-        return (0.0 if value < 0 else 1.0), "clipped"
-    return float(value), "accepted"
+def _read(key: str, value: Any, clip_below: bool) -> tuple[float | None, str]:
+    """``value`` read by the validator of kvtier key ``key`` (:data:`~kvtier.sdk.params.VALIDATORS`,
+    the same check a request's ``kv_transfer_params`` get), a finite number above its range (or,
+    with ``clip_below``, below it) first brought into it: ``(value or None, outcome)``."""
+    outcome = "accepted"
+    finite = not isinstance(value, bool) and (isinstance(value, int) or (isinstance(value, float)
+                                                                         and math.isfinite(value)))
+    if finite:  # an int too large for a float is compared as an int, never converted first
+        high = MAX_TOOL_WAIT_S if key == TOOL_WAIT_PARAM else 1
+        if value > high:
+            value, outcome = high, "clipped"
+        elif clip_below and value < 0:
+            value, outcome = 0, "clipped"
+    got, why = VALIDATORS[key](value)
+    return (None, "rejected") if why is not None else (float(got), outcome)
 
 
 def _identity(payload: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -176,13 +172,12 @@ def _apply(hints: KvHints, kind: str, payload: Mapping[str, Any] | None, own: Ma
             return "overridden"  # the request's own tags name it: the identity is taken whole or not at all
         hints.params.update(got)
         return "accepted"
-    name, key, read = {"pin": ("priority", CRITICALITY_PARAM, _priority),
-                       "prefetch": ("after_s", TOOL_WAIT_PARAM, _seconds),
-                       "retain": ("duration_s", None, _seconds)}[kind]
-    value, outcome = read(payload.get(name))
+    name, key = {"pin": ("priority", CRITICALITY_PARAM), "prefetch": ("after_s", TOOL_WAIT_PARAM),
+                 "retain": ("duration_s", TOOL_WAIT_PARAM)}[kind]
+    value, outcome = _read(key, payload.get(name), clip_below=kind == "pin")
     if value is None:
         return outcome
-    if key is None:
+    if kind == "retain":
         if read_param(own, TOOL_WAIT_PARAM) is not None:
             return "overridden"  # the request itself says its agent waits on a tool
         hints.retain_s = value
