@@ -18,9 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.errors import ConfigError, ProtocolError, StorageError
-from kvtier.keys import BlockKey, Namespace
+from kvtier.keys import BlockKey, Namespace, key_to_bytes
 from kvtier.layout import DTYPE_TO_BYTES, KVLayout
-from kvtier.tiers.codec import HEADER_BYTES, ValueContext, decode_into, encode, read_header, value_bound
+from kvtier.tiers.codec import (
+    HEADER_BYTES, ValueContext, decode_into, encode, native_raw_read, read_header, value_bound,
+)
 from kvtier.tiers.ssd import SSDTier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16", block_size=16)  # 16 KiB
@@ -860,3 +862,65 @@ def test_copy_many_splits_a_copy_with_a_second_thread_and_copies_every_byte() ->
         copy_many(dst, src)
         os._exit(0 if all(np.array_equal(a, b) for a, b in zip(dst, src)) else 1)
     assert os.waitpid(pid, 0)[1] == 0
+
+
+# ------------------------------------------------------- scatter_many (one copy)
+
+def _landing(n: int, part: int = BPB // 4) -> tuple[list[np.ndarray], np.ndarray]:
+    """Two destination buffers, each value's four quarters landing at scattered places in them
+    (block i's quarter q into buffer q % 2, at slot (n - 1 - i) * 2 + q // 2): a table in row order."""
+    dsts = [np.zeros(2 * n * part, dtype=np.uint8) for _ in range(2)]
+    rows = [(i, q % 2, ((n - 1 - i) * 2 + q // 2) * part, part) for i in range(n) for q in range(4)]
+    return dsts, np.array(rows, dtype=np.int64)
+
+
+def _landed(dsts: list[np.ndarray], table: np.ndarray, i: int) -> np.ndarray:
+    return np.concatenate([dsts[d][off:off + ln] for b, d, off, ln in table.tolist() if b == i])
+
+
+@pytest.mark.skipif(not native_raw_read(), reason="the C read path (kvtier.tiers._rawread) is not built here")
+def test_scatter_many_lands_verified_values_in_their_spans_and_stops_at_the_first_it_cannot_show(
+        tier_path: Path) -> None:
+    blocks = [random_block(s) for s in range(6)]
+    with SSDTier(tier_path, NS, LAYOUT) as tier:
+        assert tier.put_many([(BlockKey(i), b, None) for i, b in enumerate(blocks[:4])]) == 4
+        assert tier.put_many([(BlockKey(4), blocks[4], None)], codec="zstd") == 1  # compressed: not this path
+        dsts, table = _landing(4)
+        assert tier.scatter_many([BlockKey(i) for i in range(4)], dsts, table) == 4
+        assert all(np.array_equal(_landed(dsts, table, i), blocks[i]) for i in range(4))
+        assert tier.stats["hits"] == 4
+
+        # block 1 corrupt (one payload bit), then a compressed and an absent one: each stops the run
+        # there, and nothing of that block (or after it) is written
+        with tier._env.begin(write=True) as txn:
+            key = key_to_bytes(BlockKey(1))
+            value = bytearray(txn.get(key))
+            value[HEADER_BYTES + 5] ^= 0x04
+            txn.put(key, bytes(value))
+        for keys, stop in (([0, 1, 2], 1), ([0, 4, 2], 1), ([0, 9, 2], 1), ([0, 2, 3], 3)):
+            dsts, table = _landing(3)
+            assert tier.scatter_many([BlockKey(k) for k in keys], dsts, table) == stop, keys
+            for i in range(3):
+                want = blocks[keys[i]] if i < stop else np.zeros(BPB, dtype=np.uint8)
+                assert np.array_equal(_landed(dsts, table, i), want), (keys, i)
+        out = np.zeros(BPB, dtype=np.uint8)  # the general decoder reads the compressed one, and says why of the other
+        assert tier.get_many_into([BlockKey(4), BlockKey(1)], [out, np.zeros(BPB, dtype=np.uint8)]) == [True, False]
+        assert np.array_equal(out, blocks[4]) and tier.stats["checksum_failures"] >= 1
+
+
+@pytest.mark.skipif(not native_raw_read(), reason="the C read path (kvtier.tiers._rawread) is not built here")
+def test_scatter_many_refuses_a_table_outside_its_buffers_or_out_of_order_and_writes_nothing(tier_path: Path) -> None:
+    blocks = [random_block(s) for s in range(2)]
+    with SSDTier(tier_path, NS, LAYOUT) as tier:
+        tier.put_many([(BlockKey(i), b, None) for i, b in enumerate(blocks)])
+        keys = [BlockKey(0), BlockKey(1)]
+        dsts, table = _landing(2)
+        beyond = table.copy()
+        beyond[-1, 2] = dsts[beyond[-1, 1]].size - 8  # the last span runs past its buffer
+        shuffled = table[::-1].copy()  # block 1's spans before block 0's
+        for bad in (beyond, shuffled):
+            with pytest.raises(ValueError, match="out of order or outside its buffers"):
+                tier.scatter_many(keys, dsts, bad)
+            assert not any(d.any() for d in dsts)
+        short = table[table[:, 0] == 0][:3]  # block 0's spans cover 3/4 of it: not its raw length
+        assert tier.scatter_many(keys[:1], dsts, short) == 0 and not any(d.any() for d in dsts)

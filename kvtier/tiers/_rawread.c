@@ -39,6 +39,9 @@ and 2 MiB values), a bare 1 MiB sum 0.8x -- the copy, not the sum, bounds it.
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 /* xxHash's public API (xxhash.h and xxh_x86dispatch.h, v0.8), with the opaque XXH3_state_t*
    as void* and XXH_errorcode as int (0 = XXH_OK). The dispatching entries are weak: a
@@ -133,6 +136,24 @@ typedef struct {
     int ok;
 } item_t;
 
+/* Every header check of codec._decode_raw_fast for the value whose header is v (its payload
+   payload_avail bytes long): 1 when it is a raw value of key, in this namespace and layout, of
+   raw_len bytes, with its header checksum right. The payload's checksum is the caller's. */
+static int header_ok(const unsigned char *v, const unsigned char *key, const unsigned char *magic, unsigned version,
+                     const unsigned char *ns, const unsigned char *layout, Py_ssize_t payload_avail,
+                     Py_ssize_t raw_len_wanted) {
+    if (memcmp(v + OFF_MAGIC, magic, 4) != 0 || v[OFF_VERSION] != version || v[OFF_CODEC] != 0) return 0;
+    if (v[OFF_FLAGS] != 0 || v[OFF_FLAGS + 1] != 0) return 0;
+    if (memcmp(v + OFF_KEY, key, KEY_LEN) != 0 || memcmp(v + OFF_NS, ns, NS_LEN) != 0 ||
+        memcmp(v + OFF_LAYOUT, layout, LAYOUT_LEN) != 0)
+        return 0;
+    uint32_t raw_len = le32(v + OFF_RAW_LEN), payload_len = le32(v + OFF_PAYLOAD_LEN);
+    if (le32(v + OFF_PLANE0_LEN) != 0 || payload_len != raw_len || (Py_ssize_t)payload_len != payload_avail)
+        return 0;
+    if (raw_len_wanted != (Py_ssize_t)raw_len) return 0;
+    return xxh3_64(v, FIELDS_BYTES) == le64(v + FIELDS_BYTES);
+}
+
 /* One block, GIL released: 1 only when every check of codec._decode_raw_fast holds.
    in_place: the value's payload was read straight into out, and value holds its header alone. */
 static int read_one(const item_t *it, const unsigned char *magic, unsigned version, const unsigned char *ns,
@@ -141,16 +162,8 @@ static int read_one(const item_t *it, const unsigned char *magic, unsigned versi
     Py_ssize_t vlen = it->value.len;
     if (vlen < HEADER_BYTES || (in_place && vlen != HEADER_BYTES)) return 0;
     Py_ssize_t payload_avail = in_place ? it->out.len : vlen - HEADER_BYTES;
-    if (memcmp(v + OFF_MAGIC, magic, 4) != 0 || v[OFF_VERSION] != version || v[OFF_CODEC] != 0) return 0;
-    if (v[OFF_FLAGS] != 0 || v[OFF_FLAGS + 1] != 0) return 0;
-    if (memcmp(v + OFF_KEY, it->key, KEY_LEN) != 0 || memcmp(v + OFF_NS, ns, NS_LEN) != 0 ||
-        memcmp(v + OFF_LAYOUT, layout, LAYOUT_LEN) != 0)
-        return 0;
-    uint32_t raw_len = le32(v + OFF_RAW_LEN), payload_len = le32(v + OFF_PAYLOAD_LEN);
-    if (le32(v + OFF_PLANE0_LEN) != 0 || payload_len != raw_len || (Py_ssize_t)payload_len != payload_avail)
-        return 0;
-    if (it->out.len != (Py_ssize_t)raw_len) return 0;
-    if (xxh3_64(v, FIELDS_BYTES) != le64(v + FIELDS_BYTES)) return 0;
+    if (!header_ok(v, it->key, magic, version, ns, layout, payload_avail, it->out.len)) return 0;
+    size_t raw_len = (size_t)it->out.len;
     if (in_place) return xxh3_64(it->out.buf, raw_len) == le64(v + OFF_RAW_SUM);
     return copy_sum(it->out.buf, v + HEADER_BYTES, raw_len, state) == le64(v + OFF_RAW_SUM);
 }
@@ -250,6 +263,166 @@ done:
     Py_XDECREF(values);
     Py_XDECREF(keys);
     Py_XDECREF(outs);
+    PyBuffer_Release(&magic);
+    PyBuffer_Release(&ns);
+    PyBuffer_Release(&layout);
+    return result;
+}
+
+PyDoc_STRVAR(read_raw_scatter_doc,
+"read_raw_scatter(values, keys, dsts, table, magic, version, namespace_digest, layout_hash) -> int\n\n"
+"The read path of read_raw_many with no buffer between the value and where its bytes go:\n"
+"each value is checked as read_raw_many checks it (header, then the payload's XXH3-64 where\n"
+"it is, in the map) and only then copied straight into spans of the buffers dsts\n"
+"(writable, contiguous). table is an int64 [m, 4] array of (block index into values, dst\n"
+"index, dst offset, length), grouped by block in increasing order and, within a block, in\n"
+"payload order: a block's spans tile its payload from offset 0, and their total must be\n"
+"its raw length. Returns k: values[:k] were shown OK and landed; the first value not shown\n"
+"OK stops the call, and nothing of it or after it is written (the caller reads those again\n"
+"through the general path, which says why). Raises ValueError, nothing copied, for a table\n"
+"outside its buffers or out of order.\n"
+"The GIL is released while the blocks are checked and copied.");
+
+typedef struct {
+    unsigned char *dst;
+    size_t n;
+} land_t;
+
+/* Copy n bytes to d (16-byte aligned: the engine's blocks are) with non-temporal stores where
+   the CPU has them: a load's blocks go to memory the forward reads next, too large to stay in
+   cache, and a plain store first reads each destination line in (measured on the worker's
+   whole SSD load path: 0.49-0.64x a warm read against 0.39-0.46x with memcpy). */
+static void copy_streaming(unsigned char *d, const unsigned char *s, size_t n) {
+    size_t i = 0;
+#if defined(__SSE2__)
+    if (((uintptr_t)d & 15) == 0)
+        for (; i + 64 <= n; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(s + i)), b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32)), e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+            _mm_stream_si128((__m128i *)(d + i), a);
+            _mm_stream_si128((__m128i *)(d + i + 16), b);
+            _mm_stream_si128((__m128i *)(d + i + 32), c);
+            _mm_stream_si128((__m128i *)(d + i + 48), e);
+        }
+#endif
+    memcpy(d + i, s + i, n - i);
+}
+
+static void streaming_done(void) {
+#if defined(__SSE2__)
+    _mm_sfence(); /* the non-temporal stores are visible before the load is reported */
+#endif
+}
+
+static PyObject *read_raw_scatter(PyObject *self, PyObject *args) {
+    PyObject *values_in, *keys_in, *dsts_in, *table_in;
+    Py_buffer magic, ns, layout, table;
+    unsigned char version;
+    if (!PyArg_ParseTuple(args, "OOOOy*by*y*", &values_in, &keys_in, &dsts_in, &table_in, &magic, &version, &ns,
+                          &layout))
+        return NULL;
+    PyObject *result = NULL, *values = NULL;
+    Py_buffer *vals = NULL, *dbufs = NULL;
+    unsigned char(*keys)[KEY_LEN] = NULL;
+    land_t *lands = NULL;
+    Py_ssize_t *first = NULL; /* first[b]: the first span of block b; first[n]: m */
+    Py_ssize_t n = 0, nd = 0, got_vals = 0, got_dsts = 0, landed = 0;
+    int have_table = 0;
+    if (!PyList_Check(values_in) || !PyList_Check(keys_in) || !PyList_Check(dsts_in)) {
+        PyErr_SetString(PyExc_TypeError, "values, keys and dsts must be lists");
+        goto done;
+    }
+    if (magic.len != 4 || ns.len != NS_LEN || layout.len != LAYOUT_LEN) {
+        PyErr_SetString(PyExc_ValueError, "magic must be 4 bytes, namespace_digest 16, layout_hash 8");
+        goto done;
+    }
+    if (PyObject_GetBuffer(table_in, &table, PyBUF_C_CONTIGUOUS) != 0) goto done;
+    have_table = 1;
+    if (table.len % (4 * (Py_ssize_t)sizeof(int64_t)) != 0) {
+        PyErr_SetString(PyExc_ValueError, "table must hold rows of 4 int64");
+        goto done;
+    }
+    values = PyList_AsTuple(values_in);
+    if (values == NULL) goto done;
+    n = PyTuple_GET_SIZE(values);
+    nd = PyList_GET_SIZE(dsts_in);
+    if (PyList_GET_SIZE(keys_in) != n) {
+        PyErr_SetString(PyExc_ValueError, "values and keys must have the same length");
+        goto done;
+    }
+    Py_ssize_t m = table.len / (4 * (Py_ssize_t)sizeof(int64_t));
+    vals = (Py_buffer *)PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    keys = PyMem_Calloc((size_t)(n ? n : 1), KEY_LEN);
+    dbufs = (Py_buffer *)PyMem_Calloc((size_t)(nd ? nd : 1), sizeof(Py_buffer));
+    lands = (land_t *)PyMem_Calloc((size_t)(m ? m : 1), sizeof(land_t));
+    first = (Py_ssize_t *)PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
+    if (vals == NULL || keys == NULL || dbufs == NULL || lands == NULL || first == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got_dsts < nd; got_dsts++)
+        if (PyObject_GetBuffer(PyList_GET_ITEM(dsts_in, got_dsts), &dbufs[got_dsts],
+                               PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
+            goto done;
+    const int64_t *t = (const int64_t *)table.buf;
+    Py_ssize_t b = 0, last = 0; /* first[] is set below b; last: the block of the span before */
+    for (Py_ssize_t i = 0; i < m; i++, t += 4) {
+        int64_t blk = t[0], di = t[1], doff = t[2], len = t[3];
+        if (blk < last || blk >= n || di < 0 || di >= nd || doff < 0 || len < 0 || doff > dbufs[di].len - len) {
+            PyErr_Format(PyExc_ValueError, "span %zd (block %lld, dst %lld at %lld, %lld bytes) is out of order "
+                         "or outside its buffers", i, (long long)blk, (long long)di, (long long)doff, (long long)len);
+            goto done;
+        }
+        while (b <= blk) first[b++] = i;
+        last = (Py_ssize_t)blk;
+        lands[i] = (land_t){(unsigned char *)dbufs[di].buf + doff, (size_t)len};
+    }
+    while (b <= n) first[b++] = m;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyList_GET_ITEM(keys_in, i);
+        if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) != KEY_LEN) {
+            PyErr_SetString(PyExc_TypeError, "every key must be 16 bytes");
+            goto done;
+        }
+        memcpy(keys[i], PyBytes_AS_STRING(key), KEY_LEN);
+    }
+    for (; got_vals < n; got_vals++) { /* up to the first absent value: nothing after it lands */
+        PyObject *value = PyTuple_GET_ITEM(values, got_vals);
+        if (value == Py_None || PyObject_GetBuffer(value, &vals[got_vals], PyBUF_SIMPLE) != 0) {
+            PyErr_Clear();
+            break;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (; landed < got_vals; landed++) {
+        const unsigned char *v = (const unsigned char *)vals[landed].buf;
+        Py_ssize_t vlen = vals[landed].len, total = 0;
+        for (Py_ssize_t i = first[landed]; i < first[landed + 1]; i++) total += (Py_ssize_t)lands[i].n;
+        /* verified before a byte lands: the destination never holds an unverified value
+           (summing the bytes as they land instead measured the same: 8.4-9.1 against
+           8.6-8.7 GB/s at 256 KiB and 4 MiB blocks, one thread) */
+        if (vlen < HEADER_BYTES ||
+            !header_ok(v, keys[landed], (const unsigned char *)magic.buf, version, (const unsigned char *)ns.buf,
+                       (const unsigned char *)layout.buf, vlen - HEADER_BYTES, total) ||
+            xxh3_64(v + HEADER_BYTES, (size_t)total) != le64(v + OFF_RAW_SUM))
+            break;
+        const unsigned char *src = v + HEADER_BYTES;
+        for (Py_ssize_t i = first[landed]; i < first[landed + 1]; src += lands[i].n, i++)
+            copy_streaming(lands[i].dst, src, lands[i].n);
+    }
+    streaming_done();
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(landed);
+done:
+    for (Py_ssize_t i = 0; i < got_vals; i++) PyBuffer_Release(&vals[i]);
+    for (Py_ssize_t i = 0; i < got_dsts; i++) PyBuffer_Release(&dbufs[i]);
+    PyMem_Free(vals);
+    PyMem_Free(keys);
+    PyMem_Free(dbufs);
+    PyMem_Free(lands);
+    PyMem_Free(first);
+    Py_XDECREF(values);
+    if (have_table) PyBuffer_Release(&table);
     PyBuffer_Release(&magic);
     PyBuffer_Release(&ns);
     PyBuffer_Release(&layout);
@@ -621,6 +794,7 @@ static PyObject *py_xxh3_64(PyObject *self, PyObject *arg) {
 
 static PyMethodDef methods[] = {
     {"read_raw_many", read_raw_many, METH_VARARGS, read_raw_many_doc},
+    {"read_raw_scatter", read_raw_scatter, METH_VARARGS, read_raw_scatter_doc},
     {"copy_sum_many", copy_sum_many, METH_VARARGS, copy_sum_many_doc},
     {"sum_many", sum_many, METH_O, sum_many_doc},
     {"copy_many", copy_many, METH_VARARGS, copy_many_doc},

@@ -693,6 +693,22 @@ def decode_raw_batch(
                                   ctx.layout_hash, in_place)
 
 
+def scatter_raw_batch(values: list[object | None], key_bytes: list[bytes], dsts: list[object], table: object,
+                      ctx: ValueContext) -> int:
+    """:func:`decode_raw_batch` with no buffer between a value and where its bytes go: each of
+    ``values`` is verified where it is, then copied straight into spans of ``dsts`` (C, GIL
+    released once). ``table``: ``int64 [m, 4]`` of (value index, dst index, dst offset,
+    length), grouped by value in increasing order and, within a value, in payload order (its
+    spans tile the payload). Returns ``k``: ``values[:k]`` verified and landed; the first one
+    not shown OK stops it, and nothing of it or after it is written (the caller reads those
+    through :func:`decode_into`, which says why). ``-1`` (nothing copied) without the C
+    module. ``ValueError`` (nothing copied) for a table outside ``dsts`` or out of order."""
+    if _rawread is None:
+        return -1
+    return _rawread.read_raw_scatter(values, key_bytes, dsts, table, MAGIC, FORMAT_VERSION, ctx.namespace_digest,
+                                     ctx.layout_hash)
+
+
 def decode_outcome(value: object, out: object, ctx: ValueContext, *, key: BlockKey) -> DecodeOutcome:
     """Like :func:`decode_into`, but says why a value was rejected."""
     dst = _writable_bytes(out)

@@ -81,6 +81,7 @@ from .codec import (
     decode_into,
     decode_raw_batch,
     encode_into,
+    scatter_raw_batch,
     read_header,
     value_bound,
 )
@@ -458,6 +459,30 @@ class SSDTier:
         self._stats["misses"] += len(keys) - num_hits
         self._stats["raw_bytes_read"] += num_hits * self.layout.bytes_per_block
         return results
+
+    def scatter_many(self, keys: Sequence[BlockKey], dsts: list[object], table: object) -> int:
+        """Raw values of ``keys`` verified in the map, then copied straight out of it into
+        spans of ``dsts`` (one copy; see :func:`~kvtier.tiers.codec.scatter_raw_batch` for
+        ``table``). Returns ``k``: the first ``k`` blocks landed; block ``k`` (absent,
+        compressed, or failing a check) and those after it were not written: read those through
+        :meth:`get_many_into`, which decodes any codec and says why a value is rejected. ``-1``
+        (nothing copied) without the C read path."""
+        if not keys:
+            return 0
+        key_bytes = [key_to_bytes(k) for k in keys]
+        # one thread, one transaction: sharing the blocks with the read pool as get_many_into
+        # does measured no faster on the worker's whole load path (the copy is memory-bound)
+        with self._read_txn() as txn:
+            get = txn.get
+            values = [get(kb) for kb in key_bytes]
+            landed = scatter_raw_batch(values, key_bytes, dsts, table, self._ctx)
+            nbytes = sum(len(v) for v in values[:max(landed, 0)])  # type: ignore[arg-type]
+        if landed > 0:
+            self._stats["gets"] += landed
+            self._stats["hits"] += landed
+            self._stats["raw_bytes_read"] += landed * self.layout.bytes_per_block
+            self._stats["bytes_read"] += nbytes
+        return landed
 
     def _read_shared(self, keys: Sequence[BlockKey], outs: Sequence[object], parts: int) -> list[bool]:
         """Read ``keys`` into ``outs`` on ``parts`` threads (the caller's and pool

@@ -20,7 +20,7 @@ from kvtier_vllm.metadata import (
 from kvtier_vllm.settings import ConnectorSettings, EngineFacts
 from kvtier_vllm.worker import KVTierWorker
 
-from kvtier.keys import key_to_bytes
+from kvtier.keys import BlockKey, key_to_bytes
 from kvtier.tiers.codec import HEADER_BYTES
 
 pytestmark = pytest.mark.vllm_interface  # no engine: also run against newer vLLMs (scripts/vllm_next.sh)
@@ -127,6 +127,30 @@ def test_corrupt_ssd_value_fails_that_block_and_the_rest(worker) -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, after))  # nothing unverified was written
 
 
+def test_an_ssd_load_lands_raw_values_straight_and_reads_a_compressed_one_through_staging(worker) -> None:
+    """One copy: raw SSD values go from the tier's map straight into the engine's blocks; the
+    first value that path cannot show (here a compressed one) and those after it are read
+    through staging and the general decoder, in the same load."""
+    w, caches, _ = worker
+    _store(w)  # keys 10, 11 raw on SSD, from blocks 1, 2
+    block3 = w.io.gather([3]).numpy()[0].copy()
+    assert w._ssd.put_many([(BlockKey(12), block3, BlockKey(10))], codec="zstd") == 1
+    landed: list[int] = []
+    scatter = w._ssd.scatter_many
+
+    def spy(*args, **kwargs):
+        landed.append(scatter(*args, **kwargs))
+        return landed[-1]
+
+    w._ssd.scatter_many = spy
+    w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r3", 4, (10, 12, 11), ("ssd",) * 3, (0,) * 3,
+                                                           (5, 6, 7))]))
+    plans, _, _, errors = _drain(w, {4}, {"r3"})
+    assert plans[4] == [True, True, True] and not errors
+    assert landed == [1]  # key 10 straight; 12 (compressed) and 11 after it through staging
+    assert _blocks_equal(caches, 1, 5) and _blocks_equal(caches, 3, 6) and _blocks_equal(caches, 2, 7)
+
+
 def test_a_released_request_is_reported_only_after_its_blocks_were_read(worker) -> None:
     w, _, _ = worker
     gate = __import__("threading").Event()
@@ -156,17 +180,20 @@ def test_lockstep_transfers_report_a_steps_transfers_in_that_steps_get_finished(
     done, however slow the disk, so the engine's schedule does not depend on thread timing.
     Without it a slow SSD write is reported by a later call."""
     w, caches = _build({"dram_capacity_blocks": 4, "ssd_path": str(tmp_path), "lockstep_transfers": lockstep}, seed=3)
-    put_many, get_many = w._ssd.put_many, w._ssd.get_many_into
+    put_many = w._ssd.put_many
 
     def slow_put(items):
         time.sleep(0.3)
         return put_many(items)
 
-    def slow_get(*args, **kwargs):
-        time.sleep(0.3)
-        return get_many(*args, **kwargs)
+    def slow(read):  # the tier's reads: into staging rows, or straight into the engine's blocks
+        def slow_read(*args, **kwargs):
+            time.sleep(0.3)
+            return read(*args, **kwargs)
+        return slow_read
 
-    w._ssd.put_many, w._ssd.get_many_into = slow_put, slow_get
+    w._ssd.put_many = slow_put
+    w._ssd.get_many_into, w._ssd.scatter_many = slow(w._ssd.get_many_into), slow(w._ssd.scatter_many)
     try:
         job = StoreJob(job_id=1, req_id="r1", block_ids=(1, 2), keys=(10, 11), parents=(None, 10),
                        writes=(TierWrite(1, "dram", (0, 1), (0, 1)), TierWrite(2, "ssd", (0, 1), ())))
@@ -379,20 +406,23 @@ def test_a_slow_tier_write_waits_for_the_loads_reading_when_it_starts(tmp_path, 
     try:
         _store(w)  # keys 10, 11 on SSD
         events: list[tuple[str, float]] = []
-        put_many, get_many = w._ssd.put_many, w._ssd.get_many_into
+        put_many = w._ssd.put_many
 
-        def slow_get(*args, **kwargs):
-            events.append(("read-start", time.monotonic()))
-            time.sleep(0.4)
-            out = get_many(*args, **kwargs)
-            events.append(("read-end", time.monotonic()))
-            return out
+        def slow(read):  # the tier's reads: into staging rows, or straight into the engine's blocks
+            def slow_read(*args, **kwargs):
+                events.append(("read-start", time.monotonic()))
+                time.sleep(0.4)
+                out = read(*args, **kwargs)
+                events.append(("read-end", time.monotonic()))
+                return out
+            return slow_read
 
         def noted_put(items, **kwargs):
             events.append(("write-start", time.monotonic()))
             return put_many(items, **kwargs)
 
-        w._ssd.get_many_into, w._ssd.put_many = slow_get, noted_put
+        w._ssd.get_many_into, w._ssd.scatter_many = slow(w._ssd.get_many_into), slow(w._ssd.scatter_many)
+        w._ssd.put_many = noted_put
         w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r2", 5, (10, 11), ("ssd", "ssd"), (0, 0), (6, 7))]))
         while not events:  # the load is reading
             time.sleep(0.005)

@@ -164,6 +164,15 @@ class BlockIO:
             return
         self._scatter(block_ids, torch.from_numpy(src[list(rows)]))
 
+    def landing(self, block_ids: Sequence[int]) -> tuple[list[np.ndarray], np.ndarray] | None:
+        """CPU caches where :attr:`straight`: (the cache tensors as flat bytes, the table of
+        where a row's bytes land in block ``block_ids[i]``), for a tier that copies a value
+        straight into the engine's blocks (:meth:`kvtier.tiers.ssd.SSDTier.scatter_many`);
+        ``None`` otherwise."""
+        if self._spans is None:
+            return None
+        return self._spans.bufs, self._spans.landing(block_ids)
+
     @property
     def device_staging_bytes(self) -> int:
         """Bytes of the device staging buffer (0 on the straight, CPU path)."""
@@ -336,26 +345,47 @@ class _HostSpans:
             raise ValueError(f"{len(ids)} blocks but {len(at)} rows")
         if not len(ids):
             return
-        tables = []
-        for outer, inner, idx, offsets in self.groups:
-            j = np.arange(outer, dtype=np.int64)[:, None]
-            in_cache = ((j * self.num_blocks + ids) * inner).ravel()  # chunk j of each block
-            in_rows = (at * self.row_bytes + j * inner).ravel()
-            t = np.empty((len(idx), in_cache.size, 5), dtype=np.int64)
-            t[:, :, 4] = inner
-            if to_rows:  # dst: the rows (buffer 0); src: the part's tensor
-                t[:, :, 0], t[:, :, 1] = 0, in_rows + offsets[:, None]
-                t[:, :, 2], t[:, :, 3] = idx[:, None], in_cache
-            else:
-                t[:, :, 0], t[:, :, 1] = idx[:, None], in_cache
-                t[:, :, 2], t[:, :, 3] = 0, in_rows + offsets[:, None]
-            tables.append(t.reshape(-1, 5))
-        table = tables[0] if len(tables) == 1 else np.concatenate(tables)
+        part, in_cache, in_rows, length = self._spans(ids, at)
+        table = np.empty((len(part), 5), dtype=np.int64)
+        table[:, 4] = length
+        if to_rows:  # dst: the rows (buffer 0); src: the part's tensor
+            table[:, 0], table[:, 1], table[:, 2], table[:, 3] = 0, in_rows, part, in_cache
+        else:
+            table[:, 0], table[:, 1], table[:, 2], table[:, 3] = part, in_cache, 0, in_rows
         flat = rows_buf.reshape(-1)
         if to_rows:
             copy_spans([flat], self.bufs, table, split)
         else:
             copy_spans(self.bufs, [flat], table, split)
+
+
+    def landing(self, block_ids: Sequence[int]) -> np.ndarray:
+        """Where the bytes of a row land when it is scattered into ``block_ids`` (row ``i`` into
+        block ``block_ids[i]``): an ``int64 [m, 4]`` table of (row, part, offset in the part's
+        tensor, length), grouped by row and, within a row, in row order, so a row's spans tile
+        it from offset 0 (:func:`kvtier.tiers.codec.scatter_raw_batch`'s table, with the
+        parts' tensors, :attr:`bufs`, as its buffers)."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        part, in_cache, in_rows, length = self._spans(ids, np.arange(len(ids), dtype=np.int64))
+        order = np.argsort(in_rows, kind="stable")
+        table = np.empty((len(order), 4), dtype=np.int64)
+        table[:, 0] = in_rows[order] // self.row_bytes
+        table[:, 1], table[:, 2], table[:, 3] = part[order], in_cache[order], length[order]
+        return table
+
+    def _spans(self, ids: np.ndarray, at: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every chunk of blocks ``ids`` and where it sits in rows ``at``: (part index, offset
+        in the part's tensor, offset in the rows, length), one entry per chunk, block and layer."""
+        parts, in_caches, in_rows, lengths = [], [], [], []
+        for outer, inner, idx, offsets in self.groups:
+            j = np.arange(outer, dtype=np.int64)[:, None]
+            cache_off = ((j * self.num_blocks + ids) * inner).ravel()  # chunk j of each block
+            row_off = (at * self.row_bytes + j * inner).ravel()
+            parts.append(np.repeat(idx, cache_off.size))
+            in_caches.append(np.tile(cache_off, len(idx)))
+            in_rows.append((row_off[None, :] + offsets[:, None]).ravel())
+            lengths.append(np.full(len(idx) * cache_off.size, inner, dtype=np.int64))
+        return np.concatenate(parts), np.concatenate(in_caches), np.concatenate(in_rows), np.concatenate(lengths)
 
 
 def device_event(device: torch.device) -> Any:

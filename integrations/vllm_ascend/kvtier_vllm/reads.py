@@ -98,7 +98,8 @@ class LoadReads:
         """Load thread, a CPU cache with the one-pass host copy: read the load's DRAM and SSD
         blocks into ``run`` a chunk at a time and scatter each verified chunk into the engine's
         blocks (the request's, untouched by any forward until its load is reported) while the
-        next chunk is read: on the copy helper's thread where there is one, so reading and
+        next chunk is read (a run of raw SSD values lands straight from the tier's map instead,
+        :meth:`_land_ssd`): on the copy helper's thread where there is one, so reading and
         scattering overlap instead of adding up, also across loads (the helper reports the load
         after its last scatter, and this thread goes on to the next load). The scatter is
         kvtier's C copy, not torch, so no OpenMP team starts beside the forward. A block that
@@ -125,8 +126,12 @@ class LoadReads:
             self.post(job, run, oks, landed=True)
 
         try:
-            for lo in range(0, got, chunk):
-                hi = min(got, lo + chunk)
+            for start in range(0, got, chunk):
+                hi = min(got, start + chunk)
+                lo = self._land_ssd(job, start, hi)
+                oks[start:lo] = [True] * (lo - start)
+                if lo == hi:
+                    continue
                 part = self.read_tiers(job, host, lo, hi)
                 oks[lo:hi] = part[lo:hi]
                 k = next((i for i in range(lo, hi) if not part[i]), hi)
@@ -149,6 +154,25 @@ class LoadReads:
             for f in futures:
                 f.result()
             land()
+
+    def _land_ssd(self, job: LoadJob, lo: int, hi: int) -> int:
+        """Load thread: the load's leading run of SSD blocks from ``lo`` (up to ``hi``), each
+        verified in the SSD tier's map and then copied straight into the engine's blocks (one
+        copy: no staging row between). Returns where that stopped: the first block not landed
+        (a DRAM block, or an SSD one that is compressed, absent or fails a check; nothing of it
+        was written), which the caller reads through staging and the general decoder (which
+        says why). ``lo``: none."""
+        assert self.io is not None
+        end = next((i for i in range(lo, hi) if job.tiers[i] != "ssd"), hi)
+        landing = self.io.landing(job.block_ids[lo:end]) if end > lo and self.ssd is not None else None
+        if landing is None:
+            return lo
+        try:
+            landed = self.ssd.scatter_many([BlockKey(k) for k in job.keys[lo:end]], *landing)
+        except (RuntimeError, ValueError) as exc:  # a failed copy is a miss, never a crash
+            log.warning("kvtier: SSD load into engine blocks failed: %s", exc)
+            return lo
+        return lo + max(landed, 0)
 
     def _read_remote(self, job: LoadJob, run: Run, oks: list[bool], rows: Sequence[int]) -> None:
         """Remote thread: read and verify the load's remote blocks ``rows`` into ``run``."""
