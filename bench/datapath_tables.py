@@ -75,8 +75,9 @@ def byte_path_callers(data: dict[str, Any]) -> str:
                f"measurement, best of {data['repeats']} interleaved rounds, {verified}; commit {_commit(data)}). "
                "`TieredStore` puts and gets the caller's buffers; the connector's worker, driven as vLLM steps it, "
                "gathers the engine's blocks straight into the DRAM pool's slots and scatters loads straight from "
-               "them (one pass each way); SSD stores gather into staging and the writer copies it; SSD loads read "
-               "into staging and scatter each chunk while the next is read. Targets of the worker's whole path"
+               "them (one pass each way); SSD stores gather into staging and the writer copies it; SSD loads are "
+               "verified in the LMDB map, then copied straight into the engine's blocks (a compressed value "
+               "through staging). Targets of the worker's whole path"
                f": DRAM >= {t['dram_put_vs_memcpy']}x memcpy, SSD store >= {t['ssd_put_vs_raw_write']}x "
                f"write + fsync, SSD load >= {t['ssd_get_vs_raw_read']}x warm read:\n\n")
     header = ["caller", "block", "memcpy GB/s", "DRAM put", "DRAM get", "write + fsync GB/s", "SSD put",

@@ -1,8 +1,10 @@
 /* kvtier.tiers._rawread: the read path for ``raw`` values, in C (and the copy +
 checksum of the write path: copy_sum_many and sum_many, used by the remote
 tier's puts; copy_many, a host copy split with a second thread, used by the
-vLLM connector's DRAM copies; and copy_spans, the connector's one-pass gather and
-scatter between the engine's KV cache and pool rows).
+vLLM connector's DRAM copies; copy_spans, the connector's one-pass gather and
+scatter between the engine's KV cache and pool rows; and read_raw_scatter, the
+connector's SSD load: values checked where they are in the map, then copied
+straight into the engine's blocks).
 
 What it owns: for a batch of LMDB values (zero-copy views into the map), check
 each one's header exactly as kvtier.tiers.codec's fast path does (magic,

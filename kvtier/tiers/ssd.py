@@ -31,7 +31,9 @@ serialized by LMDB's writer lock. A large :meth:`SSDTier.get_many_into` also
 shares its blocks among ``read_threads`` threads (the caller's and a small pool
 of this tier's, shut down by :meth:`SSDTier.close`), each taking the next chunk
 of blocks from a shared queue in a read transaction of its own; the copies and
-checksums let go of the GIL. Raw values are checked and copied a chunk at a
+checksums let go of the GIL. :meth:`SSDTier.scatter_many` reads raw values
+straight into spans of a caller's buffers (the vLLM connector's KV cache), one
+copy, each value verified before a byte of it lands. Raw values are checked and copied a chunk at a
 time by the optional C module ``kvtier.tiers._rawread`` (built by ``pip
 install`` where a C compiler is present), with the GIL released once per
 chunk; without it, or for any value it does not show OK, the Python codec

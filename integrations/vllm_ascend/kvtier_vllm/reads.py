@@ -3,7 +3,8 @@
 Owns: reading a load's blocks from the DRAM pool's slots, the SSD tier and the
 remote tier into a run of the staging ring (verified; a block that fails fails
 every block after it), landing them in the engine's blocks chunk by chunk on a
-CPU cache with the one-pass host copy (:meth:`LoadReads.read`), and the count
+CPU cache with the one-pass host copy, raw SSD values straight from the tier's
+map with no staging row between (:meth:`LoadReads.read`), and the count
 of loads reading, which the slow tiers' writers yield to (loads first: a
 user's TTFT waits on a load, only a later request on a write). Runs on the
 worker's ``load`` and ``remote-read`` lanes and its copy helper; reports each
