@@ -323,7 +323,7 @@ static PyObject *read_raw_scatter(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOOy*by*y*", &values_in, &keys_in, &dsts_in, &table_in, &magic, &version, &ns,
                           &layout))
         return NULL;
-    PyObject *result = NULL, *values = NULL;
+    PyObject *result = NULL, *values = NULL, *keys_t = NULL, *dsts = NULL;
     Py_buffer *vals = NULL, *dbufs = NULL;
     unsigned char(*keys)[KEY_LEN] = NULL;
     land_t *lands = NULL;
@@ -344,11 +344,14 @@ static PyObject *read_raw_scatter(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "table must hold rows of 4 int64");
         goto done;
     }
+    /* tuples: fixed items and length, whatever a buffer exporter does to the lists */
     values = PyList_AsTuple(values_in);
-    if (values == NULL) goto done;
+    keys_t = PyList_AsTuple(keys_in);
+    dsts = PyList_AsTuple(dsts_in);
+    if (values == NULL || keys_t == NULL || dsts == NULL) goto done;
     n = PyTuple_GET_SIZE(values);
-    nd = PyList_GET_SIZE(dsts_in);
-    if (PyList_GET_SIZE(keys_in) != n) {
+    nd = PyTuple_GET_SIZE(dsts);
+    if (PyTuple_GET_SIZE(keys_t) != n) {
         PyErr_SetString(PyExc_ValueError, "values and keys must have the same length");
         goto done;
     }
@@ -363,7 +366,7 @@ static PyObject *read_raw_scatter(PyObject *self, PyObject *args) {
         goto done;
     }
     for (; got_dsts < nd; got_dsts++)
-        if (PyObject_GetBuffer(PyList_GET_ITEM(dsts_in, got_dsts), &dbufs[got_dsts],
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(dsts, got_dsts), &dbufs[got_dsts],
                                PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
             goto done;
     const int64_t *t = (const int64_t *)table.buf;
@@ -381,7 +384,7 @@ static PyObject *read_raw_scatter(PyObject *self, PyObject *args) {
     }
     while (b <= n) first[b++] = m;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *key = PyList_GET_ITEM(keys_in, i);
+        PyObject *key = PyTuple_GET_ITEM(keys_t, i);
         if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) != KEY_LEN) {
             PyErr_SetString(PyExc_TypeError, "every key must be 16 bytes");
             goto done;
@@ -398,14 +401,15 @@ static PyObject *read_raw_scatter(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (; landed < got_vals; landed++) {
         const unsigned char *v = (const unsigned char *)vals[landed].buf;
-        Py_ssize_t vlen = vals[landed].len, total = 0;
-        for (Py_ssize_t i = first[landed]; i < first[landed + 1]; i++) total += (Py_ssize_t)lands[i].n;
+        Py_ssize_t vlen = vals[landed].len;
+        uint64_t total = 0; /* (spans may overlap: no sum of theirs is bounded by a buffer) */
+        for (Py_ssize_t i = first[landed]; i < first[landed + 1] && total <= UINT32_MAX; i++) total += lands[i].n;
         /* verified before a byte lands: the destination never holds an unverified value
            (summing the bytes as they land instead measured the same: 8.4-9.1 against
            8.6-8.7 GB/s at 256 KiB and 4 MiB blocks, one thread) */
-        if (vlen < HEADER_BYTES ||
+        if (vlen < HEADER_BYTES || total > UINT32_MAX ||
             !header_ok(v, keys[landed], (const unsigned char *)magic.buf, version, (const unsigned char *)ns.buf,
-                       (const unsigned char *)layout.buf, vlen - HEADER_BYTES, total) ||
+                       (const unsigned char *)layout.buf, vlen - HEADER_BYTES, (Py_ssize_t)total) ||
             xxh3_64(v + HEADER_BYTES, (size_t)total) != le64(v + OFF_RAW_SUM))
             break;
         const unsigned char *src = v + HEADER_BYTES;
@@ -424,6 +428,8 @@ done:
     PyMem_Free(lands);
     PyMem_Free(first);
     Py_XDECREF(values);
+    Py_XDECREF(keys_t);
+    Py_XDECREF(dsts);
     if (have_table) PyBuffer_Release(&table);
     PyBuffer_Release(&magic);
     PyBuffer_Release(&ns);

@@ -703,10 +703,10 @@ def scatter_raw_batch(values: list[object | None], key_bytes: list[bytes], dsts:
     not shown OK stops it, and nothing of it or after it is written (the caller reads those
     through :func:`decode_into`, which says why). ``-1`` (nothing copied) without the C
     module. ``ValueError`` (nothing copied) for a table outside ``dsts`` or out of order."""
-    if _rawread is None:
+    scatter = getattr(_rawread, "read_raw_scatter", None)  # (a module built before it has none)
+    if scatter is None:
         return -1
-    return _rawread.read_raw_scatter(values, key_bytes, dsts, table, MAGIC, FORMAT_VERSION, ctx.namespace_digest,
-                                     ctx.layout_hash)
+    return scatter(values, key_bytes, dsts, table, MAGIC, FORMAT_VERSION, ctx.namespace_digest, ctx.layout_hash)
 
 
 def decode_outcome(value: object, out: object, ctx: ValueContext, *, key: BlockKey) -> DecodeOutcome:

@@ -4,6 +4,7 @@ vLLM-Ascend's tuple of separate K and V tensors."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from kvtier_vllm.blockio import BlockIO
@@ -177,3 +178,31 @@ def test_a_span_outside_its_buffers_copies_nothing() -> None:
     assert all(torch.equal(before[k], caches[k]) for k in caches)  # not even block 0 was written
     with pytest.raises(ValueError, match="C-contiguous"):
         io.gather_rows([0], pool[:, :-1], [0])
+
+
+@pytest.mark.parametrize("kind", ["cpu", "kv-first", "ascend-split", "two-shapes"])
+def test_landing_puts_each_rows_bytes_in_row_order_where_scatter_rows_puts_them(kind: str) -> None:
+    """The SSD load's one copy (``SSDTier.scatter_many``) walks a value's payload in order
+    through ``landing``'s spans: they must tile each row from offset 0 and land every byte
+    where ``scatter_rows`` (the staging path) would."""
+    def make() -> dict:
+        if kind == "two-shapes":  # layers of two shapes: two span groups
+            return {"l0": _seeded((NUM_BLOCKS, HEADS, BS, 2 * DIM), 0), "l1": _seeded((NUM_BLOCKS, 1, BS, 2 * DIM), 1)}
+        return _caches(kind)
+
+    caches, twin = make(), make()
+    io = BlockIO(caches, NUM_BLOCKS)
+    if not io.straight:
+        pytest.skip("kvtier's C module (kvtier.tiers._rawread) is not built: the one-pass path is off")
+    rows = np.random.default_rng(3).integers(0, 256, (2, io.bytes_per_block), dtype=np.uint8)
+    BlockIO(twin, NUM_BLOCKS).scatter_rows([5, 1], rows, [0, 1])
+    bufs, table = io.landing([5, 1])
+    assert table[:, 0].tolist() == sorted(table[:, 0].tolist())  # grouped by row
+    at = [0, 0]  # how far into each row the spans have walked
+    for r, p, off, ln in table.tolist():
+        bufs[p][off:off + ln] = rows[r][at[r]:at[r] + ln]
+        at[r] += ln
+    assert at == [io.bytes_per_block] * 2
+    flat = [t for c in (caches, twin) for v in c.values() for t in (v if isinstance(v, tuple) else (v,))]
+    half = len(flat) // 2
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(flat[:half], flat[half:]))

@@ -53,8 +53,8 @@ def test_worker_and_tiered_store_share_the_ssd_tier_code_and_the_reindex(tmp_pat
         assert all(torch.equal(t[1], t[3]) for kv in caches.values() for t in kv)
     finally:
         w.shutdown()
-    assert ("connector", "put_many") in calls  # the load reads raw values straight into the engine's blocks
-    assert ("connector", "scatter_many") in calls or ("connector", "get_many_into") in calls
+    # the load reads raw values straight into the engine's blocks (staging and get_many_into: the others)
+    assert {("connector", "put_many"), ("connector", "scatter_many")} <= set(calls)
 
     caller[0] = "store"
     cfg = load_config(env={}, overrides={

@@ -119,8 +119,17 @@ def test_corrupt_ssd_value_fails_that_block_and_the_rest(worker) -> None:
         value[HEADER_BYTES + 7] ^= 0x01
         txn.put(key_to_bytes(10), bytes(value))
     before = [t[6].clone() for kv in caches.values() for t in kv]
+    landed: list[int] = []
+    scatter = w._ssd.scatter_many
+
+    def spy(*args, **kwargs):
+        landed.append(scatter(*args, **kwargs))
+        return landed[-1]
+
+    w._ssd.scatter_many = spy
     w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r3", 4, (10, 11), ("ssd", "ssd"), (0, 0), (6, 7))]))
     plans, _, _, errors = _drain(w, {4}, {"r3"})
+    assert landed == [0]  # the one-copy path was tried, and stopped at the corrupt value
     assert plans[4] == [False, True]  # block 11 verified, but follows a failed block
     assert errors == {6, 7}  # vLLM recomputes both
     after = [t[6] for kv in caches.values() for t in kv]

@@ -367,10 +367,12 @@ class _HostSpans:
         parts' tensors, :attr:`bufs`, as its buffers)."""
         ids = np.asarray(block_ids, dtype=np.int64)
         part, in_cache, in_rows, length = self._spans(ids, np.arange(len(ids), dtype=np.int64))
-        order = np.argsort(in_rows, kind="stable")
+        order = np.argsort(in_rows, kind="stable")  # rows are laid out one after another: row, then row order
+        length = length[order]
+        order, length = order[length > 0], length[length > 0]  # (an empty part's span would name the next row)
         table = np.empty((len(order), 4), dtype=np.int64)
         table[:, 0] = in_rows[order] // self.row_bytes
-        table[:, 1], table[:, 2], table[:, 3] = part[order], in_cache[order], length[order]
+        table[:, 1], table[:, 2], table[:, 3] = part[order], in_cache[order], length
         return table
 
     def _spans(self, ids: np.ndarray, at: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
