@@ -27,7 +27,7 @@ fsync, SSD get >= 0.6x warm read. Every loaded byte is compared with what was
 stored.
 
 Then loads behind writes (``queued`` in the JSON): the latency of one 16-block
-DRAM load and one SSD load, as vLLM steps them (``start_load_kv``, then
+DRAM load and one SSD load (200 of each by default), as vLLM steps them (``start_load_kv``, then
 ``get_finished`` until the load is reported), with nothing queued and with
 256 MiB of SSD writes queued (``ssd_write_queue_mib``; the queue topped up
 before every load), alternating, p50 / p99 of each. Targets: with the queue,
@@ -369,7 +369,7 @@ COLUMNS = ("block_kib", "memcpy_gbps", "dram_store_gbps", "dram_put_vs_memcpy", 
 
 
 def run(sizes_kib: list[int], total_mib: int, repeats: int, progress=print, callers_only: bool = False,
-        queued_loads: int = 50, queued_mib: int = 256) -> dict:
+        queued_loads: int = 200, queued_mib: int = 256) -> dict:
     results, callers, queued = [], [], []
     with tempfile.TemporaryDirectory(prefix="kvtier-connector-bench-") as tmp:
         for kib in sizes_kib:
@@ -399,8 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--total-mib", type=int, default=64, help="bytes moved per measurement (MiB, default 64)")
     ap.add_argument("--repeats", type=int, default=7, help="interleaved rounds; the best is kept (default 7)")
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    ap.add_argument("--queued-loads", type=int, default=50, metavar="N",
-                    help="loads of each tier timed with and without 256 MiB of SSD writes queued (default 50; 0 skips)")
+    ap.add_argument("--queued-loads", type=int, default=200, metavar="N",
+                    help="loads of each tier timed with and without 256 MiB of SSD writes queued (default 200, so "
+                         "that a p99 is not simply the slowest load; 0 skips)")
     ap.add_argument("--queued-mib", type=int, metavar="MIB",
                     help="SSD writes queued ahead of those loads (MiB; default 4x --total-mib, at most 256; at least "
                          "two 16-block jobs)")
