@@ -85,6 +85,19 @@ def _store(w: KVTierWorker) -> None:
     assert plans == {1: [True, True], 2: [True, True]}
 
 
+def _count_landed(w: KVTierWorker) -> list[int]:
+    """What each call of the SSD tier's one-copy read (``scatter_many``) landed, from now on."""
+    landed: list[int] = []
+    scatter = w._ssd.scatter_many
+
+    def spy(*args, **kwargs):
+        landed.append(scatter(*args, **kwargs))
+        return landed[-1]
+
+    w._ssd.scatter_many = spy
+    return landed
+
+
 def test_store_then_load_from_dram_and_ssd_into_other_blocks(worker) -> None:
     w, caches, _ = worker
     _store(w)
@@ -119,14 +132,7 @@ def test_corrupt_ssd_value_fails_that_block_and_the_rest(worker) -> None:
         value[HEADER_BYTES + 7] ^= 0x01
         txn.put(key_to_bytes(10), bytes(value))
     before = [t[6].clone() for kv in caches.values() for t in kv]
-    landed: list[int] = []
-    scatter = w._ssd.scatter_many
-
-    def spy(*args, **kwargs):
-        landed.append(scatter(*args, **kwargs))
-        return landed[-1]
-
-    w._ssd.scatter_many = spy
+    landed = _count_landed(w)
     w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r3", 4, (10, 11), ("ssd", "ssd"), (0, 0), (6, 7))]))
     plans, _, _, errors = _drain(w, {4}, {"r3"})
     assert landed == [0]  # the one-copy path was tried, and stopped at the corrupt value
@@ -144,14 +150,7 @@ def test_an_ssd_load_lands_raw_values_straight_and_reads_a_compressed_one_throug
     _store(w)  # keys 10, 11 raw on SSD, from blocks 1, 2
     block3 = w.io.gather([3]).numpy()[0].copy()
     assert w._ssd.put_many([(BlockKey(12), block3, BlockKey(10))], codec="zstd") == 1
-    landed: list[int] = []
-    scatter = w._ssd.scatter_many
-
-    def spy(*args, **kwargs):
-        landed.append(scatter(*args, **kwargs))
-        return landed[-1]
-
-    w._ssd.scatter_many = spy
+    landed = _count_landed(w)
     w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r3", 4, (10, 12, 11), ("ssd",) * 3, (0,) * 3,
                                                            (5, 6, 7))]))
     plans, _, _, errors = _drain(w, {4}, {"r3"})
