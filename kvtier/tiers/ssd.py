@@ -469,15 +469,12 @@ class SSDTier:
         compressed, or failing a check) and those after it were not written: read those through
         :meth:`get_many_into`, which decodes any codec and says why a value is rejected. ``-1``
         (nothing copied) without the C read path."""
-        if not keys:
-            return 0
         key_bytes = [key_to_bytes(k) for k in keys]
-        # one thread, one transaction: sharing the blocks with the read pool as get_many_into
-        # does measured no faster on the worker's whole load path (the copy is memory-bound)
+        # one thread, one transaction: sharing the blocks with the read pool (as get_many_into
+        # does) measured no faster on the worker's whole load path (the copy is memory-bound)
         with self._read_txn() as txn:
-            get = txn.get
-            values = [get(kb) for kb in key_bytes]
-            landed = scatter_raw_batch(values, key_bytes, dsts, table, self._ctx)
+            values = [txn.get(kb) for kb in key_bytes]
+            landed = scatter_raw_batch(values, key_bytes, dsts, table, self._ctx) if keys else 0
             nbytes = sum(len(v) for v in values[:max(landed, 0)])  # type: ignore[arg-type]
         if landed > 0:
             self._stats["gets"] += landed
