@@ -358,7 +358,6 @@ class _HostSpans:
         else:
             copy_spans(self.bufs, [flat], table, split)
 
-
     def landing(self, block_ids: Sequence[int]) -> np.ndarray:
         """Where the bytes of a row land when it is scattered into ``block_ids`` (row ``i`` into
         block ``block_ids[i]``): an ``int64 [m, 4]`` table of (row, part, offset in the part's
