@@ -416,6 +416,38 @@ def test_a_put_of_many_groups_writes_every_block_once(
         assert tier.stats["bytes_written"] == stored
 
 
+def test_a_put_calls_between_between_groups_and_reads_go_on_meanwhile(
+    tier_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``between`` (a writer yielding to loads) runs once between each two groups, inside
+    the transaction: a read on another thread meanwhile is served at once, from what was
+    committed before, and the put then commits every block."""
+    import threading
+
+    _small_groups(monkeypatch, 2)
+    old = {BlockKey(i): bf16_block(i) for i in range(100, 103)}
+    new = {BlockKey(i): bf16_block(i) for i in range(1, 8)}  # 4 groups
+    seen: list[tuple[bool, bool]] = []
+    with SSDTier(tier_path, NS, LAYOUT) as tier:
+        assert tier.put_many([(k, b, None) for k, b in old.items()]) == 3
+
+        def between() -> None:
+            out = np.empty(BPB, dtype=np.uint8)
+            got: list[tuple[bool, bool]] = []
+            reader = threading.Thread(target=lambda: got.append(
+                (tier.get_into(BlockKey(100), out), tier.contains(BlockKey(1)))))
+            reader.start()
+            reader.join(timeout=10)
+            assert got and np.array_equal(out, old[BlockKey(100)])
+            seen.append(got[0])
+
+        assert tier.put_many([(k, b, None) for k, b in new.items()], between=between) == 7
+        assert seen == [(True, False)] * 3  # old blocks served, the open transaction's not yet visible
+        outs = [np.empty(BPB, dtype=np.uint8) for _ in new]
+        assert tier.get_many_into(list(new), outs) == [True] * 7
+        assert all(np.array_equal(o, b) for o, b in zip(outs, new.values()))
+
+
 def test_a_put_that_fails_mid_way_commits_nothing(tier_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An encoder error in a later group (after earlier groups were copied into the
     transaction) aborts the whole put: it raises, nothing of it is stored, and

@@ -224,25 +224,24 @@ class SSDTier:
 
     # ---------------------------------------------------------------- writes
 
-    def put_many(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]], codec: str | None = None) -> int:
-        """Store ``(key, raw block bytes, parent key or None)`` items in one transaction,
-        encoded with ``codec`` (default: the tier's; e.g. a lossy one for cold blocks).
+    def put_many(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]], codec: str | None = None,
+                 between: Callable[[], None] | None = None) -> int:
+        """Store ``(key, raw block bytes, parent key or None)`` items in one transaction, encoded
+        with ``codec`` (default: the tier's; e.g. a lossy one for cold blocks); ``between`` is called
+        between groups, inside the transaction (a writer yielding to loads: reads never wait on it).
 
-        Returns how many were written: all, or on a full map the longest prefix
-        that fits (possibly 0; ``stats["map_full"]`` and :attr:`last_error` say
-        so). Existing keys are overwritten. The first ``WRITE_GROUP_BYTES`` are
-        encoded before LMDB's write lock is taken, the rest while the
-        transaction copies the groups before them (see Threading). Raises
-        ``ValueError`` for a block that is not ``layout.bytes_per_block`` long,
-        ``ProtocolError`` when read-only. Called by the mover; cost ≈ the
-        larger of encoding and copying, plus one synced commit per call.
-        """
+        Returns how many were written: all, or on a full map the longest prefix that fits (possibly 0;
+        ``stats["map_full"]`` and :attr:`last_error` say so). Existing keys are overwritten. The first
+        ``WRITE_GROUP_BYTES`` are encoded before LMDB's write lock is taken, the rest while the
+        transaction copies the groups before them (see Threading). Raises ``ValueError`` for a block
+        not ``layout.bytes_per_block`` long, ``ProtocolError`` when read-only. Called by the mover;
+        cost ≈ the larger of encoding and copying, plus one synced commit per call."""
         self._writable_env()
         codec = self.codec if codec is None else check_codec_layout(codec, self.layout, "codec")
         for _, buf, _ in items:
             self._check_block(buf)
         with self._put_lock:
-            num_written, stored_bytes = self._write_prefix(items, codec)
+            num_written, stored_bytes = self._write_prefix(items, codec, between)
         if num_written:
             self._stats["puts"] += num_written
             self._stats["bytes_written"] += stored_bytes
@@ -330,14 +329,15 @@ class SSDTier:
                 f"block has {nbytes} bytes, layout {self.layout.describe()} needs {self.layout.bytes_per_block}"
             )
 
-    def _write_prefix(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]], codec: str) -> tuple[int, int]:
+    def _write_prefix(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]], codec: str,
+                      between: Callable[[], None] | None) -> tuple[int, int]:
         """Commit the longest prefix of ``items`` that fits; returns its length and stored bytes."""
         n = len(items)
         nudged = False
         stored_bytes = 0
         while n > 0:
             try:
-                failed_at, stored_bytes = self._write(items[:n], codec)
+                failed_at, stored_bytes = self._write(items[:n], codec, between)
             except lmdb.Error as exc:
                 self._note_write_error(exc)
                 return 0, 0
@@ -352,12 +352,11 @@ class SSDTier:
             self._note_map_full(n, len(items), "put_many")
         return n, stored_bytes if n else 0
 
-    def _write(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]], codec: str) -> tuple[int | None, int]:
-        """One write transaction of ``items``, encoded group by group (see Threading).
-
-        Returns ``(None, stored bytes)`` if committed, else how many puts fit
-        before the map filled (``len(items)`` when the commit itself did not
-        fit). No encoder writes into the tier's buffers once this returns."""
+    def _write(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]], codec: str,
+               between: Callable[[], None] | None = None) -> tuple[int | None, int]:
+        """One write transaction of ``items``, encoded group by group (see Threading). Returns ``(None,
+        stored bytes)`` if committed, else how many puts fit before the map filled (``len(items)`` when
+        the commit itself did not fit). No encoder writes into the tier's buffers once this returns."""
         per = self._group_blocks
         groups = [items[i : i + per] for i in range(0, len(items), per)]
         bufs = self._buffers(min(len(items), per), min(len(groups), self.write_threads))
@@ -392,6 +391,8 @@ class SSDTier:
                         txn.put(key_to_bytes(key), value)
                         num_put += 1
                         stored_bytes += len(value)
+                    if between is not None and g + 1 < len(groups):
+                        between()  # before encoding more: only groups already begun encode meanwhile
                     start(g + len(bufs))  # into the buffer just copied
         except lmdb.MapFullError:
             return num_put, 0

@@ -199,12 +199,15 @@ def slow_to_staging(tier: Any, keys: Sequence[BlockKey], staging: np.ndarray, po
 
 
 def staging_to_slow(tier: Any, items: Sequence[tuple[BlockKey, Any, BlockKey | None]], codec: str | None = None,
-                    pin_ttl_s: float | None = None) -> list[bool]:
+                    pin_ttl_s: float | None = None, between: Callable[[], None] | None = None) -> list[bool]:
     """``(key, row, parent)`` items written to the SSD or remote tier (with a per-write
-    codec, and a soft pin on the remote tier); the leading run written is ok."""
+    codec, a soft pin on the remote tier, and ``between`` called between the SSD tier's
+    write groups); the leading run written is ok."""
     kwargs: dict[str, Any] = {"codec": codec} if codec else {}
     if pin_ttl_s:
         kwargs["pin_ttl_s"] = pin_ttl_s
+    if between is not None:
+        kwargs["between"] = between
     n = tier.put_many(items, **kwargs)
     return [i < n for i in range(len(items))]
 

@@ -24,10 +24,10 @@ class SlowSSDConnector(KVTierConnector):
         factor = float(os.environ.get("KVTIERTEST_SSD_SLOWDOWN", "100"))
         put_many = worker._ssd.put_many
 
-        def slow_put_many(items):
+        def slow_put_many(items, **kwargs):
             start = time.perf_counter()
             try:
-                return put_many(items)
+                return put_many(items, **kwargs)
             finally:
                 time.sleep((factor - 1.0) * (time.perf_counter() - start))
 

@@ -20,6 +20,7 @@ from kvtier_vllm.metadata import (
 from kvtier_vllm.settings import ConnectorSettings, EngineFacts
 from kvtier_vllm.worker import KVTierWorker
 
+import kvtier.tiers.ssd as ssd_mod
 from kvtier.keys import BlockKey, key_to_bytes
 from kvtier.tiers.codec import HEADER_BYTES
 
@@ -190,9 +191,9 @@ def test_lockstep_transfers_report_a_steps_transfers_in_that_steps_get_finished(
     w, caches = _build({"dram_capacity_blocks": 4, "ssd_path": str(tmp_path), "lockstep_transfers": lockstep}, seed=3)
     put_many = w._ssd.put_many
 
-    def slow_put(items):
+    def slow_put(items, **kwargs):
         time.sleep(0.3)
-        return put_many(items)
+        return put_many(items, **kwargs)
 
     def slow(read):  # the tier's reads: into staging rows, or straight into the engine's blocks
         def slow_read(*args, **kwargs):
@@ -255,9 +256,9 @@ def test_a_slow_ssd_skips_stores_instead_of_queueing_without_limit(tmp_path) -> 
                    "ssd_write_queue_mib": bound_blocks * block_bytes / (1 << 20)}, seed=1)
     slow_put = w._ssd.put_many
 
-    def put_many(items):  # a disk 100x slower than this machine's
+    def put_many(items, **kwargs):  # a disk 100x slower than this machine's
         time.sleep(0.05)
-        return slow_put(items)
+        return slow_put(items, **kwargs)
 
     w._ssd.put_many = put_many
     try:
@@ -403,6 +404,52 @@ def test_a_hybrid_models_failed_load_fails_its_request_not_block_ids(tmp_path) -
     _, _, recving, errors = _drain(w, set(), {"r1"})
     assert not errors and w.take_failed_loads() == {"r1"}
     w.shutdown()
+
+
+def test_an_ssd_write_under_way_pauses_between_groups_while_a_load_reads(tmp_path, monkeypatch) -> None:
+    """Loads first, within a write too: an SSD write of several groups that a load's read
+    starts beside goes on with its next group only once that read is done; the write and
+    the load both complete."""
+    monkeypatch.setattr("kvtier.tiers.ssd.WRITE_GROUP_BYTES", BLOCK_BYTES)  # one block per group
+    w, caches = _build({"dram_capacity_blocks": 4, "ssd_path": str(tmp_path)}, seed=5)
+    w.reads.write_yield_s = 2.0
+    try:
+        _store(w)  # keys 10, 11 on SSD
+        events: list[tuple[str, float]] = []
+        encode_into = ssd_mod.encode_into
+
+        def slow_encode(items, *args, **kwargs):  # each group of the write takes a while
+            events.append(("group", time.monotonic()))
+            time.sleep(0.1)
+            return encode_into(items, *args, **kwargs)
+
+        def slow(read):
+            def slow_read(*args, **kwargs):
+                events.append(("read-start", time.monotonic()))
+                time.sleep(0.4)
+                out = read(*args, **kwargs)
+                events.append(("read-end", time.monotonic()))
+                return out
+            return slow_read
+
+        monkeypatch.setattr(ssd_mod, "encode_into", slow_encode)
+        w._ssd.get_many_into, w._ssd.scatter_many = slow(w._ssd.get_many_into), slow(w._ssd.scatter_many)
+        job = StoreJob(job_id=6, req_id="r3", block_ids=(3, 4, 5, 6), keys=(30, 31, 32, 33),
+                       parents=(None, 30, 31, 32), writes=(TierWrite(7, "ssd", (0, 1, 2, 3), ()),))
+        w.wait_for_save(KVTierConnectorMetadata(stores=[job]))
+        while not events:  # the write is under way
+            time.sleep(0.005)
+        w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r2", 5, (10, 11), ("ssd", "ssd"), (0, 0), (1, 2))]))
+        plans, _, _, _ = _drain(w, {5, 7}, {"r2"})
+        assert plans[5] == [True, True] and plans[7] == [True] * 4
+        groups = [t for name, t in events if name == "group"]
+        read_start, read_end = dict(events)["read-start"], dict(events)["read-end"]
+        assert len(groups) == 4 and groups[0] < read_start
+        assert not [t for t in groups if read_start + 0.15 < t < read_end]  # none began well inside the read
+        assert groups[-1] >= read_end
+        assert _blocks_equal(caches, 1, 1) and all(w._ssd.contains(BlockKey(k)) for k in (30, 31, 32, 33))
+    finally:
+        w.shutdown()
 
 
 @pytest.mark.parametrize("yield_s", [2.0, 0.0])

@@ -75,7 +75,8 @@ class LoadReads:
                 self._quiet.notify_all()
 
     def yield_to_loads(self) -> None:
-        """A slow tier's writer, before a write: wait (at most ``write_yield_s``) for the loads reading now."""
+        """A slow tier's writer, before a write (and the SSD tier's between the groups of one): wait
+        (at most ``write_yield_s``) for the loads reading now."""
         with self._lock:
             self._quiet.wait_for(lambda: self.reading <= 0, timeout=self.write_yield_s)
 

@@ -12,8 +12,9 @@ handling, ``fault_hook`` and link statistics) in ordered lanes (``LANES``):
 tiers' writes and deletes), and, so that a load never queues behind a
 write, ``load`` (a load's DRAM and SSD reads, SSD -> DRAM promotions) and
 ``remote-read``; and a slow tier's write waits (at most
-``LoadReads.write_yield_s``) for the loads reading when it starts (:mod:`~.reads`). What stays here is vLLM's: the gather and scatter between
-the engine's blocks and host rows. Reports per-block results, store jobs
+``LoadReads.write_yield_s``) for the loads reading when it starts, and an SSD
+write between its groups (:mod:`~.reads`). What stays here is vLLM's: the
+gather and scatter between the engine's blocks and host rows. Reports per-block results, store jobs
 whose engine blocks it finished reading, finished loads and the engine block
 ids whose load failed.
 
@@ -616,7 +617,8 @@ class KVTierWorker:
         writer's arena, if any); the plan reports the leading run written."""
         self.reads.yield_to_loads()  # loads first: wait (a little) for the loads reading now
         try:  # the queued bytes (and arena rows) are given back however the write ends (an error fails the plan)
-            written = media.staging_to_slow(writer.tier, items, w.codec, w.pin_ttl_s)
+            written = media.staging_to_slow(writer.tier, items, w.codec, w.pin_ttl_s,
+                                            self.reads.yield_to_loads if w.tier == "ssd" else None)
         finally:
             with self._lock:
                 writer.queued_bytes -= nbytes
