@@ -407,3 +407,36 @@ def predicted_waits(data: dict[str, Any]) -> str:
 def _with_refs(row: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
     """A kvtier row run without references, given its point's (they do not depend on the surface)."""
     return row | {k: point["references"][k] for k in ("bound_prefill_tokens", "floor_prefill_tokens")}
+
+
+_RULE_LABELS = {"always": "always load (the connector's default)", "never": "always recompute",
+                "cost": "**kvtier** `cost` (`recompute_when_cheaper`)", "llm-d": "llm-d selective load (modelled)"}
+
+
+@table("load-or-recompute", "load-or-recompute.json")
+def load_or_recompute(data: dict[str, Any]) -> str:
+    """Later-turn TTFT p99 (and prefill computed) of each load rule per SSD bandwidth
+    (bench/load_or_recompute.py), each cell against always loading's and always recomputing's
+    better one at that bandwidth."""
+    by = {(r["ssd_gbps"], r["rule"]): r for r in data["rows"]}
+    gbps = sorted(data["ssd_gbps"])
+    body = []
+    for rule in data["rules"]:
+        cells = []
+        for g in gbps:
+            r = by[(g, rule)]
+            best = min(by[(g, "always")]["ttft_p99_later_turns_s"], by[(g, "never")]["ttft_p99_later_turns_s"])
+            vs = "" if rule in ("always", "never") else f", {r['ttft_p99_later_turns_s'] / best:.2f}x the better"
+            cells.append(f"{r['ttft_p99_later_turns_s']:.1f} s ({r['prefill_tokens_computed'] / 1e6:.1f}M{vs})")
+        body.append([_RULE_LABELS.get(rule, rule), *cells])
+    row0 = data["rows"][0]
+    commit = (row0.get("commit") or "unknown")[:7] + (" (kvtier/ modified)" if row0.get("dirty") else "")
+    wall = sum(r["wall_s"] for r in data["rows"])
+    held = ", ".join(f"`{k}` {'holds' if v else 'does not hold'}" for k, v in data["no_worse_than_always_and_never"].items())
+    caption = (f"Later-turn TTFT p99 (prefill computed) per load rule and SSD read bandwidth, modelled (the "
+               f"replay's engine; H100, Llama-3.1-8B, SSD writes at 0.8x the read bandwidth): `kvtier replay "
+               f"{data['point']} --profile-file SSD.yaml --load-rule RULE`, written by `{data['command'].strip()}` "
+               f"at commit {commit} ({len(data['rows'])} replays, {wall / 60:.0f} min of replay wall time). "
+               f"Never worse than the better of always loading and always recomputing at every bandwidth: "
+               f"{held}.\n\n")
+    return caption + md_table(["rule", *(f"SSD {g:g} GB/s" for g in gbps)], body)

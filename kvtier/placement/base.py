@@ -103,11 +103,24 @@ class PlacementContext(Protocol):
         rate); else, and until enough steps were seen, a constant rate (``prefill_tokens_per_s``, 20,000)."""
         ...
 
+    def queued_transfer_s(self, link: str) -> float:
+        """Seconds until the copies queued on ``link`` now are done (``ssd->hbm``: its busier hop's): what
+        a copy issued now waits behind. Replay: its modelled links' FIFO queues. Live: 0.0 (the
+        connector's lanes report completions, not their queues; modelled only)."""
+        ...
+
+    def prefill_ahead_tokens(self) -> int:
+        """Prompt tokens that requests admitted before one admitted now have still to compute (their
+        chunks take each step's token budget first: a request admitted now waits behind them whether
+        it loads or recomputes). Replay: the admitted requests' prefill left. Live: 0 (the connector
+        sees steps one at a time, not the prefill queued behind them; modelled only)."""
+        ...
+
     def load_wait_s(self) -> float:
         """Seconds a load delays its request besides the transfer. Live: one engine step like the one running
         (its fixed cost alone while the engine idles), fitted from its steps (vLLM runs a request whose KV
-        loads asynchronously a step later; 0.0 until fitted). Replay: 0.0 (its mover's transfer times are
-        the whole cost)."""
+        loads asynchronously a step later; 0.0 until fitted). Replay: a step like the one running under
+        ``--scheduler vllm`` (its loads are done at a step's end), 0.0 under ``plain``."""
         ...
 
     def running_blocks(self) -> int:
@@ -311,12 +324,17 @@ class PlacementPolicy:
         return True
 
     def should_load(self, ctx: PlacementContext, num_blocks_by_tier: dict[str, int], context_tokens: int) -> bool:
-        """Load blocks found in lower tiers (True) or recompute them (False)?
-        Default: whichever the cost model says is faster (a load: its transfers and ``load_wait_s``)."""
-        load_s = ctx.load_wait_s() + sum(ctx.transfer_time_s(n, f"{t}->hbm")
-                                         for t, n in num_blocks_by_tier.items() if n)
+        """Load blocks found in lower tiers (True) or recompute them (False)? Default: load when the
+        bytes are in HBM before the engine would have recomputed them. A load takes ``load_wait_s``,
+        the copies queued ahead on its links and its own transfers; recomputing takes the prefill
+        queued for requests admitted before (``prefill_ahead_tokens``, which a loading request waits
+        behind anyway) plus these tokens. So behind a queue of prefill a load hides, and on a busy
+        link recomputing wins."""
+        links = [f"{t}->hbm" for t, n in num_blocks_by_tier.items() if n]
+        load_s = ctx.load_wait_s() + max(map(ctx.queued_transfer_s, links), default=0.0) + sum(
+            ctx.transfer_time_s(num_blocks_by_tier[link[:-5]], link) for link in links)
         num_tokens = sum(num_blocks_by_tier.values()) * ctx.block_size
-        return load_s < ctx.recompute_time_s(num_tokens)
+        return load_s < ctx.recompute_time_s(num_tokens + ctx.prefill_ahead_tokens())
 
 
 class LRU(PlacementPolicy):

@@ -8,7 +8,9 @@ recompute rather than load), the moves into HBM, the store plan of the blocks
 it computes, its decode reserve, the reference that protects its prefix, and
 under scheduler ``vllm`` the blocks other prefilling requests already compute.
 Must not step the batch or decide placement: loads are modelled through the
-simulator's mover, and the policy is asked only ``should_load``. The order of
+simulator's mover, and load or recompute is the replay's load rule's
+(:mod:`kvtier.placement.loadrule`: by default the surface's, which asks the
+policy's ``should_load`` on ``full``). The order of
 the queue is :mod:`kvtier.replay.admission`'s.
 """
 
@@ -19,6 +21,7 @@ from itertools import chain, compress
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 from ..keys import BlockKey
+from ..placement.loadrule import make_load_rule
 
 if TYPE_CHECKING:
     from .sim import Simulator, _Run
@@ -46,6 +49,7 @@ class Admission:
         # scheduler "vllm": the blocks prefilling runs store in HBM, by key: (run, position in its keys)
         self.prefill_owner: dict[BlockKey, tuple["_Run", int]] = {}
         self.num_holding = 0  # scheduler "vllm": runs in sim.prefilling that are ``holding``
+        self.load_rule = make_load_rule(sim.cfg.load_rule)
 
     # ------------------------------------------------------------ the pass
 
@@ -203,13 +207,14 @@ class Admission:
             hit = mgr.lookup(keys)
         names, tiers = hit.tier_names, hit.tier_indices
         n_used = hit.num_blocks
-        if sim.surface.choose_load and any(t != HBM for t in tiers):
+        if any(t != HBM for t in tiers):
             by_tier: dict[str, int] = {}
             for t in tiers:
                 if t != HBM:
                     by_tier[names[t]] = by_tier.get(names[t], 0) + 1
-            if not sim.policy.should_load(sim.ctx, by_tier, 0):
+            if not self.load_rule.load(sim.policy, sim.ctx, by_tier, sim.surface.choose_load, len(sim.waiting)):
                 n_used = next(i for i, t in enumerate(tiers) if t != HBM)
+                sim.counters["hits_recomputed"] = sim.counters.get("hits_recomputed", 0) + 1
         return hit, n_used, lands
 
     def _reserve(self, run: "_Run", hit: Any, n_used: int, need: int) -> _Plan | None:

@@ -61,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     from .profiles import DEFAULT_PROFILE, HARDWARE, MODELS
     from .run import DEFAULT_POLICIES
+    from ..placement.loadrule import LOAD_RULES
     from .sim import SCHEDULERS, TOOL_WAITS
 
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), metavar="LIST",
@@ -125,6 +126,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fcfs (default), critical-first or oldest-app")
     c.add_argument("--scheduler", default="plain", choices=list(SCHEDULERS),
                    help="engine admission per step (default plain)")
+    c.add_argument("--load-rule", default="surface", choices=list(LOAD_RULES),
+                   help="load or recompute a DRAM / SSD hit, per request: surface (default: the policy decides on "
+                        "full, every hit loads on the vLLM surfaces), always, never, cost (the policy's cost model "
+                        "on any surface; live: recompute_when_cheaper) or llm-d (the llm-d router's selective "
+                        "load, modelled; kvtier.placement.loadrule)")
     c.add_argument("--max-running", type=positive_int, default=256, metavar="N",
                    help="requests the engine runs at once, vLLM's --max-num-seqs (default 256)")
     c.add_argument("--recorded-starts", action="store_true",
@@ -257,7 +263,7 @@ def build_spec(args: argparse.Namespace, progress=None) -> Any:
         trace_name=trace_name, extra=extra,
         skip_oversized=args.skip_oversized, admission=args.admission, surface=args.surface,
         agent_ends=args.agent_ends == "reported", tool_waits=args.tool_waits, scheduler=args.scheduler,
-        max_running=args.max_running, recorded_starts=args.recorded_starts,
+        load_rule=args.load_rule, max_running=args.max_running, recorded_starts=args.recorded_starts,
         references=not args.no_references and not fleet,
         jobs=args.jobs or default_jobs(),
         slo_ttft_p99_s=args.slo_ttft_p99, slo_interactivity=args.slo_interactivity,

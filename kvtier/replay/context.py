@@ -171,11 +171,30 @@ class SimContext:
         model fitted to completed transfers."""
         return self.sim.mover.predict_s(num_blocks, link)
 
+    def queued_transfer_s(self, link: str) -> float:
+        """Seconds until ``link`` (``ssd->hbm``: either hop) has moved the copies queued on it now."""
+        hops = ("ssd->dram", "dram->hbm") if link == "ssd->hbm" else (link,)
+        free = self.sim.mover.link_free_s
+        return max(0.0, *(free.get(h, 0.0) - self.sim.now for h in hops))
+
     def recompute_time_s(self, num_tokens: int) -> float:
         return self.sim.profile.recompute_time_s(num_tokens, 0)
 
     def load_wait_s(self) -> float:
-        return 0.0
+        """A step like the one running now (its fixed cost alone while the engine idles) under
+        ``--scheduler vllm``, where a load is done at the end of the step after its admission at the
+        earliest, as the live context fits it; 0.0 under ``plain``, whose loads land when their
+        transfers do."""
+        sim = self.sim
+        if sim.cfg.scheduler != "vllm":
+            return 0.0
+        budget = max(0, sim.cfg.max_batch_tokens - len(sim.decoding))
+        prefill = min(budget, sum(r.prefill_left for r in sim.prefilling if not (r.loads_pending or r.holding)))
+        return sim.profile.step_time_s(prefill, 0, len(sim.decoding), sum(r.ctx_tokens for r in sim.decoding))
+
+    def prefill_ahead_tokens(self) -> int:
+        """Prompt tokens the admitted requests have still to compute (their chunks come first)."""
+        return sum(r.prefill_left for r in self.sim.prefilling)
 
     def running_blocks(self) -> int:
         return self.sim.running_blocks()

@@ -102,6 +102,7 @@ class ReplaySpec:
     agent_ends: bool = True  # the policy learns agents' ends (a hint server's); False: kv_transfer_params only
     tool_waits: str = "predicted"  # or "predicted-stream" (the request-stream chain), "announced" (true lengths)
     scheduler: str = "plain"  # or "vllm": admission within the step's token budget, blocks cached at allocation
+    load_rule: str = "surface"  # load or recompute a lower-tier hit (kvtier.placement.loadrule)
     max_running: int = 256  # requests the engine runs at once (vLLM's max_num_seqs)
     recorded_starts: bool = False  # closed loop: sessions start at their recorded starts (SimConfig.recorded_starts)
     references: bool = True
@@ -160,7 +161,7 @@ def sim_config(spec: ReplaySpec, conc: int, hbm_blocks: int) -> SimConfig:
                      max_sessions=spec.max_sessions, time_scale=spec.time_scale, skip_requests=skip,
                      admission=spec.admission, surface=spec.surface, cold_codec=spec.cold_codec,
                      agent_ends=spec.agent_ends, tool_waits=spec.tool_waits, scheduler=spec.scheduler,
-                     max_running=spec.max_running, recorded_starts=spec.recorded_starts)
+                     load_rule=spec.load_rule, max_running=spec.max_running, recorded_starts=spec.recorded_starts)
 
 
 # ------------------------------------------------------------ capacity check
@@ -396,6 +397,7 @@ def run_point(spec: ReplaySpec, policy_name: str, conc: int, hbm_blocks: int,
     row["agent_ends"] = "reported" if cfg.agent_ends else "unknown"
     row["tool_waits"] = cfg.tool_waits
     row["scheduler"] = cfg.scheduler
+    row["load_rule"] = cfg.load_rule
     row["skipped_requests"] = result.counters.get("skipped_requests", 0)
     row["wall_s"] = wall
     row["block_touches_per_s"] = result.block_touches / wall if wall > 0 else None
@@ -502,6 +504,7 @@ def report_header(spec: ReplaySpec) -> dict[str, Any]:
         "agent_ends": "reported" if spec.agent_ends else "unknown",
         "tool_waits": spec.tool_waits,
         "scheduler": spec.scheduler,
+        "load_rule": spec.load_rule,
         "skip_oversized": spec.skip_oversized,
         **({"cold_codec": spec.cold_codec.describe()} if spec.cold_codec is not None else {}),
         **({"fleet": {"engines": spec.engines, "routing": spec.routing, "remote_blocks": spec.remote_blocks,

@@ -135,6 +135,9 @@ class SimConfig:
     # allocates it, and a
     # request admitted with a load from a lower tier takes no running slot until the load is done).
     scheduler: str = "plain"
+    # Load or recompute a lower-tier hit (kvtier.placement.loadrule.LOAD_RULES): "surface" (the policy's
+    # should_load where the surface lets it choose, else load), "always", "never", "cost" or "llm-d".
+    load_rule: str = "surface"
     # Closed loop: start every session at its recorded start (``Session.recorded_at_s``, which kvtier's
     # recorder writes), offset from the earliest and times ``time_scale``, instead of ``conc`` at once: a
     # recording replayed as it was served (``conc`` then plays no part). Every session must carry a recorded

@@ -34,6 +34,7 @@ ROUND_ID_PARAM = "kvtier_round_id"
 SHARED_TOKENS_PARAM = "kvtier_shared_tokens"
 TENANT_PARAM = "kvtier_tenant"
 KVTIER_PREFIX = "kvtier_"
+MAX_LOAD_TOKENS_PARAM = "max_load_tokens"  # vLLM's (not kvtier's): its offloading connector reads it too
 
 MAX_ID_BYTES = 256
 """Longest session, agent or round id (UTF-8 bytes); the hint server's ``HintLimits.max_id_bytes`` default."""
@@ -159,6 +160,14 @@ def request_tool_wait_s(kv_transfer_params: Mapping[str, Any] | None) -> float |
     """The expected tool wait (``None`` when absent, or not a number of seconds in
     (0, :data:`MAX_TOOL_WAIT_S`])."""
     return read_param(kv_transfer_params, TOOL_WAIT_PARAM)
+
+
+def request_max_load_tokens(kv_transfer_params: Mapping[str, Any] | None) -> int | None:
+    """vLLM's own ``max_load_tokens`` (its offloading connector's, which a router such as llm-d's sets
+    to 0 to have a request recompute rather than load): the most tokens to load past what the engine
+    has cached itself; ``None`` when absent or not an integer >= 0 (ignored, as vLLM does)."""
+    raw = kv_transfer_params.get(MAX_LOAD_TOKENS_PARAM) if isinstance(kv_transfer_params, Mapping) else None
+    return raw if type(raw) is int and raw >= 0 else None
 
 
 def request_criticality(kv_transfer_params: Mapping[str, Any] | None) -> float | None:

@@ -401,6 +401,27 @@ def _run_steps(sched: KVTierScheduler, clock: list[float], fixed_s: float, per_t
         clock[0] += fixed_s + tokens * per_token_s
 
 
+@pytest.mark.parametrize(("params", "num_computed", "offered", "capped"), [
+    ({"max_load_tokens": 0}, 0, 0, 1),  # a router says recompute: nothing offered
+    ({"max_load_tokens": 2 * BS + 5}, 0, 2 * BS, 1),  # whole blocks only, as vLLM's offloading connector
+    ({"max_load_tokens": 2 * BS}, BS, 2 * BS, 1),  # counted past what the engine has cached itself
+    ({"max_load_tokens": 10 * BS}, 0, 4 * BS, 0),  # more than the hit: no cap
+    ({"max_load_tokens": -1}, 0, 4 * BS, 0),  # not an integer >= 0: ignored, as vLLM does
+    ({"max_load_tokens": True}, 0, 4 * BS, 0),
+    ({"max_load_tokens": "0"}, 0, 4 * BS, 0),
+])
+def test_max_load_tokens_caps_what_a_request_loads(params, num_computed, offered, capped) -> None:
+    """vLLM's ``max_load_tokens`` in ``kv_transfer_params`` (what llm-d's router sets to 0 to make a
+    request recompute) caps the tokens kvtier offers past the engine's own hit."""
+    sched, kvm = _sched()
+    _, job, write = _store_r1(sched, kvm)
+    sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True] * 4)}, {job.job_id: 1}))
+    r2 = FakeRequest("r2", 4, params=params)
+    sched.on_new_request(r2)
+    assert sched.get_num_new_matched_tokens(r2, num_computed) == ((offered, True) if offered else (0, False))
+    assert sched.counters["load_capped_by_request"] == capped
+
+
 @pytest.mark.parametrize(("fixed_s", "per_token_s", "loads"), [
     (0.05, 1e-6, False),  # a step's fixed cost dominates (the tiny test model): recompute 4 blocks
     (0.001, 1e-3, True),  # the forward dominates (a real model): load them

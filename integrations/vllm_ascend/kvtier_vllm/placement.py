@@ -570,6 +570,12 @@ class EnginePlacement:
         step_s = fit[0] + last[1] / fit[1]
         return step_s if self.now - last[0] <= 2.0 * step_s else fit[0]
 
+    def queued_transfer_s(self, link: str) -> float:
+        return 0.0  # the lanes report completions, not their queues (PlacementContext: modelled only)
+
+    def prefill_ahead_tokens(self) -> int:
+        return 0  # the steps are seen one at a time, not the prefill queued past the next (modelled only)
+
     def step_started(self, scheduled: Mapping[str, int]) -> None:
         """Each scheduler step (``scheduled``: request id -> tokens this step). The time since the
         previous step is that step's cost, observed on ``links``' ``engine:step`` link (its "bytes"

@@ -53,6 +53,7 @@ from kvtier.sdk.kv_hints import merged_params
 from kvtier.sdk.params import (
     request_approximate_segments,
     request_criticality,
+    request_max_load_tokens,
     request_tags,
     request_tenant,
     request_tool_wait_s,
@@ -292,6 +293,10 @@ class KVTierScheduler:
         max_blocks = min(len(keys), (request.num_tokens - 1) // self.block_size)
         start = num_computed_tokens // self.block_size
         self.counters["lookups"] += 1
+        cap = request_max_load_tokens(st.params)  # a router's per-request load-or-recompute (vLLM's key)
+        if cap is not None and start + cap // self.block_size < max_blocks:
+            max_blocks = start + cap // self.block_size
+            self.counters["load_capped_by_request"] += 1
         if max_blocks <= start:
             return 0, False
         if self.hybrid:
