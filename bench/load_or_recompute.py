@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 DEV_TRACE = ROOT.parent / "shared" / "traces" / "weka_claude_code" / "weka_dev_120.tar.xz"
 OUT = ROOT / "bench" / "out" / "load-or-recompute.json"
 RULES = ("always", "never", "cost", "llm-d")
@@ -69,7 +70,7 @@ def run_one(gbps: float, rule: str, base: list[str], work: Path) -> dict:
     row = next(r for r in rep["results"] if r["policy"] == "kvtier")
     return {"ssd_gbps": gbps, "rule": rule, **{k: row[k] for k in FIELDS},
             "hits_recomputed": row["counters"].get("hits_recomputed", 0), "command": shown,
-            "wall_s": time.perf_counter() - start, "commit": rep.get("commit"), "dirty": rep.get("kvtier_dirty")}
+            "wall_s": time.perf_counter() - start}
 
 
 def verdicts(rows: list[dict]) -> dict[str, bool]:
@@ -131,9 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     base = point_args(args.dram_blocks, args.conc)
     with tempfile.TemporaryDirectory(prefix="load-or-recompute-") as tmp, ThreadPoolExecutor(args.parallel) as pool:
         rows = list(pool.map(lambda gr: run_one(gr[0], gr[1], base, Path(tmp)), [(g, r) for g in gbps for r in rules]))
-    data = {"bench": "bench/load_or_recompute.py", "command": "python bench/load_or_recompute.py " +
-            shlex.join(argv if argv is not None else sys.argv[1:]), "point": " ".join(base), "rules": rules,
-            "ssd_gbps": gbps, "rows": rows, "no_worse_than_always_and_never": verdicts(rows)}
+    from kvtier.provenance import provenance
+
+    data = {**provenance(), "bench": "bench/load_or_recompute.py",
+            "command": "python bench/load_or_recompute.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
+            "point": " ".join(base), "rules": rules, "ssd_gbps": gbps, "rows": rows,
+            "no_worse_than_always_and_never": verdicts(rows)}
     args.json.write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {args.json}", file=sys.stderr)
     for r in rows:

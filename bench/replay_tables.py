@@ -429,8 +429,7 @@ def load_or_recompute(data: dict[str, Any]) -> str:
             vs = "" if rule in ("always", "never") else f", {r['ttft_p99_later_turns_s'] / best:.2f}x the better"
             cells.append(f"{r['ttft_p99_later_turns_s']:.1f} s ({r['prefill_tokens_computed'] / 1e6:.1f}M{vs})")
         body.append([_RULE_LABELS.get(rule, rule), *cells])
-    row0 = data["rows"][0]
-    commit = (row0.get("commit") or "unknown")[:7] + (" (kvtier/ modified)" if row0.get("dirty") else "")
+    commit = (data.get("commit") or "unknown")[:7] + (" (kvtier/ modified)" if data.get("kvtier_dirty") else "")
     wall = sum(r["wall_s"] for r in data["rows"])
     held = ", ".join(f"`{k}` {'holds' if v else 'does not hold'}" for k, v in data["no_worse_than_always_and_never"].items())
     caption = (f"Later-turn TTFT p99 (prefill computed) per load rule and SSD read bandwidth, modelled (the "

@@ -36,6 +36,7 @@ INPUTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tune-", _REPLAY),
     ("fleet-", _REPLAY),
     ("predicted-waits", _REPLAY),
+    ("load-or-recompute", _REPLAY),
     ("tool_wait_predictor", ("kvtier/agents", "kvtier/placement/base.py", "kvtier/replay/readers.py")),
     ("codecs", _CODECS),
     ("remote", ("kvtier/tiers/remote.py", "kvtier/tiers/codec.py", "kvtier/benchmarks")),
