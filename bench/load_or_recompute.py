@@ -85,6 +85,7 @@ def verdicts(rows: list[dict]) -> dict[str, bool]:
 
 def plot(data: dict, png: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -95,6 +96,8 @@ def plot(data: dict, png: Path) -> None:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=rule)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.set_xticks(data["ssd_gbps"], [f"{g:g}" for g in data["ssd_gbps"]])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("SSD read bandwidth (GB/s)")
     ax.set_ylabel("later-turn TTFT p99 (s)")
     ax.set_title("load or recompute (replay, dev eval half, conc 16)", fontsize=10)
