@@ -431,11 +431,13 @@ def load_or_recompute(data: dict[str, Any]) -> str:
         body.append([_RULE_LABELS.get(rule, rule), *cells])
     commit = (data.get("commit") or "unknown")[:7] + (" (kvtier/ modified)" if data.get("kvtier_dirty") else "")
     wall = sum(r["wall_s"] for r in data["rows"])
-    held = ", ".join(f"`{k}` {'holds' if v else 'does not hold'}" for k, v in data["no_worse_than_always_and_never"].items())
+    held = ", ".join(f"`{k}` {'holds' if v else 'does not hold'}"
+                     for k, v in data["no_worse_than_always_and_never"].items())
     caption = (f"Later-turn TTFT p99 (prefill computed) per load rule and SSD read bandwidth, modelled (the "
                f"replay's engine; H100, Llama-3.1-8B, SSD writes at 0.8x the read bandwidth): `kvtier replay "
                f"{data['point']} --profile-file ssd.yaml --load-rule cost` and the other rules (ssd.yaml sets the "
-               f"SSD's bandwidths), written by `{data['command'].strip()}` at commit {commit} ({len(data['rows'])} replays, {wall / 60:.0f} min of replay wall time). "
+               f"SSD's bandwidths), written by `{data['command'].strip()}` at commit {commit} "
+               f"({len(data['rows'])} replays, {wall / 60:.0f} min of replay wall time). "
                f"Never worse than the better of always loading and always recomputing at every bandwidth: "
                f"{held}.\n\n")
     return caption + md_table(["rule", *(f"SSD {g:g} GB/s" for g in gbps)], body)

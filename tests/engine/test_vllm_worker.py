@@ -406,6 +406,21 @@ def test_a_hybrid_models_failed_load_fails_its_request_not_block_ids(tmp_path) -
     w.shutdown()
 
 
+def _slow_ssd_reads(w: KVTierWorker, events: list[tuple[str, float]]) -> None:
+    """The SSD tier's reads (into staging rows, or straight into the engine's blocks) take 0.4 s more,
+    noting ``read-start`` and ``read-end`` in ``events``."""
+    def slow(read):
+        def slow_read(*args, **kwargs):
+            events.append(("read-start", time.monotonic()))
+            time.sleep(0.4)
+            out = read(*args, **kwargs)
+            events.append(("read-end", time.monotonic()))
+            return out
+        return slow_read
+
+    w._ssd.get_many_into, w._ssd.scatter_many = slow(w._ssd.get_many_into), slow(w._ssd.scatter_many)
+
+
 def test_an_ssd_write_under_way_pauses_between_groups_while_a_load_reads(tmp_path, monkeypatch) -> None:
     """Loads first, within a write too: an SSD write of several groups that a load's read
     starts beside goes on with its next group only once that read is done; the write and
@@ -423,17 +438,8 @@ def test_an_ssd_write_under_way_pauses_between_groups_while_a_load_reads(tmp_pat
             time.sleep(0.1)
             return encode_into(items, *args, **kwargs)
 
-        def slow(read):
-            def slow_read(*args, **kwargs):
-                events.append(("read-start", time.monotonic()))
-                time.sleep(0.4)
-                out = read(*args, **kwargs)
-                events.append(("read-end", time.monotonic()))
-                return out
-            return slow_read
-
         monkeypatch.setattr(ssd_mod, "encode_into", slow_encode)
-        w._ssd.get_many_into, w._ssd.scatter_many = slow(w._ssd.get_many_into), slow(w._ssd.scatter_many)
+        _slow_ssd_reads(w, events)
         job = StoreJob(job_id=6, req_id="r3", block_ids=(3, 4, 5, 6), keys=(30, 31, 32, 33),
                        parents=(None, 30, 31, 32), writes=(TierWrite(7, "ssd", (0, 1, 2, 3), ()),))
         w.wait_for_save(KVTierConnectorMetadata(stores=[job]))
@@ -463,20 +469,11 @@ def test_a_slow_tier_write_waits_for_the_loads_reading_when_it_starts(tmp_path, 
         events: list[tuple[str, float]] = []
         put_many = w._ssd.put_many
 
-        def slow(read):  # the tier's reads: into staging rows, or straight into the engine's blocks
-            def slow_read(*args, **kwargs):
-                events.append(("read-start", time.monotonic()))
-                time.sleep(0.4)
-                out = read(*args, **kwargs)
-                events.append(("read-end", time.monotonic()))
-                return out
-            return slow_read
-
         def noted_put(items, **kwargs):
             events.append(("write-start", time.monotonic()))
             return put_many(items, **kwargs)
 
-        w._ssd.get_many_into, w._ssd.scatter_many = slow(w._ssd.get_many_into), slow(w._ssd.scatter_many)
+        _slow_ssd_reads(w, events)
         w._ssd.put_many = noted_put
         w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r2", 5, (10, 11), ("ssd", "ssd"), (0, 0), (6, 7))]))
         while not events:  # the load is reading
