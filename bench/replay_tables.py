@@ -425,8 +425,9 @@ def load_or_recompute(data: dict[str, Any]) -> str:
         cells = []
         for g in gbps:
             r = by[(g, rule)]
-            best = min(by[(g, "always")]["ttft_p99_later_turns_s"], by[(g, "never")]["ttft_p99_later_turns_s"])
-            vs = "" if rule in ("always", "never") else f", {r['ttft_p99_later_turns_s'] / best:.2f}x the better"
+            base = [by[(g, b)]["ttft_p99_later_turns_s"] for b in ("always", "never") if (g, b) in by]
+            vs = ("" if rule in ("always", "never") or len(base) < 2 else
+                  f", {r['ttft_p99_later_turns_s'] / min(base):.2f}x the better")
             cells.append(f"{r['ttft_p99_later_turns_s']:.1f} s ({r['prefill_tokens_computed'] / 1e6:.1f}M{vs})")
         body.append([_RULE_LABELS.get(rule, rule), *cells])
     commit = (data.get("commit") or "unknown")[:7] + (" (kvtier/ modified)" if data.get("kvtier_dirty") else "")

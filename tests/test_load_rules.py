@@ -41,7 +41,7 @@ def _ctx(now: float = 0.0, block_size: int = 64) -> SimpleNamespace:
 def test_each_rule_loads_or_recomputes_as_named(rule: str, chooses: bool, answer: bool, loads: bool,
                                                 asked: int) -> None:
     policy = _Policy(answer)
-    assert make_load_rule(rule).load(policy, _ctx(), {"ssd": 4}, chooses, 0) is loads
+    assert make_load_rule(rule).load(policy, _ctx(), {"ssd": 4}, chooses) is loads
     assert policy.asked == asked
 
 
@@ -49,27 +49,25 @@ def test_llm_d_loads_from_1024_external_tokens() -> None:
     """With 64-token blocks, 15 host-tier blocks (960 tokens) are recomputed and 16 (1,024) loaded;
     the tiers add up."""
     rule = SelectiveLoad()
-    assert not rule.load(_Policy(True), _ctx(), {"ssd": 15}, True, 0)
-    assert rule.load(_Policy(False), _ctx(), {"ssd": 16}, True, 0)
-    assert rule.load(_Policy(False), _ctx(), {"dram": 8, "ssd": 8}, True, 0)
+    assert not rule.load(_Policy(True), _ctx(), {"ssd": 15}, True)
+    assert rule.load(_Policy(False), _ctx(), {"ssd": 16}, True)
+    assert rule.load(_Policy(False), _ctx(), {"dram": 8, "ssd": 8}, True)
 
 
 def test_llm_d_gate_closes_at_a_mean_of_8_waiting_and_opens_at_4() -> None:
     """Samples of 0 then 16 waiting, 2 s apart (one half-life), make the mean 8: the gate closes and
-    a 4,096-token hit is recomputed. A sample of 0 two seconds later halves it to 4: open again.
-    Between the two, 5 waiting keeps it closed (hysteresis)."""
+    a 4,096-token hit is recomputed. A sample at the same moment adds nothing (5 waiting: still 8,
+    closed). A sample of 0 two seconds later halves it to 4: open again."""
     rule = SelectiveLoad()
     big = {"ssd": 64}
-    assert rule.load(_Policy(False), _ctx(0.0), big, True, 0)
-    assert not rule.load(_Policy(False), _ctx(2.0), big, True, 16)
-    assert rule.mean_waiting == pytest.approx(8.0)
-    rule2 = SelectiveLoad()
-    rule2.sample(0.0, 0)
-    rule2.sample(2.0, 16)
-    rule2.sample(2.0, 5)  # no time passed: no weight, still 8, closed
-    assert not rule2.gate_open
-    assert rule.load(_Policy(False), _ctx(4.0), big, True, 0)
-    assert rule.mean_waiting == pytest.approx(4.0)
+    rule.observe(0.0, 0)
+    assert rule.load(_Policy(False), _ctx(), big, True)
+    rule.observe(2.0, 16)
+    assert rule.mean_waiting == pytest.approx(8.0) and not rule.load(_Policy(False), _ctx(), big, True)
+    rule.observe(2.0, 5)
+    assert rule.mean_waiting == pytest.approx(8.0) and not rule.gate_open
+    rule.observe(4.0, 0)
+    assert rule.mean_waiting == pytest.approx(4.0) and rule.load(_Policy(False), _ctx(), big, True)
 
 
 def test_an_unknown_rule_names_the_setting_and_the_valid_ones() -> None:
@@ -111,7 +109,7 @@ class _CostCtx:
 def test_the_cost_model_weighs_the_link_queue_and_the_prefill_ahead(ctx: _CostCtx, loads: bool) -> None:
     policy = make_placement("kvtier")
     assert policy.should_load(ctx, {"ssd": 1}, 0) is loads
-    assert make_load_rule("cost").load(policy, ctx, {"ssd": 1}, False, 0) is loads
+    assert make_load_rule("cost").load(policy, ctx, {"ssd": 1}, False) is loads
 
 
 def test_the_replay_recomputes_every_host_tier_hit_under_never() -> None:

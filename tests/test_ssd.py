@@ -448,6 +448,24 @@ def test_a_put_calls_between_between_groups_and_reads_go_on_meanwhile(
         assert all(np.array_equal(o, b) for o, b in zip(outs, new.values()))
 
 
+def test_a_between_that_raises_commits_nothing_and_the_next_put_works(
+    tier_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _small_groups(monkeypatch, 2)
+    blocks = {BlockKey(i): bf16_block(i) for i in range(1, 8)}
+
+    def between() -> None:
+        raise RuntimeError("a load's wait failed")
+
+    with SSDTier(tier_path, NS, LAYOUT) as tier:
+        with pytest.raises(RuntimeError, match="wait failed"):
+            tier.put_many([(k, b, None) for k, b in blocks.items()], between=between)
+        assert len(tier) == 0
+        assert tier.put_many([(k, b, None) for k, b in blocks.items()]) == 7
+        out = np.empty(BPB, dtype=np.uint8)
+        assert tier.get_into(BlockKey(7), out) and np.array_equal(out, blocks[BlockKey(7)])
+
+
 def test_a_put_that_fails_mid_way_commits_nothing(tier_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An encoder error in a later group (after earlier groups were copied into the
     transaction) aborts the whole put: it raises, nothing of it is stored, and

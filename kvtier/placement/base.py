@@ -328,13 +328,13 @@ class PlacementPolicy:
         bytes are in HBM before the engine would have recomputed them. A load takes ``load_wait_s``,
         the copies queued ahead on its links and its own transfers; recomputing takes the prefill
         queued for requests admitted before (``prefill_ahead_tokens``, which a loading request waits
-        behind anyway) plus these tokens. So behind a queue of prefill a load hides, and on a busy
+        behind anyway; other sequences, priced apart) and these tokens. So behind a queue of prefill a load hides, and on a busy
         link recomputing wins."""
         tiers = [t for t, n in num_blocks_by_tier.items() if n]
         load_s = (ctx.load_wait_s() + max((ctx.queued_transfer_s(f"{t}->hbm") for t in tiers), default=0.0)
                   + sum(ctx.transfer_time_s(num_blocks_by_tier[t], f"{t}->hbm") for t in tiers))
         num_tokens = sum(num_blocks_by_tier.values()) * ctx.block_size
-        return load_s < ctx.recompute_time_s(num_tokens + ctx.prefill_ahead_tokens())
+        return load_s < ctx.recompute_time_s(num_tokens) + ctx.recompute_time_s(ctx.prefill_ahead_tokens())
 
 
 class LRU(PlacementPolicy):

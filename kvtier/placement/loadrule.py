@@ -21,15 +21,17 @@ them (the blocks already in HBM are always used):
   weighted mean of the number of waiting requests (a sample's weight is
   ``1 - exp(-ln 2 * dt / 2 s)``), closes when the mean reaches
   ``max_waiting`` (8) and opens again at half of it. Modelled: the rule, its
-  defaults and its gate, sampled at each decision (the router samples
-  vLLM's ``num_requests_waiting`` metric when a request is routed).
+  defaults and its gate, sampled at each admission attempt (the router samples
+  vLLM's ``num_requests_waiting`` metric when a request is routed; a retry at
+  the same moment adds nothing, as the sample's weight is 0).
   Not modelled: the router's choice of endpoint, and its failing open when a
   tier reports nothing. Live, the router sends ``max_load_tokens: 0`` in
   ``kv_transfer_params`` to recompute, which vLLM's offloading connector
   honours.
 
 Must not move blocks, count anything or read the simulator: a host calls
-:meth:`LoadRule.load` with what it knows and does what it answers.
+:meth:`LoadRule.observe` for every request it is about to admit and
+:meth:`LoadRule.load` for one with a DRAM / SSD hit, and does what it answers.
 """
 
 from __future__ import annotations
@@ -47,35 +49,33 @@ class LoadRule:
 
     name = "surface"
 
-    def load(self, policy: Any, ctx: Any, by_tier: Mapping[str, int], surface_chooses: bool,
-             waiting_requests: int) -> bool:
+    def observe(self, now: float, waiting_requests: int) -> None:
+        """A request is about to be admitted at ``now``, with ``waiting_requests`` waiting."""
+
+    def load(self, policy: Any, ctx: Any, by_tier: Mapping[str, int], surface_chooses: bool) -> bool:
         """Load the lower-tier blocks of this hit (``by_tier``: blocks per tier past the HBM
-        part)? ``surface_chooses``: the engine surface lets the policy choose;
-        ``waiting_requests``: requests waiting for admission now."""
+        part)? ``surface_chooses``: the engine surface lets the policy choose."""
         return not surface_chooses or policy.should_load(ctx, dict(by_tier), 0)
 
 
 class _Always(LoadRule):
     name = "always"
 
-    def load(self, policy: Any, ctx: Any, by_tier: Mapping[str, int], surface_chooses: bool,
-             waiting_requests: int) -> bool:
+    def load(self, policy: Any, ctx: Any, by_tier: Mapping[str, int], surface_chooses: bool) -> bool:
         return True
 
 
 class _Never(LoadRule):
     name = "never"
 
-    def load(self, policy: Any, ctx: Any, by_tier: Mapping[str, int], surface_chooses: bool,
-             waiting_requests: int) -> bool:
+    def load(self, policy: Any, ctx: Any, by_tier: Mapping[str, int], surface_chooses: bool) -> bool:
         return False
 
 
 class _Cost(LoadRule):
     name = "cost"
 
-    def load(self, policy: Any, ctx: Any, by_tier: Mapping[str, int], surface_chooses: bool,
-             waiting_requests: int) -> bool:
+    def load(self, policy: Any, ctx: Any, by_tier: Mapping[str, int], surface_chooses: bool) -> bool:
         return bool(policy.should_load(ctx, dict(by_tier), 0))
 
 
@@ -92,7 +92,7 @@ class SelectiveLoad(LoadRule):
         self.gate_open = True
         self._last_s = 0.0
 
-    def sample(self, now: float, waiting_requests: int) -> None:
+    def observe(self, now: float, waiting_requests: int) -> None:
         """Fold in one sample of the waiting queue and move the gate (closed at ``max_waiting``,
         open again at half of it)."""
         if self.mean_waiting is None:
@@ -106,9 +106,7 @@ class SelectiveLoad(LoadRule):
         elif not self.gate_open and self.mean_waiting <= 0.5 * self.max_waiting:
             self.gate_open = True
 
-    def load(self, policy: Any, ctx: Any, by_tier: Mapping[str, int], surface_chooses: bool,
-             waiting_requests: int) -> bool:
-        self.sample(ctx.now, waiting_requests)
+    def load(self, policy: Any, ctx: Any, by_tier: Mapping[str, int], surface_chooses: bool) -> bool:
         external_tokens = sum(by_tier.values()) * ctx.block_size
         return self.gate_open and external_tokens >= self.min_external_tokens
 

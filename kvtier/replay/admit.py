@@ -172,11 +172,14 @@ class Admission:
         if (sim.prefilling or sim.decoding) and (
                 (limit is not None and sim.running_blocks() + need > limit) or not self.may_fit(run, need)):
             return False
+        self.load_rule.observe(sim.now, len(sim.waiting))
         hit, n_used, lands = self._usable_hit(run.keys)
         plan = self._reserve(run, hit, n_used, need)
         if plan is None:
             return False
         self._commit(run, request_id, hit, n_used, lands, plan)
+        if n_used < hit.num_blocks:  # the load rule recomputes its DRAM / SSD part
+            sim.counters["hits_recomputed"] = sim.counters.get("hits_recomputed", 0) + 1
         return True
 
     def _admit_uncached(self, run: "_Run", request_id: tuple[int, str, int]) -> None:
@@ -212,9 +215,8 @@ class Admission:
             for t in tiers:
                 if t != HBM:
                     by_tier[names[t]] = by_tier.get(names[t], 0) + 1
-            if not self.load_rule.load(sim.policy, sim.ctx, by_tier, sim.surface.choose_load, len(sim.waiting)):
+            if not self.load_rule.load(sim.policy, sim.ctx, by_tier, sim.surface.choose_load):
                 n_used = next(i for i, t in enumerate(tiers) if t != HBM)
-                sim.counters["hits_recomputed"] = sim.counters.get("hits_recomputed", 0) + 1
         return hit, n_used, lands
 
     def _reserve(self, run: "_Run", hit: Any, n_used: int, need: int) -> _Plan | None:

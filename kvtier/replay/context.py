@@ -172,10 +172,7 @@ class SimContext:
         return self.sim.mover.predict_s(num_blocks, link)
 
     def queued_transfer_s(self, link: str) -> float:
-        """Seconds until ``link`` (``ssd->hbm``: either hop) has moved the copies queued on it now."""
-        hops = ("ssd->dram", "dram->hbm") if link == "ssd->hbm" else (link,)
-        free = self.sim.mover.link_free_s
-        return max(0.0, *(free.get(h, 0.0) - self.sim.now for h in hops))
+        return self.sim.mover.queued_s(link, self.sim.now)
 
     def recompute_time_s(self, num_tokens: int) -> float:
         return self.sim.profile.recompute_time_s(num_tokens, 0)
@@ -190,7 +187,8 @@ class SimContext:
             return 0.0
         budget = max(0, sim.cfg.max_batch_tokens - len(sim.decoding))
         prefill = min(budget, sum(r.prefill_left for r in sim.prefilling if not (r.loads_pending or r.holding)))
-        return sim.profile.step_time_s(prefill, 0, len(sim.decoding), sum(r.ctx_tokens for r in sim.decoding))
+        step_s = sim.profile.step_time_s(prefill, 0, len(sim.decoding), sum(r.ctx_tokens for r in sim.decoding))
+        return step_s or sim.profile.hardware.step_overhead_s  # an idle engine still steps, at its fixed cost
 
     def prefill_ahead_tokens(self) -> int:
         """Prompt tokens the admitted requests have still to compute (their chunks come first)."""

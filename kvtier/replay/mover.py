@@ -74,6 +74,13 @@ class ModelledMover:
         return sum(self.links.predict_s(stage, nbytes)
                    for stage, nbytes in transfer_stages(self.codec, src, dst, num_blocks, self.bytes_per_block))
 
+    def queued_s(self, link: str, now: float) -> float:
+        """Seconds after ``now`` until the busiest stage of ``link``'s path (``ssd->hbm``: both hops,
+        and a cold codec's decode) has done the copies queued on it."""
+        src, dst = link.split("->")
+        stages = [stage for stage, _ in transfer_stages(self.codec, src, dst, 1, self.bytes_per_block)]
+        return max([0.0, *(self.link_free_s.get(stage, 0.0) - now for stage in stages)])
+
     def num_to_encode(self, mgr: Any, lower: Sequence[str], keys: Sequence[BlockKey], dst: str) -> int | None:
         """How many of ``keys``, written down from HBM to ``dst``, the codec encodes: those
         without a compressed copy, held or arriving, in another compressed tier of ``lower``

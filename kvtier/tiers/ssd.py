@@ -226,16 +226,16 @@ class SSDTier:
 
     def put_many(self, items: Sequence[tuple[BlockKey, object, BlockKey | None]], codec: str | None = None,
                  between: Callable[[], None] | None = None) -> int:
-        """Store ``(key, raw block bytes, parent key or None)`` items in one transaction, encoded
-        with ``codec`` (default: the tier's; e.g. a lossy one for cold blocks); ``between`` is called
-        between groups, inside the transaction (a writer yielding to loads: reads never wait on it).
+        """Store ``(key, raw block bytes, parent key or None)`` items in one transaction, encoded with ``codec``
+        (default: the tier's; e.g. a lossy one for cold blocks); ``between`` is called between groups, inside
+        the transaction (a writer yielding to loads: reads never wait on it; it must not write to or close
+        this tier, whose write lock its thread holds; an exception from it aborts the put, committing none).
 
         Returns how many were written: all, or on a full map the longest prefix that fits (possibly 0;
         ``stats["map_full"]`` and :attr:`last_error` say so). Existing keys are overwritten. The first
-        ``WRITE_GROUP_BYTES`` are encoded before LMDB's write lock is taken, the rest while the
-        transaction copies the groups before them (see Threading). Raises ``ValueError`` for a block
-        not ``layout.bytes_per_block`` long, ``ProtocolError`` when read-only. Called by the mover;
-        cost ≈ the larger of encoding and copying, plus one synced commit per call."""
+        ``WRITE_GROUP_BYTES`` are encoded before LMDB's write lock is taken, the rest while the transaction copies
+        the groups before them (see Threading). Raises ``ValueError`` for a block not ``layout.bytes_per_block``
+        long, ``ProtocolError`` when read-only. Cost ≈ the larger of encoding and copying, plus one synced commit."""
         self._writable_env()
         codec = self.codec if codec is None else check_codec_layout(codec, self.layout, "codec")
         for _, buf, _ in items:

@@ -450,9 +450,8 @@ def test_an_ssd_write_under_way_pauses_between_groups_while_a_load_reads(tmp_pat
         assert plans[5] == [True, True] and plans[7] == [True] * 4
         groups = [t for name, t in events if name == "group"]
         read_start, read_end = dict(events)["read-start"], dict(events)["read-end"]
-        assert len(groups) == 4 and groups[0] < read_start
-        assert not [t for t in groups if read_start + 0.15 < t < read_end]  # none began well inside the read
-        assert groups[-1] >= read_end
+        # groups 0 and 1 began encoding with the write (two buffers); the rest only once the read was done
+        assert len(groups) == 4 and groups[0] < read_start and all(t >= read_end for t in groups[2:])
         assert _blocks_equal(caches, 1, 1) and all(w._ssd.contains(BlockKey(k)) for k in (30, 31, 32, 33))
     finally:
         w.shutdown()

@@ -50,8 +50,9 @@ class LoadReads:
         self.pool_np: np.ndarray | None = None
         self.ssd: Any = None
         self.remote: Any = None
-        # a slow tier's write waits at most this long for the loads reading when it starts (the writer's
-        # queue stays bounded: stores that find it full are skipped and counted)
+        # a slow tier's write waits at most this long for the loads reading when it starts, and an SSD write
+        # as long again between its groups (the writer's queue stays bounded: stores that find it full are
+        # skipped and counted)
         self.write_yield_s = 0.05
         self.land_chunk_bytes = 4 << 20  # a straight load's read and scatter overlap in chunks of this size
         self._lock = threading.Lock()
