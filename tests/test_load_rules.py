@@ -96,8 +96,8 @@ class _CostCtx:
     def recompute_time_s(self, num_tokens: int) -> float:
         return num_tokens / 1000.0
 
-    def prefill_ahead_tokens(self) -> int:
-        return self.ahead
+    def prefill_ahead_s(self) -> float:
+        return self.ahead / 1000.0
 
 
 @pytest.mark.parametrize("ctx, loads", [

@@ -109,11 +109,12 @@ class PlacementContext(Protocol):
         connector's lanes report completions, not their queues; modelled only)."""
         ...
 
-    def prefill_ahead_tokens(self) -> int:
-        """Prompt tokens that requests admitted before one admitted now have still to compute (their
+    def prefill_ahead_s(self) -> float:
+        """Seconds of prefill that requests admitted before one admitted now have still to run (their
         chunks take each step's token budget first: a request admitted now waits behind them whether
-        it loads or recomputes). Replay: the admitted requests' prefill left. Live: 0 (the connector
-        sees steps one at a time, not the prefill queued behind them; modelled only)."""
+        it loads or recomputes). Replay: the admitted requests' prefill left, each against its own
+        context. Live: 0.0 (the connector sees steps one at a time, not the prefill queued behind
+        them; modelled only)."""
         ...
 
     def load_wait_s(self) -> float:
@@ -327,14 +328,14 @@ class PlacementPolicy:
         """Load blocks found in lower tiers (True) or recompute them (False)? Default: load when the
         bytes are in HBM before the engine would have recomputed them. A load takes ``load_wait_s``,
         the copies queued ahead on its links and its own transfers; recomputing takes the prefill
-        queued for requests admitted before (``prefill_ahead_tokens``, which a loading request waits
-        behind anyway; other sequences, priced apart) and these tokens. So behind a queue of prefill a load hides, and on a busy
+        queued for requests admitted before (``prefill_ahead_s``, which a loading request waits behind
+        anyway) and these tokens. So behind a queue of prefill a load hides, and on a busy
         link recomputing wins."""
         tiers = [t for t, n in num_blocks_by_tier.items() if n]
         load_s = (ctx.load_wait_s() + max((ctx.queued_transfer_s(f"{t}->hbm") for t in tiers), default=0.0)
                   + sum(ctx.transfer_time_s(num_blocks_by_tier[t], f"{t}->hbm") for t in tiers))
         num_tokens = sum(num_blocks_by_tier.values()) * ctx.block_size
-        return load_s < ctx.recompute_time_s(num_tokens) + ctx.recompute_time_s(ctx.prefill_ahead_tokens())
+        return load_s < ctx.recompute_time_s(num_tokens) + ctx.prefill_ahead_s()
 
 
 class LRU(PlacementPolicy):

@@ -190,9 +190,11 @@ class SimContext:
         step_s = sim.profile.step_time_s(prefill, 0, len(sim.decoding), sum(r.ctx_tokens for r in sim.decoding))
         return step_s or sim.profile.hardware.step_overhead_s  # an idle engine still steps, at its fixed cost
 
-    def prefill_ahead_tokens(self) -> int:
-        """Prompt tokens the admitted requests have still to compute (their chunks come first)."""
-        return sum(r.prefill_left for r in self.sim.prefilling)
+    def prefill_ahead_s(self) -> float:
+        """The prefill the admitted requests have still to run (their chunks come first), each against
+        its own context."""
+        prefill_s = self.sim.profile.prefill_time_s
+        return sum(prefill_s(r.prefill_left, r.ctx_tokens) for r in self.sim.prefilling if r.prefill_left)
 
     def running_blocks(self) -> int:
         return self.sim.running_blocks()

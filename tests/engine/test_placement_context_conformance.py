@@ -284,7 +284,7 @@ def test_load_wait_is_non_negative_and_finite(host) -> None:
 @pytest.mark.parametrize("link", ["dram->hbm", "ssd->hbm"])
 def test_a_fresh_context_has_no_copy_queued_and_no_prefill_ahead(host, link: str) -> None:
     assert host.ctx.queued_transfer_s(link) == 0.0
-    assert host.ctx.prefill_ahead_tokens() == 0
+    assert host.ctx.prefill_ahead_s() == 0.0
 
 
 def test_call_at_runs_the_callback_once_when_due(host) -> None:

@@ -573,8 +573,8 @@ class EnginePlacement:
     def queued_transfer_s(self, link: str) -> float:
         return 0.0  # the lanes report completions, not their queues (PlacementContext: modelled only)
 
-    def prefill_ahead_tokens(self) -> int:
-        return 0  # the steps are seen one at a time, not the prefill queued past the next (modelled only)
+    def prefill_ahead_s(self) -> float:
+        return 0.0  # the steps are seen one at a time, not the prefill queued behind them (modelled only)
 
     def step_started(self, scheduled: Mapping[str, int]) -> None:
         """Each scheduler step (``scheduled``: request id -> tokens this step). The time since the
