@@ -2,11 +2,12 @@
 """Load or recompute, per request: each rule of ``kvtier replay --load-rule`` on long agent contexts
 whose host copies sit mostly on an SSD, over SSD read bandwidths from a network disk to an NVMe drive.
 
-Owns: the replay commands of this comparison, its one JSON
-(``bench/out/load-or-recompute.json``) and its plot. Must not format README tables
-(``bench/replay_tables.py`` renders block ``load-or-recompute``).
+Owns: the replay commands of this comparison, its JSON per half of the dev traces
+(``bench/out/load-or-recompute.json``, ``-tune.json``) and their plots. Must not format
+README tables (``bench/replay_tables.py`` renders blocks ``load-or-recompute`` and
+``load-or-recompute-tune``).
 
-The point: the evaluation half of the dev traces (Claude Code sessions, contexts of
+The point: the evaluation half of the dev traces (``--split``; Claude Code sessions, contexts of
 tens of thousands of tokens), conc 16, HBM at a quarter of the working set, DRAM of
 ``--dram-blocks`` (1,000: far less than the contexts, so most of what comes back
 comes from the SSD), an SSD of 39,532 blocks, kvtier on the recommended live surface
@@ -19,8 +20,12 @@ the connector's default), ``never`` (every DRAM / SSD hit is recomputed), ``cost
 tiers and its waiting-queue gate open). The same workload, capacities and engine
 for every rule; no floor or bound (they do not load).
 
+The cost rule's terms (the link's queue, the step a load waits, the prefill ahead) were
+chosen looking at the evaluation half; the tuning half is the check.
+
 Usage: ``python bench/load_or_recompute.py`` (20 replays, about 6 minutes two at a
-time on 2 cores), then ``python bench/readme_tables.py``;
+time on 2 cores) and ``python bench/load_or_recompute.py --split tune --json
+bench/out/load-or-recompute-tune.json``, then ``python bench/readme_tables.py``;
 ``--plot bench/out/load-or-recompute.json`` redraws the PNG only.
 """
 
@@ -47,8 +52,8 @@ FIELDS = ("ttft_p50_later_turns_s", "ttft_p99_later_turns_s", "ttft_mean_later_t
           "prefill_tokens_computed", "prefill_tokens_hit_hbm", "prefill_tokens_hit_dram", "prefill_tokens_hit_ssd")
 
 
-def point_args(dram_blocks: int, conc: int) -> list[str]:
-    return ["--trace", os.path.relpath(DEV_TRACE, ROOT), "--split", "eval", "--hbm-fraction", "0.25",
+def point_args(dram_blocks: int, conc: int, split: str = "eval") -> list[str]:
+    return ["--trace", os.path.relpath(DEV_TRACE, ROOT), "--split", split, "--hbm-fraction", "0.25",
             "--conc", str(conc), "--dram-blocks", str(dram_blocks), "--ssd-blocks", "39532", "--surface", "vllm",
             "--scheduler", "vllm", "--skip-oversized", "--policies", "kvtier", "--no-references"]
 
@@ -100,7 +105,8 @@ def plot(data: dict, png: Path) -> None:
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("SSD read bandwidth (GB/s)")
     ax.set_ylabel("later-turn TTFT p99 (s)")
-    ax.set_title("load or recompute (replay, dev eval half, conc 16)", fontsize=10)
+    half = "evaluation" if "--split eval" in data["point"] else "tuning"
+    ax.set_title(f"load or recompute (replay, dev traces' {half} half)", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=120)
@@ -114,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rules", default=",".join(RULES), help="load rules (default %(default)s)")
     ap.add_argument("--dram-blocks", type=int, default=1000, help="DRAM capacity in blocks (default 1000)")
     ap.add_argument("--conc", type=int, default=16, help="live sessions (default 16)")
+    ap.add_argument("--split", choices=["eval", "tune"], default="eval",
+                    help="the dev traces' half (default eval; tune: the half the rule's terms were not chosen on)")
     ap.add_argument("--parallel", type=int, default=2, help="replays at once (default 2)")
     ap.add_argument("--json", type=Path, default=OUT, help=f"write the results here (default {OUT.relative_to(ROOT)})")
     ap.add_argument("--png", type=Path, help="write the plot here (default: the JSON's path with .png)")
@@ -132,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [r for r in rules if r not in RULES]
     if unknown or any(g <= 0 for g in gbps) or args.dram_blocks < 0 or args.conc < 1:
         ap.error(f"--rules from {', '.join(RULES)}; --ssd-gbps > 0; --dram-blocks >= 0; --conc >= 1")
-    base = point_args(args.dram_blocks, args.conc)
+    base = point_args(args.dram_blocks, args.conc, args.split)
     with tempfile.TemporaryDirectory(prefix="load-or-recompute-") as tmp, ThreadPoolExecutor(args.parallel) as pool:
         rows = list(pool.map(lambda gr: run_one(gr[0], gr[1], base, Path(tmp)), [(g, r) for g in gbps for r in rules]))
     from kvtier.provenance import provenance

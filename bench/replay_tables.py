@@ -413,6 +413,7 @@ _RULE_LABELS = {"always": "always load (the connector's default)", "never": "alw
                 "cost": "**kvtier** `cost` (`recompute_when_cheaper`)", "llm-d": "llm-d selective load (modelled)"}
 
 
+@table("load-or-recompute-tune", "load-or-recompute-tune.json")
 @table("load-or-recompute", "load-or-recompute.json")
 def load_or_recompute(data: dict[str, Any]) -> str:
     """Later-turn TTFT p99 (and prefill computed) of each load rule per SSD bandwidth
