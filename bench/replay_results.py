@@ -12,7 +12,10 @@ both halves are run at ``--hbm-fraction 0.25``, conc 8, with the default DRAM
 (2x HBM) and no SSD, and with ``--ssd-blocks`` equal to 4x that half's HBM,
 and at the pressure point (conc 16, HBM held at that conc-8 size, default
 DRAM, no SSD: twice the sessions on the same memory);
-the evaluation half with SSD once more on the ``vllm`` engine surface
+the peers (``sae``, ``lmcache-lazy``, with ``lru-dram`` for vLLM's native CPU
+offloading) against ``kvtier`` at those four points (``peers-*``: both halves,
+conc 8 and the pressure point) on the ``vllm`` surface and scheduler; the
+evaluation half with SSD once more on the ``vllm`` engine surface
 (``--surface vllm``: only what the live vLLM connector carries out in its
 recommended setup, ``exclusive_dram: true``).
 The SLO capacity (largest conc meeting later-turn TTFT p99 <= 20 s and p50
@@ -57,6 +60,10 @@ SLO_POLICIES = "lru,lru-dram,arc,s3fifo,ttl,minwaste,tokencake,kvflow,kvtier"
 SLO_TTFT_P99_S = 20.0  # later turns: a tool result or user turn answered within 20 s at p99
 SLO_INTERACTIVITY = 30.0  # tokens/s/user at p50
 LIVE_POLICIES = "lru,lru-dram,ttl,tokencake,kvflow,kvtier"
+# the peers kvtier's users would run instead, each as its system ships it (kvtier.placement.peers), against
+# kvtier's recommended live setup, on the live surface and vLLM's scheduler, at the four dev points
+PEER_POLICIES = "lru-dram,sae,lmcache-lazy,kvtier"
+PEER_SETTINGS = ["--surface", "vllm", "--scheduler", "vllm"]
 DEV_FRACTION = 0.25
 DEV_CONC = 8
 
@@ -86,6 +93,10 @@ def commands() -> dict[str, list[str]]:
                                         str(_dev_hbm_blocks(half)), "--conc", str(PRESSURE_CONC), "--policies",
                                         PRESSURE_POLICIES, "--skip-oversized"]
         cmds[f"dev-{half}-ssd"] = dev(half, DEV_POLICIES) + ["--ssd-blocks", str(4 * _dev_hbm_blocks(half))]
+        cmds[f"peers-{half}"] = dev(half, PEER_POLICIES) + PEER_SETTINGS
+        cmds[f"peers-{half}-pressure"] = ["--trace", os.path.relpath(DEV_TRACE, ROOT), "--split", half, "--hbm-blocks",
+                                          str(_dev_hbm_blocks(half)), "--conc", str(PRESSURE_CONC), "--policies",
+                                          PEER_POLICIES, "--skip-oversized", *PEER_SETTINGS]
     # what the live vLLM connector can carry out of the same decisions (evaluation half, with SSD)
     cmds["dev-eval-ssd-vllm"] = dev("eval", LIVE_POLICIES) + ["--ssd-blocks", str(4 * _dev_hbm_blocks("eval")),
                                                               "--surface", "vllm"]
@@ -126,6 +137,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help="comma-separated names to run (default: all): default, dev-eval, dev-eval-ssd, "
                                    "dev-eval-pressure, dev-tune, dev-tune-ssd, dev-tune-pressure, dev-eval-ssd-vllm, "
+                                   "peers-eval, peers-tune, peers-eval-pressure, peers-tune-pressure, "
                                    "slo-dev-eval, mooncake, apps-APP[-ORDER] (APP: mixed, code-writer, "
                                    "deep-research; ORDER: critical-first, oldest-app)")
     ap.add_argument("--jobs", type=int, help="worker processes per replay (default: the replay's own default)")

@@ -154,6 +154,39 @@ def ablation(data: dict[str, Any]) -> str:
     return caption + md_table(["policy", *heads], body)
 
 
+_PEERS = {"lru-dram": "vLLM CPU offloading / LMCache, eager (stand-in: LRU, written through)",
+          "sae": "vLLM session-aware eviction (PR #50422)",
+          "lmcache-lazy": "LMCache eviction-aware lazy offload (PR #4847)",
+          "kvtier": "**kvtier** (recommended live setup)"}
+_PEER_POINTS = ("peers-tune", "peers-tune-pressure", "peers-eval", "peers-eval-pressure")
+
+
+@table("peers", tuple(f"replay-{p}.json" for p in _PEER_POINTS))
+def peers(data: dict[str, Any]) -> str:
+    """kvtier against the peers' models at the four dev points: computed over the bound and
+    later-turn TTFT p99, with the bound and the floor."""
+    rows = {p: {r["policy"]: r for r in data[f"replay-{p}.json"]["results"]} for p in _PEER_POINTS}
+    body = [[label] + [f"{rows[p][pol]['computed_over_bound']:.3f}x, {rows[p][pol]['ttft_p99_later_turns_s']:.1f} s"
+                       for p in _PEER_POINTS] for pol, label in _PEERS.items()]
+    refs = [data[f"replay-{p}.json"]["results"][0] for p in _PEER_POINTS]
+    body.append(["bound"] + [f"1.000x, {r['bound_ttft_p99_later_turns_s']:.1f} s" for r in refs])
+    body.append(["floor (unbounded cache)"] + [f"{r['floor_prefill_tokens'] / r['bound_prefill_tokens']:.3f}x, "
+                                               f"{r['floor_ttft_p99_later_turns_s']:.1f} s" for r in refs])
+    heads = []
+    for p in _PEER_POINTS:
+        r0 = refs[_PEER_POINTS.index(p)]
+        half = "tuning" if "tune" in p else "evaluation"
+        heads.append(f"{half} half, conc {r0['conc']}, HBM {r0['hbm_blocks']:,}")
+    first = data[f"replay-{_PEER_POINTS[0]}.json"]
+    caption = ("Prefill computed over the bound, and later-turn TTFT p99, of each peer modelled from its code "
+               "(`kvtier.placement.peers`; what is not modelled is in its docstring) and of kvtier, all on the "
+               f"live surface (`--surface {refs[0]['surface']}`) and vLLM's scheduler (`--scheduler "
+               f"{refs[0]['scheduler']}`), DRAM 2x HBM, no SSD; from the `peers-*` JSON of "
+               f"`bench/replay_results.py` (commit {first['provenance']['commit'][:7]}, e.g. "
+               f"`{first['command']}`).\n\n")
+    return caption + md_table(["policy", *heads], body)
+
+
 @table("mooncake", "replay-mooncake.json")
 def mooncake(report: dict[str, Any]) -> str:
     """Plain chat, open loop: kvtier against lru-dram at each HBM capacity, with the bound."""

@@ -291,6 +291,7 @@ class PlacementPolicy:
     write_through = True
     lower_tiers: tuple[str, ...] = ("dram", "ssd")  # tiers below HBM it uses, where enabled
     needs_oracle = False
+    replay_only = ""  # why the live connector cannot run it (a peer's model), or "" where it can
     # Exclusive DRAM: "evict" writes a block to DRAM when HBM evicts it (a victim
     # cache), not as it is computed; DRAM copies of what HBM holds are the first to
     # go, so the two tiers add up. Where the engine lets no connector copy a block
@@ -452,11 +453,12 @@ _REGISTRY: dict[str, Callable[[], PlacementPolicy]] = {
 
 
 def _load_agent_policies() -> None:
-    """Register the agent-aware policies (a module of their own that subclasses
-    :class:`PlacementPolicy`, so it is imported on first use, not here)."""
+    """Register the agent-aware policies and the peers' models (modules of their own
+    that subclass :class:`PlacementPolicy`, so they are imported on first use, not here)."""
     from .agent import AGENT_POLICIES
+    from .peers import PEER_POLICIES
 
-    for cls in AGENT_POLICIES:
+    for cls in (*AGENT_POLICIES, *PEER_POLICIES):
         _REGISTRY.setdefault(cls.name, cls)
 
 

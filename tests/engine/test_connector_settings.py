@@ -57,13 +57,14 @@ def test_no_host_tier_is_an_error() -> None:
 def test_placement_defaults_to_kvtier_and_takes_the_replay_names() -> None:
     s = ConnectorSettings.build({}, FACTS, env={})
     assert (s.placement, s.hbm_hold, s.hbm_hold_budget_fraction) == ("kvtier", True, 0.5)
-    for name in ("lru-dram", "ttl", "kvflow", "tokencake", "kvtier-space-only"):
+    for name in ("lru-dram", "ttl", "kvflow", "tokencake", "kvtier-space-only", "lmcache-lazy"):
         assert ConnectorSettings.build({"placement": name}, FACTS, env={}).placement == name
 
 
 @pytest.mark.parametrize("extra,match", [
     ({"placement": "lru-2q"}, "placement='lru-2q': unknown placement policy; valid: "),
     ({"placement": "belady-hbm"}, "placement='belady-hbm': needs the future"),
+    ({"placement": "sae"}, "placement='sae': replay only"),
     ({"placement": "lru"}, "placement='lru': uses no host tier"),
     ({"hbm_hold": "no"}, "hbm_hold='no': must be true or false"),
     ({"hbm_hold_budget_fraction": 1.5}, "hbm_hold_budget_fraction=1.5: must be a number in"),

@@ -461,6 +461,8 @@ def _check_placement(name: Any, params: Mapping[str, float]) -> Any:
     policy = make_placement(name, setting, params)
     if policy.needs_oracle:
         raise ConfigError(setting, name, "needs the future (an offline bound): replay only")
+    if policy.replay_only:
+        raise ConfigError(setting, name, f"replay only ({policy.replay_only})")
     if not policy.lower_tiers:
         raise ConfigError(setting, name, "uses no host tier: run vLLM without the connector for HBM-only caching")
     return policy

@@ -1,0 +1,259 @@
+"""Session-aware eviction (SAE), modelled from vLLM PR #50422, for one host tier.
+
+Owns: the order of one tier's resident blocks grouped by the store that wrote
+them (an SAE "session": one request's store batch, or a later batch of the
+same request merged into the session its lookup hit), each group's score, the
+per-key ghost scores that outlive eviction, and SAE's admission gate. Must
+not allocate, copy or free: like every eviction policy it only answers
+:class:`~kvtier.manager.TierManager`'s hooks (``kvtier.policies.base``).
+Built by the ``sae`` placement (``kvtier.placement.peers``), which feeds it
+the two things a key-only policy cannot see: a request's lookup
+(:meth:`SAEOrder.lookup`, SAE's ``record_lookup`` + ``touch``) and the start
+of a store batch (:meth:`SAEOrder.open_store`, SAE's ``open_session``).
+
+Source: ``vllm/v1/kv_offload/cpu/policies/sae.py`` (``SAECachePolicy``) of the
+PR's branch, InbarShapira/vllm at db13bf05, read and paraphrased; no code
+copied. What it does, at its defaults:
+
+* a group's score is ``last_touch + 1500 * hits + 30000 / (1 + start_pos / 8)``
+  (``start_pos``: the request's blocks already stored ahead of the batch);
+  the lowest score is evicted first, each group from its tail (its newest
+  block), skipping blocks in use;
+* ``touch`` (once per request's lookup) advances a logical timer, adds to each
+  looked-up key's ghost score ``w / log2(i + 2)`` (``w`` 12 for a stored
+  block, 1 for a miss; ``i`` its position in the request) and gives each
+  group hit ``hits += 1`` and ``last_touch = timer``; every 500 touches hits
+  and ghosts decay by 0.9 (ghosts of absent keys under 0.01 are dropped);
+* a new group's hits start at the sum of its keys' ghost scores / 12,
+  truncated; a batch of a request whose lookup hit a stored group continues
+  that group (hits and ghosts unchanged, ``last_touch`` refreshed);
+* the gate: a store that needs room and does not continue a group is
+  declined when ``timer + 30000 / (1 + start_pos / 8)`` is below the worst
+  group's score.
+
+Not modelled, or modelled differently:
+
+* SAE's ``evict(n)`` is atomic (all ``n`` or none); the manager here asks for
+  one victim at a time, so a batch that finds too few victims stores what
+  fits, and a declined batch still fills the tier's free slots;
+* the lookup is the request's whole context when it arrives (vLLM's
+  scheduler looks up, and may look up again while the request waits); the
+  merge pointer is per agent (one request of an agent runs at a time);
+* "ready" is "resident" (a block being written counts as stored).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Hashable, Iterable, Sequence
+
+from ..keys import BlockKey
+from .base import IsEvictable
+
+POSITION_BONUS = 30000.0  # the score of a new group at start_pos 0, over its timer
+POSITION_SCALE = 8.0  # start_pos blocks that halve it
+HIT_WEIGHT = 1500.0
+
+
+class SAEOrder:
+    """SAE's eviction order over one tier (see the module docstring)."""
+
+    name = "sae"
+    adapts_before_insert = False  # nothing to adapt before a store: the manager skips the call
+
+    def __init__(self, decay_interval: int = 500, decay_factor: float = 0.9, ghost_hit_weight: float = 12.0,
+                 ghost_miss_weight: float = 1.0, ghost_norm: float = 12.0,
+                 count: Callable[[str], None] | None = None) -> None:
+        self.decay_interval, self.decay_factor = decay_interval, decay_factor
+        self.ghost_hit_weight, self.ghost_miss_weight, self.ghost_norm = ghost_hit_weight, ghost_miss_weight, ghost_norm
+        self.count = count or (lambda name: None)  # the host's counter (sae_stores_declined, ...)
+        self._keys: dict[int, dict[BlockKey, None]] = {}  # group -> its resident keys, oldest first
+        self._group: dict[BlockKey, int] = {}  # resident key -> its group
+        self._stats: dict[int, list[float]] = {}  # group -> [hits, last_touch, start_pos]
+        self._ghost: dict[BlockKey, float] = {}
+        self._held: set[BlockKey] = set()
+        self._pointer: dict[Hashable, int] = {}  # requester -> the group its lookup hit last
+        self.timer = 0
+        self._touches = 0
+        self._next_group = 0
+        self._open: int | None = None  # the group taking this store's keys
+        self._merged = False
+        self._start_pos = 0
+        self._gate: bool | None = None  # this store's gate: None until it needs room
+        self._order: list[int] | None = None  # groups, worst first (None: scores changed since)
+
+    # ------------------------------------------------------------ what the placement tells it
+
+    def lookup(self, requester: Hashable, keys: Sequence[BlockKey], start: int = 0) -> None:
+        """A request of ``requester`` with the context ``keys`` looked up ``keys[start:]`` (vLLM
+        looks up past its own prefix cache's hit): the merge pointer is the group of the
+        last block of that lookup's hit, then SAE's ``touch`` of all ``keys``."""
+        for key in keys[start:]:
+            group = self._group.get(key)
+            if group is None:
+                break
+            self._pointer[requester] = group
+        self.touch(keys)
+
+    def touch(self, keys: Iterable[BlockKey]) -> None:
+        """SAE's once-per-request touch: ghost scores by position, group hits, decay."""
+        self.timer += 1
+        touched = set()
+        ghost, groups = self._ghost, self._group
+        for i, key in enumerate(keys):
+            group = groups.get(key)
+            weight = self.ghost_miss_weight if group is None else self.ghost_hit_weight
+            ghost[key] = ghost.get(key, 0.0) + weight / math.log2(i + 2)
+            if group is not None:
+                touched.add(group)
+        for group in touched:
+            stats = self._stats[group]
+            stats[0] += 1
+            stats[1] = self.timer
+        self._touches += 1
+        if self._touches % self.decay_interval == 0:
+            self._decay()
+        self._order = None
+
+    def open_store(self, requester: Hashable, keys: Sequence[BlockKey]) -> None:
+        """A store batch of ``requester``'s request (context ``keys``) begins: it continues the
+        group its lookup hit, or opens a new one at ``start_pos`` = the leading blocks of
+        ``keys`` stored already."""
+        self._close()
+        start_pos = 0
+        for key in keys:
+            if key not in self._group:
+                break
+            start_pos += 1
+        group = self._pointer.pop(requester, None)
+        self._merged = group is not None and group in self._stats
+        if self._merged:
+            self._stats[group][1] = self.timer
+            self.count("sae_stores_merged")
+        else:
+            group = self._new_group(start_pos)
+        self._open, self._start_pos, self._gate = group, start_pos, None
+        self._order = None
+
+    def forget(self, requester: Hashable) -> None:
+        """``requester`` is gone (its agent ended): drop its merge pointer."""
+        self._pointer.pop(requester, None)
+
+    # ------------------------------------------------------------ the eviction protocol
+
+    def before_insert(self, key: BlockKey) -> None:
+        """Nothing to adapt (SAE's ghosts move in ``touch``)."""
+
+    def on_insert(self, key: BlockKey) -> None:
+        group = self._open
+        if group is None:  # stored outside a store batch the placement announced
+            group = self._open = self._new_group(0)
+        self._keys[group][key] = None
+        self._group[key] = group
+        if not self._merged:
+            self._stats[group][0] += self._ghost.get(key, 0.0) / self.ghost_norm
+
+    def on_insert_held(self, key: BlockKey) -> None:
+        self.on_insert(key)
+        self._held.add(key)
+
+    def on_access(self, key: BlockKey) -> None:
+        """A read of a stored block: SAE counts hits once per request, in ``touch``."""
+
+    def on_access_many(self, keys: Iterable[BlockKey]) -> None:
+        """See :meth:`on_access`."""
+
+    def on_remove(self, key: BlockKey) -> None:
+        self._held.discard(key)
+        self._drop(key)
+
+    def on_hold(self, key: BlockKey) -> None:
+        self._held.add(key)
+
+    def on_unhold(self, key: BlockKey, front: bool = False) -> None:
+        """Evictable again; its place is its group's (``front`` does not apply)."""
+        self._held.discard(key)
+
+    def parked_keys(self) -> Iterable[BlockKey]:
+        return self._held
+
+    def pop_victim(self, is_evictable: IsEvictable, incoming: BlockKey | None = None) -> BlockKey | None:
+        """The newest idle block of the worst-scored group; ``None`` when none is evictable or the
+        gate declined this store (checked at its first eviction, as SAE checks it in ``evict``)."""
+        if self._gate is None:
+            self._gate = self._merged or self._admits()
+            if not self._gate:
+                self.count("sae_stores_declined")
+        if not self._gate:
+            return None
+        if self._order is None:
+            self._order = sorted(self._stats, key=self.score)  # stable: the older group first on a tie
+        held = self._held
+        for group in self._order:
+            keys = self._keys.get(group)
+            if not keys:
+                continue
+            for key in reversed(keys):
+                if key not in held and is_evictable(key):
+                    self._drop(key)
+                    return key
+        return None
+
+    def __len__(self) -> int:
+        return len(self._group)
+
+    def check_invariants(self) -> None:
+        assert self._held <= self._group.keys(), "a held key is not resident"
+        assert sum(map(len, self._keys.values())) == len(self._group), "a key is in two groups"
+        assert all(self._group[k] == g for g, keys in self._keys.items() for k in keys)
+
+    # ------------------------------------------------------------ internals
+
+    def ghost(self, key: BlockKey) -> float:
+        """``key``'s ghost score (0.0 when it has none)."""
+        return self._ghost.get(key, 0.0)
+
+    def group_of(self, key: BlockKey) -> int | None:
+        """The group a resident ``key`` belongs to (``None``: not resident)."""
+        return self._group.get(key)
+
+    def score(self, group: int) -> float:
+        """The group's score (lower is evicted first)."""
+        hits, last_touch, start_pos = self._stats[group]
+        return last_touch + HIT_WEIGHT * hits + POSITION_BONUS / (1.0 + start_pos / POSITION_SCALE)
+
+    def _admits(self) -> bool:
+        others = [g for g in self._stats if g != self._open]
+        if not others:
+            return True
+        baseline = self.timer + POSITION_BONUS / (1.0 + self._start_pos / POSITION_SCALE)
+        return baseline >= min(map(self.score, others))
+
+    def _new_group(self, start_pos: int) -> int:
+        group, self._next_group = self._next_group, self._next_group + 1
+        self._keys[group] = {}
+        self._stats[group] = [0.0, float(self.timer), float(start_pos)]
+        return group
+
+    def _close(self) -> None:
+        group = self._open
+        if group is not None and group in self._stats:
+            if self._keys[group]:
+                self._stats[group][0] = float(int(self._stats[group][0]))
+            else:  # it stored nothing: no group
+                del self._keys[group], self._stats[group]
+        self._open, self._merged = None, False
+
+    def _drop(self, key: BlockKey) -> None:
+        group = self._group.pop(key)
+        keys = self._keys[group]
+        del keys[key]
+        if not keys and group != self._open:
+            del self._keys[group], self._stats[group]
+
+    def _decay(self) -> None:
+        factor = self.decay_factor
+        for stats in self._stats.values():
+            stats[0] = float(int(stats[0] * factor))
+        resident = self._group
+        self._ghost = {k: v * factor for k, v in self._ghost.items() if k in resident or v * factor >= 0.01}

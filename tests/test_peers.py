@@ -1,0 +1,138 @@
+"""The peers' models (``kvtier.placement.peers``): each one's defining behaviour, through the
+manager that runs it, and a replay of each."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvtier.keys import BlockKey
+from kvtier.manager import TierManager, TierSpec
+from kvtier.placement import make_placement
+from kvtier.policies.sae import SAEOrder
+
+
+def K(*ids: int) -> tuple[BlockKey, ...]:
+    return tuple(BlockKey(i) for i in ids)
+
+
+def _store(m: TierManager, keys: tuple[BlockKey, ...], parent: BlockKey | None = None):
+    plan = m.prepare_store("dram", keys, parent)
+    if plan is not None:
+        m.complete_store(plan, True)
+    m.check_invariants()
+    return plan
+
+
+def _sae(capacity: int = 6) -> tuple[SAEOrder, TierManager, list[str]]:
+    counted: list[str] = []
+    order = SAEOrder(count=counted.append)
+    return order, TierManager([TierSpec("dram", capacity, order)]), counted
+
+
+def test_the_worst_scored_group_goes_first_tail_first() -> None:
+    """Two groups at start_pos 0; a touch of B's blocks gives B a hit and a later touch time
+    (score A 30,000, B 1 + 1,500 + 30,000), so a new group's room comes from A, newest first."""
+    order, m, _ = _sae()
+    a, b = K(1, 2, 3), K(11, 12, 13)
+    order.open_store("A", a)
+    _store(m, a)
+    order.open_store("B", b)
+    _store(m, b)
+    order.touch(b)
+    ga, gb = order.group_of(a[0]), order.group_of(b[0])
+    assert (order.score(ga), order.score(gb)) == (30000.0, 31501.0)
+    order.open_store("C", K(21, 22))
+    plan = _store(m, K(21, 22))
+    assert plan.evicted == K(3, 2)  # A's tail first; B untouched
+    assert m.lookup(b).num_blocks == 3
+    order.check_invariants()
+
+
+def test_the_gate_declines_a_deep_store_unless_it_continues_its_group() -> None:
+    """Groups A (8 blocks), B (3, touched once) and C (1). A request with A's 8 blocks ahead of a
+    new one stores at start_pos 8: its baseline 1 + 30,000 / 2 = 15,001 is under the worst score
+    (30,000): declined, nothing evicted. The same store by a request whose lookup hit A continues
+    A: no gate, and the worst group (C, untouched) gives its block."""
+    order, m, counted = _sae(12)
+    a, b, c = K(*range(1, 9)), K(11, 12, 13), K(21)
+    for name, keys in (("A", a), ("B", b), ("C", c)):
+        order.open_store(name, keys)
+        _store(m, keys)
+    order.touch(b)
+    order.open_store("D", (*a, BlockKey(9)))
+    assert m.prepare_store("dram", K(9), BlockKey(8)) is None  # no room made: the store is dropped
+    assert counted == ["sae_stores_declined"]
+    assert m.used_blocks("dram") == 12
+    order.lookup("E", (*a, BlockKey(9)))  # hits A's 8 blocks: E continues A (and A is touched)
+    order.open_store("E", (*a, BlockKey(9)))
+    assert counted[-1] == "sae_stores_merged"
+    plan = _store(m, K(9), BlockKey(8))
+    assert plan.keys == K(9) and plan.evicted == c
+    assert order.group_of(BlockKey(9)) == order.group_of(a[0])
+
+
+def test_ghost_scores_outlive_eviction_and_seed_a_new_group() -> None:
+    """Keys looked up while absent gain ghost scores (``1 / log2(i + 2)`` each); a group that
+    stores them starts with hits = their sum / 12, truncated; ghosts decay every 500 touches."""
+    order, m, _ = _sae(4)
+    keys = K(1, 2)
+    for _ in range(12):
+        order.touch(keys)  # absent: misses, weight 1 at positions 0 and 1
+    assert order.ghost(keys[0]) == pytest.approx(12.0)
+    assert order.ghost(keys[1]) == pytest.approx(12 / math.log2(3))
+    order.open_store("A", keys)
+    _store(m, keys)
+    order.open_store("B", K(9))  # closes A: its seeded hits truncated
+    assert order.score(order.group_of(keys[0])) == 12 + 1500 * int((12 + 12 / math.log2(3)) / 12) + 30000
+    decaying = SAEOrder(decay_interval=2)
+    decaying.touch(keys)
+    decaying.touch(keys)
+    assert decaying.ghost(keys[0]) == pytest.approx(2 * 0.9)
+
+
+def test_the_lookup_starts_past_the_engines_own_hit() -> None:
+    """vLLM looks up past what its HBM prefix cache holds: a hit only there sets no merge pointer,
+    so the next store opens a group of its own."""
+    order, m, counted = _sae()
+    shared = K(1, 2)
+    order.open_store("A", shared)
+    _store(m, shared)
+    order.lookup("B", (*shared, BlockKey(5)), start=2)  # the shared prefix was an HBM hit
+    order.open_store("B", (*shared, BlockKey(5)))
+    assert "sae_stores_merged" not in counted
+    _store(m, K(5), BlockKey(2))
+    assert order.group_of(BlockKey(5)) != order.group_of(shared[0])
+
+
+def test_the_peers_are_registered_as_their_systems_ship_them() -> None:
+    """SAE: vLLM's CPU offloading, written through, replay only (the connector refuses it:
+    tests/engine/test_connector_settings.py); LMCache's lazy offload: stores at eviction."""
+    sae, lazy = make_placement("sae"), make_placement("lmcache-lazy")
+    assert sae.write_through and sae.write_back_dram is None and sae.lower_tiers == ("dram",) and sae.replay_only
+    assert lazy.write_back_dram == "evict" and lazy.lower_tiers == ("dram",) and not lazy.replay_only
+
+
+@pytest.mark.parametrize("name", ["sae", "lmcache-lazy"])
+def test_each_peer_replays_on_the_live_surface(name: str) -> None:
+    """The embedded workload on the vLLM surface and scheduler: each runs, computes no more than
+    HBM alone and no less than the floor; SAE counts its gate's refusals."""
+    from kvtier.replay.generator import default_workload
+    from kvtier.replay.profiles import DEFAULT_PROFILE, parse_profile
+    from kvtier.replay.report import summarize
+    from kvtier.replay.run import ReplaySpec, sim_config
+    from kvtier.replay.sim import Simulator
+
+    wl = default_workload(seed=0, num_sessions=6)
+    spec = ReplaySpec(workload=wl, profile=parse_profile(DEFAULT_PROFILE), surface="vllm", scheduler="vllm")
+    cfg = sim_config(spec, 4, 1500)
+    rows = {}
+    for policy in ("lru", name):
+        result = Simulator(wl, cfg, make_placement(policy), spec.profile).run()
+        rows[policy] = summarize(result, policy=policy, conc=4, hbm_blocks=1500, num_chips=1)
+    assert rows[name]["prefill_tokens_computed"] <= rows["lru"]["prefill_tokens_computed"]
+    assert rows[name]["prefill_tokens_hit_dram"] > 0
+    if name == "sae":
+        assert rows[name]["counters"].get("sae_stores_declined", 0) + rows[name]["counters"].get(
+            "sae_stores_merged", 0) > 0
