@@ -154,10 +154,10 @@ def ablation(data: dict[str, Any]) -> str:
     return caption + md_table(["policy", *heads], body)
 
 
-_PEERS = {"lru-dram": "vLLM CPU offloading / LMCache, eager (stand-in: LRU, written through)",
-          "sae": "vLLM session-aware eviction (PR #50422)",
-          "lmcache-lazy": "LMCache eviction-aware lazy offload (PR #4847)",
-          "kvtier": "**kvtier** (recommended live setup)"}
+_PEERS = {"lru-dram": "`lru-dram`: vLLM CPU offloading / LMCache by default (LRU, written through)",
+          "sae": "`sae`: vLLM session-aware eviction (PR #50422)",
+          "lmcache-lazy": "`lmcache-lazy`: LMCache eviction-aware lazy offload (PR #4847)",
+          "kvtier": "**`kvtier`** (recommended live setup)"}
 _PEER_POINTS = ("peers-tune", "peers-tune-pressure", "peers-eval", "peers-eval-pressure")
 
 
@@ -182,7 +182,7 @@ def peers(data: dict[str, Any]) -> str:
                "(`kvtier.placement.peers`; what is not modelled is in its docstring) and of kvtier, all on the "
                f"live surface (`--surface {refs[0]['surface']}`) and vLLM's scheduler (`--scheduler "
                f"{refs[0]['scheduler']}`), DRAM 2x HBM, no SSD; from the `peers-*` JSON of "
-               f"`bench/replay_results.py` (commit {first['provenance']['commit'][:7]}, e.g. "
+               f"`bench/replay_results.py` (commit {first['commit'][:7]}{' with uncommitted changes' if first.get('kvtier_dirty') else ''}, e.g. "
                f"`{first['command']}`).\n\n")
     return caption + md_table(["policy", *heads], body)
 
