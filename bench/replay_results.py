@@ -12,7 +12,7 @@ both halves are run at ``--hbm-fraction 0.25``, conc 8, with the default DRAM
 (2x HBM) and no SSD, and with ``--ssd-blocks`` equal to 4x that half's HBM,
 and at the pressure point (conc 16, HBM held at that conc-8 size, default
 DRAM, no SSD: twice the sessions on the same memory);
-the peers (``sae``, ``lmcache-lazy``, with ``lru-dram`` for vLLM's native CPU
+the peers (``sae``, ``lmcache-lazy``, ``vllm-tiering``, with ``lru-dram`` for vLLM's native CPU
 offloading) against ``kvtier`` at those four points (``peers-*``: both halves,
 conc 8 and the pressure point) on the ``vllm`` surface and scheduler; the
 evaluation half with SSD once more on the ``vllm`` engine surface
@@ -62,7 +62,7 @@ SLO_INTERACTIVITY = 30.0  # tokens/s/user at p50
 LIVE_POLICIES = "lru,lru-dram,ttl,tokencake,kvflow,kvtier"
 # the peers kvtier's users would run instead, each as its system ships it (kvtier.placement.peers), against
 # kvtier's recommended live setup, on the live surface and vLLM's scheduler, at the four dev points
-PEER_POLICIES = "lru-dram,sae,lmcache-lazy,kvtier"
+PEER_POLICIES = "lru-dram,sae,lmcache-lazy,vllm-tiering,kvtier"
 PEER_SETTINGS = ["--surface", "vllm", "--scheduler", "vllm"]
 DEV_FRACTION = 0.25
 DEV_CONC = 8

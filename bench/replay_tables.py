@@ -157,6 +157,7 @@ def ablation(data: dict[str, Any]) -> str:
 _PEERS = {"lru-dram": "`lru-dram`: vLLM CPU offloading / LMCache by default (LRU, written through)",
           "sae": "`sae`: vLLM session-aware eviction (PR #50422)",
           "lmcache-lazy": "`lmcache-lazy`: LMCache eviction-aware lazy offload (PR #4847)",
+          "vllm-tiering": "`vllm-tiering`: vLLM session lifecycle, pressure-gated stores (PR #48837)",
           "kvtier": "**`kvtier`** (recommended live setup)"}
 _PEER_POINTS = ("peers-tune", "peers-tune-pressure", "peers-eval", "peers-eval-pressure")
 

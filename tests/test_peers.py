@@ -106,6 +106,47 @@ def test_the_lookup_starts_past_the_engines_own_hit() -> None:
     assert order.group_of(BlockKey(5)) != order.group_of(shared[0])
 
 
+class _Usage:
+    """The two context readings vllm-tiering's store rule takes (HBM referenced, capacity) and its counters."""
+
+    def __init__(self) -> None:
+        self.hbm_capacity_blocks, self.used, self.counts = 100, 0, []
+
+    def running_blocks(self) -> int:
+        return self.used
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counts.append(name)
+
+
+def test_vllm_tiering_stores_only_under_pressure_for_returning_sessions_within_its_budgets() -> None:
+    """PR #48837 at its defaults: nothing stored without HBM pressure (on at 70% referenced, off at 50%,
+    kept in between) or for a session's first request; at most 64 blocks a request and a session,
+    128 in all, per pressure episode."""
+    policy, ctx = make_placement("vllm-tiering"), _Usage()
+    a, b, c = (0, "main"), (1, "main"), (2, "main")
+    for agent in (a, b, c):
+        policy.on_wait_end(ctx, agent, ())
+    ctx.used = 72
+    assert policy.admit_lower(ctx, "dram", a, 50) == 0  # a session seen once: cold
+    assert ctx.counts[-1] == "tiering_stores_cold_session"
+    for agent in (a, b, c):
+        policy.on_wait_end(ctx, agent, ())
+    assert policy.admit_lower(ctx, "dram", a, 50) == 50
+    assert policy.admit_lower(ctx, "dram", a, 50) == 14  # 64 a request (and a session)
+    ctx.used = 60  # between the watermarks: still under pressure
+    assert policy.admit_lower(ctx, "dram", b, 80) == 64
+    assert policy.admit_lower(ctx, "dram", c, 10) == 0  # 128 in this episode
+    assert ctx.counts[-1] == "tiering_stores_over_budget"
+    ctx.used = 50  # pressure off: the episode's budgets reset, nothing stored
+    assert policy.admit_lower(ctx, "dram", c, 10) == 0
+    assert ctx.counts[-1] == "tiering_stores_no_pressure"
+    ctx.used = 69
+    assert policy.admit_lower(ctx, "dram", c, 10) == 0  # not yet on again
+    ctx.used = 70
+    assert policy.admit_lower(ctx, "dram", c, 10) == 10
+
+
 def test_the_peers_are_registered_as_their_systems_ship_them() -> None:
     """SAE: vLLM's CPU offloading, written through, replay only (the connector refuses it:
     tests/engine/test_connector_settings.py); LMCache's lazy offload: stores at eviction."""
@@ -114,7 +155,7 @@ def test_the_peers_are_registered_as_their_systems_ship_them() -> None:
     assert lazy.write_back_dram == "evict" and lazy.lower_tiers == ("dram",) and not lazy.replay_only
 
 
-@pytest.mark.parametrize("name", ["sae", "lmcache-lazy"])
+@pytest.mark.parametrize("name", ["sae", "lmcache-lazy", "vllm-tiering"])
 def test_each_peer_replays_on_the_live_surface(name: str) -> None:
     """The embedded workload on the vLLM surface and scheduler: each runs, computes no more than
     HBM alone and no less than the floor; SAE counts its gate's refusals."""

@@ -248,11 +248,11 @@ class AgentAware(PlacementPolicy):
         if reserved is not None:
             ctx.unpin(reserved[1])
 
-    def admit_lower(self, ctx: PlacementContext, tier: str, agent_key: AgentKey | None) -> bool:
+    def admit_lower(self, ctx: PlacementContext, tier: str, agent_key: AgentKey | None, num_blocks: int) -> int:
         """Write-through admission: SSD only for contexts reused at least once."""
-        if tier == "ssd" and self.gate_ssd and agent_key is not None:
-            return self._turns.get(agent_key, 0) >= 1
-        return True
+        if tier == "ssd" and self.gate_ssd and agent_key is not None and self._turns.get(agent_key, 0) < 1:
+            return 0
+        return num_blocks
 
     # ---------------------------------------------------------------- parts
 

@@ -321,9 +321,11 @@ class PlacementPolicy:
     def on_session_end(self, ctx: PlacementContext, session: int) -> None:
         """Every agent of the session finished."""
 
-    def admit_lower(self, ctx: PlacementContext, tier: str, agent_key: tuple[int, str] | None) -> bool:
-        """Write freshly computed blocks of ``agent_key`` through to ``tier``?"""
-        return True
+    def admit_lower(self, ctx: PlacementContext, tier: str, agent_key: tuple[int, str] | None,
+                    num_blocks: int) -> int:
+        """How many of ``num_blocks`` freshly computed blocks of ``agent_key`` (a prefix of them,
+        in chain order) to write through to ``tier``: all of them by default, 0 for none."""
+        return num_blocks
 
     def should_load(self, ctx: PlacementContext, num_blocks_by_tier: dict[str, int], context_tokens: int) -> bool:
         """Load blocks found in lower tiers (True) or recompute them (False)? Default: load when the

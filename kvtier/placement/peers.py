@@ -25,6 +25,20 @@ replay cannot model a part, its docstring says so and which way that leans.
   peer's favour), and LMCache keeps the CPU copy of a block it loads back
   (the replay's victim cache moves it: DRAM holds no copy of what HBM holds,
   which also leans in the peer's favour).
+* ``vllm-tiering`` — the session lifecycle of vLLM PR #48837 (closed
+  unmerged; ``vllm/v1/kv_offload/tiering/lifecycle.py`` at 90218a15 and its
+  ``TieringPolicyConfig`` store budget, read and paraphrased), at its
+  defaults: stores to CPU memory only under HBM pressure (on at 70% of HBM
+  referenced, off at 50%), only for a session seen at least twice (its reuse
+  estimate ``(n - 1) / n`` at least 0.5), at most 64 blocks per request, 64
+  per session and 128 in all per pressure episode (reset when the pressure
+  clears); LRU. Its idle TTL is off by default, so sessions never expire.
+  Replay only (its store budget is vLLM tiering-manager code). Not modelled:
+  the 16-block-per-step rate (leans in the peer's favour), the two store jobs
+  in flight, the CPU watermark gate (DRAM here evicts by LRU instead), and
+  the HBM copy freed after a store (vLLM's public surface frees no cached
+  block early). The session is kvtier's session (a client sends one
+  ``session_id`` for all its agents).
 """
 
 from __future__ import annotations
@@ -59,13 +73,14 @@ class SAE(LRUDram):
             self.order.count = ctx.count
             self.order.lookup(agent_key, keys, ctx.blocks_in(keys, "hbm"))
 
-    def admit_lower(self, ctx: PlacementContext, tier: str, agent_key: tuple[int, str] | None) -> bool:
+    def admit_lower(self, ctx: PlacementContext, tier: str, agent_key: tuple[int, str] | None,
+                    num_blocks: int) -> int:
         """A store batch begins. vLLM passes a request's first batch the keys from its first
         block (``start_pos``: its prefix stored already) and later ones only the new keys
         (``start_pos`` 0): the first batch gets the request's context, later ones none."""
         if tier == "dram" and self.order is not None:
             self.order.open_store(agent_key, self._context.pop(agent_key, ()) if agent_key else ())
-        return True
+        return num_blocks
 
     def on_agent_end(self, ctx: PlacementContext, agent_key: tuple[int, str], keys: Sequence[BlockKey]) -> None:
         self._context.pop(agent_key, None)
@@ -81,4 +96,55 @@ class LMCacheLazy(LRUDram):
     write_back_dram = "evict"
 
 
-PEER_POLICIES = (SAE, LMCacheLazy)
+class SessionTiering(LRUDram):
+    """vLLM PR #48837's pressure- and session-gated stores to CPU memory (see the module docstring)."""
+
+    name = "vllm-tiering"
+    lower_tiers = ("dram",)
+    replay_only = "a peer's model: its store budget is vLLM tiering-manager code"
+    pressure_on, pressure_off = 0.70, 0.50  # fractions of HBM referenced by requests
+    per_request, per_session, per_episode = 64, 64, 128  # blocks stored, the last two per pressure episode
+
+    def __init__(self) -> None:
+        self.pressure = False
+        self._requests: dict[int, int] = {}  # session -> requests seen
+        self._stored: dict[tuple[int, str], int] = {}  # agent -> blocks its running request stored
+        self._session_stored: dict[int, int] = {}  # session -> blocks stored this episode
+        self._episode_stored = 0
+
+    def on_wait_end(self, ctx: PlacementContext, agent_key: tuple[int, str], keys: Sequence[BlockKey]) -> None:
+        self._requests[agent_key[0]] = self._requests.get(agent_key[0], 0) + 1
+        self._stored[agent_key] = 0
+
+    def admit_lower(self, ctx: PlacementContext, tier: str, agent_key: tuple[int, str] | None,
+                    num_blocks: int) -> int:
+        used = ctx.running_blocks() / max(1, ctx.hbm_capacity_blocks)
+        if used >= self.pressure_on:
+            self.pressure = True
+        elif used <= self.pressure_off and self.pressure:
+            self.pressure = False
+            self._session_stored.clear()
+            self._episode_stored = 0
+        if not self.pressure or agent_key is None:
+            ctx.count("tiering_stores_no_pressure")
+            return 0
+        session = agent_key[0]
+        n = self._requests.get(session, 0)
+        if n < 2 or (n - 1) / n < 0.5:
+            ctx.count("tiering_stores_cold_session")
+            return 0
+        budget = min(num_blocks, self.per_request - self._stored.get(agent_key, 0),
+                     self.per_session - self._session_stored.get(session, 0), self.per_episode - self._episode_stored)
+        if budget <= 0:
+            ctx.count("tiering_stores_over_budget")
+            return 0
+        self._stored[agent_key] = self._stored.get(agent_key, 0) + budget
+        self._session_stored[session] = self._session_stored.get(session, 0) + budget
+        self._episode_stored += budget
+        return budget
+
+    def on_agent_end(self, ctx: PlacementContext, agent_key: tuple[int, str], keys: Sequence[BlockKey]) -> None:
+        self._stored.pop(agent_key, None)
+
+
+PEER_POLICIES = (SAE, LMCacheLazy, SessionTiering)

@@ -584,9 +584,10 @@ class Simulator:
         if not self._write_through_on or not keys:
             return
         for tier in self.lower:
-            if (tier == "dram" and self.victims.on) or not self.policy.admit_lower(self.ctx, tier, agent_key):
+            n = 0 if tier == "dram" and self.victims.on else len(keys)  # exclusive DRAM: HBM's victims go there
+            if not (n := n and self.policy.admit_lower(self.ctx, tier, agent_key, n)):
                 continue
-            plan = self.mgr.prepare_store(tier, keys, parent)
+            plan = self.mgr.prepare_store(tier, keys[:n], parent)
             if plan is None or not plan.keys:
                 if plan is not None:
                     self.mgr.complete_store(plan, True)

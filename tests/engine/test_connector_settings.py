@@ -65,6 +65,7 @@ def test_placement_defaults_to_kvtier_and_takes_the_replay_names() -> None:
     ({"placement": "lru-2q"}, "placement='lru-2q': unknown placement policy; valid: "),
     ({"placement": "belady-hbm"}, "placement='belady-hbm': needs the future"),
     ({"placement": "sae"}, "placement='sae': replay only"),
+    ({"placement": "vllm-tiering"}, "placement='vllm-tiering': replay only"),
     ({"placement": "lru"}, "placement='lru': uses no host tier"),
     ({"hbm_hold": "no"}, "hbm_hold='no': must be true or false"),
     ({"hbm_hold_budget_fraction": 1.5}, "hbm_hold_budget_fraction=1.5: must be a number in"),
