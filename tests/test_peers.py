@@ -9,7 +9,7 @@ import pytest
 
 from kvtier.keys import BlockKey
 from kvtier.manager import TierManager, TierSpec
-from kvtier.placement import make_placement
+from kvtier.placement import ToolWait, make_placement
 from kvtier.policies.sae import SAEOrder
 
 
@@ -29,6 +29,19 @@ def _sae(capacity: int = 6) -> tuple[SAEOrder, TierManager, list[str]]:
     counted: list[str] = []
     order = SAEOrder(count=counted.append)
     return order, TierManager([TierSpec("dram", capacity, order)]), counted
+
+
+class _Usage:
+    """The two context readings vllm-tiering's store rule takes (HBM referenced, capacity) and its counters."""
+
+    def __init__(self) -> None:
+        self.hbm_capacity_blocks, self.used, self.counts = 100, 0, []
+
+    def running_blocks(self) -> int:
+        return self.used
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counts.append(name)
 
 
 def test_the_worst_scored_group_goes_first_tail_first() -> None:
@@ -92,6 +105,51 @@ def test_ghost_scores_outlive_eviction_and_seed_a_new_group() -> None:
     assert decaying.ghost(keys[0]) == pytest.approx(2 * 0.9)
 
 
+def test_a_batch_that_stored_touches_its_requests_keys_when_it_closes() -> None:
+    """vLLM touches a request's keys after each store batch that stored: the timer advances by the
+    batches, and every group of the request's context gains a hit each time."""
+    order, m, _ = _sae()
+    a = K(1, 2)
+    order.open_store("A", a, touch=a)
+    _store(m, a)
+    order.close()
+    group = order.group_of(a[0])
+    assert order.timer == 1 and order.score(group) == 1 + 1500 + 30000
+    order.open_store("A", (), touch=a, times=3)  # three answer blocks, one batch each
+    _store(m, K(3), BlockKey(2))
+    order.close()
+    assert order.timer == 4 and order.score(group) == 4 + 4 * 1500 + 30000
+    order.open_store("B", (), touch=K(9), times=5)  # stored nothing: no touch
+    order.close()
+    assert order.timer == 4
+
+
+def test_sae_placement_stores_nothing_more_of_a_request_whose_batch_was_declined() -> None:
+    """The answer's blocks of a request whose prompt batch the gate declined are not offered
+    (vLLM retries the declined batch with them; their parents are not stored); the next request
+    of the agent is offered again."""
+    policy = make_placement("sae")
+    order = policy.eviction_for("dram")
+    m = TierManager([TierSpec("dram", 4, order)])
+    ctx = _Usage()
+    ctx.blocks_in = lambda keys, tier: 0
+    for agent, keys in (("a", K(1, 2)), ("b", K(11, 12))):
+        policy.on_wait_end(ctx, (0, agent), keys)
+        assert policy.admit_lower(ctx, "dram", (0, agent), 2) == 2
+        _store(m, keys)
+    deep = (*K(1, 2), BlockKey(3))  # a's next request: its lookup hit is in HBM (no merge)
+    policy.on_wait_end(ctx, (0, "a"), deep)
+    order.lookup((0, "a"), deep, start=3)
+    assert policy.admit_lower(ctx, "dram", (0, "a"), 1) == 1  # opened at start_pos 2: 30,000 / 1.25 + timer
+    assert m.prepare_store("dram", K(3), BlockKey(2)) is None
+    assert ctx.counts == ["sae_stores_declined"]
+    assert policy.admit_lower(ctx, "dram", (0, "a"), 2) == 0  # the answer's blocks: not offered
+    assert ctx.counts == ["sae_stores_declined"] * 2
+    policy.on_wait_start(ctx, ToolWait((0, "a"), deep, "tool", 1.0))
+    policy.on_wait_end(ctx, (0, "a"), deep)
+    assert policy.admit_lower(ctx, "dram", (0, "a"), 1) == 1
+
+
 def test_the_lookup_starts_past_the_engines_own_hit() -> None:
     """vLLM looks up past what its HBM prefix cache holds: a hit only there sets no merge pointer,
     so the next store opens a group of its own."""
@@ -104,19 +162,6 @@ def test_the_lookup_starts_past_the_engines_own_hit() -> None:
     assert "sae_stores_merged" not in counted
     _store(m, K(5), BlockKey(2))
     assert order.group_of(BlockKey(5)) != order.group_of(shared[0])
-
-
-class _Usage:
-    """The two context readings vllm-tiering's store rule takes (HBM referenced, capacity) and its counters."""
-
-    def __init__(self) -> None:
-        self.hbm_capacity_blocks, self.used, self.counts = 100, 0, []
-
-    def running_blocks(self) -> int:
-        return self.used
-
-    def count(self, name: str, n: int = 1) -> None:
-        self.counts.append(name)
 
 
 def test_vllm_tiering_stores_only_under_pressure_for_returning_sessions_within_its_budgets() -> None:

@@ -47,7 +47,7 @@ from typing import Callable, Sequence
 
 from ..keys import BlockKey
 from ..policies.sae import SAEOrder
-from .base import LRUDram, PlacementContext
+from .base import LRUDram, PlacementContext, ToolWait
 
 
 class SAE(LRUDram):
@@ -59,7 +59,8 @@ class SAE(LRUDram):
 
     def __init__(self) -> None:
         self.order: SAEOrder | None = None
-        self._context: dict[tuple[int, str], tuple[BlockKey, ...]] = {}  # agent -> its request's keys
+        self._context: dict[tuple[int, str], tuple[BlockKey, ...]] = {}  # agent -> its running request's keys
+        self._batches: dict[tuple[int, str], int] = {}  # agent -> store batches its running request opened
 
     def eviction_for(self, tier: str, clock: Callable[[], float] | None = None) -> object:
         if tier != "dram":
@@ -68,23 +69,44 @@ class SAE(LRUDram):
         return self.order
 
     def on_wait_end(self, ctx: PlacementContext, agent_key: tuple[int, str], keys: Sequence[BlockKey]) -> None:
-        self._context[agent_key] = tuple(keys)
+        self._context[agent_key], self._batches[agent_key] = tuple(keys), 0
         if self.order is not None:  # vLLM looks up past the blocks its HBM prefix cache holds
             self.order.count = ctx.count
             self.order.lookup(agent_key, keys, ctx.blocks_in(keys, "hbm"))
 
     def admit_lower(self, ctx: PlacementContext, tier: str, agent_key: tuple[int, str] | None,
                     num_blocks: int) -> int:
-        """A store batch begins. vLLM passes a request's first batch the keys from its first
-        block (``start_pos``: its prefix stored already) and later ones only the new keys
-        (``start_pos`` 0): the first batch gets the request's context, later ones none."""
-        if tier == "dram" and self.order is not None:
-            self.order.open_store(agent_key, self._context.pop(agent_key, ()) if agent_key else ())
+        """A store batch begins: the prompt's computed blocks at prefill end, then the answer's.
+        vLLM gives a request's first batch the keys from its first block (``start_pos``: its
+        prefix stored already), each later one a new block (``start_pos`` 0) as decode fills
+        it, and touches the request's keys after each batch that stored: the answer is one
+        batch touching ``num_blocks`` times here. vLLM retries a declined batch at its next
+        step with the blocks after it; here a request whose batch was declined stores none
+        of its later blocks (their parents are not there)."""
+        order = self.order
+        if tier != "dram" or order is None or agent_key is None:
+            return num_blocks
+        context, first = self._context.get(agent_key, ()), not self._batches.get(agent_key, 0)
+        self._batches[agent_key] = self._batches.get(agent_key, 0) + 1
+        if agent_key in order.declined_by:
+            order.close()
+            ctx.count("sae_stores_declined")
+            return 0
+        order.open_store(agent_key, context if first else (), context, 1 if first else num_blocks)
         return num_blocks
 
+    def on_wait_start(self, ctx: PlacementContext, wait: ToolWait) -> None:
+        self._finished(wait.agent_key)
+
     def on_agent_end(self, ctx: PlacementContext, agent_key: tuple[int, str], keys: Sequence[BlockKey]) -> None:
+        self._finished(agent_key)
+
+    def _finished(self, agent_key: tuple[int, str]) -> None:
+        """The agent's request finished: its batches are closed, its merge pointer dropped."""
         self._context.pop(agent_key, None)
+        self._batches.pop(agent_key, None)
         if self.order is not None:
+            self.order.close()
             self.order.forget(agent_key)
 
 

@@ -19,7 +19,8 @@ copied. What it does, at its defaults:
   (``start_pos``: the request's blocks already stored ahead of the batch);
   the lowest score is evicted first, each group from its tail (its newest
   block), skipping blocks in use;
-* ``touch`` (once per request's lookup) advances a logical timer, adds to each
+* ``touch`` (of a request's keys, by vLLM's offloading connector at its lookup
+  and after each store batch that stored) advances a logical timer, adds to each
   looked-up key's ghost score ``w / log2(i + 2)`` (``w`` 12 for a stored
   block, 1 for a miss; ``i`` its position in the request) and gives each
   group hit ``hits += 1`` and ``last_touch = timer``; every 500 touches hits
@@ -39,7 +40,10 @@ Not modelled, or modelled differently:
 * the lookup is the request's whole context when it arrives (vLLM's
   scheduler looks up, and may look up again while the request waits); the
   merge pointer is per agent (one request of an agent runs at a time);
-* "ready" is "resident" (a block being written counts as stored).
+* "ready" is "resident" (a block being written counts as stored);
+* blocks are the replay's (64 tokens in the dev traces); vLLM's offload block
+  defaults to the engine's (16 tokens), where ``start_pos`` is 4x larger
+  (a stricter gate) and decode stores 4x more batches (a faster timer).
 """
 
 from __future__ import annotations
@@ -81,13 +85,17 @@ class SAEOrder:
         self._start_pos = 0
         self._gate: bool | None = None  # this store's gate: None until it needs room
         self._order: list[int] | None = None  # groups, worst first (None: scores changed since)
+        self._batch: tuple[Hashable, tuple[BlockKey, ...], int] | None = None  # requester, touch keys, times
+        self._inserted = 0  # blocks the open batch stored
+        self.declined_by: set[Hashable] = set()  # requesters whose running request had a batch declined
 
     # ------------------------------------------------------------ what the placement tells it
 
     def lookup(self, requester: Hashable, keys: Sequence[BlockKey], start: int = 0) -> None:
         """A request of ``requester`` with the context ``keys`` looked up ``keys[start:]`` (vLLM
         looks up past its own prefix cache's hit): the merge pointer is the group of the
-        last block of that lookup's hit, then SAE's ``touch`` of all ``keys``."""
+        last block of that lookup's hit (none: no pointer), then SAE's ``touch`` of all ``keys``."""
+        self._pointer.pop(requester, None)
         for key in keys[start:]:
             group = self._group.get(key)
             if group is None:
@@ -95,31 +103,36 @@ class SAEOrder:
             self._pointer[requester] = group
         self.touch(keys)
 
-    def touch(self, keys: Iterable[BlockKey]) -> None:
-        """SAE's once-per-request touch: ghost scores by position, group hits, decay."""
-        self.timer += 1
+    def touch(self, keys: Iterable[BlockKey], times: int = 1) -> None:
+        """SAE's touch of a request's keys (vLLM makes one at its lookup and one after each store
+        batch), ``times`` in a row: the timer, ghost scores by position, group hits, decay (at
+        the end of the run where a decay falls inside it)."""
+        self.timer += times
         touched = set()
         ghost, groups = self._ghost, self._group
         for i, key in enumerate(keys):
             group = groups.get(key)
             weight = self.ghost_miss_weight if group is None else self.ghost_hit_weight
-            ghost[key] = ghost.get(key, 0.0) + weight / math.log2(i + 2)
+            ghost[key] = ghost.get(key, 0.0) + times * weight / math.log2(i + 2)
             if group is not None:
                 touched.add(group)
         for group in touched:
             stats = self._stats[group]
-            stats[0] += 1
+            stats[0] += times
             stats[1] = self.timer
-        self._touches += 1
-        if self._touches % self.decay_interval == 0:
+        decays = (self._touches + times) // self.decay_interval - self._touches // self.decay_interval
+        self._touches += times
+        for _ in range(decays):
             self._decay()
         self._order = None
 
-    def open_store(self, requester: Hashable, keys: Sequence[BlockKey]) -> None:
+    def open_store(self, requester: Hashable, keys: Sequence[BlockKey], touch: Sequence[BlockKey] = (),
+                   times: int = 1) -> None:
         """A store batch of ``requester``'s request (context ``keys``) begins: it continues the
         group its lookup hit, or opens a new one at ``start_pos`` = the leading blocks of
-        ``keys`` stored already."""
-        self._close()
+        ``keys`` stored already. If it stores anything, ``touch`` is touched ``times`` times
+        when it closes (vLLM touches a request's keys after each batch that stored)."""
+        self.close()
         start_pos = 0
         for key in keys:
             if key not in self._group:
@@ -133,11 +146,21 @@ class SAEOrder:
         else:
             group = self._new_group(start_pos)
         self._open, self._start_pos, self._gate = group, start_pos, None
+        self._batch, self._inserted = (requester, tuple(touch), times), 0
         self._order = None
 
+    def close(self) -> None:
+        """The store batch opened last is done: its touches if it stored anything."""
+        batch, inserted = self._batch, self._inserted
+        self._close()
+        self._batch, self._inserted = None, 0
+        if batch is not None and inserted and batch[1]:
+            self.touch(batch[1], batch[2])
+
     def forget(self, requester: Hashable) -> None:
-        """``requester`` is gone (its agent ended): drop its merge pointer."""
+        """``requester``'s request finished: drop its merge pointer and declined mark."""
         self._pointer.pop(requester, None)
+        self.declined_by.discard(requester)
 
     # ------------------------------------------------------------ the eviction protocol
 
@@ -150,6 +173,7 @@ class SAEOrder:
             group = self._open = self._new_group(0)
         self._keys[group][key] = None
         self._group[key] = group
+        self._inserted += 1
         if not self._merged:
             self._stats[group][0] += self._ghost.get(key, 0.0) / self.ghost_norm
 
@@ -184,6 +208,8 @@ class SAEOrder:
             self._gate = self._merged or self._admits()
             if not self._gate:
                 self.count("sae_stores_declined")
+                if self._batch is not None:
+                    self.declined_by.add(self._batch[0])
         if not self._gate:
             return None
         if self._order is None:
