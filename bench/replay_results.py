@@ -60,9 +60,10 @@ SLO_POLICIES = "lru,lru-dram,arc,s3fifo,ttl,minwaste,tokencake,kvflow,kvtier"
 SLO_TTFT_P99_S = 20.0  # later turns: a tool result or user turn answered within 20 s at p99
 SLO_INTERACTIVITY = 30.0  # tokens/s/user at p50
 LIVE_POLICIES = "lru,lru-dram,ttl,tokencake,kvflow,kvtier"
-# the peers kvtier's users would run instead, each as its system ships it (kvtier.placement.peers), against
+# the peers kvtier's users would run instead, each as its system ships it (kvtier.placement.peers; TokenCake
+# and KVFlow, the research systems, as kvtier.placement.agent models them), against
 # kvtier's recommended live setup, on the live surface and vLLM's scheduler, at the four dev points
-PEER_POLICIES = "lru-dram,sae,lmcache-lazy,vllm-tiering,kvtier"
+PEER_POLICIES = "lru-dram,sae,lmcache-lazy,vllm-tiering,tokencake,kvflow,kvtier"
 PEER_SETTINGS = ["--surface", "vllm", "--scheduler", "vllm"]
 DEV_FRACTION = 0.25
 DEV_CONC = 8

@@ -158,6 +158,8 @@ _PEERS = {"lru-dram": "`lru-dram`: vLLM CPU offloading / LMCache by default (LRU
           "sae": "`sae`: vLLM session-aware eviction (PR #50422)",
           "lmcache-lazy": "`lmcache-lazy`: LMCache eviction-aware lazy offload (PR #4847)",
           "vllm-tiering": "`vllm-tiering`: vLLM session lifecycle, pressure-gated stores (PR #48837)",
+          "tokencake": "`tokencake`: TokenCake (arXiv 2510.18586)",
+          "kvflow": "`kvflow`: KVFlow (arXiv 2507.07400)",
           "kvtier": "**`kvtier`** (recommended live setup)"}
 _PEER_POINTS = ("peers-tune", "peers-tune-pressure", "peers-eval", "peers-eval-pressure")
 
@@ -180,7 +182,8 @@ def peers(data: dict[str, Any]) -> str:
         heads.append(f"{half} half, conc {r0['conc']}, HBM {r0['hbm_blocks']:,}")
     first = data[f"replay-{_PEER_POINTS[0]}.json"]
     caption = ("Prefill computed over the bound, and later-turn TTFT p99, of each peer modelled from its code "
-               "(`kvtier.placement.peers`; what is not modelled is in its docstring) and of kvtier, all on the "
+               "(`kvtier.placement.peers`, the research systems in `kvtier.placement.agent`; what is not modelled "
+               "is in each docstring) and of kvtier, all on the "
                f"live surface (`--surface {refs[0]['surface']}`) and vLLM's scheduler (`--scheduler "
                f"{refs[0]['scheduler']}`), DRAM 2x HBM, no SSD; from the `peers-*` JSON of "
                f"`bench/replay_results.py` (commit {first['commit'][:7]}{' with uncommitted changes' if first.get('kvtier_dirty') else ''}, e.g. "

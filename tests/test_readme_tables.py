@@ -35,7 +35,7 @@ def test_every_generated_table_matches_its_json(rt, doc: str) -> None:
 
 
 def test_the_docs_show_the_judged_replay_tables(rt) -> None:
-    assert "replay-dev-eval" in rt.blocks((ROOT / "README.md").read_text())  # the headline, in the README
+    assert "peers" in rt.blocks((ROOT / "README.md").read_text())  # the headline, in the README
     names = set(rt.blocks((ROOT / "docs" / "results.md").read_text()))
     assert {"replay-default-sweep", "replay-dev-eval", "replay-dev-eval-ssd"} <= names
     for doc in rt.DOCUMENTS:
@@ -44,13 +44,12 @@ def test_the_docs_show_the_judged_replay_tables(rt) -> None:
 
 def test_an_edited_number_is_caught(rt) -> None:
     text = (ROOT / "README.md").read_text()
-    name = "replay-dev-eval"
+    name = "peers"
     start = text.index(f"<!-- table:{name} -->")
-    row = text.index("| lru |", start)
-    cell_start = text.index("|", row + 5) + 2  # the "tiers used" cell, then prefill computed
-    cell_start = text.index("|", cell_start) + 2
-    cell_end = text.index(" |", cell_start)
-    edited = text[:cell_start] + "1.00" + text[cell_end:]
+    row = text.index("| `lru-dram`", start)
+    cell_start = text.index("|", row + 5) + 2  # the first point's cell: computed over the bound, TTFT p99
+    cell_end = text.index("x,", cell_start)
+    edited = text[:cell_start] + "1.000" + text[cell_end:]
     assert edited != text
     _, changed = rt.rewrite(edited)
     assert changed == [name]
