@@ -117,10 +117,11 @@ def test_the_cli_refuses_an_unknown_addition_before_any_work() -> None:
 # ------------------------------------------------------- what each one does
 
 
-def _run(w: Workload, name: str, hbm: int, dram: int, conc: int, policy: str = "kvtier") -> tuple[Simulator, Any]:
+def _run(w: Workload, name: str, hbm: int, dram: int, conc: int, policy: str = "kvtier",
+         scheduler: str = "vllm") -> tuple[Simulator, Any]:
     """The simulator after a run of ``w`` (its manager's invariants checked) and the run's result."""
-    sim = Simulator(w, SimConfig(hbm_blocks=hbm, dram_blocks=dram, conc=conc, surface=name), make_placement(policy),
-                    PROFILE)
+    sim = Simulator(w, SimConfig(hbm_blocks=hbm, dram_blocks=dram, conc=conc, surface=name, scheduler=scheduler),
+                    make_placement(policy), PROFILE)
     result = sim.run()
     sim.mgr.check_invariants()
     return sim, result
@@ -224,10 +225,12 @@ def test_defer_waits_for_victims_on_their_way_without_hbm() -> None:
     """With exclusive DRAM, requests want blocks HBM evicted that are still being
     copied down: without deferral they take their HBM and land them early; with
     it they wait in the queue, and none lands early. Alone, deferral has nothing
-    to wait for (no victim write, no SSD): the same run as vllm-write-through, request for request."""
+    to wait for (no victim write, no SSD): the same run as vllm-write-through, request for request.
+    Under plain admission (under vLLM's scheduler, the default, no request of this workload wants
+    a victim still on its way: none lands early)."""
     w = _small()
-    excl = _run(w, "vllm-write-through+exclusive", 1200, 2400, 4)[1].counters
-    defer = _run(w, "vllm-write-through+exclusive+defer", 1200, 2400, 4)[1].counters
+    excl = _run(w, "vllm-write-through+exclusive", 1200, 2400, 4, scheduler="plain")[1].counters
+    defer = _run(w, "vllm-write-through+exclusive+defer", 1200, 2400, 4, scheduler="plain")[1].counters
     assert excl["victims_landed_early"] > 0 and "deferred_admissions" not in excl
     assert defer["victims_landed_early"] == 0 and defer["deferred_admissions"] > 0
     alone, base = _run(w, "vllm-write-through+defer", 1200, 2400, 4)[1], _run(w, "vllm-write-through", 1200, 2400, 4)[1]

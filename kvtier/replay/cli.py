@@ -124,8 +124,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="token budget per engine step (default 8192)")
     c.add_argument("--admission", default="fcfs", metavar="ORDER",
                    help="fcfs (default), critical-first or oldest-app")
-    c.add_argument("--scheduler", default="plain", choices=list(SCHEDULERS),
-                   help="engine admission per step (default plain)")
+    c.add_argument("--scheduler", default="vllm", choices=list(SCHEDULERS),
+                   help="engine admission per step: vllm (default) or plain")
     c.add_argument("--load-rule", default="surface", choices=list(LOAD_RULES),
                    help="load or recompute a DRAM / SSD hit, per request: surface (default: the policy decides on "
                         "full, every hit loads on the vLLM surfaces), always, never, cost (the policy's cost model "

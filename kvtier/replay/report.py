@@ -188,7 +188,7 @@ def group_caption(r: dict[str, Any]) -> str:
     """What one (conc, capacity) group was given and its references."""
     ssd = f"SSD {r['ssd_blocks']:,}" if r.get("ssd_blocks") else "SSD off"
     text = (f"conc {r['conc']}, HBM {r['hbm_blocks']:,} + DRAM {r.get('dram_blocks', 0):,} blocks, {ssd}"
-            f"{codec_caption(r)}; admission {r.get('admission', 'fcfs')}")
+            f"{codec_caption(r)}; admission {r.get('admission', 'fcfs')}, scheduler {r.get('scheduler', 'plain')}")
     if r.get("bound_prefill_tokens") is not None:
         est = "exact" if r.get("bound_exact") else "estimate"
         text += (f"; floor (unbounded cache) {r['floor_prefill_tokens'] / 1e6:.2f}M, bound (Belady over all "

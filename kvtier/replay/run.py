@@ -101,7 +101,7 @@ class ReplaySpec:
     surface: str = "full"  # what the engine lets placement do (kvtier.placement.surface)
     agent_ends: bool = True  # the policy learns agents' ends (a hint server's); False: kv_transfer_params only
     tool_waits: str = "predicted"  # or "predicted-stream" (the request-stream chain), "announced" (true lengths)
-    scheduler: str = "plain"  # or "vllm": admission within the step's token budget, blocks cached at allocation
+    scheduler: str = "vllm"  # admission within the step's token budget, blocks cached at allocation; or "plain"
     load_rule: str = "surface"  # load or recompute a lower-tier hit (kvtier.placement.loadrule)
     max_running: int = 256  # requests the engine runs at once (vLLM's max_num_seqs)
     recorded_starts: bool = False  # closed loop: sessions start at their recorded starts (SimConfig.recorded_starts)

@@ -128,13 +128,13 @@ class SimConfig:
     # gap, as the sim applies it: an agent that announces exactly how long its tool will take, as
     # kv_transfer_params' kvtier_tool_wait_s does in the engine tests).
     tool_waits: str = "predicted"
-    # How the engine admits requests each step (SCHEDULERS): "plain" (up to max_running, whatever the step's
-    # token budget; a block is a prefix hit once computed) or "vllm" (vLLM 0.32's scheduler: a request is
-    # admitted only while the step has tokens left, a block counts as a prefix hit for the requests
+    # How the engine admits requests each step (SCHEDULERS): "vllm" (the default: vLLM 0.32's scheduler: a
+    # request is admitted only while the step has tokens left, a block counts as a prefix hit for the requests
     # admitted after the request that schedules it, in that step or later, as vLLM caches a block when it
-    # allocates it, and a
-    # request admitted with a load from a lower tier takes no running slot until the load is done).
-    scheduler: str = "plain"
+    # allocates it, and a request admitted with a load from a lower tier takes no running slot until the
+    # load is done) or "plain" (up to max_running, whatever the step's token budget; a block is a prefix
+    # hit once computed).
+    scheduler: str = "vllm"
     # Load or recompute a lower-tier hit (kvtier.placement.loadrule.LOAD_RULES): "surface" (the policy's
     # should_load where the surface lets it choose, else load), "always", "never", "cost" or "llm-d".
     load_rule: str = "surface"

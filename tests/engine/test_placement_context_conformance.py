@@ -49,7 +49,7 @@ class _Sim:
     kind = "sim"  # the replay's context: a Simulator over an empty workload, never run
 
     def __init__(self, surface: str) -> None:
-        cfg = SimConfig(hbm_blocks=HBM, dram_blocks=DRAM, surface=surface)
+        cfg = SimConfig(hbm_blocks=HBM, dram_blocks=DRAM, surface=surface, scheduler="plain")
         self.surface = surface
         self.sim = Simulator(Workload("conformance", BS, (), False), cfg, make_placement("lru-dram"), PROFILE)
         self.ctx, self.mgr = self.sim.ctx, self.sim.mgr

@@ -143,7 +143,7 @@ def replay(policy: str, surface: str = "vllm-write-through", hold: bool = True) 
     # agent_ends False: the engine's clients tag requests but run no hint server, so nothing tells kvtier an
     # agent is done: a turn without a tool wait (the agents' last, the other traffic's) is a turn_end on both sides
     cfg = SimConfig(hbm_blocks=HBM_BLOCKS, dram_blocks=DRAM_BLOCKS, ssd_blocks=0, max_batch_tokens=MAX_BATCH_TOKENS,
-                    max_running=AGENTS, surface=surface, agent_ends=False)
+                    max_running=AGENTS, surface=surface, agent_ends=False, scheduler="plain")  # (as measured)
     sim = Simulator(w, cfg, make_placement(policy), parse_profile(DEFAULT_PROFILE))
     if not hold:  # the connector's hbm_hold: false refuses every hold
         sim.surface = dataclasses.replace(sim.surface, hbm_hold=False)

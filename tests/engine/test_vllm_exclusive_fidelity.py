@@ -98,7 +98,7 @@ def replay() -> list[dict]:
         sessions.append(Session(f"agent-{a}", (Agent("root", None, "main", reqs),)))
     w = Workload("vllm-exclusive", BLOCK_SIZE, tuple(sessions), open_loop=True)
     cfg = SimConfig(hbm_blocks=X.HBM_BLOCKS, dram_blocks=DRAM_BLOCKS, ssd_blocks=0, max_batch_tokens=512,
-                    max_running=1, surface="vllm", tool_waits="announced", agent_ends=False)
+                    max_running=1, surface="vllm", tool_waits="announced", agent_ends=False, scheduler="plain")
     result = Simulator(w, cfg, make_placement("kvtier"), parse_profile(DEFAULT_PROFILE)).run()
     rows = {(rec.session, rec.index): {"computed": rec.computed_tokens, "hbm": rec.hit_hbm_tokens,
                                        "dram": rec.hit_dram_tokens} for rec in result.records}

@@ -66,7 +66,7 @@ def _replay(requests: list[tuple[tuple[int, ...], list[int]]]) -> dict:
                  for i, (ids, tokens) in enumerate(requests))
     w = Workload("fidelity", BLOCK_SIZE, (Session("turns", (Agent("root", None, "main", reqs),)),), False)
     spec = ReplaySpec(workload=w, profile=parse_profile(DEFAULT_PROFILE), policies=("lru-dram",), concs=(1,),
-                      hbm_blocks=(HBM_BLOCKS,), dram_blocks=DRAM_BLOCKS, ssd_blocks=0)
+                      hbm_blocks=(HBM_BLOCKS,), dram_blocks=DRAM_BLOCKS, ssd_blocks=0, scheduler="plain")
     row = run_point(spec, "lru-dram", 1, HBM_BLOCKS)
     return {"computed": row["prefill_tokens_computed"], "hbm": row["prefill_tokens_hit_hbm"],
             "dram": row["prefill_tokens_hit_dram"]}
@@ -135,7 +135,7 @@ def test_replaying_the_recording_matches_the_engine_within_two_percent(both: dic
 
     w = load_trace(both["recording"])
     spec = ReplaySpec(workload=w, profile=parse_profile(DEFAULT_PROFILE), policies=("lru-dram",), concs=(1,),
-                      hbm_blocks=(HBM_BLOCKS,), dram_blocks=DRAM_BLOCKS, ssd_blocks=0)
+                      hbm_blocks=(HBM_BLOCKS,), dram_blocks=DRAM_BLOCKS, ssd_blocks=0, scheduler="plain")
     row = run_point(spec, "lru-dram", 1, HBM_BLOCKS)
     r = {"computed": row["prefill_tokens_computed"], "hbm": row["prefill_tokens_hit_hbm"],
          "dram": row["prefill_tokens_hit_dram"]}
