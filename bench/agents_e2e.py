@@ -19,7 +19,9 @@ task), each later turn appends the scaled growth as a tool result. Every turn bu
 last ends in a tool call (vLLM's structured output writes it: the random model could
 not), and the agent then waits its trace's think time before that request, times
 ``--wait-scale``, clamped to ``WAIT_CLAMP_S``, as on a tool. HBM holds about
-``--hbm-contexts`` contexts; the DRAM tier holds every agent's. ``--model tiny`` runs the
+``--hbm-contexts`` contexts; the DRAM tier holds every agent's, twice over, unless
+``--dram-contexts`` says how many it holds (where placement decides what is lost, and
+hints can say what comes back when). ``--model tiny`` runs the
 engine tests' 2-layer, 128-wide model instead, where recomputing costs less than a
 scheduler step (the case ``recompute_when_cheaper`` is for).
 
@@ -242,7 +244,8 @@ def run_config(work: Path, model: Path, name: str, plans: list[dict], args: argp
     from tests.engine.serve_support import Server, free_port
 
     hbm = hbm_blocks(args)
-    dram = 2 * len(plans) * (args.context_tokens // BLOCK_SIZE + 2)
+    dram = (2 * len(plans) * (args.context_tokens // BLOCK_SIZE + 2) if args.dram_contexts is None
+            else int(args.dram_contexts * args.context_tokens / BLOCK_SIZE))
     kv: dict[str, Any] | None = None
     engine = engine_args(args)
     if name == "null":
@@ -390,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--turns", type=int, default=5, help="turns per agent (default 5)")
     ap.add_argument("--context-tokens", type=int, default=1024, help="each agent's last context, tokens (default 1024)")
     ap.add_argument("--hbm-contexts", type=float, default=2.5, help="HBM in agent contexts (default 2.5)")
+    ap.add_argument("--dram-contexts", type=float, help="DRAM in agent contexts (default: every agent's, twice)")
     ap.add_argument("--wait-scale", type=float, default=0.25, help="tool wait = trace think time x this (default 0.25)")
     ap.add_argument("--max-num-seqs", type=int, default=8, help="vLLM's --max-num-seqs (default 8)")
     ap.add_argument("--stagger-s", type=float, default=0.5, help="seconds between agent starts (default 0.5)")
@@ -457,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     data = {**provenance(("kvtier", "integrations", "bench/agents_e2e.py", "tests/engine/serve_support.py",
                           "tests/engine/chat_model.py"), dirty_key="code_dirty"),
             "settings": {"agents": args.agents, "turns": args.turns, "context_tokens": args.context_tokens,
-                         "hbm_contexts": args.hbm_contexts, "wait_scale": args.wait_scale,
+                         "hbm_contexts": args.hbm_contexts, "dram_contexts": args.dram_contexts,
+                         "wait_scale": args.wait_scale,
                          "wait_clamp_s": list(WAIT_CLAMP_S), "repeats": args.repeats, "max_num_seqs": args.max_num_seqs,
                          "model": {"name": args.model, **{k: shape[k] for k in (
                              "hidden_size", "num_hidden_layers", "num_key_value_heads", "intermediate_size")}},

