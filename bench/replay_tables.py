@@ -181,13 +181,13 @@ def peers(data: dict[str, Any]) -> str:
         half = "tuning" if "tune" in p else "evaluation"
         heads.append(f"{half} half, conc {r0['conc']}, HBM {r0['hbm_blocks']:,}")
     first = data[f"replay-{_PEER_POINTS[0]}.json"]
+    dirty = " with uncommitted changes" if first.get("kvtier_dirty") else ""
     caption = ("Prefill computed over the bound, and later-turn TTFT p99, of each peer modelled from its code "
                "(`kvtier.placement.peers`, the research systems in `kvtier.placement.agent`; what is not modelled "
                "is in each docstring) and of kvtier, all on the "
                f"live surface (`--surface {refs[0]['surface']}`) and vLLM's scheduler (`--scheduler "
                f"{refs[0]['scheduler']}`), DRAM 2x HBM, no SSD; from the `peers-*` JSON of "
-               f"`bench/replay_results.py` (commit {first['commit'][:7]}{' with uncommitted changes' if first.get('kvtier_dirty') else ''}, e.g. "
-               f"`{first['command']}`).\n\n")
+               f"`bench/replay_results.py` (commit {first['commit'][:7]}{dirty}, e.g. `{first['command']}`).\n\n")
     return caption + md_table(["policy", *heads], body)
 
 

@@ -132,22 +132,46 @@ def test_sae_placement_stores_nothing_more_of_a_request_whose_batch_was_declined
     order = policy.eviction_for("dram")
     m = TierManager([TierSpec("dram", 4, order)])
     ctx = _Usage()
-    ctx.blocks_in = lambda keys, tier: 0
+    in_hbm = {}
+    ctx.blocks_in = lambda keys, tier: in_hbm.get(len(keys), 0)
     for agent, keys in (("a", K(1, 2)), ("b", K(11, 12))):
         policy.on_wait_end(ctx, (0, agent), keys)
         assert policy.admit_lower(ctx, "dram", (0, agent), 2) == 2
         _store(m, keys)
-    deep = (*K(1, 2), BlockKey(3))  # a's next request: its lookup hit is in HBM (no merge)
+    deep = (*K(1, 2), BlockKey(3))  # a's next request, all of it an HBM hit: vLLM looks up nothing here
+    in_hbm[3] = 3
     policy.on_wait_end(ctx, (0, "a"), deep)
-    order.lookup((0, "a"), deep, start=3)
-    assert policy.admit_lower(ctx, "dram", (0, "a"), 1) == 1  # opened at start_pos 2: 30,000 / 1.25 + timer
+    assert policy.admit_lower(ctx, "dram", (0, "a"), 1) == 1  # no merge: start_pos 2, 30,000 / 1.25 + timer
     assert m.prepare_store("dram", K(3), BlockKey(2)) is None
     assert ctx.counts == ["sae_stores_declined"]
     assert policy.admit_lower(ctx, "dram", (0, "a"), 2) == 0  # the answer's blocks: not offered
-    assert ctx.counts == ["sae_stores_declined"] * 2
+    assert ctx.counts == ["sae_stores_declined", "sae_batches_after_a_decline"]
     policy.on_wait_start(ctx, ToolWait((0, "a"), deep, "tool", 1.0))
     policy.on_wait_end(ctx, (0, "a"), deep)
     assert policy.admit_lower(ctx, "dram", (0, "a"), 1) == 1
+
+
+def test_a_block_joins_its_batchs_group_when_its_store_is_prepared_not_when_it_lands() -> None:
+    """Two batches prepared before either copy lands (the replay's stores land later): each
+    block is in its own batch's group, a hit only once landed, and a batch that prepared
+    blocks touches its request's keys when it closes."""
+    order, m, _ = _sae()
+    a, b = K(1, 2), K(11, 12)
+    order.open_store("A", a, touch=a)
+    plan_a = m.prepare_store("dram", a)
+    order.open_store("B", b, touch=b)
+    plan_b = m.prepare_store("dram", b)
+    order.close()
+    assert order.timer == 2  # both batches stored: one touch each
+    assert order.group_of(a[0]) == order.group_of(a[1]) != order.group_of(b[0]) == order.group_of(b[1])
+    order.touch(a)  # not landed: misses (weight 1 at position 0), as at A's close
+    assert order.ghost(a[0]) == pytest.approx(2)
+    m.complete_store(plan_b, True)
+    m.complete_store(plan_a, True)
+    m.check_invariants()
+    order.check_invariants()
+    order.touch(a)  # landed: a hit (weight 12)
+    assert order.ghost(a[0]) == pytest.approx(2 + 12)
 
 
 def test_the_lookup_starts_past_the_engines_own_hit() -> None:
@@ -203,7 +227,7 @@ def test_the_peers_are_registered_as_their_systems_ship_them() -> None:
 @pytest.mark.parametrize("name", ["sae", "lmcache-lazy", "vllm-tiering"])
 def test_each_peer_replays_on_the_live_surface(name: str) -> None:
     """The embedded workload on the vLLM surface and scheduler: each runs, computes no more than
-    HBM alone and no less than the floor; SAE counts its gate's refusals."""
+    HBM alone and hits DRAM; SAE counts its gate's decisions."""
     from kvtier.replay.generator import default_workload
     from kvtier.replay.profiles import DEFAULT_PROFILE, parse_profile
     from kvtier.replay.report import summarize

@@ -12,14 +12,21 @@ replay cannot model a part, its docstring says so and which way that leans.
   (groups by store, worst-scored group first, tail first, with SAE's
   admission gate), HBM by vLLM's LRU. Replay only: SAE's hooks (a request's
   lookup, a store batch's start) are vLLM offloading manager calls that the
-  kvtier connector does not make.
+  kvtier connector does not make. Modelled differently (SAEOrder's docstring
+  has the rest): a batch too large for the room SAE's walk finds stores what
+  fits, where SAE stores none of it (leans in the peer's favour), and a
+  request whose batch was declined offers none of its later blocks, where
+  vLLM retries the batch every step with them (against the peer where a
+  retry would pass the gate; it compares the same baseline with a timer a
+  few requests later).
 * ``lmcache-lazy`` — LMCache's eviction-aware lazy offload (PR #4847,
-  ``EvictionAwareStoreQueue``, the default with ``lmcache.mp.lazy_offload``):
+  ``lmcache/integration/vllm/lazy_offload_policy/eviction_aware.py`` at
+  e6764ce1, ``EvictionAwareStoreQueue``, the default with ``lmcache.mp.lazy_offload``):
   a block is stored to CPU memory when it is about to leave HBM, not as it
   is computed; CPU memory LRU (LMCache's default ``LRU`` cache policy). The
   replay stores each block as HBM evicts it (its victim write, the live
-  connector's ``exclusive_dram``), so it runs live as ``lru-dram`` with
-  ``exclusive_dram``. Not modelled: the 2.5-step look-ahead (a store begins
+  connector's ``exclusive_dram``): live it is ``lmcache-lazy`` with
+  ``exclusive_dram: true`` (LRU order, no agent actions). Not modelled: the 2.5-step look-ahead (a store begins
   before the eviction; here it begins at it, and the HBM slot waits for the
   copy), the cap of 64 blocks drained per step (none here: leans in the
   peer's favour), and LMCache keeps the CPU copy of a block it loads back
@@ -90,7 +97,7 @@ class SAE(LRUDram):
         self._batches[agent_key] = self._batches.get(agent_key, 0) + 1
         if agent_key in order.declined_by:
             order.close()
-            ctx.count("sae_stores_declined")
+            ctx.count("sae_batches_after_a_decline")
             return 0
         order.open_store(agent_key, context if first else (), context, 1 if first else num_blocks)
         return num_blocks

@@ -40,7 +40,6 @@ Not modelled, or modelled differently:
 * the lookup is the request's whole context when it arrives (vLLM's
   scheduler looks up, and may look up again while the request waits); the
   merge pointer is per agent (one request of an agent runs at a time);
-* "ready" is "resident" (a block being written counts as stored);
 * blocks are the replay's (64 tokens in the dev traces); vLLM's offload block
   defaults to the engine's (16 tokens), where ``start_pos`` is 4x larger
   (a stricter gate) and decode stores 4x more batches (a faster timer).
@@ -60,10 +59,12 @@ HIT_WEIGHT = 1500.0
 
 
 class SAEOrder:
-    """SAE's eviction order over one tier (see the module docstring)."""
+    """SAE's eviction order over one tier (see the module docstring).
+
+    A block joins its store batch's group when the store is prepared (SAE inserts it then,
+    its copy still pending); it becomes a hit, and evictable, once its copy landed."""
 
     name = "sae"
-    adapts_before_insert = False  # nothing to adapt before a store: the manager skips the call
 
     def __init__(self, decay_interval: int = 500, decay_factor: float = 0.9, ghost_hit_weight: float = 12.0,
                  ghost_miss_weight: float = 1.0, ghost_norm: float = 12.0,
@@ -71,8 +72,9 @@ class SAEOrder:
         self.decay_interval, self.decay_factor = decay_interval, decay_factor
         self.ghost_hit_weight, self.ghost_miss_weight, self.ghost_norm = ghost_hit_weight, ghost_miss_weight, ghost_norm
         self.count = count or (lambda name: None)  # the host's counter (sae_stores_declined, ...)
-        self._keys: dict[int, dict[BlockKey, None]] = {}  # group -> its resident keys, oldest first
-        self._group: dict[BlockKey, int] = {}  # resident key -> its group
+        self._keys: dict[int, dict[BlockKey, None]] = {}  # group -> its keys in chain order, head first
+        self._group: dict[BlockKey, int] = {}  # key (stored, or its store prepared) -> its group
+        self._ready: set[BlockKey] = set()  # keys whose copy landed
         self._stats: dict[int, list[float]] = {}  # group -> [hits, last_touch, start_pos]
         self._ghost: dict[BlockKey, float] = {}
         self._held: set[BlockKey] = set()
@@ -86,7 +88,7 @@ class SAEOrder:
         self._gate: bool | None = None  # this store's gate: None until it needs room
         self._order: list[int] | None = None  # groups, worst first (None: scores changed since)
         self._batch: tuple[Hashable, tuple[BlockKey, ...], int] | None = None  # requester, touch keys, times
-        self._inserted = 0  # blocks the open batch stored
+        self._reserved = 0  # blocks the open batch prepared
         self.declined_by: set[Hashable] = set()  # requesters whose running request had a batch declined
 
     # ------------------------------------------------------------ what the placement tells it
@@ -105,14 +107,14 @@ class SAEOrder:
 
     def touch(self, keys: Iterable[BlockKey], times: int = 1) -> None:
         """SAE's touch of a request's keys (vLLM makes one at its lookup and one after each store
-        batch), ``times`` in a row: the timer, ghost scores by position, group hits, decay (at
-        the end of the run where a decay falls inside it)."""
+        batch), ``times`` in a row: the timer, ghost scores by position (a landed block is a hit),
+        group hits, decay (at the end of the run where a decay falls inside it)."""
         self.timer += times
         touched = set()
-        ghost, groups = self._ghost, self._group
+        ghost, groups, ready = self._ghost, self._group, self._ready
         for i, key in enumerate(keys):
             group = groups.get(key)
-            weight = self.ghost_miss_weight if group is None else self.ghost_hit_weight
+            weight = self.ghost_hit_weight if key in ready else self.ghost_miss_weight
             ghost[key] = ghost.get(key, 0.0) + times * weight / math.log2(i + 2)
             if group is not None:
                 touched.add(group)
@@ -130,8 +132,9 @@ class SAEOrder:
                    times: int = 1) -> None:
         """A store batch of ``requester``'s request (context ``keys``) begins: it continues the
         group its lookup hit, or opens a new one at ``start_pos`` = the leading blocks of
-        ``keys`` stored already. If it stores anything, ``touch`` is touched ``times`` times
-        when it closes (vLLM touches a request's keys after each batch that stored)."""
+        ``keys`` stored already. If it prepares any block and the gate did not decline it,
+        ``touch`` is touched ``times`` times when it closes (vLLM touches a request's keys
+        after each batch that stored)."""
         self.close()
         start_pos = 0
         for key in keys:
@@ -146,15 +149,21 @@ class SAEOrder:
         else:
             group = self._new_group(start_pos)
         self._open, self._start_pos, self._gate = group, start_pos, None
-        self._batch, self._inserted = (requester, tuple(touch), times), 0
+        self._batch, self._reserved = (requester, tuple(touch), times), 0
         self._order = None
 
     def close(self) -> None:
-        """The store batch opened last is done: its touches if it stored anything."""
-        batch, inserted = self._batch, self._inserted
-        self._close()
-        self._batch, self._inserted = None, 0
-        if batch is not None and inserted and batch[1]:
+        """The store batch opened last is done: its touches if it stored."""
+        batch, stored = self._batch, self._reserved and self._gate is not False
+        group = self._open
+        if group is not None and group in self._stats:
+            if self._keys[group]:
+                self._stats[group][0] = float(int(self._stats[group][0]))
+            else:  # it stored nothing: no group
+                del self._keys[group], self._stats[group]
+        self._open, self._merged, self._batch, self._reserved = None, False, None, 0
+        self._order = None
+        if batch is not None and stored and batch[1]:
             self.touch(batch[1], batch[2])
 
     def forget(self, requester: Hashable) -> None:
@@ -165,17 +174,24 @@ class SAEOrder:
     # ------------------------------------------------------------ the eviction protocol
 
     def before_insert(self, key: BlockKey) -> None:
-        """Nothing to adapt (SAE's ghosts move in ``touch``)."""
-
-    def on_insert(self, key: BlockKey) -> None:
+        """A store of ``key`` is prepared: it joins the open batch's group (a new group when the
+        placement announced none), whose hits a new group seeds from its ghost score."""
         group = self._open
-        if group is None:  # stored outside a store batch the placement announced
+        if group is None:
             group = self._open = self._new_group(0)
+        if key in self._group:  # prepared before and never stored (that store was dropped)
+            self._leave(key)
         self._keys[group][key] = None
         self._group[key] = group
-        self._inserted += 1
+        self._reserved += 1
         if not self._merged:
             self._stats[group][0] += self._ghost.get(key, 0.0) / self.ghost_norm
+
+    def on_insert(self, key: BlockKey) -> None:
+        """``key``'s copy landed: a hit from now on, and evictable when idle."""
+        if key not in self._group:  # stored without a prepared store (not on the placement's paths)
+            self.before_insert(key)
+        self._ready.add(key)
 
     def on_insert_held(self, key: BlockKey) -> None:
         self.on_insert(key)
@@ -189,7 +205,8 @@ class SAEOrder:
 
     def on_remove(self, key: BlockKey) -> None:
         self._held.discard(key)
-        self._drop(key)
+        self._ready.discard(key)
+        self._leave(key)
 
     def on_hold(self, key: BlockKey) -> None:
         self._held.add(key)
@@ -202,8 +219,8 @@ class SAEOrder:
         return self._held
 
     def pop_victim(self, is_evictable: IsEvictable, incoming: BlockKey | None = None) -> BlockKey | None:
-        """The newest idle block of the worst-scored group; ``None`` when none is evictable or the
-        gate declined this store (checked at its first eviction, as SAE checks it in ``evict``)."""
+        """The newest idle landed block of the worst-scored group; ``None`` when none is evictable or
+        the gate declined this store (checked at its first eviction, as SAE checks it in ``evict``)."""
         if self._gate is None:
             self._gate = self._merged or self._admits()
             if not self._gate:
@@ -211,27 +228,36 @@ class SAEOrder:
                 if self._batch is not None:
                     self.declined_by.add(self._batch[0])
         if not self._gate:
-            return None
+            return self._refused(incoming)
         if self._order is None:
             self._order = sorted(self._stats, key=self.score)  # stable: the older group first on a tie
-        held = self._held
+        held, ready = self._held, self._ready
         for group in self._order:
             keys = self._keys.get(group)
             if not keys:
                 continue
-            for key in reversed(keys):
-                if key not in held and is_evictable(key):
-                    self._drop(key)
+            for key in reversed(keys):  # the tail first
+                if key in ready and key not in held and is_evictable(key):
+                    self._ready.discard(key)
+                    self._leave(key)
                     return key
-        return None
+        return self._refused(incoming)
+
+    def _refused(self, incoming: BlockKey | None) -> None:
+        """No room for ``incoming``: the manager drops its store, so it leaves the group it joined."""
+        if incoming is not None and incoming in self._group and incoming not in self._ready:
+            self._leave(incoming)
+            self._reserved -= 1
 
     def __len__(self) -> int:
-        return len(self._group)
+        return len(self._ready)
 
     def check_invariants(self) -> None:
-        assert self._held <= self._group.keys(), "a held key is not resident"
+        assert self._held <= self._ready <= self._group.keys(), "a held or landed key is in no group"
+        assert self._keys.keys() == self._stats.keys(), "a group without its score"
         assert sum(map(len, self._keys.values())) == len(self._group), "a key is in two groups"
         assert all(self._group[k] == g for g, keys in self._keys.items() for k in keys)
+        assert all(keys or g == self._open for g, keys in self._keys.items()), "an empty group outlived its store"
 
     # ------------------------------------------------------------ internals
 
@@ -240,7 +266,7 @@ class SAEOrder:
         return self._ghost.get(key, 0.0)
 
     def group_of(self, key: BlockKey) -> int | None:
-        """The group a resident ``key`` belongs to (``None``: not resident)."""
+        """The group ``key`` belongs to (``None``: neither stored nor being stored)."""
         return self._group.get(key)
 
     def score(self, group: int) -> float:
@@ -259,18 +285,11 @@ class SAEOrder:
         group, self._next_group = self._next_group, self._next_group + 1
         self._keys[group] = {}
         self._stats[group] = [0.0, float(self.timer), float(start_pos)]
+        self._order = None
         return group
 
-    def _close(self) -> None:
-        group = self._open
-        if group is not None and group in self._stats:
-            if self._keys[group]:
-                self._stats[group][0] = float(int(self._stats[group][0]))
-            else:  # it stored nothing: no group
-                del self._keys[group], self._stats[group]
-        self._open, self._merged = None, False
-
-    def _drop(self, key: BlockKey) -> None:
+    def _leave(self, key: BlockKey) -> None:
+        """``key`` leaves its group; a group left empty goes (the open one when it closes)."""
         group = self._group.pop(key)
         keys = self._keys[group]
         del keys[key]

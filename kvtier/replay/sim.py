@@ -585,7 +585,7 @@ class Simulator:
             return
         for tier in self.lower:
             n = 0 if tier == "dram" and self.victims.on else len(keys)  # exclusive DRAM: HBM's victims go there
-            if not (n := n and self.policy.admit_lower(self.ctx, tier, agent_key, n)):
+            if not (n := n and min(n, self.policy.admit_lower(self.ctx, tier, agent_key, n))):
                 continue
             plan = self.mgr.prepare_store(tier, keys[:n], parent)
             if plan is None or not plan.keys:

@@ -76,9 +76,10 @@ EXTRA_KEYS: dict[str, str] = {
                                 "gateway, not by the client); requests without one are one tenant",
     "max_tracked_agents_per_tenant": "most waiting agents of one tenant whose contexts the scheduler remembers "
                                      "(default 4096, the total; a tenant over it forgets its own longest waiting)",
-    "exclusive_dram": "true: DRAM holds what HBM does not, for a placement that asks for it (kvtier): a block is "
-                      "copied down when vLLM hands its HBM slot to another request (BlockPool.unpin_blocks' "
-                      "on_reuse), before the forward that overwrites it, and a load out of DRAM moves the block. "
+    "exclusive_dram": "true: DRAM holds what HBM does not, for a placement that asks for it (kvtier, "
+                      "lmcache-lazy): a block is copied down when vLLM hands its HBM slot to another request "
+                      "(BlockPool.unpin_blocks' on_reuse), before the forward that overwrites it, and a load out "
+                      "of DRAM moves the block. "
                       "Default false: every computed block is written through. Models with one KV cache group",
     "tenant": "cache salt: tenants never share blocks",
     "stats_path": "JSON file the scheduler side rewrites with its counters (for operators and tests): at most every "
@@ -396,7 +397,7 @@ def _refuse_unbuilt(facts: EngineFacts, env: Mapping[str, str], remote: RemoteSe
     if exclusive and policy.write_back_dram != "evict":
         raise ConfigError(setting + "exclusive_dram", exclusive,
                           f"placement {placement!r} writes DRAM through; exclusive DRAM is for a placement that "
-                          "writes a block down as HBM evicts it (kvtier)")
+                          "writes a block down as HBM evicts it (kvtier, lmcache-lazy)")
 
 
 def _sync_loads(extra: Mapping[str, Any], facts: EngineFacts, cfg: KVTierConfig) -> bool:
