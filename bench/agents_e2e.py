@@ -438,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
     if "null" in names:  # the engine's processes import null_connector from bench/
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "bench"), os.environ.get("PYTHONPATH")]))
 
+    from kvtier.provenance import provenance
+
+    stamp = provenance(("kvtier", "integrations", "bench/agents_e2e.py", "tests/engine/serve_support.py",
+                        "tests/engine/chat_model.py"), dirty_key="code_dirty")  # the code it starts with
     plans = plan_agents(args.agents, args.turns, args.context_tokens, args.wait_scale)
     same_threads()
     print(f"agents_e2e: {len(plans)} agents from {[p['trace'] for p in plans]}", flush=True)
@@ -456,10 +460,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"makespan {run['makespan_s']:.1f} s ({time.perf_counter() - t:.0f} s with the server's start)",
                       flush=True)
     res = {name: summarize(name, rs) for name, rs in runs.items()}
-    from kvtier.provenance import provenance
-
-    data = {**provenance(("kvtier", "integrations", "bench/agents_e2e.py", "tests/engine/serve_support.py",
-                          "tests/engine/chat_model.py"), dirty_key="code_dirty"),
+    data = {**stamp,
             "settings": {"agents": args.agents, "turns": args.turns, "context_tokens": args.context_tokens,
                          "hbm_contexts": args.hbm_contexts, "dram_contexts": args.dram_contexts,
                          "wait_scale": args.wait_scale,
