@@ -155,9 +155,9 @@ def ablation(data: dict[str, Any]) -> str:
 
 
 _PEERS = {"lru-dram": "`lru-dram`: vLLM CPU offloading / LMCache by default (LRU, written through)",
-          "sae": "`sae`: vLLM session-aware eviction (PR #50422)",
+          "sae": "`sae`: vLLM session-aware eviction (PR #50422; modelled only)",
           "lmcache-lazy": "`lmcache-lazy`: LMCache eviction-aware lazy offload (PR #4847)",
-          "vllm-tiering": "`vllm-tiering`: vLLM session lifecycle, pressure-gated stores (PR #48837)",
+          "vllm-tiering": "`vllm-tiering`: vLLM session lifecycle, pressure-gated stores (PR #48837; modelled only)",
           "tokencake": "`tokencake`: TokenCake (arXiv 2510.18586)",
           "kvflow": "`kvflow`: KVFlow (arXiv 2507.07400)",
           "kvtier": "**`kvtier`** (recommended live setup)"}
