@@ -61,6 +61,25 @@ def test_placement_defaults_to_kvtier_and_takes_the_replay_names() -> None:
         assert ConnectorSettings.build({"placement": name}, FACTS, env={}).placement == name
 
 
+def test_exclusive_dram_is_on_by_default_wherever_it_is_built(tmp_path) -> None:
+    """Unset, exclusive DRAM is the recommended setup where it is built; elsewhere write-through, with no error."""
+    hybrid = EngineFacts("gemma", "bfloat16", 32, 1, 2, 32, "fused", "sha256", window_blocks=(2, 2, 0))
+    rope = EngineFacts("tiny", "bfloat16", 32, 2, 2, 32, "fused", "sha256", rope=(10000.0, 32))
+    cases = [({}, FACTS, True), ({"placement": "lmcache-lazy"}, FACTS, True),
+             ({"exclusive_dram": False}, FACTS, False), ({"placement": "lru-dram"}, FACTS, False),
+             ({"placement": "tokencake"}, FACTS, False), ({}, hybrid, False),
+             ({"dram_capacity_blocks": 0, "ssd_path": str(tmp_path)}, FACTS, False),
+             ({"approximate_shifted_segments": True}, rope, False)]
+    for extra, facts, exclusive in cases:
+        assert ConnectorSettings.build(extra, facts, env={}).exclusive_dram is exclusive, extra
+    for extra, facts, match in [({"exclusive_dram": True, "placement": "lru-dram"}, FACTS, "placement .lru-dram. writes DRAM through"),
+                                ({"exclusive_dram": True}, hybrid, "not built for models with 3 KV cache groups"),
+                                ({"exclusive_dram": True, "dram_capacity_blocks": 0, "ssd_path": str(tmp_path)},
+                                 FACTS, "needs the DRAM tier")]:
+        with pytest.raises(ConfigError, match="exclusive_dram=True: " + match):
+            ConnectorSettings.build(extra, facts, env={})
+
+
 @pytest.mark.parametrize("extra,match", [
     ({"placement": "lru-2q"}, "placement='lru-2q': unknown placement policy; valid: "),
     ({"placement": "belady-hbm"}, "placement='belady-hbm': needs the future"),

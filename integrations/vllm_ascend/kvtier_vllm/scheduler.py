@@ -256,8 +256,8 @@ class KVTierScheduler:
         with exclusive DRAM, watched blocks (``unpin_blocks``; ``blocks``, the pool's list of blocks by id)."""
         if self.exclusive and not callable(getattr(block_pool, "unpin_blocks", None)):
             raise ConfigError("kv_connector_extra_config.exclusive_dram", True,
-                              "this vLLM's BlockPool has no unpin_blocks(blocks, on_reuse) (vLLM 0.32 has): "
-                              "leave exclusive_dram off")
+                              "this vLLM's BlockPool has no unpin_blocks(blocks, on_reuse) (vLLM 0.32 has; "
+                              "exclusive_dram is on by default where it is built): set exclusive_dram: false")
         self._gpu_block_pool = block_pool
         self.write_backs.pool = block_pool
         self.placement.bind_block_pool(block_pool)

@@ -80,7 +80,8 @@ EXTRA_KEYS: dict[str, str] = {
                       "lmcache-lazy): a block is copied down when vLLM hands its HBM slot to another request "
                       "(BlockPool.unpin_blocks' on_reuse), before the forward that overwrites it, and a load out "
                       "of DRAM moves the block. "
-                      "Default false: every computed block is written through. Models with one KV cache group",
+                      "Default: on where it is built (DRAM on, one KV cache group, such a placement, no approximate "
+                      "reuse), else off; false: every computed block is written through",
     "tenant": "cache salt: tenants never share blocks",
     "stats_path": "JSON file the scheduler side rewrites with its counters (for operators and tests): at most every "
                   "0.25 s while requests run, at once when none does",
@@ -294,10 +295,6 @@ class ConnectorSettings:
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
             raise ConfigError("kv_connector_extra_config.hbm_hold_budget_fraction", budget, "must be a number in [0, 1]")
         tenant_share, tracked = _tenant_bounds(extra)
-        exclusive = _flag(extra, "exclusive_dram", False)
-        if exclusive and not cfg.dram.enabled:
-            raise ConfigError("kv_connector_extra_config.exclusive_dram", exclusive,
-                              "needs the DRAM tier (dram_capacity_blocks > 0)")
         eviction_set = "policy" in extra or any(
             "policy" in (overrides["tiers"].get(t) or {}) for t in ("dram", "ssd"))
         watch, tokens = _hint_settings(extra)
@@ -309,6 +306,7 @@ class ConnectorSettings:
             raise ConfigError("kv_connector_extra_config.record_path", record_path, "must be a directory path")
         remote = RemoteSettings.build(extra)
         approximate = _flag(extra, "approximate_shifted_segments", False)
+        exclusive = _exclusive_dram(extra, cfg, facts, policy, approximate)
         _refuse_unbuilt(facts, env, remote, approximate, exclusive, policy, placement)
         return cls(cfg, extra.get("stats_path"), extra.get("hint_server"),
                    cfg.ssd.resolved_path() if cfg.ssd.enabled else None, placement, _flag(extra, "hbm_hold", True),
@@ -419,6 +417,20 @@ def _flag(extra: Mapping[str, Any], key: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"kv_connector_extra_config.{key}", value, "must be true or false")
     return value
+
+
+def _exclusive_dram(extra: Mapping[str, Any], cfg: KVTierConfig, facts: EngineFacts, policy: Any,
+                    approximate: bool) -> bool:
+    """``exclusive_dram`` as set; left unset, on wherever it is built (the recommended setup, what ``kvtier replay
+    --surface vllm`` models): the DRAM tier on, one KV cache group, a placement that writes DRAM as HBM evicts,
+    and no approximate reuse. Set to true where it is not built, it is refused by name (``_refuse_unbuilt``)."""
+    if "exclusive_dram" not in extra:
+        return cfg.dram.enabled and not facts.hybrid and policy.write_back_dram == "evict" and not approximate
+    exclusive = _flag(extra, "exclusive_dram", False)
+    if exclusive and not cfg.dram.enabled:
+        raise ConfigError("kv_connector_extra_config.exclusive_dram", exclusive,
+                          "needs the DRAM tier (dram_capacity_blocks > 0)")
+    return exclusive
 
 
 def _mib_bytes(extra: Mapping[str, Any], key: str, default: float) -> int:
