@@ -303,9 +303,9 @@ def fleet_dev(data: dict[str, Any]) -> str:
         + f"\n{targets}.\n"
 
 
-_BASE = "vllm-write-through"  # the connector as it comes: the ablation adds to it (bench/surface_ablation.py)
+_BASE = "vllm-write-through"  # the write-through connector: the ablation adds to it (bench/surface_ablation.py)
 _SURFACE_LABELS = {
-    _BASE: "what the vLLM connector runs as it comes (`exclusive_dram` off, live)",
+    _BASE: "the vLLM connector with `exclusive_dram: false` (write-through, live)",
     "vllm": "+ exclusive DRAM, waiting agents' HBM re-queued, deferred loads: the recommended setup, the connector "
             "with `exclusive_dram: true` (live)",
     "vllm/agent-ends-unknown": "`vllm` where the client's hints are in `kv_transfer_params` only (`--agent-ends "
@@ -338,7 +338,7 @@ _SURFACE_POINTS = ("eval-conc8", "eval-pressure", "tune-conc8", "tune-pressure")
 
 @table("replay-surface-ablation", "replay-surface-ablation.json")
 def surface_ablation(data: dict[str, Any]) -> str:
-    """``kvtier`` on ``--surface vllm-write-through`` (the connector as it comes) with each
+    """``kvtier`` on ``--surface vllm-write-through`` (the write-through connector) with each
     full-surface decision added on its own (bench/surface_ablation.py), and on ``vllm`` (the
     recommended setup): prefill computed (over the bound) and later-turn TTFT p99 at both
     points of both halves, with lru-dram, the bound and the floor; then the share of the
@@ -366,7 +366,7 @@ def surface_ablation(data: dict[str, Any]) -> str:
     first = pts[0]
     wall = sum(sum(p["wall_s"].values()) for p in pts)
     caption = (f"`kvtier` prefill computed (over the bound) and later-turn TTFT p99 with decisions of the full "
-               f"surface added to the connector as it comes, `--surface {_BASE}`: the recommended setup, "
+               f"surface added to the write-through connector, `--surface {_BASE}`: the recommended setup, "
                f"`vllm` (the connector's `exclusive_dram`: exclusive DRAM, waiting agents' HBM in next-use order, "
                f"deferred loads: live), each decision alone, exclusive DRAM "
                f"with the order or with dead blocks freed, all five, and all but each one. Dev traces ("

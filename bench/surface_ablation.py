@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Which full-surface decision carries kvtier's gain: each added on its own to the connector as it comes (issue 41).
+"""Which full-surface decision carries kvtier's gain: each added on its own to the write-through connector (issue 41).
 
 Owns: the replay commands of the surface ablation and the one JSON they make,
 ``bench/out/replay-surface-ablation.json``. Must not format tables
@@ -10,7 +10,7 @@ and the pressure point, conc 16 with HBM held at that conc-8 size (9,883
 blocks on the evaluation half, 10,686 on the tuning half); default DRAM (2x
 HBM), no SSD, FCFS admission, ``--skip-oversized``; both halves of the dev
 traces. At each point, one replay runs ``lru-dram`` and ``kvtier`` on
-``vllm-write-through`` (the connector as it comes) with the floor and the
+``vllm-write-through`` (the write-through connector) with the floor and the
 bound; every other surface (:data:`SURFACES`)
 runs ``kvtier`` alone (``--no-references``: the references do not depend on
 the surface, they run LRU and Belady with no hints), and the recommended
@@ -47,7 +47,7 @@ from replay_results import DEV_CONC, DEV_FRACTION, DEV_TRACE, PRESSURE_CONC, ROO
 
 OUT = ROOT / "bench" / "out" / "replay-surface-ablation.json"
 DECISIONS = ("exclusive", "order", "drop", "prefetch", "defer")  # kvtier.placement.surface.ALL_ADDITIONS
-BASE = "vllm-write-through"  # the connector as it comes; the additions are named on it
+BASE = "vllm-write-through"  # the write-through connector; the additions are named on it
 # rows of the table: the live surfaces (kvtier.placement.surface.LIVE: vllm = BASE+exclusive+requeue+defer), the
 # order in full instead of the re-queue, the live setup before it ordered HBM, each decision on its own, exclusive
 # DRAM with the order and with dead blocks freed (at conc 8 exclusive DRAM alone costs prefill), all of them, all

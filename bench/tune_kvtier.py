@@ -20,6 +20,15 @@ there (``bench/replay_results.py``), and ``tests/test_readme_tables.py``
 checks that the shipped constants are the ones chosen here.
 
 Usage: ``python bench/tune_kvtier.py [--jobs N]`` (about 12 minutes on 2 cores).
+
+``--generalise`` asks how well that choice carries, and chooses nothing: the
+same grid and points on each half of the tuning half (its sessions sorted by
+id, alternately: a leave-sessions-out check, the pair chosen on one fold
+scored on the other), on the whole tuning half, and on the evaluation half,
+which is only reported. It writes ``bench/out/tune-kvtier-generalise.json``:
+per part the grid's prefill, the pair each part would choose, and each
+choice's excess prefill on the other parts over their own optimum (about 50
+minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -29,8 +38,11 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from replay_results import DEV_CONC, DEV_FRACTION, DEV_TRACE  # noqa: E402
 OUT = ROOT / "bench" / "out" / "tune-kvtier.json"
 TRUST_GRID: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0)
 # A user's turn in the dev traces' tuning half: p50 74 s, p75 268 s, mean 939 s after an end_turn
@@ -50,41 +62,59 @@ def _variant(trust: float, user_wait_s: float):
     return name, cls
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--jobs", type=int, default=None, help="worker processes (default: the CPUs available, <= 8)")
-    args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from replay_results import DEV_CONC, DEV_FRACTION, DEV_TRACE, _dev_hbm_blocks
-
-    from kvtier.replay import load_trace
+def _grid_rows(w: Any, hbm: int, jobs: int | None, label: str) -> list[dict[str, float]]:
+    """Every pair of the grid replayed on workload ``w`` at both points (HBM ``hbm``, DRAM 2x, no SSD)."""
     from kvtier.placement import register_placement
     from kvtier.replay.profiles import DEFAULT_PROFILE, parse_profile
-    from kvtier.replay.run import ReplaySpec, default_jobs, run_replay, split_workload
+    from kvtier.replay.run import ReplaySpec, default_jobs, run_replay
 
     names = {}
     for value in GRID:
         name, cls = _variant(*value)
         register_placement(name, cls)
         names[name] = value
-    hbm = _dev_hbm_blocks("tune")
-    w = split_workload(load_trace(DEV_TRACE), "tune")
-    start = time.perf_counter()
     points = {}
     for conc in (DEV_CONC, PRESSURE_CONC):
         spec = ReplaySpec(workload=w, profile=parse_profile(DEFAULT_PROFILE), policies=tuple(names),
                           concs=(conc,), hbm_blocks=(hbm,), skip_oversized=True, references=False,
-                          jobs=args.jobs or default_jobs())
-        report = run_replay(spec, on_point=lambda d, t, e, c=conc: print(f"[tune conc {c}] {d}/{t} runs, {e:.0f}s",
+                          jobs=jobs or default_jobs())
+        report = run_replay(spec, on_point=lambda d, t, e, c=conc: print(f"[{label} conc {c}] {d}/{t} runs, {e:.0f}s",
                                                                           file=sys.stderr))
         points[conc] = {r["policy"]: r for r in report["results"]}
-    rows = [{"next_use_trust": value[0], "user_wait_s": value[1],
+    return [{"next_use_trust": value[0], "user_wait_s": value[1],
              **{f"conc{c}_prefill_tokens_computed": points[c][name]["prefill_tokens_computed"] for c in points},
              **{f"conc{c}_ttft_p99_later_turns_s": points[c][name]["ttft_p99_later_turns_s"] for c in points}}
             for name, value in names.items()]
-    best = min(rows, key=lambda r: (sum(r[f"conc{c}_prefill_tokens_computed"] for c in points),
-                                    r[f"conc{PRESSURE_CONC}_ttft_p99_later_turns_s"], r["next_use_trust"],
-                                    r["user_wait_s"]))
+
+
+def _choose(rows: list[dict[str, float]]) -> dict[str, float]:
+    """The least prefill computed over both points, then the lowest pressure-point TTFT p99, then smaller values."""
+    return min(rows, key=lambda r: (_score(r), r[f"conc{PRESSURE_CONC}_ttft_p99_later_turns_s"],
+                                    r["next_use_trust"], r["user_wait_s"]))
+
+
+def _score(row: dict[str, float]) -> float:
+    return sum(row[f"conc{c}_prefill_tokens_computed"] for c in (DEV_CONC, PRESSURE_CONC))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=None, help="worker processes (default: the CPUs available, <= 8)")
+    ap.add_argument("--generalise", action="store_true",
+                    help="report how the choice carries across folds and halves (writes tune-kvtier-generalise.json; "
+                         "chooses nothing)")
+    args = ap.parse_args()
+    if args.generalise:
+        return generalise(args.jobs)
+    from kvtier.replay import load_trace
+    from kvtier.replay.run import split_workload
+
+    w = split_workload(load_trace(DEV_TRACE), "tune")
+    hbm = _conc8_hbm(w)
+    start = time.perf_counter()
+    rows = _grid_rows(w, hbm, args.jobs, "tune")
+    points = (DEV_CONC, PRESSURE_CONC)
+    best = _choose(rows)
     OUT.write_text(json.dumps({
         "what": "KVTier.next_use_trust and KVTier.user_wait_s on the tuning half of the dev traces",
         "trace": str(DEV_TRACE.name), "split": "tune", "sessions": len(w.sessions), "hbm_blocks": hbm,
@@ -93,6 +123,70 @@ def main() -> int:
         "chosen_user_wait_s": best["user_wait_s"], "wall_s": time.perf_counter() - start,
     }, indent=2) + "\n")
     print(f"chosen next_use_trust = {best['next_use_trust']:g}, user_wait_s = {best['user_wait_s']:g}")
+    return 0
+
+
+def _folds(w: Any) -> dict[str, Any]:
+    """The tuning half's two folds (its sessions sorted by id, alternately), the half itself, and the evaluation
+    half: each a workload."""
+    from dataclasses import replace
+
+    from kvtier.replay import load_trace
+    from kvtier.replay.run import split_workload
+
+    ordered = sorted(w.sessions, key=lambda s: s.session_id)
+    parts = {f"tune-fold-{i + 1}": replace(w, sessions=tuple(ordered[i::2])) for i in (0, 1)}
+    return {**parts, "tune": w, "eval": split_workload(load_trace(DEV_TRACE), "eval")}
+
+
+def _conc8_hbm(w: Any) -> int:
+    """HBM blocks ``--hbm-fraction 0.25`` gives on ``w`` at conc 8 (the README's rule, per part)."""
+    from kvtier.replay.profiles import DEFAULT_PROFILE, parse_profile
+    from kvtier.replay.run import ReplaySpec
+
+    spec = ReplaySpec(workload=w, profile=parse_profile(DEFAULT_PROFILE), concs=(DEV_CONC,),
+                      hbm_fractions=(DEV_FRACTION,))
+    return spec.capacities()[0]
+
+
+def generalise(jobs: int | None) -> int:
+    """The grid on both folds of the tuning half, the half, and the evaluation half; what each would choose and
+    what that choice costs on the others. Reads the evaluation half for the report only."""
+    from kvtier.placement.agent import KVTier
+    from kvtier.replay import load_trace
+    from kvtier.replay.run import split_workload
+
+    start = time.perf_counter()
+    parts = _folds(split_workload(load_trace(DEV_TRACE), "tune"))
+    out: dict[str, Any] = {"what": "how the tuning of KVTier.next_use_trust and user_wait_s carries: the tuning "
+                                   "half's two folds (leave-sessions-out), the half, the evaluation half (reported, "
+                                   "never chosen on)",
+                           "trace": DEV_TRACE.name, "concs": [DEV_CONC, PRESSURE_CONC], "hbm_fraction": DEV_FRACTION,
+                           "shipped": [KVTier.next_use_trust, KVTier.user_wait_s], "parts": {}}
+    for name, w in parts.items():
+        hbm = _conc8_hbm(w)
+        rows = _grid_rows(w, hbm, jobs, name)
+        best = _choose(rows)
+        out["parts"][name] = {"sessions": len(w.sessions), "hbm_blocks": hbm, "dram_blocks": 2 * hbm, "rows": rows,
+                              "chosen": [best["next_use_trust"], best["user_wait_s"]]}
+    for part in out["parts"].values():  # each part's choice scored on every part: excess over that part's optimum
+        part["excess_on"] = {}
+    for name, part in out["parts"].items():
+        by_pair = {(r["next_use_trust"], r["user_wait_s"]): _score(r) for r in part["rows"]}
+        optimum = min(by_pair.values())
+        for other, o in out["parts"].items():
+            part_choice = tuple(o["chosen"])
+            o["excess_on"][name] = by_pair[part_choice] / optimum - 1
+        shipped = tuple(out["shipped"])
+        part["shipped_excess"] = by_pair[shipped] / optimum - 1 if shipped in by_pair else None
+        part["spread"] = max(by_pair.values()) / optimum - 1
+    out["wall_s"] = time.perf_counter() - start
+    target = OUT.with_name("tune-kvtier-generalise.json")
+    target.write_text(json.dumps(out, indent=2) + "\n")
+    for name, part in out["parts"].items():
+        print(f"{name}: chooses {part['chosen']}; excess elsewhere "
+              + ", ".join(f"{k} {v:+.2%}" for k, v in part["excess_on"].items()))
+    print(f"wrote {target}")
     return 0
 
 

@@ -4,7 +4,7 @@
 What it does, in the order a user would:
 
 1. starts ``vllm serve`` with the kvtier connector (a DRAM tier beside the engine's
-   KV cache, ``exclusive_dram``, the hint server hosted in the connector at
+   KV cache, exclusive DRAM by default, the hint server hosted in the connector at
    ``--hint-server``) and the request-stream middleware, and prints the command;
 2. runs ``--agents`` coding agents at once through the ``openai`` client, unmodified
    except for ``prompt_cache_key`` (the session, as OpenAI's own API takes it). Each turn
@@ -171,8 +171,7 @@ def serve(args: argparse.Namespace, work: Path) -> tuple[subprocess.Popen, str]:
         model, name = args.model, args.served_model_name or args.model
         dram = args.dram_blocks
     kv = {"kv_connector": "kvtier", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-          "kv_connector_extra_config": {"dram_capacity_blocks": dram, "exclusive_dram": True,
-                                        "hint_server": args.hint_server}}
+          "kv_connector_extra_config": {"dram_capacity_blocks": dram, "hint_server": args.hint_server}}
     port = args.url.rsplit(":", 1)[1]
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", name,
            "--host", "127.0.0.1", "--port", port, "--enable-auto-tool-choice",

@@ -1,5 +1,5 @@
 """The ablation surfaces of issue 41 are what they claim: ``vllm-write-through`` (the
-connector as it comes) with one decision of ``full`` added (``+exclusive``, ``+order``, ``+drop``, ``+prefetch``),
+write-through connector) with one decision of ``full`` added (``+exclusive``, ``+order``, ``+drop``, ``+prefetch``),
 ``+defer``, and ``+all``; each sets exactly its flag, and the simulator does
 with it what ``kvtier replay --help`` says (``kvtier.placement.surface.ADDITIONS``)."""
 
@@ -20,7 +20,7 @@ from kvtier.replay.profiles import DEFAULT_PROFILE, parse_profile
 from kvtier.replay.sim import SimConfig, Simulator
 
 FLAGS = [f.name for f in fields(Surface) if f.name != "name"]
-WT = "vllm-write-through"  # the vLLM connector as it comes: the base the additions are named on
+WT = "vllm-write-through"  # the vLLM connector writing through: the base the additions are named on
 PROFILE = parse_profile(DEFAULT_PROFILE)
 
 

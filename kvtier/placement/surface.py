@@ -16,7 +16,7 @@ not decide anything itself.
   block down to DRAM as HBM evicts it (SGLang HiCache's write-back). The
   replay's default; results on it are *modelled only* where a real engine
   does not let a connector do this.
-* ``vllm-write-through`` — the vLLM connector as it comes (``exclusive_dram``
+* ``vllm-write-through`` — the vLLM connector writing through (``exclusive_dram``
   off), through vLLM 0.32's public connector surface: hold idle HBM blocks
   (``BlockPool.touch`` / ``free_blocks``) and refresh them to most recent;
   nothing can move an idle block to the front of vLLM's free queue or make

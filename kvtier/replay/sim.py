@@ -328,7 +328,7 @@ class Simulator:
                                clock=lambda: self.now, record_events=False,
                                hold_tiers=("hbm",) if self.victims.on else None)
         self.lower = [t for t in self.mgr.tier_names if t != "hbm"]
-        # write computed blocks through to the lower tiers (the vLLM connector as it comes does; with
+        # write computed blocks through to the lower tiers (the vLLM connector writing through does; with
         # exclusive_dram, to SSD only)
         self._write_through_on = policy.write_through or (self.surface.write_through_always and bool(self.lower))
         self.now = 0.0

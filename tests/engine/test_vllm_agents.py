@@ -260,7 +260,7 @@ def test_the_replay_matches_the_engine_within_2_percent(runs: dict, config: str,
 def test_without_holds_the_hbm_order_keeps_the_agents_contexts(runs: dict) -> None:
     """``exclusive_dram`` with holds off, six at a time: every waiting agent's idle HBM blocks go
     behind the other traffic's in vLLM's free queue (``hbm_ordered_blocks``), so each resumed
-    agent finds its whole context in HBM, where the connector as it comes (``kvtier-no-hold``)
+    agent finds its whole context in HBM, where the write-through connector (``kvtier-no-hold``)
     found none; the other traffic's blocks go down to DRAM as vLLM reuses their slots. The
     replay predicts it, and without the re-queue (``vllm-write-through+exclusive+defer``) predicts less."""
     res = runs["kvtier-exclusive-no-hold"]

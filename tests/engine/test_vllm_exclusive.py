@@ -22,10 +22,10 @@ Configurations, on the same engine settings:
 
 * ``none`` — vLLM with no connector (its own prefix cache only);
 * ``lru`` — placement ``lru-dram`` (write-through LRU), no hints;
-* ``kvtier-no-hints`` — placement ``kvtier`` with ``exclusive_dram``, requests untagged;
+* ``kvtier-no-hints`` — the connector's defaults (placement ``kvtier``, ``exclusive_dram`` on), requests untagged;
 * ``kvtier`` — the same with the SDK's tags and the true tool waits;
-* ``kvtier-write-through`` — ``kvtier`` with hints and DRAM written through (no
-  ``exclusive_dram``), at the larger DRAM;
+* ``kvtier-write-through`` — ``kvtier`` with hints and DRAM written through
+  (``exclusive_dram: false``), at the larger DRAM;
 * ``kvtier-long-waits`` — ``kvtier`` with the waits announced 10x longer (10 to
   60 s), at the larger DRAM. Each agent's last turn calls no tool: when the
   connector took that for a user's turn (back in 60 s, trust 0.5: 30 s ahead
@@ -65,8 +65,8 @@ arrive, and how many share that step then depends on timing); it also starts twi
 
 CONFIGS = {
     "lru": ({"placement": "lru-dram"}, False),
-    "kvtier-no-hints": ({"placement": "kvtier", "exclusive_dram": True}, False),
-    "kvtier": ({"placement": "kvtier", "exclusive_dram": True}, True),
+    "kvtier-no-hints": ({}, False),  # the default: placement kvtier, exclusive DRAM
+    "kvtier": ({}, True),
 }
 
 
@@ -126,7 +126,7 @@ def _run_all(tmp, max_num_seqs: int) -> dict:
         runs += [(f"{name}@{size}", {"dram_capacity_blocks": dram, **extra}, hinted, 1.0)
                  for name, (extra, hinted) in CONFIGS.items()]
     big = DRAM_SIZES["dram-3-contexts"]
-    runs.append(("kvtier-write-through@dram-3-contexts", {"dram_capacity_blocks": big, "placement": "kvtier"}, True,
+    runs.append(("kvtier-write-through@dram-3-contexts", {"dram_capacity_blocks": big, "exclusive_dram": False}, True,
                  1.0))
     runs.append(("kvtier-long-waits@dram-3-contexts", {"dram_capacity_blocks": big, **CONFIGS["kvtier"][0]}, True,
                  LONG_WAITS))
