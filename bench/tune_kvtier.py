@@ -153,16 +153,19 @@ def generalise(jobs: int | None) -> int:
     """The grid on both folds of the tuning half, the half, and the evaluation half; what each would choose and
     what that choice costs on the others. Reads the evaluation half for the report only."""
     from kvtier.placement.agent import KVTier
+    from kvtier.provenance import provenance
     from kvtier.replay import load_trace
-    from kvtier.replay.run import split_workload
+    from kvtier.replay.run import ReplaySpec, split_workload
 
     start = time.perf_counter()
+    stamp = provenance(("kvtier", "bench/tune_kvtier.py"))  # at the start: the code that ran
     parts = _folds(split_workload(load_trace(DEV_TRACE), "tune"))
     out: dict[str, Any] = {"what": "how the tuning of KVTier.next_use_trust and user_wait_s carries: the tuning "
                                    "half's two folds (leave-sessions-out), the half, the evaluation half (reported, "
                                    "never chosen on)",
                            "trace": DEV_TRACE.name, "concs": [DEV_CONC, PRESSURE_CONC], "hbm_fraction": DEV_FRACTION,
-                           "shipped": [KVTier.next_use_trust, KVTier.user_wait_s], "parts": {}}
+                           "shipped": [KVTier.next_use_trust, KVTier.user_wait_s],
+                           "surface": ReplaySpec.surface, "scheduler": ReplaySpec.scheduler, **stamp, "parts": {}}
     for name, w in parts.items():
         hbm = _conc8_hbm(w)
         rows = _grid_rows(w, hbm, jobs, name)
