@@ -152,6 +152,8 @@ def _conc8_hbm(w: Any) -> int:
 def generalise(jobs: int | None) -> int:
     """The grid on both folds of the tuning half, the half, and the evaluation half; what each would choose and
     what that choice costs on the others. Reads the evaluation half for the report only."""
+    from dataclasses import fields
+
     from kvtier.placement.agent import KVTier
     from kvtier.provenance import provenance
     from kvtier.replay import load_trace
@@ -165,7 +167,8 @@ def generalise(jobs: int | None) -> int:
                                    "never chosen on)",
                            "trace": DEV_TRACE.name, "concs": [DEV_CONC, PRESSURE_CONC], "hbm_fraction": DEV_FRACTION,
                            "shipped": [KVTier.next_use_trust, KVTier.user_wait_s],
-                           "surface": ReplaySpec.surface, "scheduler": ReplaySpec.scheduler, **stamp, "parts": {}}
+                           **{f.name: f.default for f in fields(ReplaySpec) if f.name in ("surface", "scheduler")},
+                           **stamp, "parts": {}}
     for name, w in parts.items():
         hbm = _conc8_hbm(w)
         rows = _grid_rows(w, hbm, jobs, name)
