@@ -90,6 +90,36 @@ def tune_kvtier(data: dict[str, Any]) -> str:
                               + [f"later-turn TTFT p99, conc {c} (s)" for c in concs], body)
 
 
+_PARTS = {"tune-fold-1": "tuning half, fold 1", "tune-fold-2": "tuning half, fold 2", "tune": "tuning half",
+          "eval": "evaluation half (reported, never chosen on)"}
+
+
+def _pair(pair: list[float]) -> str:
+    return f"trust {pair[0]:g}, user_wait_s {pair[1]:g}" if pair[0] else "trust 0"
+
+
+@table("tune-kvtier-generalise", "tune-kvtier-generalise.json")
+def tune_kvtier_generalise(data: dict[str, Any]) -> str:
+    """How the tuning of KVTier's two constants carries (bench/tune_kvtier.py --generalise): the pair each part
+    would choose, and what each choice costs on the other parts over their own optimum."""
+    parts = data["parts"]
+    body = []
+    for name, part in parts.items():
+        body.append([_PARTS.get(name, name), str(part["sessions"]), f"{part['hbm_blocks']:,}", _pair(part["chosen"]),
+                     f"{part['spread']:.1%}", f"{part['shipped_excess']:+.2%}"]
+                    + [f"{parts[k]['excess_on'][name]:+.2%}" for k in ("tune-fold-1", "tune-fold-2", "tune")])
+    caption = (f"`python bench/tune_kvtier.py --generalise` at commit {str(data.get('commit'))[:7]} "
+               f"({data['wall_s'] / 60:.0f} min on 1 core): the grid above on each part of the dev traces, "
+               f"`--surface {data['surface']} --scheduler {data['scheduler']}`, "
+               f"conc {' and '.join(map(str, data['concs']))}, "
+               f"HBM at `--hbm-fraction {data['hbm_fraction']:g}` of each part at conc 8, DRAM 2x HBM, no SSD. "
+               f"A pair's score is its prefill computed at both points; excess is over that part's best pair. "
+               f"Shipped: {_pair(data['shipped'])}.\n\n")
+    return caption + md_table(["part", "sessions", "HBM blocks", "it would choose", "grid's spread",
+                               "shipped pair's excess", "excess of fold 1's choice", "excess of fold 2's choice",
+                               "excess of the tuning half's choice"], body)
+
+
 _TUNE_DEV = ("tune-dev.json", "tune-dev-pressure.json")
 
 
@@ -160,7 +190,7 @@ _PEERS = {"lru-dram": "`lru-dram`: vLLM CPU offloading / LMCache by default (LRU
           "vllm-tiering": "`vllm-tiering`: vLLM session lifecycle, pressure-gated stores (PR #48837; modelled only)",
           "tokencake": "`tokencake`: TokenCake (arXiv 2510.18586)",
           "kvflow": "`kvflow`: KVFlow (arXiv 2507.07400)",
-          "kvtier": "**`kvtier`** (recommended live setup)"}
+          "kvtier": "**`kvtier`** (recommended live setup: the connector's defaults)"}
 _PEER_POINTS = ("peers-tune", "peers-tune-pressure", "peers-eval", "peers-eval-pressure")
 
 
