@@ -64,14 +64,15 @@ def _variant(trust: float, user_wait_s: float):
 
 def _grid_rows(w: Any, hbm: int, jobs: int | None, label: str) -> list[dict[str, float]]:
     """Every pair of the grid replayed on workload ``w`` at both points (HBM ``hbm``, DRAM 2x, no SSD)."""
-    from kvtier.placement import register_placement
+    from kvtier.placement import placement_names, register_placement
     from kvtier.replay.profiles import DEFAULT_PROFILE, parse_profile
     from kvtier.replay.run import ReplaySpec, default_jobs, run_replay
 
     names = {}
     for value in GRID:
         name, cls = _variant(*value)
-        register_placement(name, cls)
+        if name not in placement_names():  # once per process: every part replays the same grid
+            register_placement(name, cls)
         names[name] = value
     points = {}
     for conc in (DEV_CONC, PRESSURE_CONC):
