@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     engine = {**ENGINE, "max_model_len": 2048, "disable_hybrid_kv_cache_manager": True, "gpu_memory_utilization": 0.15}
     null = {"connector_name": "NullConnector", "connector_module_path": "null_connector"}
     configs = (("baseline", None, {}), ("null", {}, null), ("lru", {**extra, "placement": "lru-dram"}, {}),
-               ("kvtier", {**extra, "placement": extra.get("placement", "kvtier")}, {}),
+               ("kvtier", {**extra, "placement": extra.get("placement", "kvtier"), "exclusive_dram": False}, {}),
                ("exclusive", {**extra, "placement": extra.get("placement", "kvtier"), "exclusive_dram": True}, {}))
     for name, kv, more in configs:
         if kv is not None and "stats_path" in kv:

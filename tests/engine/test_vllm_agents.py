@@ -56,8 +56,8 @@ REPLAY_GAP_S = 6.0  # the replay's tool wait (its hint plane predicts it from hi
 
 CONFIGS = {
     "lru": ({"placement": "lru-dram"}, False),
-    "kvtier": ({"placement": "kvtier"}, True),
-    "kvtier-no-hold": ({"placement": "kvtier", "hbm_hold": False}, True),
+    "kvtier": ({"placement": "kvtier", "exclusive_dram": False}, True),
+    "kvtier-no-hold": ({"placement": "kvtier", "exclusive_dram": False, "hbm_hold": False}, True),
     "kvtier-exclusive": ({"placement": "kvtier", "exclusive_dram": True}, True),
     "kvtier-exclusive-no-hold": ({"placement": "kvtier", "exclusive_dram": True, "hbm_hold": False}, True),
 }

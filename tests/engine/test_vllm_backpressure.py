@@ -70,7 +70,8 @@ def test_a_slow_ssd_keeps_host_memory_bounded_and_outputs_unchanged(tmp_path: Pa
     limit = 600  # each run (about 3-4 min here; the slow one waits for its writer to drain)
     null = run_child(tmp_path, "null", {**spec, "kvtier": {}, "connector_name": "NullConnector",
                                         "connector_module_path": "null_connector"}, env=env, timeout_s=limit)
-    kvtier = {"dram_capacity_blocks": DRAM_BLOCKS, "ssd_path": str(tmp_path / "ssd"), "ssd_write_queue_mib": QUEUE_MIB,
+    kvtier = {"dram_capacity_blocks": DRAM_BLOCKS, "exclusive_dram": False,
+              "ssd_path": str(tmp_path / "ssd"), "ssd_write_queue_mib": QUEUE_MIB,
               "staging_mib": STAGING_MIB, "stats_path": str(tmp_path / "slow.stats.json")}
     slow = run_child(tmp_path, "slow", {**spec, "kvtier": kvtier, "connector_name": "SlowSSDConnector",
                                         "connector_module_path": "slow_ssd_connector"}, env=env, timeout_s=limit)

@@ -49,7 +49,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     ssd = tmp / "ssd"
 
     def kvtier(name: str) -> dict:
-        return {"dram_capacity_blocks": 64, "ssd_path": str(ssd), "stats_path": str(tmp / f"{name}.stats.json")}
+        return {"dram_capacity_blocks": 64, "exclusive_dram": False, "ssd_path": str(ssd),
+                "stats_path": str(tmp / f"{name}.stats.json")}
 
     def spec(extra: dict | None, phases: list[dict], engine: dict | None = None) -> dict:
         return {"model": str(model), "engine": {**ENGINE, **(engine or {})}, "kvtier": extra, "phases": phases}

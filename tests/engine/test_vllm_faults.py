@@ -34,7 +34,8 @@ def full_disk(tmp_path_factory):
         pytest.skip(f"cannot mount a 1 MiB tmpfs here (needs root with CAP_SYS_ADMIN): {proc.stderr.strip()}")
     try:
         model = make_model(tmp / "model")
-        kvtier = {"dram_capacity_blocks": 128, "ssd_path": str(mount / "kv"), "ssd_capacity_blocks": 4096,
+        kvtier = {"dram_capacity_blocks": 128, "exclusive_dram": False,
+                  "ssd_path": str(mount / "kv"), "ssd_capacity_blocks": 4096,
                   "stats_path": str(tmp / "stats.json")}
         engine = {**ENGINE, "max_num_seqs": 12}
         out = run_child(tmp, "full", {"model": str(model), "engine": engine, "kvtier": kvtier, "phases": [

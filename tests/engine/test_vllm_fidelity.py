@@ -81,7 +81,8 @@ def both(tmp_path_factory: pytest.TempPathFactory) -> dict:
     rec = tmp / "recording"  # the engine also records what it serves (issue 25; checked below)
     spec = {"model": str(make_model(tmp / "model")), "max_tokens": OUT,
             "engine": {**ENGINE, "num_gpu_blocks_override": HBM_BLOCKS + 1, "max_num_seqs": 1},
-            "kvtier": {"dram_capacity_blocks": DRAM_BLOCKS, "stats_path": str(tmp / "fidelity.stats.json"),
+            "kvtier": {"dram_capacity_blocks": DRAM_BLOCKS, "exclusive_dram": False,
+                       "stats_path": str(tmp / "fidelity.stats.json"),
                        "record_path": str(rec)},
             "phases": [{"prompts": [tokens]} for _, tokens in requests]}
     run = run_child(tmp, "fidelity", spec)

@@ -40,7 +40,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     ssd = tmp / "ssd"
 
     def spec(name: str | None, phases: list[dict], engine: dict | None = None) -> dict:
-        extra = None if name is None else {"dram_capacity_blocks": 64, "ssd_path": str(ssd),
+        extra = None if name is None else {"dram_capacity_blocks": 64, "exclusive_dram": False, "ssd_path": str(ssd),
                                            "stats_path": str(tmp / f"{name}.stats.json")}
         return {"model": str(model), "engine": {**MLA_ENGINE, **(engine or {})}, "kvtier": extra, "phases": phases}
 

@@ -56,8 +56,8 @@ MAX_BATCH_TOKENS = 4096
 
 CONFIGS = {
     "lru": ({"placement": "lru-dram"}, False),
-    "kvtier-no-hints": ({"placement": "kvtier"}, False),
-    "kvtier": ({"placement": "kvtier"}, True),
+    "kvtier-no-hints": ({"placement": "kvtier", "exclusive_dram": False}, False),
+    "kvtier": ({"placement": "kvtier", "exclusive_dram": False}, True),
 }
 
 CONTEXT_TOKENS = [AGENTS * blocks * BLOCK_SIZE for blocks in (3, 5)]

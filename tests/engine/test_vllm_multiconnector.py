@@ -64,7 +64,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     def spec(children: list | None, name: str, phases: list[dict]) -> dict:
         out = {"model": str(model), "engine": ENGINE, "cpu_attention": "vec", "phases": phases}
         if children is not None:
-            out |= {"kvtier": {"dram_capacity_blocks": 64, "stats_path": str(tmp / f"{name}.stats.json")},
+            out |= {"kvtier": {"dram_capacity_blocks": 64, "exclusive_dram": False,
+                               "stats_path": str(tmp / f"{name}.stats.json")},
                     "multi_connector": children,
                     # the scheduler reads this from the outer config; kvtier can set only its own child's
                     "multi_connector_options": {"kv_load_failure_policy": "recompute"}}

@@ -45,7 +45,8 @@ class _Engine:
 
     def __init__(self, num_gpu_blocks: int, _settings: ConnectorSettings | None = None, **extra) -> None:
         facts = EngineFacts("tiny", "bfloat16", BS, 2, 2, 32, "fused", "sha256")
-        settings = _settings or ConnectorSettings.build({"dram_capacity_blocks": 8, **extra}, facts, env={})
+        settings = _settings or ConnectorSettings.build({"dram_capacity_blocks": 8, "exclusive_dram": False, **extra},
+                                                        facts, env={})
         ns = settings.config.namespace.to_namespace(settings.config.layout.to_layout())
         self.sched = KVTierScheduler(settings, ns, BS, 1)
         self.block_ids: dict[str, list[int]] = {}

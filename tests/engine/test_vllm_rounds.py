@@ -49,7 +49,8 @@ def rounds(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     engine = {**ENGINE, "max_model_len": 4096, "max_num_batched_tokens": 8192}
     stats = tmp / "kvtier.stats.json"
     cached = ServedEngine(tmp, "kvtier", {"model": str(model), "max_tokens": OUT, "engine": engine,
-                                          "kvtier": {"dram_capacity_blocks": 4096, "stats_path": str(stats)}})
+                                          "kvtier": {"dram_capacity_blocks": 4096, "exclusive_dram": False,
+                                                     "stats_path": str(stats)}})
     plain = ServedEngine(tmp, "plain", {"model": str(model), "max_tokens": OUT,
                                         "engine": {**engine, "enable_prefix_caching": False}})
     layout = RoundLayout(_tokens("preamble", PREAMBLE_TOKENS))

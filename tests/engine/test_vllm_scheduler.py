@@ -36,7 +36,7 @@ class FakeKVCacheManager:
 
 def _sched(world_size: int = 1, **extra) -> tuple[KVTierScheduler, FakeKVCacheManager]:
     facts = EngineFacts("tiny", "bfloat16", BS, 2, 2, 32, "fused", "sha256")
-    settings = ConnectorSettings.build({"dram_capacity_blocks": 8, **extra}, facts, env={})
+    settings = ConnectorSettings.build({"dram_capacity_blocks": 8, "exclusive_dram": False, **extra}, facts, env={})
     ns = settings.config.namespace.to_namespace(settings.config.layout.to_layout())
     sched = KVTierScheduler(settings, ns, BS, world_size)
     kvm = FakeKVCacheManager()
@@ -483,7 +483,7 @@ def test_without_recompute_when_cheaper_a_hit_is_always_loaded() -> None:
 
 def _cpu_sched(**extra) -> tuple[KVTierScheduler, FakeKVCacheManager]:
     facts = EngineFacts("tiny", "bfloat16", BS, 2, 2, 32, "fused", "sha256", device_type="cpu")
-    settings = ConnectorSettings.build({"dram_capacity_blocks": 8, **extra}, facts, env={})
+    settings = ConnectorSettings.build({"dram_capacity_blocks": 8, "exclusive_dram": False, **extra}, facts, env={})
     ns = settings.config.namespace.to_namespace(settings.config.layout.to_layout())
     sched = KVTierScheduler(settings, ns, BS, 1)
     kvm = FakeKVCacheManager()

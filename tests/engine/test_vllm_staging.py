@@ -71,7 +71,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         phases = _phases(placement)
         before = {}
         spec = {"model": str(model), "max_tokens": 8, "engine": engine, "phases": phases,
-                "kvtier": {"placement": placement, "hbm_hold": False, "dram_capacity_blocks": DRAM_BLOCKS,
+                "kvtier": {"placement": placement, "hbm_hold": False, "exclusive_dram": False,
+                           "dram_capacity_blocks": DRAM_BLOCKS,
                            "ssd_path": str(tmp / f"{placement}.ssd"), "ssd_capacity_blocks": 1024,
                            "stats_path": str(tmp / f"{placement}.stats.json")}}
         run = run_child(tmp, placement, spec)

@@ -309,7 +309,7 @@ class KVTierScheduler:
         if st.approx and self._approx is not None:
             keys, shifts = self._approx.keys_to_load(st.approx, keys)
         hit = self.manager.lookup(keys[start:max_blocks])
-        if self.exclusive and start + hit.num_blocks < max_blocks and \
+        if self.exclusive and self.write_backs.pool is not None and start + hit.num_blocks < max_blocks and \
                 self.manager.is_pending(keys[start + hit.num_blocks], "dram"):
             # its prefix goes on in a block on its way into DRAM (written back this step, or promoted):
             # vLLM asks again next step instead of computing what lands in a moment
@@ -398,7 +398,7 @@ class KVTierScheduler:
             job = LoadJob(request.request_id, plan_id, (plan.keys if plan is not None else ()) + remote, tiers,
                           slots + (0,) * len(remote), targets, shifts, match.sync)
             self._load_plans[plan_id] = (request.request_id, plan, remote)
-            if self.exclusive and plan is not None and st.approx is None:
+            if self.exclusive and self.write_backs.pool is not None and plan is not None and st.approx is None:
                 self.write_backs.load_starts[plan_id] = match.start_block
             self._note_lossy_loads(job)
             if job.shifts:  # a block rotated from a lossy value is lossy under the request's own key too
