@@ -104,9 +104,12 @@ def main() -> int:
     ap.add_argument("--generalise", action="store_true",
                     help="report how the choice carries across folds and halves (writes tune-kvtier-generalise.json; "
                          "chooses nothing)")
+    ap.add_argument("--parts", default="tune-fold-1,tune-fold-2,tune,eval",
+                    help="with --generalise: the parts to replay, comma-separated (default: all four; others already "
+                         "in the JSON from the same commit are kept)")
     args = ap.parse_args()
     if args.generalise:
-        return generalise(args.jobs)
+        return generalise(args.jobs, tuple(p for p in args.parts.split(",") if p))
     from kvtier.replay import load_trace
     from kvtier.replay.run import split_workload
 
@@ -150,9 +153,13 @@ def _conc8_hbm(w: Any) -> int:
     return spec.capacities()[0]
 
 
-def generalise(jobs: int | None) -> int:
-    """The grid on both folds of the tuning half, the half, and the evaluation half; what each would choose and
-    what that choice costs on the others. Reads the evaluation half for the report only."""
+def generalise(jobs: int | None, wanted: tuple[str, ...]) -> int:
+    """The grid on the ``wanted`` parts (both folds of the tuning half, the half, the evaluation half); what each
+    would choose and what that choice costs on the others. Each part is merged into the JSON as it finishes, so
+    parts can run in separate processes (the file's other parts are kept only from the same clean commit).
+    Reads the evaluation half for the report only."""
+    import fcntl
+    import tempfile
     from dataclasses import fields
 
     from kvtier.placement.agent import KVTier
@@ -160,41 +167,52 @@ def generalise(jobs: int | None) -> int:
     from kvtier.replay import load_trace
     from kvtier.replay.run import ReplaySpec, split_workload
 
-    start = time.perf_counter()
     stamp = provenance(("kvtier", "bench/tune_kvtier.py"))  # at the start: the code that ran
     parts = _folds(split_workload(load_trace(DEV_TRACE), "tune"))
-    out: dict[str, Any] = {"what": "how the tuning of KVTier.next_use_trust and user_wait_s carries: the tuning "
-                                   "half's two folds (leave-sessions-out), the half, the evaluation half (reported, "
-                                   "never chosen on)",
-                           "trace": DEV_TRACE.name, "concs": [DEV_CONC, PRESSURE_CONC], "hbm_fraction": DEV_FRACTION,
-                           "shipped": [KVTier.next_use_trust, KVTier.user_wait_s],
-                           **{f.name: f.default for f in fields(ReplaySpec) if f.name in ("surface", "scheduler")},
-                           **stamp, "parts": {}}
-    for name, w in parts.items():
+    unknown = sorted(set(wanted) - set(parts))
+    if unknown:
+        raise SystemExit(f"tune_kvtier: --parts {unknown[0]!r}: valid: {', '.join(parts)}")
+    head: dict[str, Any] = {"what": "how the tuning of KVTier.next_use_trust and user_wait_s carries: the tuning "
+                                    "half's two folds (leave-sessions-out), the half, the evaluation half (reported, "
+                                    "never chosen on)",
+                            "trace": DEV_TRACE.name, "concs": [DEV_CONC, PRESSURE_CONC], "hbm_fraction": DEV_FRACTION,
+                            "shipped": [KVTier.next_use_trust, KVTier.user_wait_s],
+                            **{f.name: f.default for f in fields(ReplaySpec) if f.name in ("surface", "scheduler")},
+                            **stamp}
+    target = OUT.with_name("tune-kvtier-generalise.json")
+    for name in wanted:
+        start = time.perf_counter()
+        w = parts[name]
         hbm = _conc8_hbm(w)
         rows = _grid_rows(w, hbm, jobs, name)
         best = _choose(rows)
-        out["parts"][name] = {"sessions": len(w.sessions), "hbm_blocks": hbm, "dram_blocks": 2 * hbm, "rows": rows,
-                              "chosen": [best["next_use_trust"], best["user_wait_s"]]}
-    for part in out["parts"].values():  # each part's choice scored on every part: excess over that part's optimum
+        part = {"sessions": len(w.sessions), "hbm_blocks": hbm, "dram_blocks": 2 * hbm, "rows": rows,
+                "chosen": [best["next_use_trust"], best["user_wait_s"]], "wall_s": time.perf_counter() - start}
+        with open(Path(tempfile.gettempdir()) / "tune-kvtier-generalise.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            old = json.loads(target.read_text()) if target.exists() else {}
+            same = old.get("commit") == stamp["commit"] and stamp["commit"] and not stamp["kvtier_dirty"]
+            out = {**head, "parts": {**(old.get("parts", {}) if same else {}), name: part}}
+            _cross(out)
+            target.write_text(json.dumps(out, indent=2) + "\n")
+        print(f"{name}: chooses {part['chosen']}; wrote {target}")
+    return 0
+
+
+def _cross(out: dict[str, Any]) -> None:
+    """Each part's choice scored on every part present, as its excess prefill over that part's own optimum."""
+    parts = out["parts"]
+    for part in parts.values():
         part["excess_on"] = {}
-    for name, part in out["parts"].items():
+    for name, part in parts.items():
         by_pair = {(r["next_use_trust"], r["user_wait_s"]): _score(r) for r in part["rows"]}
         optimum = min(by_pair.values())
-        for other, o in out["parts"].items():
-            part_choice = tuple(o["chosen"])
-            o["excess_on"][name] = by_pair[part_choice] / optimum - 1
+        for o in parts.values():
+            o["excess_on"][name] = by_pair[tuple(o["chosen"])] / optimum - 1
         shipped = tuple(out["shipped"])
         part["shipped_excess"] = by_pair[shipped] / optimum - 1 if shipped in by_pair else None
         part["spread"] = max(by_pair.values()) / optimum - 1
-    out["wall_s"] = time.perf_counter() - start
-    target = OUT.with_name("tune-kvtier-generalise.json")
-    target.write_text(json.dumps(out, indent=2) + "\n")
-    for name, part in out["parts"].items():
-        print(f"{name}: chooses {part['chosen']}; excess elsewhere "
-              + ", ".join(f"{k} {v:+.2%}" for k, v in part["excess_on"].items()))
-    print(f"wrote {target}")
-    return 0
+    out["wall_s"] = sum(p["wall_s"] for p in parts.values())
 
 
 if __name__ == "__main__":
