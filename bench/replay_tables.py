@@ -107,7 +107,8 @@ def tune_kvtier_generalise(data: dict[str, Any]) -> str:
     for name, part in parts.items():
         body.append([_PARTS.get(name, name), str(part["sessions"]), f"{part['hbm_blocks']:,}", _pair(part["chosen"]),
                      f"{part['spread']:.1%}", f"{part['shipped_excess']:+.2%}"]
-                    + [f"{parts[k]['excess_on'][name]:+.2%}" for k in ("tune-fold-1", "tune-fold-2", "tune")])
+                    + [f"{parts[k]['excess_on'][name]:+.2%}" if k in parts else "(not run)"
+                       for k in ("tune-fold-1", "tune-fold-2", "tune")])
     caption = (f"`python bench/tune_kvtier.py --generalise` at commit {str(data.get('commit'))[:7]} "
                f"({data['wall_s'] / 60:.0f} min on 1 core): the grid above on each part of the dev traces, "
                f"`--surface {data['surface']} --scheduler {data['scheduler']}`, "
