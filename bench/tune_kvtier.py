@@ -191,12 +191,21 @@ def generalise(jobs: int | None, wanted: tuple[str, ...]) -> int:
         with open(Path(tempfile.gettempdir()) / "tune-kvtier-generalise.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             old = json.loads(target.read_text()) if target.exists() else {}
-            same = old.get("commit") == stamp["commit"] and stamp["commit"] and not stamp["kvtier_dirty"]
-            out = {**head, "parts": {**(old.get("parts", {}) if same else {}), name: part}}
+            kept = {k: p for k, p in old.get("parts", {}).items() if _same_code(p.get("commit"), stamp)}
+            out = {**head, "parts": {**kept, name: {**part, "commit": stamp["commit"]}}}
             _cross(out)
             target.write_text(json.dumps(out, indent=2) + "\n")
         print(f"{name}: chooses {part['chosen']}; wrote {target}")
     return 0
+
+
+def _same_code(commit: str | None, stamp: dict[str, Any]) -> bool:
+    """Whether a part replayed at ``commit`` ran the code this run runs (nothing the replay reads differs)."""
+    from kvtier.provenance import git
+
+    if not commit or not stamp["commit"] or stamp["kvtier_dirty"] is not False:
+        return False
+    return git("diff", "--name-only", commit, stamp["commit"], "--", "kvtier", "bench/tune_kvtier.py") == ""
 
 
 def _cross(out: dict[str, Any]) -> None:
