@@ -127,6 +127,9 @@ class Chaos:
         self.hint_proc = self._start_hints()
         self.kvtier = {"dram_capacity_blocks": 32, "ssd_path": str(self.ssd_mount / "kv"),
                        "ssd_capacity_blocks": 4096, "stats_path": str(self.stats_path), "placement": "kvtier",
+                       # write-through, as the faults were sized for: with exclusive DRAM (the default) the SSD-read
+                       # fault's window saw no SSD load (issue 62 follows it up)
+                       "exclusive_dram": False,
                        "remote_master": self.master.master, "remote_metadata_server": self.master.metadata_server,
                        "remote_segment_mib": 64, "hint_watch": f"127.0.0.1:{self.hint_port}"}
         self.server = Server(work, "chaos", self.model, self.kvtier)
