@@ -73,6 +73,16 @@ def test_blocks_are_offered_only_after_every_worker_stored_them() -> None:
     assert sched.get_num_new_matched_tokens(r2, 2 * BS) == (BS, True)  # past the local hit
 
 
+def test_exclusive_dram_without_a_bound_block_pool_writes_through_and_never_defers() -> None:
+    """Exclusive DRAM needs vLLM's block pool (told of a slot's reuse); an engine that never binds one gets
+    write-through in full: a lookup behind a pending store is a miss now, never deferred (``None``)."""
+    sched, kvm = _sched(exclusive_dram=True)
+    assert sched.exclusive and sched.write_backs.pool is None
+    _, job, write = _store_r1(sched, kvm)
+    assert write.tier == "dram"  # written through, not watched
+    assert sched.get_num_new_matched_tokens(FakeRequest("r2", 4), 0) == (0, False)
+
+
 def test_finished_request_keeps_blocks_only_while_a_store_reads_them() -> None:
     sched, kvm = _sched()
     r1, job, write = _store_r1(sched, kvm)
