@@ -131,7 +131,7 @@ def tune_kvtier_generalise(data: dict[str, Any]) -> str:
         robust = min(worst, key=lambda p: (worst[p], p))
         shipped = tuple(data["shipped"])
         text = text.rstrip("\n") + (f"\n\nThe pair that holds on both folds (least worst excess over the two): {_pair(list(robust))}, "
-                 f"at most {worst[robust]:+.2%}; the shipped pair: at most {worst.get(shipped, float('nan')):+.2%}.")
+                 f"at most {worst[robust]:+.2%}; the shipped pair: at most {worst.get(shipped, float('nan')):+.2%}.\n")
     return text
 
 

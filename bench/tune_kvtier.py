@@ -106,7 +106,7 @@ def main() -> int:
                          "chooses nothing)")
     ap.add_argument("--parts", default="tune-fold-1,tune-fold-2,tune,eval",
                     help="with --generalise: the parts to replay, comma-separated (default: all four; others already "
-                         "in the JSON from the same commit are kept)")
+                         "in the JSON, replayed by the same code, are kept)")
     args = ap.parse_args()
     if args.generalise:
         return generalise(args.jobs, tuple(p for p in args.parts.split(",") if p))
@@ -156,7 +156,7 @@ def _conc8_hbm(w: Any) -> int:
 def generalise(jobs: int | None, wanted: tuple[str, ...]) -> int:
     """The grid on the ``wanted`` parts (both folds of the tuning half, the half, the evaluation half); what each
     would choose and what that choice costs on the others. Each part is merged into the JSON as it finishes, so
-    parts can run in separate processes (the file's other parts are kept only from the same clean commit).
+    parts can run in separate processes (the file's other parts are kept where the same code replayed them).
     Reads the evaluation half for the report only."""
     import fcntl
     import tempfile
