@@ -40,6 +40,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
@@ -72,11 +73,17 @@ DEV_CONC = 8
 def _dev_hbm_blocks(half: str) -> int:
     """HBM blocks that ``--hbm-fraction 0.25`` gives on that half at conc 8 (to size the SSD at 4x)."""
     from kvtier.replay import load_trace
-    from kvtier.replay.profiles import DEFAULT_PROFILE, parse_profile
-    from kvtier.replay.run import ReplaySpec, split_workload
+    from kvtier.replay.run import split_workload
 
-    w = split_workload(load_trace(DEV_TRACE), half)
-    spec = ReplaySpec(workload=w, profile=parse_profile(DEFAULT_PROFILE), concs=(DEV_CONC,),
+    return conc8_hbm_blocks(split_workload(load_trace(DEV_TRACE), half))
+
+
+def conc8_hbm_blocks(workload: Any) -> int:
+    """HBM blocks that ``--hbm-fraction 0.25`` gives on ``workload`` at conc 8, the dev points' rule."""
+    from kvtier.replay.profiles import DEFAULT_PROFILE, parse_profile
+    from kvtier.replay.run import ReplaySpec
+
+    spec = ReplaySpec(workload=workload, profile=parse_profile(DEFAULT_PROFILE), concs=(DEV_CONC,),
                       hbm_fractions=(DEV_FRACTION,))
     return spec.capacities()[0]
 

@@ -42,7 +42,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from replay_results import DEV_CONC, DEV_FRACTION, DEV_TRACE  # noqa: E402
+from replay_results import DEV_CONC, DEV_FRACTION, DEV_TRACE, conc8_hbm_blocks  # noqa: E402
 OUT = ROOT / "bench" / "out" / "tune-kvtier.json"
 TRUST_GRID: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0)
 # A user's turn in the dev traces' tuning half: p50 74 s, p75 268 s, mean 939 s after an end_turn
@@ -114,7 +114,7 @@ def main() -> int:
     from kvtier.replay.run import split_workload
 
     w = split_workload(load_trace(DEV_TRACE), "tune")
-    hbm = _conc8_hbm(w)
+    hbm = conc8_hbm_blocks(w)
     start = time.perf_counter()
     rows = _grid_rows(w, hbm, args.jobs, "tune")
     points = (DEV_CONC, PRESSURE_CONC)
@@ -141,16 +141,6 @@ def _folds(w: Any) -> dict[str, Any]:
     ordered = sorted(w.sessions, key=lambda s: s.session_id)
     parts = {f"tune-fold-{i + 1}": replace(w, sessions=tuple(ordered[i::2])) for i in (0, 1)}
     return {**parts, "tune": w, "eval": split_workload(load_trace(DEV_TRACE), "eval")}
-
-
-def _conc8_hbm(w: Any) -> int:
-    """HBM blocks ``--hbm-fraction 0.25`` gives on ``w`` at conc 8 (the README's rule, per part)."""
-    from kvtier.replay.profiles import DEFAULT_PROFILE, parse_profile
-    from kvtier.replay.run import ReplaySpec
-
-    spec = ReplaySpec(workload=w, profile=parse_profile(DEFAULT_PROFILE), concs=(DEV_CONC,),
-                      hbm_fractions=(DEV_FRACTION,))
-    return spec.capacities()[0]
 
 
 def generalise(jobs: int | None, wanted: tuple[str, ...]) -> int:
@@ -183,7 +173,7 @@ def generalise(jobs: int | None, wanted: tuple[str, ...]) -> int:
     for name in wanted:
         start = time.perf_counter()
         w = parts[name]
-        hbm = _conc8_hbm(w)
+        hbm = conc8_hbm_blocks(w)
         rows = _grid_rows(w, hbm, jobs, name)
         best = _choose(rows)
         part = {"sessions": len(w.sessions), "hbm_blocks": hbm, "dram_blocks": 2 * hbm, "rows": rows,
