@@ -4,8 +4,11 @@ Owns: for every ``bench/out/*.json``, the commit it was produced on (its
 ``commit`` field, stamped by :func:`kvtier.provenance.provenance`; for files
 from before stamps, the commit that last wrote the file, a bound: they were
 produced on it or earlier) and the commits since then that changed its
-inputs (the code its figures depend on, :data:`INPUTS`). Prints them, stalest
-first. Must not rerun anything or change a file: rerunning is the job of the
+inputs (the code its figures depend on, :data:`INPUTS`). A change that
+cannot move a figure does not count: an input file whose code is the same at
+the result's commit and at HEAD once comments, docstrings and layout are set
+aside (its syntax tree, for Python; its bytes, for anything else) is not a
+change, however many commits touched it. Prints them, stalest first. Must not rerun anything or change a file: rerunning is the job of the
 script that made each file (see the README captions).
 
     python bench/stale_results.py            # the list
@@ -17,6 +20,7 @@ tests/test_stale_results.py runs it in CI, where it prints the list.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import sys
 from pathlib import Path
@@ -53,13 +57,49 @@ def inputs_of(name: str) -> tuple[str, ...]:
     return next((paths for prefix, paths in INPUTS if name.startswith(prefix)), DEFAULT_INPUTS)
 
 
+def _without_docstrings(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+def code_of(commit: str, path: str, root: Path = ROOT, cache: dict | None = None) -> str | None:
+    """What of ``path`` at ``commit`` can move a figure: a Python file's syntax tree
+    without its docstrings (comments and layout are not in it); any other file's
+    text, or a Python file's that does not parse. ``None`` where the file is absent."""
+    if cache is not None and (commit, path) in cache:
+        return cache[(commit, path)]
+    text = git("show", f"{commit}:{path}", root=root)
+    code = text
+    if text is not None and path.endswith(".py"):
+        try:
+            code = ast.dump(_without_docstrings(ast.parse(text)))
+        except (SyntaxError, ValueError):
+            pass
+    if cache is not None:
+        cache[(commit, path)] = code
+    return code
+
+
+def _moves_code(commit: str, paths: list[str], root: Path, cache: dict) -> bool:
+    """Whether ``commit`` changed the code (:func:`code_of`) of any of ``paths``."""
+    touched = (git("diff-tree", "--no-commit-id", "--name-only", "-r", commit, "--", *paths, root=root) or "").split()
+    return any(code_of(f"{commit}^", p, root, cache) != code_of(commit, p, root, cache) for p in touched)
+
+
 def staleness(out_dir: Path, root: Path = ROOT) -> list[dict[str, Any]] | None:
     """One entry per result file: ``file``, ``produced_on`` (commit), ``stamped`` (the
     commit is the file's own record, not the last commit that wrote it), ``changed_by``
-    (commits since, on its inputs, newest first). ``None`` where git has no history here."""
+    (commits since that touched an input whose code moved, newest first) and
+    ``text_only`` (inputs edited since in comments, docstrings or layout alone,
+    which do not count). ``None`` where git has no history here."""
     if git("rev-parse", "--verify", "HEAD", root=root) is None:
         return None
-    out = []
+    out, cache = [], {}
     for path in sorted(out_dir.glob("*.json")):
         rel = path.resolve().relative_to(root.resolve()).as_posix()
         try:
@@ -70,9 +110,14 @@ def staleness(out_dir: Path, root: Path = ROOT) -> list[dict[str, Any]] | None:
         produced = stamp if known else git("log", "-1", "--format=%H", "--", rel, root=root)
         if not produced:
             continue  # never committed: nothing to compare
-        log = git("log", "--format=%h %s", f"{produced}..HEAD", "--", *inputs_of(path.stem), root=root) or ""
-        out.append({"file": rel, "produced_on": produced, "stamped": bool(known),
-                    "changed_by": [line for line in log.splitlines() if line]})
+        inputs = inputs_of(path.stem)
+        edited = (git("diff", "--name-only", produced, "HEAD", "--", *inputs, root=root) or "").split()
+        moved = [p for p in edited if code_of(produced, p, root, cache) != code_of("HEAD", p, root, cache)]
+        log = (git("log", "--format=%H %s", f"{produced}..HEAD", "--", *moved, root=root) or "") if moved else ""
+        changed_by = [f"{line[:7]} {line[41:]}" for line in log.splitlines()
+                      if line and _moves_code(line[:40], moved, root, cache)]
+        out.append({"file": rel, "produced_on": produced, "stamped": bool(known), "changed_by": changed_by,
+                    "text_only": sorted(set(edited) - set(moved))})
     out.sort(key=lambda e: (-len(e["changed_by"]), e["file"]))
     return out
 

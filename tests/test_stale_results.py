@@ -48,6 +48,30 @@ def test_a_result_is_stale_once_its_inputs_change_after_the_commit_it_names(tmp_
     assert got["codecs.json"]["changed_by"] == []  # the simulator is not a codec input
 
 
+def test_a_change_to_comments_docstrings_or_layout_alone_does_not_make_a_result_stale(tmp_path: Path) -> None:
+    sr = _script()
+    sim = tmp_path / "kvtier" / "replay" / "sim.py"
+    sim.parent.mkdir(parents=True)
+    (tmp_path / "out").mkdir()
+    _git(tmp_path, "init", "-q")
+    sim.write_text('"""The simulator."""\n\ndef step(x):\n    return x + 1\n')
+    (tmp_path / "out" / "replay-a.json").write_text("{}")
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "commit", "-qm", "first")
+    sim.write_text('"""The simulator, documented."""\n\n\ndef step(x):  # one more\n    """Step."""\n'
+                   '    return (x + 1)\n')
+    _git(tmp_path, "commit", "-qam", "docs only")
+    (entry,) = sr.staleness(tmp_path / "out", tmp_path)
+    assert entry["changed_by"] == [] and entry["text_only"] == ["kvtier/replay/sim.py"]
+    sim.write_text('"""The simulator, documented."""\n\n\ndef step(x):\n    """Step."""\n    return x + 2\n')
+    _git(tmp_path, "commit", "-qam", "code moved")
+    sim.write_text('"""Again."""\n\n\ndef step(x):\n    """Step."""\n    return x + 2\n')
+    _git(tmp_path, "commit", "-qam", "docs again")
+    (entry,) = sr.staleness(tmp_path / "out", tmp_path)
+    # only the commit that moved code counts, not the text-only ones around it
+    assert [c.split(" ", 1)[1] for c in entry["changed_by"]] == ["code moved"] and entry["text_only"] == []
+
+
 def test_the_committed_results_are_listed(capsys: pytest.CaptureFixture[str]) -> None:
     sr = _script()
     entries = sr.staleness(ROOT / "bench" / "out")
