@@ -270,7 +270,10 @@ class Chaos:
 
         from kvtier.tiers.codec import HEADER_BYTES
 
-        failed0 = self.counter("load_failed_blocks")
+        def failed_blocks() -> int:  # loads into HBM, and copies up into DRAM (prefetch, staging)
+            return self.counter("load_failed_blocks") + self.counter("promote_failed_blocks")
+
+        failed0, load_failed0 = failed_blocks(), self.counter("load_failed_blocks")
         path = Path(self.kvtier["ssd_path"]) / "tp0-of-1"  # (rank 0's directory)
         env = lmdb.open(str(path), subdir=True, create=False, map_size=lmdb_map_size(path / "data.mdb"),
                         max_readers=256)
@@ -284,14 +287,16 @@ class Chaos:
                     flipped += 1
         env.close()
         t_flip = time.monotonic()
-        seen = self.wait_for(lambda: self.counter("load_failed_blocks") > failed0, 30)
+        seen = self.wait_for(lambda: failed_blocks() > failed0, 30)
         ssd_hits = self.counter("hit_tokens_ssd")
         back = self.wait_for(lambda: self.counter("hit_tokens_ssd") > ssd_hits, RECOVERY_LIMIT_S["ssd_read_errors"])
         rec = None if back is None else round(time.monotonic() - t_flip, 2)
-        failed = self.counter("load_failed_blocks") - failed0
+        failed = self.counter("load_failed_blocks") - load_failed0
+        promoted = failed_blocks() - failed0 - failed
         return {"seen": seen is not None, "recovery_s": rec,
                 "recovered": "from the flip to prompt tokens loaded from the SSD after the first failed load",
-                "evidence": f"{flipped} values flipped; {failed} blocks failed their load and were recomputed"}
+                "evidence": f"{flipped} values flipped; {failed} blocks failed their load and were recomputed, "
+                            f"{promoted} failed their copy up into DRAM"}
 
     def ssd_full(self) -> dict[str, Any]:
         if self.tmpfs_problem is not None:

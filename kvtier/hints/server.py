@@ -49,13 +49,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from ..agents.graph import AgentGraph, GraphLimits
+from ..sdk.params import DEFAULT_TENANT
 from . import DEFAULT_ADDRESS
 from ._gen import hints_pb2 as pb
 from .apply import NO_STORE, BatchResult, CommandSink, HintApplier, HintLimits, Rejected
 
 SERVICE_NAME = "kvtier.v1.HintService"
 TENANT_METADATA = "x-kvtier-tenant"
-DEFAULT_TENANT = "default"
 MAX_MESSAGE_BYTES = 16 << 20
 _UNAUTHENTICATED = "missing or wrong bearer token (send metadata 'authorization: Bearer <token>')"
 _EXHAUSTED_REASONS = frozenset({"limit", "rate_limited"})  # RESOURCE_EXHAUSTED; other reasons: INVALID_ARGUMENT

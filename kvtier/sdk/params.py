@@ -36,6 +36,13 @@ TENANT_PARAM = "kvtier_tenant"
 KVTIER_PREFIX = "kvtier_"
 MAX_LOAD_TOKENS_PARAM = "max_load_tokens"  # vLLM's (not kvtier's): its offloading connector reads it too
 
+DEFAULT_TENANT = "default"
+"""The hint server's tenant for a caller that names none (no token file); in the connector, also the
+tenant of a request without ``kvtier_tenant`` (see :func:`tenant_session`)."""
+TENANT_SEP = "\x1f"
+"""Between a tenant and a session id in :func:`tenant_session` (a token file's tenant never holds it:
+Python's ``str.split`` reads it as white space)."""
+
 MAX_ID_BYTES = 256
 """Longest session, agent or round id (UTF-8 bytes); the hint server's ``HintLimits.max_id_bytes`` default."""
 MAX_TOOL_WAIT_S = 7 * 86_400.0
@@ -154,6 +161,17 @@ def request_tenant(kv_transfer_params: Mapping[str, Any] | None) -> str:
     are shared across tenants unless vLLM's ``cache_salt`` keeps them apart. Set it where
     the caller is known (a gateway, an authenticating proxy), not from the client's body."""
     return read_param(kv_transfer_params, TENANT_PARAM) or ""
+
+
+def tenant_session(tenant: str, session_id: str, default: str = DEFAULT_TENANT) -> str:
+    """One string for a session of a tenant, for keys that hold a session id (the connector's
+    agents are ``(tenant_session(...), agent id)``), so that two tenants' sessions of one id stay
+    apart. The ``default`` tenant's (and ``""``, a request naming none) is the bare id.
+
+    >>> tenant_session("", "s"), tenant_session("default", "s"), tenant_session("acme", "s") == "acme\x1fs"
+    ('s', 's', True)
+    """
+    return session_id if not tenant or tenant == default else f"{tenant}{TENANT_SEP}{session_id}"
 
 
 def request_tool_wait_s(kv_transfer_params: Mapping[str, Any] | None) -> float | None:

@@ -175,6 +175,17 @@ def test_a_prefetch_that_lands_after_its_request_arrived_is_late(tmp_path: Path)
     assert eng.sched.manager.ready_blocks("dram") == 4  # late, but in DRAM now
 
 
+def test_a_prefetch_whose_ssd_reads_fail_is_counted_and_leaves_nothing_in_dram(tmp_path: Path) -> None:
+    """The worker reports 3 of the prefetch's 4 SSD -> DRAM copies failed (a read that did not
+    verify): ``promote_failed_blocks`` counts them, only the one that landed is in DRAM, and the
+    failed keys stay where they were (on SSD), to be loaded or recomputed later."""
+    eng, _ = _ssd_only_agent(tmp_path)
+    job = _fire_prefetch(eng)
+    eng.sched.update_connector_output(KVTierWorkerMetadata({job.plan_id: (1, [True, False, False, False])}, {}))
+    assert eng.sched.counters["promote_failed_blocks"] == 3
+    assert eng.sched.manager.ready_blocks("dram") == 1 and eng.sched.manager.ready_blocks("ssd") >= 4
+
+
 def test_a_prefetch_that_lands_first_is_on_time(tmp_path: Path) -> None:
     eng, ctx = _ssd_only_agent(tmp_path)
     _report(eng, _fire_prefetch(eng))
@@ -445,6 +456,79 @@ def test_a_tenant_flooding_holds_and_sessions_leaves_another_tenant_its_hold_and
     eng.now += 120.0  # every hold lapses; nothing stays referenced
     eng.step()
     assert holds.held_blocks == 0 and eng.pool.get_num_free_blocks() == free_at_start
+
+
+@pytest.mark.parametrize("auth", [False, True])
+def test_two_tenants_sharing_a_session_and_agent_id_keep_their_own_waits_and_context(tmp_path: Path,
+                                                                                     auth: bool) -> None:
+    """Two tenants of one hosted hint server both name session ``s`` and agent ``coder``
+    (ids are the client's choice), their requests stamped with their tenant
+    (``kvtier_tenant``, as a gateway would). Each finishes a turn; then only ``acme``
+    announces a tool call. That starts ``acme``'s tool wait, not ``zeta``'s, and holds
+    ``acme``'s own context: after untagged traffic takes every free block, ``acme``'s
+    agent comes back to all 4 of its blocks in HBM. Keyed by the session alone, the two
+    agents were one, whose last context (``zeta``'s) was held instead. With a token file
+    the tenant is the token's; without, the one the client names."""
+    from kvtier.sdk import HintClient
+
+    extra: dict = {"hint_server": "127.0.0.1:0"}
+    if auth:
+        (tmp_path / "tokens").write_text("acme tok-acme\nzeta tok-zeta\n")
+        extra["hint_server_token_file"] = str(tmp_path / "tokens")
+    eng = _Engine(101, placement="kvtier", **extra)
+    sched, placement = eng.sched, eng.sched.placement
+    clients = {t: HintClient(sched.hint_address, **({"token": f"tok-{t}"} if auth else {"tenant": t}))
+               for t in ("acme", "zeta")}
+
+    def params(t: str, agent) -> dict:
+        return {**agent.tag({})["kv_transfer_params"], "kvtier_tenant": t}
+
+    try:
+        a, z = clients["acme"], clients["zeta"]
+        with a.session("s"), a.agent(agent_id="coder") as a_agent, z.session("s"), z.agent(agent_id="coder") as z_agent:
+            eng.serve("acme-1", _ctx(1, 4), params("acme", a_agent))
+            eng.serve("zeta-1", _ctx(2, 4), params("zeta", z_agent))
+            acme, zeta = ("acme\x1fs", "coder"), ("zeta\x1fs", "coder")
+            assert placement.is_waiting(acme) and placement.is_waiting(zeta)
+            with a_agent.tool_call("bash", expected_s=20.0):
+                _step_until(eng, "tool_waits")
+                assert placement.is_waiting(acme, tool=True) and not placement.is_waiting(zeta, tool=True)
+                eng.serve("other", _ctx(9, eng.pool.get_num_free_blocks() - 1))  # untagged: every free block
+                eng.now += 5.0
+                assert eng.serve("acme-2", _ctx(1, 6), params("acme", a_agent)) == 4
+    finally:
+        for c in clients.values():
+            c.close()
+        sched.shutdown()
+
+
+def test_a_tenant_over_its_bound_forgets_its_own_oldest_finished_context_not_anothers() -> None:
+    """``max_tracked_agents_per_tenant`` 2: ``noisy`` finishes turns of 4 agents after ``quiet``
+    finished one. ``noisy`` forgets its 2 oldest agents' contexts (a tool call announced for one
+    of them then starts no tool wait); ``quiet``'s call still finds its context and starts its."""
+    from kvtier.sdk import HintClient
+
+    eng = _Engine(101, placement="kvtier", hint_server="127.0.0.1:0", max_tracked_agents_per_tenant=2)
+    sched = eng.sched
+    noisy, quiet = (HintClient(sched.hint_address, tenant=t) for t in ("noisy", "quiet"))
+    try:
+        with noisy.session("s"), quiet.session("s"), quiet.agent(agent_id="q") as q, \
+                noisy.agent(agent_id="n0", session_id="s") as n0:
+            eng.serve("q-1", _ctx(1, 4), {**q.tag({})["kv_transfer_params"], "kvtier_tenant": "quiet"})
+            agents = [n0] + [noisy.agent(agent_id=f"n{i}", session_id="s") for i in range(1, 4)]  # only n0 announced
+            for i, n in enumerate(agents):
+                eng.serve(f"n-{i}", _ctx(10 + i, 2), {**n.tag({})["kv_transfer_params"], "kvtier_tenant": "noisy"})
+            assert sched.counters["finished_contexts_forgotten_tenant"] == 2
+            with n0.tool_call("bash", expected_s=20.0), q.tool_call("bash", expected_s=20.0):
+                _step_until(eng, "tool_waits")
+                for _ in range(5):
+                    eng.step()
+                assert sched.placement.is_waiting(("quiet\x1fs", "q"), tool=True)
+                assert not sched.placement.is_waiting(("noisy\x1fs", "n0"), tool=True)
+    finally:
+        noisy.close()
+        quiet.close()
+        sched.shutdown()
 
 
 def test_a_tool_wait_the_request_said_is_re_timed_once_by_the_hint_servers_prediction() -> None:

@@ -6,7 +6,9 @@ watcher of a separate one (``hint_watch``), what was last read from it (the
 agents' criticalities and parents, the agents that ended, its tool-call
 predictions' error as counters), the latest finished context of each agent
 (keys and vLLM hashes, at most ``MAX_TRACKED_AGENTS``, for tool calls announced
-after the request ended), and the start of every wait: a tagged request's end
+after the request ended), each request's tenant (:meth:`HintIntake.tenant`: agents are
+keyed by their tenant's session, so two tenants' sessions of one id never share an
+agent, a wait or a round), and the start of every wait: a tagged request's end
 (``tool`` with ``kvtier_tool_wait_s``, else ``turn_end``) or a tool call the
 server announces (re-timing a ``turn_end`` wait). The placement policy decides
 what a wait does (holds, order, prefetch); the shared rounds get the server's
@@ -32,7 +34,14 @@ from kvtier.keys import BlockKey
 from kvtier.placement import ToolWait
 from kvtier.placement.base import TURN_END_GAP_S
 from kvtier.sdk.kv_hints import KvHints, read_kv_hints
-from kvtier.sdk.params import KV_TRANSFER_PARAMS, VALIDATORS, check_request_params
+from kvtier.sdk.params import (
+    DEFAULT_TENANT,
+    KV_TRANSFER_PARAMS,
+    VALIDATORS,
+    check_request_params,
+    request_tenant,
+    tenant_session,
+)
 
 from .native_sessions import NativeSessions
 from .prefix_breaks import PrefixBreaks
@@ -78,12 +87,17 @@ class HintIntake:
         # agent -> its latest finished context (keys, vLLM hashes, whether the hint server has not timed its wait
         # yet), for tool calls the hint server announces
         self._last_ctx: OrderedDict[AgentKey, tuple[list[BlockKey], list[Any], bool]] = OrderedDict()
+        self._ctx_of: dict[str, OrderedDict[AgentKey, None]] = {}  # tenant -> its agents in _last_ctx, oldest first
+        self._ctx_tenant: dict[AgentKey, str] = {}  # agent in _last_ctx -> the tenant it is counted under
+        self._ctx_per_tenant = settings.tracked_agents_per_tenant
         self._graph_cache: Facts = {}
         self._ended_agents: set[AgentKey] = set()
         self._next_poll_s = 0.0
         self._param_log_s, self._param_logs = 0.0, 0  # refused kv_transfer_params: log lines this second
         self.native = NativeSessions(counters, MAX_TRACKED_AGENTS)  # requests named only by vLLM's session_id
         self.breaks = PrefixBreaks(counters, block_size)
+        tenants = set((settings.hint_server_tokens or {}).values())
+        self.default_tenant = next(iter(tenants)) if len(tenants) == 1 else DEFAULT_TENANT
         self.hosted: Any = None
         self.address: str | None = None
         self.watcher: Any = None
@@ -103,6 +117,13 @@ class HintIntake:
             self.watcher = AgentsWatcher(settings.hint_watch, token=settings.hint_watch_token)
             placement.graph_reader = self.graph_facts
             log.info("kvtier: following the hint server at %s", settings.hint_watch)
+
+    def tenant(self, params: Any) -> str:
+        """A new request's tenant, whose sessions its tags name: its ``kvtier_tenant`` (stamped by a
+        gateway), else the hosted hint server's only tenant (a token file naming one), else
+        :data:`~kvtier.sdk.params.DEFAULT_TENANT` (the hint server's callers that name none).
+        A followed server's (``hint_watch``) sessions are matched as the default tenant's."""
+        return request_tenant(params) or self.default_tenant
 
     @property
     def following(self) -> bool:
@@ -150,7 +171,7 @@ class HintIntake:
                 self.counters["kv_hints_no_agent"] += 1  # nothing names the agent to release or retain
             return
         if hints is not None and hints.release:  # vLLM's kv_hints: the agent is done, its KV goes first
-            if any((o.session_id, o.agent_id) == agent for o in self._reqs.values()):
+            if any(o.agent == agent for o in self._reqs.values()):
                 self.counters["kv_hints_release_busy"] += 1  # not while another request of it runs (n > 1 too)
                 return
             self.counters["kv_hints_agents_released"] += 1
@@ -161,17 +182,14 @@ class HintIntake:
         if wait_s is None and hints is not None and hints.retain_s is not None:
             wait_s, retain = hints.retain_s, "retain"  # kept that long, not brought back
         if wait_s is None:
-            wait_s = self.native.ended(*agent)
+            wait_s = self.native.ended(st.session_id, st.agent_id)
         keys = self._keys_of(st)
         hashes = list(st.request.block_hashes[: len(keys)])
         if self.following and keys:
-            self._last_ctx[agent] = (keys, hashes, True)
-            self._last_ctx.move_to_end(agent)
-            while len(self._last_ctx) > MAX_TRACKED_AGENTS:
-                self._last_ctx.popitem(last=False)
+            self._remember(agent, st.tenant, keys, hashes)
         if not keys:
             return
-        if any((o.session_id, o.agent_id) == agent for o in self._reqs.values()):
+        if any(o.agent == agent for o in self._reqs.values()):
             self.counters["waits_not_started_busy"] += 1  # another request of the agent runs: it does not wait
             return
         finishing = -(-int(st.request.num_tokens) // self.block_size)
@@ -182,6 +200,32 @@ class HintIntake:
             self._start_wait(agent, keys, hashes, wait_s, finishing)
         else:
             self._start_wait(agent, keys, hashes, TURN_END_GAP_S, finishing, "turn_end")
+
+    def _remember(self, agent: AgentKey, tenant: str, keys: list[BlockKey], hashes: list[Any]) -> None:
+        """``agent``'s latest finished context, for tool calls the hint server announces later: at most
+        ``MAX_TRACKED_AGENTS`` in all and ``max_tracked_agents_per_tenant`` of one tenant, so a tenant
+        that floods forgets its own oldest (``finished_contexts_forgotten_tenant``), not another's."""
+        ctx = self._last_ctx
+        ctx[agent] = (keys, hashes, True)
+        ctx.move_to_end(agent)
+        self._ctx_tenant[agent] = tenant
+        mine = self._ctx_of.setdefault(tenant, OrderedDict())
+        mine[agent] = None
+        mine.move_to_end(agent)
+        while len(mine) > self._ctx_per_tenant:
+            self._forget(next(iter(mine)))
+            self.counters["finished_contexts_forgotten_tenant"] += 1
+        while len(ctx) > MAX_TRACKED_AGENTS:
+            self._forget(next(iter(ctx)))
+
+    def _forget(self, agent: AgentKey) -> None:
+        self._last_ctx.pop(agent, None)
+        tenant = self._ctx_tenant.pop(agent, None)
+        mine = self._ctx_of.get(tenant) if tenant is not None else None
+        if mine is not None:
+            mine.pop(agent, None)
+            if not mine:
+                del self._ctx_of[tenant]
 
     def _start_wait(self, agent: AgentKey, keys: list[BlockKey], hashes: list[Any], wait_s: float,
                     finishing_blocks: int, cause: str = "tool", counted: bool = True) -> None:
@@ -231,18 +275,20 @@ class HintIntake:
         graph = self.hosted.server.graph
 
         def read() -> Read:
-            calls = [(s.session_id, c.agent_id, c.predicted_return_s) for s, c in graph.tool_calls_in_flight()]
+            calls = [(tenant_session(s.tenant, s.session_id), c.agent_id, c.predicted_return_s)
+                     for s, c in graph.tool_calls_in_flight()]
             facts: Facts = {}
             ended: set[AgentKey] = set()
             rounds: Rounds = {}
             for s in graph.sessions():
+                sid = tenant_session(s.tenant, s.session_id)  # as requests of that tenant name it (_Req.agent)
                 for rid, rnd in s.rounds.items():
-                    rounds[(s.session_id, rid)] = rnd.agent_ids
+                    rounds[(sid, rid)] = rnd.agent_ids
                 crit = graph.criticalities(s.tenant, s.session_id, now)
                 for aid, a in s.agents.items():
-                    facts[(s.session_id, aid)] = (float(crit.get(aid, 0.0)), a.parent_id)
+                    facts[(sid, aid)] = (float(crit.get(aid, 0.0)), a.parent_id)
                     if a.ended_s is not None:
-                        ended.add((s.session_id, aid))
+                        ended.add((sid, aid))
             scored.append(graph.history.error())
             return calls, facts, ended, rounds
 
@@ -287,7 +333,7 @@ class HintIntake:
         self._pump()
         # an agent with a request in the engine is not waiting, whatever the server says: its call's end may
         # not have reached the server yet (a wait started then would hold a running agent's blocks)
-        busy = {(st.session_id, st.agent_id) for st in self._reqs.values()} if calls else set()
+        busy = {st.agent for st in self._reqs.values()} if calls else set()
         for sid, aid, returns_s in calls:
             agent = (sid, aid)
             known = self._last_ctx.get(agent)

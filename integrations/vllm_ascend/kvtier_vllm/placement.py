@@ -487,6 +487,8 @@ class EnginePlacement:
 
     def promotion_done(self, plan: MovePlan, oks: Sequence[bool], seconds: float | None) -> None:
         self.manager.complete_move(plan, list(oks))
+        if not all(oks):  # (the source copy stays where it was)
+            self.counters["promote_failed_blocks"] += len(oks) - sum(map(bool, oks))
         if seconds is not None and any(oks):
             self.links.observe("ssd->dram", sum(oks) * self.bytes_per_block, seconds)
         self.prefetches.completed(plan.plan_id, self.now)

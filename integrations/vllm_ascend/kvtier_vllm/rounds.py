@@ -68,9 +68,9 @@ class SharedRounds:
         """A finished request (the scheduler's record of it) of a shared round: learn the round's
         shared prefix from it (the first one), count its agent as served, settle."""
         tag = request_round(st.params)
-        if tag is None or st.session_id is None or st.agent_id is None:
+        if tag is None or st.agent is None:
             return
-        rkey = (st.session_id, tag[0])
+        rkey = (st.agent[0], tag[0])  # (its tenant's session, round id), as the hint server's rounds are read
         rnd = self.tracked.get(rkey)
         if rnd is None:
             n = tag[1] // self.block_size

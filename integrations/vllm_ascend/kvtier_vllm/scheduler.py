@@ -51,12 +51,14 @@ from kvtier.placement.surface import surface
 from kvtier.sdk.handles import is_approximate_salt
 from kvtier.sdk.kv_hints import merged_params
 from kvtier.sdk.params import (
+    DEFAULT_TENANT,
     request_approximate_segments,
     request_criticality,
     request_max_load_tokens,
     request_tags,
     request_tenant,
     request_tool_wait_s,
+    tenant_session,
 )
 from kvtier.store import reindex_ssd
 from kvtier.tiers.codec import LOSSY_CODECS
@@ -130,11 +132,15 @@ class _Req:
     lane_keys: dict[int, list[BlockKey]] = field(default_factory=dict)  # hybrid: other KV cache groups' keys
     params: Any = None  # its kv_transfer_params, with what its vLLM kv_hints envelope adds (kvtier.sdk.kv_hints)
     kv_hints: Any = None  # kvtier.sdk.kv_hints.KvHints read from that envelope, or None
+    tenant: str = DEFAULT_TENANT  # whose session it is (HintIntake.tenant): two tenants' sessions of one id differ
 
     @property
     def agent(self) -> tuple[str, str] | None:
-        """(session id, agent id), when the request carries both."""
-        return (self.session_id, self.agent_id) if self.session_id is not None and self.agent_id is not None else None
+        """(session, agent id), when the request carries both; the session is its tenant's
+        (:func:`~kvtier.sdk.params.tenant_session`: the bare id for the default tenant)."""
+        if self.session_id is None or self.agent_id is None:
+            return None
+        return tenant_session(self.tenant, self.session_id), self.agent_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,7 +278,7 @@ class KVTierScheduler:
             self.placement.note_agent(agent, request_tenant(st.params), request_criticality(st.params))
         if self.recorder is not None:
             prompt = int(request.num_prompt_tokens)
-            self.recorder.arrived(request.request_id, st.session_id, st.agent_id, prompt,
+            self.recorder.arrived(request.request_id, agent[0] if agent else st.session_id, st.agent_id, prompt,
                                   self._keys(st)[: prompt // self.block_size])
         need = -(-int(request.num_tokens) // self.block_size)
         if self.placement.arrived(request.request_id, agent, need) and agent is not None:
@@ -614,9 +620,8 @@ class KVTierScheduler:
             self.hints.check_params(request.request_id, params)
             kv_hints = self.hints.read_kv_hints(request, params)
             params = merged_params(params, kv_hints)
-            session_id, agent_id = request_tags(params)
-            st = self._reqs[request.request_id] = _Req(request, session_id, agent_id, params=params,
-                                                       kv_hints=kv_hints)
+            st = self._reqs[request.request_id] = _Req(request, *request_tags(params), params=params,
+                                                       kv_hints=kv_hints, tenant=self.hints.tenant(params))
             spans = request_approximate_segments(params)
             if spans is not None or is_approximate_salt(getattr(request, "cache_salt", None)):
                 st.approx = self._segment_blocks(request, spans or [])

@@ -74,8 +74,9 @@ EXTRA_KEYS: dict[str, str] = {
     "hbm_hold_tenant_fraction": "most of that hold budget one tenant's agents may hold at once (default 1.0). A "
                                 "request's tenant is kvtier_tenant in its kv_transfer_params (set it in a trusted "
                                 "gateway, not by the client); requests without one are one tenant",
-    "max_tracked_agents_per_tenant": "most waiting agents of one tenant whose contexts the scheduler remembers "
-                                     "(default 4096, the total; a tenant over it forgets its own longest waiting)",
+    "max_tracked_agents_per_tenant": "most waiting agents of one tenant whose contexts the scheduler remembers, "
+                                     "and most of its agents' finished contexts kept for tool calls a hint server "
+                                     "announces (default 4096, the total; a tenant over it forgets its own oldest)",
     "exclusive_dram": "true: DRAM holds what HBM does not, for a placement that asks for it (kvtier, "
                       "lmcache-lazy): a block is copied down when vLLM hands its HBM slot to another request "
                       "(BlockPool.unpin_blocks' on_reuse), before the forward that overwrites it, and a load out "
