@@ -611,6 +611,10 @@ class TierManager:
         self._expire_pins(self._clock())
         return len(self._pinned)
 
+    def num_open_plans(self) -> int:
+        """Plans prepared and not yet completed (stores, loads, moves): 0 when nothing is in flight."""
+        return len(self._plans)
+
     # ---------------------------------------------------------- reservations
 
     def reserve(self, tier: str, num_blocks: int) -> bool:

@@ -13,9 +13,9 @@ def test_round_keys_are_digests_with_distinct_hashes() -> None:
     # the trap the putter avoids: Python hashes ints modulo 2**61 - 1, where
     # 2**64 is 8, so (round << 64) | i collides with key i - 8 of the next round
     assert hash(BlockKey((1 << 64) | 8)) == hash(BlockKey((2 << 64) | 0))
-    store = tiers._store(256 * 1024, 64, "dram")
+    store = tiers.make_store(256 * 1024, 64, "dram")
     try:
-        put = tiers._RoundPutter(store, bf16_blocks(16, 256 * 1024), rounds=3)
+        put = tiers.RoundPutter(store, bf16_blocks(16, 256 * 1024), rounds=3)
         keys = [k for r in put._rounds for k in r]
         assert len(set(keys)) == len(keys) == 48
         assert len({hash(k) for k in keys}) == len(keys)

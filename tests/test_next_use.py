@@ -308,8 +308,8 @@ def test_a_victim_on_its_way_down_is_found():
     assert sim.victims.land((1, 2, 3, 4), 2) == done
     assert mgr.lookup((1, 2, 3, 4)).tiers == ("hbm", "hbm", "dram", "dram")
     assert sim.counters["victims_landed_early"] == 2
-    while sim._events:  # the copy's own landing finds them there already
-        _, _, fn, args = sim._events.pop()
+    while sim.event_queue:  # the copy's own landing finds them there already
+        _, _, fn, args = sim.event_queue.pop()
         fn(*args)
     assert mgr.ready_blocks("dram") == 2
     mgr.check_invariants()
@@ -332,8 +332,8 @@ def test_a_queued_request_has_its_ssd_blocks_staged_into_dram():
     sim.waiting.append(SimpleNamespace(keys=queued))  # left queued by the pass
     sim.prefetches.stage_queued()
     assert sim.counters["staged_blocks"] == 3  # 2, 3, 4: block 1 is in DRAM already
-    while sim._events:
-        _, _, fn, args = sim._events.pop()
+    while sim.event_queue:
+        _, _, fn, args = sim.event_queue.pop()
         fn(*args)
     assert mgr.lookup(queued).tiers == ("dram",) * 4
     assert mgr.lookup(admitted).tiers == ("ssd", "ssd")

@@ -188,10 +188,10 @@ def test_a_victim_with_a_compressed_copy_below_is_not_encoded_again(profile_path
     encoded: list = []
 
     class Recording(Simulator):
-        def _transfer(self, src, dst, num_blocks, num_encode=None):  # type: ignore[override]
+        def transfer_s(self, src, dst, num_blocks, num_encode=None):  # type: ignore[override]
             if src == "hbm":
                 encoded.append(num_blocks if num_encode is None else num_encode)
-            return super()._transfer(src, dst, num_blocks, num_encode)
+            return super().transfer_s(src, dst, num_blocks, num_encode)
 
     sim = Recording(w, SimConfig(hbm_blocks=1500, dram_blocks=800, ssd_blocks=2 * w.num_distinct_blocks(), conc=4,
                                  cold_codec=rq4), make_placement("kvtier-no-dead"), PROFILE)

@@ -52,17 +52,17 @@ def gaussian_kv(n: int, d: int, seed: int, outliers: int = 0) -> np.ndarray:
 def as_dtype(x: np.ndarray, dtype: str) -> tuple[bytes, np.ndarray]:
     """(raw bytes in ``dtype``, the float32 values those bytes hold)."""
     if dtype == "bfloat16":
-        raw = rq._bf16_bits(x).tobytes()
+        raw = rq.bf16_bits(x).tobytes()
     else:
         raw = x.astype(rq._NP_DTYPES[dtype]).tobytes()
-    return raw, rq._to_f32(memoryview(raw), dtype, x.shape[1]).copy()
+    return raw, rq.to_f32(memoryview(raw), dtype, x.shape[1]).copy()
 
 
 def roundtrip(raw: bytes, dtype: str, d: int, bits: int, seed: int = 5) -> np.ndarray:
     payload = rq.encode_payload(raw, dtype, d, bits, seed)
     out = bytearray(len(raw))
     rq.decode_payload(payload, bits, out)
-    return rq._to_f32(memoryview(out), dtype, d)
+    return rq.to_f32(memoryview(out), dtype, d)
 
 
 def rel_mse(a: np.ndarray, b: np.ndarray) -> float:
@@ -153,8 +153,8 @@ def test_value_round_trip_is_lossy_and_labelled(codec: str) -> None:
     assert header.codec == codec and header.lossy and header.raw_len == len(raw)
     out = bytearray(len(raw))
     assert decode_outcome(value, out, CTX, key=K) is DecodeOutcome.OK
-    exact = rq._to_f32(memoryview(raw), "bfloat16", 64)
-    assert 0 < rel_mse(rq._to_f32(memoryview(out), "bfloat16", 64), exact) < 0.04
+    exact = rq.to_f32(memoryview(raw), "bfloat16", 64)
+    assert 0 < rel_mse(rq.to_f32(memoryview(out), "bfloat16", 64), exact) < 0.04
     assert decode_outcome(value, out, CTX, key=BlockKey(1)) is DecodeOutcome.KEY_MISMATCH
     assert not read_header(encode(raw, CTX, codec="raw", key=K)).lossy
 
@@ -219,8 +219,8 @@ def test_ssd_tier_stores_and_reads_rq_values(tmp_path: Path, codec: str) -> None
         outs = [np.empty(LAYOUT.bytes_per_block, dtype=np.uint8) for _ in keys]
         assert tier.get_many_into(keys, outs) == [True] * len(keys)
         for k, out in zip(keys, outs):
-            exact = rq._to_f32(memoryview(blocks[k]), "bfloat16", 64)
-            assert rel_mse(rq._to_f32(memoryview(out), "bfloat16", 64), exact) < 0.04
+            exact = rq.to_f32(memoryview(blocks[k]), "bfloat16", 64)
+            assert rel_mse(rq.to_f32(memoryview(out), "bfloat16", 64), exact) < 0.04
         stored = sum(e.stored_len for e in tier.scan())
         assert stored < len(keys) * LAYOUT.bytes_per_block / (3.5 if codec == "rq4" else 4.5)
         assert {e.codec for e in tier.scan()} == {codec}
@@ -265,12 +265,12 @@ def test_mla_latents_of_512_plus_64_are_stored_with_the_rope_part_apart(tmp_path
         x[..., 512:] *= 50
         latents[k] = x
     with SSDTier(tmp_path / "ssd", ns, layout, codec=codec) as tier:
-        assert tier.put_many([(k, rq._bf16_bits(latents[k]).view(np.uint8).reshape(-1), None) for k in keys]) == 4
+        assert tier.put_many([(k, rq.bf16_bits(latents[k]).view(np.uint8).reshape(-1), None) for k in keys]) == 4
         outs = [np.empty(layout.bytes_per_block, dtype=np.uint8) for _ in keys]
         assert tier.get_many_into(keys, outs) == [True] * len(keys)
         bound = 0.0115 if codec == "rq4" else 0.037
         for k, out in zip(keys, outs):
-            got = rq._to_f32(memoryview(out), "bfloat16", 576).reshape(2, 16, 576)
+            got = rq.to_f32(memoryview(out), "bfloat16", 576).reshape(2, 16, 576)
             for part in (slice(0, 512), slice(512, None)):
                 assert rel_mse(got[..., part], latents[k][..., part]) < bound
         assert {e.codec for e in tier.scan()} == {codec}

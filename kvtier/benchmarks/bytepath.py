@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 
 from .common import bf16_blocks, gbps, interleaved_best_seconds
-from .tiers import BATCH_BLOCKS, _batches, _RoundPutter, _store, memcpy_baseline, raw_file_baselines
+from .tiers import BATCH_BLOCKS, in_batches, RoundPutter, make_store, memcpy_baseline, raw_file_baselines
 
 
 class ByteCaller(Protocol):
@@ -92,16 +92,16 @@ class StoreCaller:
         self.blocks = blocks
         n, block_bytes = len(blocks), blocks[0].numel()
         self.outs = [torch.empty(block_bytes, dtype=torch.uint8) for _ in range(n)]
-        self.stores = {"dram": _store(block_bytes, (repeats + 2) * n, "dram"),
-                       "ssd": _store(block_bytes, n, "ssd", tempfile.mkdtemp(prefix="bytepath_ssd_", dir=workdir))}
-        self.putters = {tier: _RoundPutter(store, blocks, repeats + 2) for tier, store in self.stores.items()}
+        self.stores = {"dram": make_store(block_bytes, (repeats + 2) * n, "dram"),
+                       "ssd": make_store(block_bytes, n, "ssd", tempfile.mkdtemp(prefix="bytepath_ssd_", dir=workdir))}
+        self.putters = {tier: RoundPutter(store, blocks, repeats + 2) for tier, store in self.stores.items()}
 
     def put(self, tier: str) -> None:
         self.putters[tier]()
 
     def get(self, tier: str) -> None:
         store = self.stores[tier]
-        for kb, ob in zip(_batches(self.putters[tier].keys), _batches(self.outs)):
+        for kb, ob in zip(in_batches(self.putters[tier].keys), in_batches(self.outs)):
             if store.get(kb, ob, promote=False) != len(kb):
                 raise RuntimeError(f"TieredStore {tier} get served fewer blocks than were put")
 

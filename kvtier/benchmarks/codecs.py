@@ -66,7 +66,7 @@ def synthetic_sample(num_blocks: int = 16, seed: int = 0) -> tuple[np.ndarray, d
     for layer in range(layers):
         for h in range(heads):
             x[:, layer, h, 0, :, channels[layer, h]] *= 20.0
-    blocks = rq._bf16_bits(x.reshape(num_blocks, -1)).view(np.uint8).reshape(num_blocks, -1)
+    blocks = rq.bf16_bits(x.reshape(num_blocks, -1)).view(np.uint8).reshape(num_blocks, -1)
     meta = {"source": "synthetic: Gaussian KV, 4 key channels per head 20x larger", "num_layers": layers,
             "num_kv_heads": heads, "head_dim": d, "dtype": "bfloat16", "block_size": bs, "order": ORDER}
     return blocks, meta
@@ -107,7 +107,7 @@ def _layout(meta: dict[str, Any]) -> KVLayout:
 def _as_f32(blocks: np.ndarray, meta: dict[str, Any]) -> np.ndarray:
     """``[n, layers, heads, 2, tokens, d]`` float32 of bf16 / fp16 / fp32 blocks."""
     dtype, d = meta["dtype"], int(meta["head_dim"])
-    flat = rq._to_f32(memoryview(np.ascontiguousarray(blocks).reshape(-1)), dtype, d)
+    flat = rq.to_f32(memoryview(np.ascontiguousarray(blocks).reshape(-1)), dtype, d)
     return flat.reshape(len(blocks), int(meta["num_layers"]), int(meta["num_kv_heads"]), 2,
                         int(meta["block_size"]), d)
 
@@ -127,13 +127,13 @@ def errors(exact: np.ndarray, got: np.ndarray, seed: int = 0) -> dict[str, float
     logits_got = keys_got @ q.T
     attn_rel = float(np.linalg.norm(logits_got - logits) / max(np.linalg.norm(logits), 1e-30))
     unit = 1.0 / np.maximum(logits.std(axis=-2, keepdims=True), 1e-30)
-    tv = 0.5 * np.abs(_softmax(logits_got * unit, axis=-2) - _softmax(logits * unit, axis=-2)).sum(axis=-2)
+    tv = 0.5 * np.abs(softmax(logits_got * unit, axis=-2) - softmax(logits * unit, axis=-2)).sum(axis=-2)
     return {"rel_mse": rel_mse, "cosine_mean": float(cos.mean()) if cos.size else 1.0,
             "cosine_min": float(cos.min()) if cos.size else 1.0, "attn_logit_rel_err": attn_rel,
             "attn_tv": float(tv.mean())}
 
 
-def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
+def softmax(x: np.ndarray, axis: int) -> np.ndarray:
     z = np.exp(x - x.max(axis=axis, keepdims=True))
     return z / z.sum(axis=axis, keepdims=True)
 

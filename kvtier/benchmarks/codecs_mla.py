@@ -58,7 +58,7 @@ from ..keys import BlockKey, Namespace
 from ..layout import KVLayout
 from ..tiers import rq
 from ..tiers.codec import ValueContext, decode_into, encode
-from .codecs import _softmax
+from .codecs import softmax
 
 ORDER = "layer, token, latent"
 """Byte order of a block: layer by layer, token by token, one latent each (vLLM's MLA cache rows)."""
@@ -85,7 +85,7 @@ def synthetic_mla_sample(num_blocks: int = 8, seed: int = 0) -> tuple[np.ndarray
     x = np.random.default_rng(seed).standard_normal((num_blocks, layers, bs, rank + rope)).astype(np.float32)
     x[..., :rank] /= np.sqrt((x[..., :rank] ** 2).mean(axis=-1, keepdims=True))
     x[..., rank:] *= 2.4
-    blocks = rq._bf16_bits(x.reshape(num_blocks, -1)).view(np.uint8).reshape(num_blocks, -1)
+    blocks = rq.bf16_bits(x.reshape(num_blocks, -1)).view(np.uint8).reshape(num_blocks, -1)
     meta = {"source": "synthetic: Gaussian latents, nope RMS 1, rope RMS 2.4", "arrangement": "mla",
             "num_layers": layers, "num_kv_heads": 1, "head_dim": rank + rope, "kv_lora_rank": rank,
             "qk_rope_head_dim": rope, "dtype": "bfloat16", "block_size": bs, "order": ORDER}
@@ -118,7 +118,7 @@ def load_mla_sample(path: str | Path) -> tuple[np.ndarray, dict[str, Any]]:
 def as_f32(blocks: np.ndarray, meta: dict[str, Any]) -> np.ndarray:
     """``[n, layers, tokens, latent]`` float32."""
     d = int(meta["head_dim"])
-    flat = rq._to_f32(memoryview(np.ascontiguousarray(blocks).reshape(-1)), meta["dtype"], d)
+    flat = rq.to_f32(memoryview(np.ascontiguousarray(blocks).reshape(-1)), meta["dtype"], d)
     return flat.reshape(len(blocks), int(meta["num_layers"]), int(meta["block_size"]), d)
 
 
@@ -141,7 +141,7 @@ def errors(exact: np.ndarray, got: np.ndarray, rank: int, seed: int = 0) -> dict
         cos = (e2 * g2).sum(axis=1)[ok] / norms[ok]
         lg, lg_got = logits[part], logits_got[part]  # [..., tokens, queries]
         unit = 1.0 / np.maximum(lg.std(axis=-2, keepdims=True), 1e-30)
-        tv = 0.5 * np.abs(_softmax(lg_got * unit, axis=-2) - _softmax(lg * unit, axis=-2)).sum(axis=-2)
+        tv = 0.5 * np.abs(softmax(lg_got * unit, axis=-2) - softmax(lg * unit, axis=-2)).sum(axis=-2)
         out[part] = {"rel_mse": rel_mse, "cosine_mean": float(cos.mean()) if cos.size else 1.0,
                      "cosine_min": float(cos.min()) if cos.size else 1.0,
                      "attn_logit_rel_err": float(np.linalg.norm(lg_got - lg) / max(np.linalg.norm(lg), 1e-30)),

@@ -206,7 +206,7 @@ def bench_size(block_bytes: int, total_bytes: int, repeats: int, master: str, me
         keys = chain_foreign_keys(ns, range(n))
         plain_keys = chain_foreign_keys(Namespace("bench-remote-staged", "bfloat16", "fused", 16), range(n))
         names = [f"bench-raw/{block_bytes}/{i}" for i in range(n)]
-        store = tier._store  # the same client: the baseline is Mooncake's own batch calls
+        store = tier.client  # the same client: the baseline is Mooncake's own batch calls
         batches = [range(i, i + BATCH_BLOCKS) for i in range(0, n, BATCH_BLOCKS)]
         landing = np.empty_like(region)
         _check(store.register_buffer(landing.ctypes.data, landing.nbytes), "register_buffer")

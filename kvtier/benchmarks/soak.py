@@ -142,7 +142,7 @@ def manager_churn(num_ops: int = 1_000_000, *, seed: int = 0, warmup_fraction: f
     m.check_invariants()
     sizes = {f"{t}_used_blocks": m.used_blocks(t) for t in m.tier_names}
     sizes["index_nodes"] = m.num_indexed()
-    sizes["open_plans"] = len(m._plans)
+    sizes["open_plans"] = m.num_open_plans()
     return SoakResult("manager churn", ops, time.perf_counter() - t0, sampler.after_warmup or 0, rss_bytes(),
                       sampler.max_after, sizes)
 

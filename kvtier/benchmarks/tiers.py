@@ -68,7 +68,8 @@ def _layout_for(block_bytes: int) -> dict[str, Any]:
             "dtype": "bfloat16", "block_size": 16, "arrangement": "fused"}
 
 
-def _store(block_bytes: int, num_blocks: int, tier: str, ssd_dir: str | None = None, codec: str = "raw") -> TieredStore:
+def make_store(block_bytes: int, num_blocks: int, tier: str, ssd_dir: str | None = None,
+               codec: str = "raw") -> TieredStore:
     overrides: dict[str, Any] = {
         "layout": _layout_for(block_bytes),
         "tiers": {
@@ -83,11 +84,11 @@ def _store(block_bytes: int, num_blocks: int, tier: str, ssd_dir: str | None = N
     return TieredStore(load_config(overrides=overrides, env={}))
 
 
-def _batches(items: list[Any]) -> list[list[Any]]:
+def in_batches(items: list[Any]) -> list[list[Any]]:
     return [items[i : i + BATCH_BLOCKS] for i in range(0, len(items), BATCH_BLOCKS)]
 
 
-class _RoundPutter:
+class RoundPutter:
     """Calling it puts ``blocks`` under a fresh set of keys (one round); ``keys``
     are the last round's.
 
@@ -108,10 +109,10 @@ class _RoundPutter:
 
     def __call__(self) -> None:
         if self.round >= len(self._rounds):
-            raise RuntimeError(f"_RoundPutter made keys for {len(self._rounds)} rounds; round {self.round + 1} asked")
+            raise RuntimeError(f"RoundPutter made keys for {len(self._rounds)} rounds; round {self.round + 1} asked")
         self.keys = self._rounds[self.round]
         self.round += 1
-        for kb, bb in zip(_batches(self.keys), _batches(self.blocks)):
+        for kb, bb in zip(in_batches(self.keys), in_batches(self.blocks)):
             self.store.put(kb, bb)
 
 
@@ -135,7 +136,7 @@ def raw_file_baselines(blocks: list[torch.Tensor], outs: list[torch.Tensor],
     def raw_write() -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            for batch in _batches(blocks):
+            for batch in in_batches(blocks):
                 for b in batch:
                     os.write(fd, b.numpy())
                 os.fsync(fd)
@@ -158,32 +159,32 @@ def bench_memcpy_and_dram(block_bytes: int, total_bytes: int) -> dict[str, float
     memcpy = memcpy_baseline(blocks, outs)
 
     # every round of fresh keys fits: this measures the put path itself (no eviction)
-    store = _store(block_bytes, (REPEATS + 1) * n, "dram")
-    put = _RoundPutter(store, blocks, REPEATS)
+    store = make_store(block_bytes, (REPEATS + 1) * n, "dram")
+    put = RoundPutter(store, blocks, REPEATS)
 
     def get() -> None:  # the blocks of the latest put round
-        for kb, ob in zip(_batches(put.keys), _batches(outs)):
+        for kb, ob in zip(in_batches(put.keys), in_batches(outs)):
             assert store.get(kb, ob) == len(kb)
 
     memcpy()  # fault the output buffers in before anything is timed
     memcpy_s, put_s, get_s = interleaved_best_seconds([memcpy, put, get], REPEATS)
     assert all(torch.equal(a, b) for a, b in zip(blocks, outs)), "dram get returned wrong bytes"
     store.close()
-    scattered_blocks = [b for batch in _batches(blocks) for b in random.Random(7).sample(batch, len(batch))]
+    scattered_blocks = [b for batch in in_batches(blocks) for b in random.Random(7).sample(batch, len(batch))]
     # what each variant measures: every batch of `blocks` is a run, no batch of `scattered_blocks` is
-    assert all(host_run(b, block_bytes) is not None for b in _batches(blocks))
-    assert all(host_run(b, block_bytes) is None for b in _batches(scattered_blocks))
-    scattered_store = _store(block_bytes, (REPEATS + 1) * n, "dram")
-    put_scattered = _RoundPutter(scattered_store, scattered_blocks, REPEATS)
+    assert all(host_run(b, block_bytes) is not None for b in in_batches(blocks))
+    assert all(host_run(b, block_bytes) is None for b in in_batches(scattered_blocks))
+    scattered_store = make_store(block_bytes, (REPEATS + 1) * n, "dram")
+    put_scattered = RoundPutter(scattered_store, scattered_blocks, REPEATS)
     # its own pair with the baseline: a fourth variant in the rounds above shifts the others' ratios
     memcpy_2_s, put_scattered_s = interleaved_best_seconds([memcpy, put_scattered], REPEATS)
-    for kb, ob in zip(_batches(put_scattered.keys), _batches(outs)):
+    for kb, ob in zip(in_batches(put_scattered.keys), in_batches(outs)):
         assert scattered_store.get(kb, ob) == len(kb)
     assert all(torch.equal(a, b) for a, b in zip(scattered_blocks, outs)), "scattered dram put stored wrong bytes"
     scattered_store.close()
     # steady state of a full cache: every put also evicts one block
-    full = _store(block_bytes, n, "dram")
-    put_evicting = _RoundPutter(full, blocks, 1 + EVICT_REPEATS)
+    full = make_store(block_bytes, n, "dram")
+    put_evicting = RoundPutter(full, blocks, 1 + EVICT_REPEATS)
     put_evicting()  # fill
     put_evict_s = best_seconds(put_evicting, EVICT_REPEATS)
     full.close()
@@ -204,11 +205,11 @@ def bench_ssd(block_bytes: int, total_bytes: int, workdir: str) -> dict[str, flo
     out: dict[str, float] = {}
     for codec, suffix in (("raw", ""), ("auto", "_auto")):
         ssd_dir = tempfile.mkdtemp(prefix=f"ssd_{codec}_{block_bytes}_", dir=workdir)
-        store = _store(block_bytes, n, "ssd", ssd_dir, codec)
-        put = _RoundPutter(store, blocks, REPEATS)  # each round replaces the last: puts include their evictions
+        store = make_store(block_bytes, n, "ssd", ssd_dir, codec)
+        put = RoundPutter(store, blocks, REPEATS)  # each round replaces the last: puts include their evictions
 
         def get() -> None:  # warm: the latest round's values, just written
-            for kb, ob in zip(_batches(put.keys), _batches(outs)):
+            for kb, ob in zip(in_batches(put.keys), in_batches(outs)):
                 assert store.get(kb, ob, promote=False) == len(kb)
 
         if codec == "raw":  # the targets: each baseline interleaved with what it is compared to

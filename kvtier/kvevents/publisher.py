@@ -41,7 +41,7 @@ from .wire import (
 logger = logging.getLogger(__name__)
 
 
-def _zmq() -> Any:
+def load_zmq() -> Any:
     try:
         import zmq
     except ModuleNotFoundError:
@@ -81,7 +81,7 @@ class KVEventPublisher:
     ) -> None:
         if buffer_steps < 1:
             raise ValueError(f"buffer_steps={buffer_steps!r}: must be >= 1")
-        zmq = _zmq()
+        zmq = load_zmq()
         self._wire_args: dict[str, Any] = {"block_size": block_size, "tiers": tiers, "medium_of_tier": medium_of_tier,
                                            "external_id": external_id, "token_ids_of": token_ids_of}
         self._rank = data_parallel_rank
@@ -109,7 +109,7 @@ class KVEventPublisher:
     @staticmethod
     def _bind(sock: Any, endpoint: str) -> str:
         sock.bind(endpoint)
-        return sock.getsockopt_string(_zmq().LAST_ENDPOINT)
+        return sock.getsockopt_string(load_zmq().LAST_ENDPOINT)
 
     # ------------------------------------------------------------ API
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from .publisher import _zmq
+from .publisher import load_zmq
 from .wire import END_SEQ, KVEventBatch, decode_batch
 
 
@@ -29,7 +29,7 @@ class KVEventSubscriber:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, *, topic: str = "",
                  start_seq: int | None = None, replay_timeout_s: float = 2.0) -> None:
-        zmq = _zmq()
+        zmq = load_zmq()
         self._zmq = zmq
         self._ctx = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)

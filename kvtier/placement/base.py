@@ -39,9 +39,8 @@ Baselines:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
-from ..errors import ConfigError
 from ..keys import BlockKey
 from ..manager import MovePlan, TierManager
 
@@ -447,49 +446,4 @@ class Belady(PlacementPolicy):
     write_through = False
     lower_tiers = ()
     needs_oracle = True
-
-
-_REGISTRY: dict[str, Callable[[], PlacementPolicy]] = {
-    cls.name: cls for cls in (LRU, LRUDram, ARC, S3FIFO, TTL, MinWaste, Belady)
-}
-
-
-def _load_agent_policies() -> None:
-    """Register the agent-aware policies and the peers' models (modules of their own
-    that subclass :class:`PlacementPolicy`, so they are imported on first use, not here)."""
-    from .agent import AGENT_POLICIES
-    from .peers import PEER_POLICIES
-
-    for cls in (*AGENT_POLICIES, *PEER_POLICIES):
-        _REGISTRY.setdefault(cls.name, cls)
-
-
-def register_placement(name: str, factory: Callable[[], PlacementPolicy]) -> None:
-    """Add a placement policy to the registry (live and replay)."""
-    _load_agent_policies()
-    if name in _REGISTRY:
-        raise ValueError(f"placement policy {name!r} registered twice")
-    _REGISTRY[name] = factory
-
-
-def placement_names() -> list[str]:
-    _load_agent_policies()
-    return list(_REGISTRY)
-
-
-def make_placement(name: str, setting: str = "--policies", params: Mapping[str, Any] | None = None,
-                   params_setting: str = "placement") -> PlacementPolicy:
-    """A new policy object by name, with the tunable constants of ``params`` set
-    (:mod:`kvtier.placement.params`); an unknown name is a ``ConfigError``
-    naming ``setting``, a bad constant one naming ``<params_setting>.<knob>``."""
-    _load_agent_policies()
-    try:
-        policy = _REGISTRY[name]()
-    except KeyError:
-        raise ConfigError(setting, name, f"unknown placement policy; valid: {', '.join(_REGISTRY)}") from None
-    if params:
-        from .params import apply_params
-
-        apply_params(policy, params, params_setting)
-    return policy
 

@@ -29,7 +29,8 @@ from collections import OrderedDict
 from typing import Iterable
 
 from ..keys import BlockKey
-from .base import IsEvictable, Parking, register_policy
+from .base import IsEvictable, Parking
+from .registry import register_policy
 
 _List = OrderedDict[BlockKey, None]  # an LRU list, least recent first
 

@@ -1,7 +1,7 @@
-"""The eviction-policy protocol and the policy registry.
+"""The eviction-policy protocol.
 
 Owns: the contract between :class:`~kvtier.manager.TierManager` and an
-eviction policy, and the name → factory registry. A policy is pure decision:
+eviction policy (the name → factory registry is :mod:`.registry`). A policy is pure decision:
 it orders the blocks resident in *one* tier and never allocates, copies or
 frees anything; the manager owns residency and calls the hooks below.
 
@@ -66,7 +66,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Iterable, Protocol, runtime_checkable
 
-from ..errors import UnknownPolicyError
 from ..keys import BlockKey
 
 IsEvictable = Callable[[BlockKey], bool]
@@ -198,43 +197,3 @@ def pop_first_evictable(order: "OrderedDict[BlockKey, None]", is_evictable: IsEv
             return key
         order.move_to_end(key)
     return None
-
-
-PolicyFactory = Callable[[int], EvictionPolicy]
-"""Builds a policy for a tier of the given capacity in blocks."""
-
-_REGISTRY: dict[str, PolicyFactory] = {}
-
-
-def register_policy(name: str) -> Callable[[PolicyFactory], PolicyFactory]:
-    """Class/function decorator registering a policy factory under ``name``."""
-
-    def deco(factory: PolicyFactory) -> PolicyFactory:
-        if name in _REGISTRY:
-            raise ValueError(f"policy {name!r} registered twice")
-        _REGISTRY[name] = factory
-        return factory
-
-    return deco
-
-
-def policy_names() -> list[str]:
-    """Sorted names of every registered eviction policy."""
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-def make_policy(name: str, capacity_blocks: int, setting: str = "policy") -> EvictionPolicy:
-    """Build the policy registered as ``name``; an unknown name raises
-    :class:`UnknownPolicyError` naming ``setting`` and listing the valid names."""
-    _load_builtin()
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        raise UnknownPolicyError(setting, name, f"unknown policy; valid: {', '.join(sorted(_REGISTRY))}") from None
-    return factory(capacity_blocks)
-
-
-def _load_builtin() -> None:
-    # Importing the modules runs their @register_policy decorators.
-    from . import arc, fifo, lfu, lru, s3fifo  # noqa: F401

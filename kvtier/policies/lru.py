@@ -10,7 +10,8 @@ from collections import deque
 from typing import Iterable
 
 from ..keys import BlockKey
-from .base import OrderParking, register_policy
+from .base import OrderParking
+from .registry import register_policy
 
 
 @register_policy("lru")

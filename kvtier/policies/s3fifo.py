@@ -31,7 +31,8 @@ from collections import OrderedDict
 from typing import Iterable
 
 from ..keys import BlockKey
-from .base import IsEvictable, Parking, register_policy
+from .base import IsEvictable, Parking
+from .registry import register_policy
 
 MAX_FREQ = 3
 SMALL_RATIO = 0.1

@@ -24,7 +24,8 @@ from ..keys import BlockKey
 from ..placement.loadrule import make_load_rule
 
 if TYPE_CHECKING:
-    from .sim import Simulator, _Run
+    from .runs import Run
+    from .state import SimState
 
 HBM = 0  # the index of HBM in a lookup's tier names
 
@@ -42,12 +43,12 @@ class _Plan(NamedTuple):
 class Admission:
     """The simulator's admission (see the module doc)."""
 
-    def __init__(self, sim: "Simulator", vllm_scheduler: bool) -> None:
+    def __init__(self, sim: "SimState", vllm_scheduler: bool) -> None:
         self.sim = sim
         self.vllm = vllm_scheduler
-        self.deferred: list[tuple["_Run", Any]] = []  # taken off the queue's head during one pass
+        self.deferred: list[tuple["Run", Any]] = []  # taken off the queue's head during one pass
         # scheduler "vllm": the blocks prefilling runs store in HBM, by key: (run, position in its keys)
-        self.prefill_owner: dict[BlockKey, tuple["_Run", int]] = {}
+        self.prefill_owner: dict[BlockKey, tuple["Run", int]] = {}
         self.num_holding = 0  # scheduler "vllm": runs in sim.prefilling that are ``holding``
         self.load_rule = make_load_rule(sim.cfg.load_rule)
 
@@ -56,7 +57,7 @@ class Admission:
     def admit_waiting(self) -> None:
         sim = self.sim
         budget = self.plan_running() if self.vllm else 1
-        if sim._admission_blocked:
+        if sim.admission_blocked:
             return
         deferred = self.deferred  # skipped this pass, keeping their places (a surface's defer_loads)
         while sim.waiting and self.num_running() < sim.cfg.max_running and budget > 0:
@@ -67,7 +68,7 @@ class Admission:
             if not self.admit(run):
                 if sim.prefetches.release_holds():
                     continue  # blocks prefetched for later requests must not keep the head out
-                sim._admission_blocked = True
+                sim.admission_blocked = True
                 sim.counters["admission_waits"] += 1
                 break
             sim.waiting.pop()
@@ -82,7 +83,7 @@ class Admission:
                 if done is not None:
                     run.loads_pending += 1
                     run.load_ready_s = max(run.load_ready_s, done)
-                    sim._at(done, self._victims_out, run)
+                    sim.schedule_at(done, self._victims_out, run)
             if self.vllm and not run.loads_pending and not run.holding:
                 run.take = min(run.prefill_left, budget)
                 budget -= run.take
@@ -121,7 +122,7 @@ class Admission:
         those admitted with a load that have not run yet (``holding``)."""
         return len(self.sim.prefilling) + len(self.sim.decoding) - self.num_holding
 
-    def load_not_ready(self, run: "_Run") -> bool:
+    def load_not_ready(self, run: "Run") -> bool:
         """Whether ``run`` is deferred: on a surface with ``defer_loads``, its cached
         prefix goes on in HBM victims still being copied down to DRAM. It stays
         queued without HBM and those behind it may be admitted, as vLLM's
@@ -135,7 +136,7 @@ class Admission:
             return True
         return False
 
-    def may_fit(self, run: "_Run", need: int) -> bool:
+    def may_fit(self, run: "Run", need: int) -> bool:
         """Whether ``run`` fits in HBM beside what cannot be evicted there: the
         running requests' blocks and reserves, and arrived prefetches' holds.
         An engine checks its free plus evictable blocks before it allocates, so
@@ -158,7 +159,7 @@ class Admission:
 
     # ------------------------------------------------------------ one request
 
-    def admit(self, run: "_Run") -> bool:
+    def admit(self, run: "Run") -> bool:
         """Admit ``run`` if HBM can take it now; False leaves everything as it was."""
         sim, req = self.sim, run.req
         need = math.ceil((req.input_tokens + req.output_tokens) / sim.block_size)
@@ -182,7 +183,7 @@ class Admission:
             sim.counters["hits_recomputed"] = sim.counters.get("hits_recomputed", 0) + 1
         return True
 
-    def _admit_uncached(self, run: "_Run", request_id: tuple[int, str, int]) -> None:
+    def _admit_uncached(self, run: "Run", request_id: tuple[int, str, int]) -> None:
         sim = self.sim
         sim.counters["oversized_requests"] += 1
         run.uncached = True
@@ -192,7 +193,7 @@ class Admission:
         run.prefill_left = run.computed_tokens = run.req.input_tokens
         self._count(run, request_id)
 
-    def _count(self, run: "_Run", request_id: tuple[int, str, int]) -> None:
+    def _count(self, run: "Run", request_id: tuple[int, str, int]) -> None:
         sim = self.sim
         sim.block_touches += len(run.keys)
         if sim.order_log is not None:
@@ -219,7 +220,7 @@ class Admission:
                 n_used = next(i for i, t in enumerate(tiers) if t != HBM)
         return hit, n_used, lands
 
-    def _reserve(self, run: "_Run", hit: Any, n_used: int, need: int) -> _Plan | None:
+    def _reserve(self, run: "Run", hit: Any, n_used: int, need: int) -> _Plan | None:
         """Plan the loads, the computed blocks' store and the decode reserve of ``run``
         (``keys[:n_used]`` cached); ``None``, all rolled back, when HBM has no room."""
         sim, mgr, keys = self.sim, self.sim.mgr, run.keys
@@ -262,7 +263,7 @@ class Admission:
             mgr.release((tail,))
         return None
 
-    def _commit(self, run: "_Run", request_id: tuple[int, str, int], hit: Any, n_used: int, lands: float,
+    def _commit(self, run: "Run", request_id: tuple[int, str, int], hit: Any, n_used: int, lands: float,
                 plan: _Plan) -> None:
         """``run`` is admitted with ``plan``: recency, its holds, its hits and its loads in flight."""
         sim, mgr, keys, bs = self.sim, self.sim.mgr, run.keys, self.sim.block_size
@@ -274,7 +275,7 @@ class Admission:
         mgr.touch(keys[:n_used], "hbm")
         if store_plan is not None and store_plan.skipped:
             mgr.touch(store_plan.skipped, "hbm")
-        if sim._write_through_on:
+        if sim.write_through_on:
             # A write-through store of this prompt refreshes the copies already
             # below (so a chain's head stays at least as recent as its tail);
             # exclusive DRAM: the DRAM copies of what now runs in HBM go first.
@@ -292,13 +293,13 @@ class Admission:
                                       if key in computes)
         for move in plan.moves:
             run.hit[move.src] += len(move.keys) * bs
-            done = sim._transfer(move.src, "hbm", len(move.keys))
+            done = sim.transfer_s(move.src, "hbm", len(move.keys))
             if move.src == "dram" and lands > sim.now:  # some of them are still on their way down
                 done = max(done, lands + sim.mover.path_s("dram", "hbm", len(move.keys)))
             run.loads_pending += 1
             run.load_ready_s = max(run.load_ready_s, done)
-            sim._at(done, self._load_done, run, move)
-        sim._load_beyond(run, n_used + n_sched, hit.num_blocks + n_sched)
+            sim.schedule_at(done, self._load_done, run, move)
+        sim.load_beyond(run, n_used + n_sched, hit.num_blocks + n_sched)
         # vLLM recomputes at least the last token of a fully cached prompt
         run.computed_tokens = max(1, run.req.input_tokens - sum(run.hit.values()))
         run.prefill_left = run.computed_tokens
@@ -324,7 +325,7 @@ class Admission:
             m += 1
         return m - n
 
-    def computed(self, run: "_Run") -> None:
+    def computed(self, run: "Run") -> None:
         """``run``'s prefill is done: other requests no longer wait on it for its blocks."""
         if self.vllm:
             for key in run.computed_keys:
@@ -338,7 +339,7 @@ class Admission:
             return keys[-1]
         return mgr.last_present(keys[:n_used], "hbm")
 
-    def retail(self, run: "_Run") -> None:
+    def retail(self, run: "Run") -> None:
         """Move the run's reference to its prompt's last block once it is ready in HBM."""
         mgr = self.sim.mgr
         last = run.keys[-1] if run.keys else None
@@ -349,7 +350,7 @@ class Admission:
             mgr.release((run.held,))
         run.held = last
 
-    def _load_done(self, run: "_Run", plan: Any) -> None:
+    def _load_done(self, run: "Run", plan: Any) -> None:
         mgr = self.sim.mgr
         mgr.complete_move(plan, True)
         if plan.keep_source and plan.src == "dram" and self.sim.victims.on:  # in HBM now: first to go below
@@ -358,5 +359,5 @@ class Admission:
         self.retail(run)
 
     @staticmethod
-    def _victims_out(run: "_Run") -> None:
+    def _victims_out(run: "Run") -> None:
         run.loads_pending -= 1

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from ..keys import BlockKey
 
 if TYPE_CHECKING:
-    from .sim import Simulator
+    from .state import SimState
 
 
 class SimContext:
     """The simulator's placement context; policies get it wherever live they get ``EnginePlacement``."""
 
-    def __init__(self, sim: "Simulator", pin_budget_blocks: int) -> None:
+    def __init__(self, sim: "SimState", pin_budget_blocks: int) -> None:
         self.sim = sim
         self.block_size = sim.block_size
         self.hbm_capacity_blocks = sim.hbm_capacity_blocks
@@ -61,13 +61,13 @@ class SimContext:
         sim.mgr.pin((tail,), ttl_s)
         self.pinned_blocks += n - self._pin_sizes.get(tail, 0)
         self._pin_sizes[tail] = n
-        sim._at(sim.now + ttl_s, self._pin_lapsed, tail)
+        sim.schedule_at(sim.now + ttl_s, self._pin_lapsed, tail)
         return True
 
     def _pin_lapsed(self, tail: BlockKey) -> None:
         if tail in self._pin_sizes and not self.sim.mgr.is_pinned(tail):
             self.pinned_blocks -= self._pin_sizes.pop(tail)
-        self.sim._admission_blocked = False
+        self.sim.admission_blocked = False
 
     def unpin(self, keys: Sequence[BlockKey]) -> None:
         tails = [k for k in keys if k in self._pin_sizes]
@@ -75,7 +75,7 @@ class SimContext:
             self.sim.mgr.unpin(tails)
             for tail in tails:
                 self.pinned_blocks -= self._pin_sizes.pop(tail)
-            self.sim._admission_blocked = False
+            self.sim.admission_blocked = False
 
     # ------------------------------------------------------------ residency
 
@@ -94,16 +94,16 @@ class SimContext:
                                 keep_source=False)
         sim.counters["offloaded_blocks"] += dropped
         if plan is None:
-            sim._admission_blocked = False
+            sim.admission_blocked = False
             return dropped
         sim.counters["offloaded_blocks"] += len(plan.keys)
-        sim._at(sim._transfer("hbm", dst, len(plan.keys), sim.mover.num_to_encode(mgr, sim.lower, plan.keys, dst)),
-                self._complete_offload, plan)
+        num_encode = sim.mover.num_to_encode(mgr, sim.lower, plan.keys, dst)
+        sim.schedule_at(sim.transfer_s("hbm", dst, len(plan.keys), num_encode), self._complete_offload, plan)
         return dropped + len(plan.keys)
 
     def _complete_offload(self, plan: Any) -> None:
         self.sim.mgr.complete_move(plan, True)
-        self.sim._admission_blocked = False
+        self.sim.admission_blocked = False
 
     def discard(self, keys: Sequence[BlockKey]) -> int:
         sim = self.sim
@@ -111,7 +111,7 @@ class SimContext:
             return 0
         n = sim.mgr.remove(keys, "hbm")
         sim.counters["discarded_blocks"] += n
-        sim._admission_blocked = False
+        sim.admission_blocked = False
         return n
 
     def drop(self, keys: Sequence[BlockKey]) -> int:
@@ -122,7 +122,7 @@ class SimContext:
         else:
             n = sum(sim.mgr.remove(keys, t) for t in sim.lower)
         sim.counters["dropped_blocks"] += n
-        sim._admission_blocked = False
+        sim.admission_blocked = False
         return n
 
     def deprioritize(self, keys: Sequence[BlockKey], tiers: Sequence[str] = ("hbm",)) -> int:
@@ -142,7 +142,7 @@ class SimContext:
         if sim.surface.hbm_drop and not sim.surface.hbm_demote:
             dropped = sim.mgr.remove(keys, "hbm")
             sim.counters["dropped_blocks"] += dropped
-            sim._admission_blocked = False
+            sim.admission_blocked = False
             n += dropped
         return n
 
@@ -200,14 +200,14 @@ class SimContext:
         return self.sim.running_blocks()
 
     def tool_history_s(self) -> Sequence[float]:
-        return self.sim._tool_history
+        return self.sim.tool_history
 
     def private_start(self, keys: Sequence[BlockKey]) -> int:
         return self.sim.mgr.private_start(keys)
 
     def call_at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
         """Call ``fn(*args)`` at simulated time ``t`` (now if ``t`` is past)."""
-        self.sim._at(max(t, self.sim.now), fn, *args)
+        self.sim.schedule_at(max(t, self.sim.now), fn, *args)
 
     def count(self, name: str, n: int = 1) -> None:
         """Add ``n`` to the replay counter ``name`` (decisions by reason, ...)."""

@@ -34,7 +34,8 @@ from ..keys import BlockKey
 from ..placement import PlacementPolicy
 from ..routing import DEFAULT_WEIGHTS, REMOTE
 from .model import Agent, Request, Workload
-from .sim import SimConfig, SimResult, Simulator, _Run, _SessionRun
+from .runs import Run, SessionRun
+from .sim import SimConfig, SimResult, Simulator
 
 ROUTINGS = ("round-robin", "session", "kv-aware")
 # the live router's weight of each tier's block (kvtier.routing scores vLLM media)
@@ -114,7 +115,7 @@ class _Driver(Simulator):
 
     fleet: "FleetSimulator"
 
-    def _on_ready(self, sr: _SessionRun, agent: Agent, req: Request, waited_s: float) -> None:
+    def _on_ready(self, sr: SessionRun, agent: Agent, req: Request, waited_s: float) -> None:
         fleet = self.fleet
         engine = fleet.route(sr, req)
         agent_key = (sr.idx, agent.agent_id)
@@ -129,7 +130,7 @@ class _Driver(Simulator):
         finally:
             engine._due_s = None
 
-    def _end_session(self, sr: _SessionRun) -> None:
+    def end_session(self, sr: SessionRun) -> None:
         self.session_latency_s.append(self.now - sr.start_s)
         self.graph.end_session("replay", sr.sid, self.now)
         for engine in self.fleet.engines:
@@ -145,13 +146,13 @@ class _Engine(Simulator):
     index: int
 
     # ---- the session layer is the driver's
-    def _issue(self, sr: _SessionRun, agent: Agent, index: int) -> None:
+    def issue_request(self, sr: SessionRun, agent: Agent, index: int) -> None:
         self.fleet.driver.now = self.now
-        self.fleet.driver._issue(sr, agent, index)
+        self.fleet.driver.issue_request(sr, agent, index)
 
-    def _end_session(self, sr: _SessionRun) -> None:
+    def end_session(self, sr: SessionRun) -> None:
         self.fleet.driver.now = self.now
-        self.fleet.driver._end_session(sr)
+        self.fleet.driver.end_session(sr)
 
     # ---- time
     def load(self) -> int:
@@ -162,11 +163,11 @@ class _Engine(Simulator):
         """Whether a pass at its own clock has work: requests running, admittable ones
         waiting, or staging / victim copies to start."""
         return bool(self.prefilling or self.decoding or self.prefetches.to_stage or self.victims.pending
-                    or (self.waiting and not self._admission_blocked))
+                    or (self.waiting and not self.admission_blocked))
 
     def pending_s(self) -> float | None:
         """When this engine next has something to do (``None``: nothing until a request comes)."""
-        own = self._events[0][0] if self._events else None
+        own = self.event_queue[0][0] if self.event_queue else None
         if self.busy():
             return self.now if own is None else min(self.now, own)
         return own
@@ -174,7 +175,7 @@ class _Engine(Simulator):
     def _pop_due(self) -> None:
         """This engine's due events and the fleet's, merged in (time, sequence) order;
         fleet events only up to where no other engine could act first."""
-        own, fleet_events = self._events, self.fleet.driver._events
+        own, fleet_events = self.event_queue, self.fleet.driver.event_queue
         while True:
             own_due = bool(own) and own[0][0] <= self.now
             fleet_due = bool(fleet_events) and fleet_events[0][0] <= self.now \
@@ -194,13 +195,13 @@ class _Engine(Simulator):
                 self.victims.write()
 
     def _next_event_s(self) -> float | None:
-        times = [t for t in (self._events[0][0] if self._events else None,
-                             self.fleet.driver._events[0][0] if self.fleet.driver._events else None,
+        times = [t for t in (self.event_queue[0][0] if self.event_queue else None,
+                             self.fleet.driver.event_queue[0][0] if self.fleet.driver.event_queue else None,
                              self.fleet.others_pending_s(self)) if t is not None and t != math.inf]
         return min(times) if times else None
 
     # ---- the remote tier
-    def _load_beyond(self, run: _Run, n_used: int, n_cached: int) -> None:
+    def load_beyond(self, run: Run, n_used: int, n_cached: int) -> None:
         remote = self.fleet.remote
         if remote is None or n_used < n_cached:  # the policy recomputes blocks this engine holds: no load beyond
             return
@@ -214,9 +215,9 @@ class _Engine(Simulator):
         done = self._remote_transfer("remote->hbm", n)
         run.loads_pending += 1
         run.load_ready_s = max(run.load_ready_s, done)
-        self._at(done, self._remote_loaded, run)
+        self.schedule_at(done, self._remote_loaded, run)
 
-    def _remote_loaded(self, run: _Run) -> None:
+    def _remote_loaded(self, run: Run) -> None:
         run.loads_pending -= 1
 
     def _write_through(self, keys: Sequence[BlockKey], parent: BlockKey | None,
@@ -228,7 +229,7 @@ class _Engine(Simulator):
         new = [k for k in keys if k not in remote]
         remote.touch(keys)
         if new:  # written through; readable there once the copy landed (the request does not wait)
-            self._at(self._remote_transfer("hbm->remote", len(new)), remote.store, new)
+            self.schedule_at(self._remote_transfer("hbm->remote", len(new)), remote.store, new)
 
     def _remote_transfer(self, link: str, num_blocks: int) -> float:
         """Queue a copy on this engine's remote link (FIFO, bytes / bandwidth); returns its finish time."""
@@ -259,8 +260,8 @@ class FleetSimulator:
             engine = _Engine(workload, config, make_policy(), profile)
             engine.fleet, engine.index = self, i
             # one sequence for every heap (equal times keep their order), one hint plane, one tool history
-            engine._seq, engine.graph, engine._tool_history = self.driver._seq, self.driver.graph, \
-                self.driver._tool_history
+            engine._seq, engine.graph, engine.tool_history = self.driver._seq, self.driver.graph, \
+                self.driver.tool_history
             self.engines.append(engine)
         self.home: dict[tuple[int, str], _Engine] = {}  # agent -> the engine of its last request
         self.event_s = 0.0  # the time of the fleet event being run
@@ -269,7 +270,7 @@ class FleetSimulator:
 
     # ------------------------------------------------------------------ routing
 
-    def route(self, sr: _SessionRun, req: Request) -> _Engine:
+    def route(self, sr: SessionRun, req: Request) -> _Engine:
         """The engine ``req`` goes to, per :attr:`FleetConfig.routing`."""
         routing = self.config.routing
         if routing == "session":
@@ -325,7 +326,7 @@ class FleetSimulator:
     def run_fleet_event(self, host_now_s: float | None = None) -> None:
         """Run the earliest fleet event (a session start or a ready request);
         ``host_now_s``: the clock of the engine whose pass runs it (the fleet's own loop: the event's time)."""
-        t, _, fn, args = heapq.heappop(self.driver._events)
+        t, _, fn, args = heapq.heappop(self.driver.event_queue)
         self.event_s = t
         self.driver.now = t if host_now_s is None else max(t, host_now_s)
         self.driver._due_s = t
@@ -337,24 +338,24 @@ class FleetSimulator:
     def run(self) -> SimResult:
         """Replay every session; call once. Each turn of the loop runs the earliest of:
         a fleet event (when strictly earlier than every engine), or one pass
-        (:meth:`Simulator._advance`) of the engine with the earliest work (lowest
+        (:meth:`Simulator.advance`) of the engine with the earliest work (lowest
         index on a tie). Raises ``RuntimeError`` when requests are left unserved."""
         driver = self.driver
-        driver._start_sessions()
+        driver.start_sessions()
         while True:
             best, best_s = None, math.inf
             for engine in self.engines:
                 t = engine.pending_s()
                 if t is not None and t < best_s:
                     best, best_s = engine, t
-            if driver._events and driver._events[0][0] < best_s:
+            if driver.event_queue and driver.event_queue[0][0] < best_s:
                 self.run_fleet_event()
                 continue
             if best is None:
                 break
             if not best.busy():  # idle: its clock moves to its next event
                 best.now = max(best.now, best_s)
-            best._advance()
+            best.advance()
         return self._result()
 
     def _result(self) -> SimResult:
@@ -367,7 +368,7 @@ class FleetSimulator:
             for k, v in e.bytes_moved.items():
                 bytes_moved[k] = bytes_moved.get(k, 0) + v
         served = len(records) + counters.get("skipped_requests", 0)
-        total = self.driver._total_requests
+        total = self.driver.total_requests
         if served != total:
             waiting = sum(len(e.waiting) for e in self.engines)
             raise RuntimeError(f"fleet replay stalled with {total - served} requests unserved ({waiting} waiting "

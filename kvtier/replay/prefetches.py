@@ -19,7 +19,8 @@ from ..keys import BlockKey
 from ..placement.base import ssd_promotion
 
 if TYPE_CHECKING:
-    from .sim import Simulator, _Run
+    from .runs import Run
+    from .state import SimState
 
 
 class Prefetch:
@@ -37,7 +38,7 @@ class Prefetch:
 class SimPrefetches:
     """The simulator's prefetches and staging (see the module doc)."""
 
-    def __init__(self, sim: "Simulator") -> None:
+    def __init__(self, sim: "SimState") -> None:
         self.sim = sim
         self.by_agent: dict[tuple[int, str], Prefetch] = {}
         self.to_stage: list[Sequence[BlockKey]] = []  # contexts of requests that arrived (see stage)
@@ -65,7 +66,7 @@ class SimPrefetches:
             if plan is None:
                 break
             plans.append(plan)
-            done = max(done, sim._transfer(names[src_idx], dst, len(plan.keys)))
+            done = max(done, sim.transfer_s(names[src_idx], dst, len(plan.keys)))
         if not plans:
             return None
         if sim.victims.pending:  # what made room in HBM lands in DRAM as the prefetch frees it
@@ -74,10 +75,10 @@ class SimPrefetches:
         self.by_agent[agent_key] = pf
         sim.counters["prefetches"] += 1
         sim.counters["prefetched_blocks"] += sum(len(p.keys) for p in plans)
-        sim._at(done, self._arrived, agent_key, pf)
+        sim.schedule_at(done, self._arrived, agent_key, pf)
         return done
 
-    def on_ready(self, run: "_Run", agent_key: tuple[int, str], skipped: bool) -> bool:
+    def on_ready(self, run: "Run", agent_key: tuple[int, str], skipped: bool) -> bool:
         """The agent's request ``run`` is ready: it takes the prefetch made for it (a late one
         into HBM makes it wait for the blocks in flight). Returns whether it joins the queue now."""
         sim = self.sim
@@ -90,7 +91,7 @@ class SimPrefetches:
         if pf is not None and not pf.arrived:  # late: the request waits for its blocks in flight
             sim.counters["prefetch_late"] += 1
             if sim.surface.prefetch_to == "hbm":
-                sim._at(pf.done_s, self._enqueue_after, run, pf)
+                sim.schedule_at(pf.done_s, self._enqueue_after, run, pf)
                 return False
             pf.cancelled = True  # into DRAM: the request loads from wherever its blocks are now
             pf = None
@@ -99,7 +100,7 @@ class SimPrefetches:
             run.prefetch = pf
         return True
 
-    def _enqueue_after(self, run: "_Run", pf: Prefetch) -> None:
+    def _enqueue_after(self, run: "Run", pf: Prefetch) -> None:
         run.prefetch = pf
         self.sim.waiting.append(run)
 
@@ -119,7 +120,7 @@ class SimPrefetches:
         for keys in to_stage:
             plan = ssd_promotion(sim.mgr, keys) if id(keys) in queued else None
             if plan is not None:
-                sim._at(sim._transfer("ssd", "dram", len(plan.keys)), self._staged_in, plan)
+                sim.schedule_at(sim.transfer_s("ssd", "dram", len(plan.keys)), self._staged_in, plan)
                 sim.counters["staged_blocks"] += len(plan.keys)
 
     def _staged_in(self, plan: Any) -> None:
@@ -138,7 +139,7 @@ class SimPrefetches:
         pf.hold = sim.admission.deepest_ready_hbm(pf.keys, len(pf.keys))
         if pf.hold is not None:
             sim.mgr.acquire((pf.hold,))
-        sim._admission_blocked = False
+        sim.admission_blocked = False
 
     def release_holds(self) -> bool:
         """The queue's head does not fit: let go of the hold of every arrived prefetch,

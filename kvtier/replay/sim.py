@@ -71,9 +71,10 @@ from .admit import Admission
 from .codec import ColdCodec
 from .context import SimContext
 from .belady import BeladyPolicy, DriftOracle, NextUseOracle
-from .model import Agent, Request, Session, Workload
+from .model import Agent, Request, Workload
 from .mover import ModelledMover
-from .prefetches import Prefetch, SimPrefetches
+from .prefetches import SimPrefetches
+from .runs import Run, SessionRun
 from .victims import VictimCache
 from ..placement import PlacementPolicy, ToolWait
 from ..placement.base import TURN_END_GAP_S, UNPREDICTED_GAP_S
@@ -191,63 +192,26 @@ class SimResult:
     counters: dict[str, int] = field(default_factory=dict)
 
 
-class _Run:
-    """A request in flight."""
-
-    __slots__ = (
-        "sess", "agent", "req", "keys", "ready_s", "prefill_left", "ctx_tokens", "decode_left",
-        "first_token_s", "held", "store_plan", "computed_keys", "loads_pending", "load_ready_s",
-        "hit", "computed_tokens", "uncached", "reserved", "prefetch", "skipped", "take", "holding",
-        "step_wait",
-    )
-
-    def __init__(self, sess: "_SessionRun", agent: Agent, req: Request, ready_s: float) -> None:
-        self.sess, self.agent, self.req, self.ready_s = sess, agent, req, ready_s
-        self.keys: tuple[BlockKey, ...] = req.block_ids  # trace ids are the replay's block keys
-        self.prefill_left = 0
-        self.ctx_tokens = 0
-        self.decode_left = 0
-        self.first_token_s = 0.0
-        self.held: BlockKey | None = None  # the chain tail referenced in HBM (protects its prefix)
-        self.store_plan: Any = None
-        self.computed_keys: tuple[BlockKey, ...] = ()
-        self.loads_pending = 0
-        self.load_ready_s = 0.0
-        self.hit = {"hbm": 0, "dram": 0, "ssd": 0}
-        self.computed_tokens = 0
-        self.uncached = False
-        self.reserved = 0  # HBM blocks reserved for the decode
-        self.prefetch: Prefetch | None = None  # a prefetch for this request that arrived in time
-        self.skipped = False  # in SimConfig.skip_requests: never admitted, never recorded
-        self.take = 0  # scheduler "vllm": prompt tokens the pass being admitted schedules for it
-        # scheduler "vllm": admitted with a load from a lower tier, not running yet (vLLM's
-        # WAITING_FOR_REMOTE_KVS): it takes no running slot until the load is done and a slot is free
-        self.holding = False
-        # scheduler "vllm": its load is reported done at the end of the engine step after its admission, at the
-        # earliest (vLLM's worker loads during that step's forward and reports finished loads after it)
-        self.step_wait = False
-
-
 class _WaitQueue:
     """Requests waiting for admission: FCFS, or by the policy's admission
     priority (lower first, FCFS among equals) when it defines one."""
 
-    def __init__(self, priority: Callable[[_Run], float] | None) -> None:
+    def __init__(self, priority: Callable[[Run], float] | None) -> None:
         self._priority = priority
-        self._heap: list[tuple[float, int, _Run]] = []
-        self._fifo: deque[_Run] = deque()
+        self._heap: list[tuple[float, int, Run]] = []
+        self._fifo: deque[Run] = deque()
         self._seq = itertools.count()
 
-    def append(self, run: _Run) -> None:
+    def append(self, run: Run) -> None:
         if self._priority is None:
             self._fifo.append(run)
         else:
             heapq.heappush(self._heap, (self._priority(run), next(self._seq), run))
 
-    def head(self) -> _Run:
+    def head(self) -> Run:
         return self._fifo[0] if self._priority is None else self._heap[0][2]
 
-    def pop(self) -> _Run:
+    def pop(self) -> Run:
         return self._fifo.popleft() if self._priority is None else heapq.heappop(self._heap)[2]
 
     def pop_entry(self) -> Any:
@@ -267,22 +231,6 @@ class _WaitQueue:
 
     def __iter__(self):
         return iter(self._fifo) if self._priority is None else (e[2] for e in sorted(self._heap))
-
-
-class _SessionRun:
-    __slots__ = ("idx", "session", "start_s", "next_index", "finished", "running", "agents_left", "children_of",
-                 "sid")
-
-    def __init__(self, idx: int, session: Session, start_s: float) -> None:
-        self.idx, self.session, self.start_s = idx, session, start_s
-        self.next_index = {a.agent_id: 0 for a in session.agents}  # next request to issue
-        self.finished = {a.agent_id: not a.requests for a in session.agents}
-        self.running: set[str] = set()
-        self.agents_left = sum(1 for a in session.agents if a.requests)
-        self.children_of: dict[str, list[Agent]] = {}
-        self.sid = str(idx)  # the session id the hint plane knows it by
-        for a in session.agents[1:]:
-            self.children_of.setdefault(a.parent_id or "", []).append(a)
 
 
 class Simulator:
@@ -330,10 +278,10 @@ class Simulator:
         self.lower = [t for t in self.mgr.tier_names if t != "hbm"]
         # write computed blocks through to the lower tiers (the vLLM connector writing through does; with
         # exclusive_dram, to SSD only)
-        self._write_through_on = policy.write_through or (self.surface.write_through_always and bool(self.lower))
+        self.write_through_on = policy.write_through or (self.surface.write_through_always and bool(self.lower))
         self.now = 0.0
         self._seq = itertools.count()
-        self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
+        self.event_queue: list[tuple[float, int, Callable[..., None], tuple]] = []
         # the time the event being run was due (None between events): a request that arrives during a step
         # is ready from then, not from the step's end, when the engine next looks (it waits out the step)
         self._due_s: float | None = None
@@ -341,17 +289,17 @@ class Simulator:
         prio = admission_order(config.admission)
         self.waiting = _WaitQueue((lambda run: prio(self.ctx, run.sess.idx, run.agent.agent_id, run.sess.start_s))
                                   if prio is not None else None)
-        self.prefilling: list[_Run] = []
-        self.decoding: list[_Run] = []
+        self.prefilling: list[Run] = []
+        self.decoding: list[Run] = []
         self.admission = Admission(self, config.scheduler == "vllm")
         self.prefetches = SimPrefetches(self)
         self.records: list[RequestRecord] = []
         self.session_latency_s: list[float] = []
         self._sessions = list(workload.sessions[: config.max_sessions] if config.max_sessions else workload.sessions)
         self._next_session = 0
-        self._admission_blocked = False
-        self._tool_history: deque[float] = deque(maxlen=512)
-        self._total_requests = sum(s.num_requests() for s in self._sessions)
+        self.admission_blocked = False
+        self.tool_history: deque[float] = deque(maxlen=512)
+        self.total_requests = sum(s.num_requests() for s in self._sessions)
         self.block_touches = 0
         self.counters: dict[str, int] = {"admission_waits": 0, "oversized_requests": 0, "pins_refused": 0,
                                          "offloaded_blocks": 0, "discarded_blocks": 0, "dropped_blocks": 0,
@@ -398,21 +346,21 @@ class Simulator:
 
     # ------------------------------------------------------------------ events
 
-    def _at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
-        heapq.heappush(self._events, (t, next(self._seq), fn, args))
+    def schedule_at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
+        heapq.heappush(self.event_queue, (t, next(self._seq), fn, args))
 
     def run(self) -> SimResult:
-        self._start_sessions()
+        self.start_sessions()
         while True:
-            if self._advance():
+            if self.advance():
                 continue
-            if self._events:
-                self.now = max(self.now, self._events[0][0])
+            if self.event_queue:
+                self.now = max(self.now, self.event_queue[0][0])
             else:
                 break
         served = len(self.records) + self.counters["skipped_requests"]
-        if served != self._total_requests:
-            raise RuntimeError(f"replay stalled at {self.now:.1f}s with {self._total_requests - served} "
+        if served != self.total_requests:
+            raise RuntimeError(f"replay stalled at {self.now:.1f}s with {self.total_requests - served} "
                                f"requests unserved ({len(self.waiting)} waiting for HBM, policy "
                                f"{self.policy.name!r}, HBM used {self.mgr.used_blocks('hbm')} of "
                                f"{self.hbm_capacity_blocks}, {self.mgr.num_pinned()} pinned); "
@@ -423,14 +371,14 @@ class Simulator:
         return SimResult(self.records, self.session_latency_s, makespan, self.cfg.warmup_s,
                          dict(self.bytes_moved), self.block_touches, dict(self.counters))
 
-    def _start_sessions(self) -> None:
+    def start_sessions(self) -> None:
         """The first sessions: every one at its arrival (open loop) or its recorded start
         (``recorded_starts``), else ``conc`` of them."""
         if self.w.open_loop:  # every session (one request each) starts at its recorded arrival
             self._next_session = len(self._sessions)
             for idx, session in enumerate(self._sessions):
                 arrival = session.root.requests[0].arrival_s if session.root.requests else 0.0
-                self._at(arrival * self.cfg.time_scale, self._start_session, idx)
+                self.schedule_at(arrival * self.cfg.time_scale, self._start_session, idx)
         elif self.cfg.recorded_starts:
             starts = [s.recorded_at_s for s in self._sessions]
             if any(t is None for t in starts):
@@ -440,12 +388,12 @@ class Simulator:
             first = min(starts, default=0.0)
             self._next_session = len(self._sessions)
             for idx, t in enumerate(starts):
-                self._at((t - first) * self.cfg.time_scale, self._start_session, idx)
+                self.schedule_at((t - first) * self.cfg.time_scale, self._start_session, idx)
         else:
             for _ in range(min(self.cfg.conc, len(self._sessions))):
                 self._start_next_session()
 
-    def _advance(self) -> bool:
+    def advance(self) -> bool:
         """One pass of the engine at ``self.now``: the events due, admission, queue
         staging, then one batch step when requests run. Returns whether it stepped
         (when not, the caller moves the clock to the next event). Called by
@@ -465,8 +413,8 @@ class Simulator:
 
     def _pop_due(self) -> None:
         """Run every event due by ``self.now``, in (time, sequence) order."""
-        while self._events and self._events[0][0] <= self.now:
-            due, _, fn, args = heapq.heappop(self._events)
+        while self.event_queue and self.event_queue[0][0] <= self.now:
+            due, _, fn, args = heapq.heappop(self.event_queue)
             self._due_s = due
             try:
                 fn(*args)
@@ -477,7 +425,7 @@ class Simulator:
 
     def _next_event_s(self) -> float | None:
         """When the next event is due (``None``: none); a decode-only step fast-forwards no further."""
-        return self._events[0][0] if self._events else None
+        return self.event_queue[0][0] if self.event_queue else None
 
     # --------------------------------------------------------------- sessions
 
@@ -488,32 +436,32 @@ class Simulator:
         self._start_session(self._next_session - 1)
 
     def _start_session(self, idx: int) -> None:
-        sr = _SessionRun(idx, self._sessions[idx], self._arrived_s())
+        sr = SessionRun(idx, self._sessions[idx], self._arrived_s())
         root = sr.session.root
         self.graph.start_session("replay", sr.sid, self.now)
         self.graph.spawn_agent("replay", sr.sid, root.agent_id, self.now, agent_type=self._agent_type(sr, root),
                                expected_num_requests=self._declared_requests(root))
         if not root.requests:
-            self._end_session(sr)
+            self.end_session(sr)
             return
-        self._issue(sr, root, 0)
+        self.issue_request(sr, root, 0)
         for child in sr.children_of.get(root.agent_id, []):
             if child.spawn_after is None:
-                self._issue(sr, child, 0)
+                self.issue_request(sr, child, 0)
 
     def _declared_requests(self, agent: Agent) -> int:
         """What the framework tells the hint plane about the agent's request
         count: known for a declared application DAG, unknown (0) for traces."""
         return len(agent.requests) if self.w.declared_dag else 0
 
-    def _end_session(self, sr: _SessionRun) -> None:
+    def end_session(self, sr: SessionRun) -> None:
         self.session_latency_s.append(self.now - sr.start_s)
         self.graph.end_session("replay", sr.sid, self.now)
         if self.cfg.agent_ends:
             self.policy.on_session_end(self.ctx, sr.idx)
         self._start_next_session()
 
-    def _issue(self, sr: _SessionRun, agent: Agent, index: int) -> None:
+    def issue_request(self, sr: SessionRun, agent: Agent, index: int) -> None:
         """Schedule request ``index`` of ``agent`` if its dependencies allow it."""
         if not agent.requests or index >= len(agent.requests):
             return
@@ -533,22 +481,22 @@ class Simulator:
         if self.cfg.gap_cap_s is not None:
             gap = min(gap, self.cfg.gap_cap_s)
         sr.running.add(agent.agent_id)
-        self._at(self._arrived_s() + gap, self._on_ready, sr, agent, req, gap)
+        self.schedule_at(self._arrived_s() + gap, self._on_ready, sr, agent, req, gap)
 
     def _arrived_s(self) -> float:
         """When what is being handled happened: the due time of the event being run (a step may have
         passed it), else now."""
         return self.now if self._due_s is None else min(self.now, self._due_s)
 
-    def _on_ready(self, sr: _SessionRun, agent: Agent, req: Request, waited_s: float) -> None:
+    def _on_ready(self, sr: SessionRun, agent: Agent, req: Request, waited_s: float) -> None:
         agent_key = (sr.idx, agent.agent_id)
         if req.gap_cause == "tool":  # a tool's duration is known once it returned
-            self._tool_history.append(waited_s)
+            self.tool_history.append(waited_s)
             self.graph.end_tool_call("replay", sr.sid, agent.agent_id, f"{agent.agent_id}#{req.index}", self.now)
         self.ctx.waiting_agents.pop(agent_key, None)
         self._waiting_ctx.pop(agent_key, None)
         self.graph.start_request("replay", sr.sid, agent.agent_id, str(req.index), self.now)
-        run = _Run(sr, agent, req, self._arrived_s())
+        run = Run(sr, agent, req, self._arrived_s())
         self.policy.on_wait_end(self.ctx, agent_key, run.keys)
         skipped = (sr.idx, agent.agent_id, req.index) in self.cfg.skip_requests
         if self.prefetches.on_ready(run, agent_key, skipped):
@@ -556,7 +504,7 @@ class Simulator:
         elif skipped:
             self._skip(run)
 
-    def _skip(self, run: _Run) -> None:
+    def _skip(self, run: Run) -> None:
         """A request in ``skip_requests`` ends the moment it is ready: no engine
         time, no cache change, no record; its agent goes on as if it was served."""
         self.counters["skipped_requests"] += 1
@@ -567,11 +515,11 @@ class Simulator:
 
     # ------------------------------------------------------------------ mover
 
-    def _transfer(self, src: str, dst: str, num_blocks: int, num_encode: int | None = None) -> float:
+    def transfer_s(self, src: str, dst: str, num_blocks: int, num_encode: int | None = None) -> float:
         """Queue a modelled copy now (see :meth:`ModelledMover.transfer`); returns its finish time."""
         return self.mover.transfer(self.now, src, dst, num_blocks, num_encode)
 
-    def _load_beyond(self, run: _Run, n_used: int, n_cached: int) -> None:
+    def load_beyond(self, run: Run, n_used: int, n_cached: int) -> None:
         """Admission uses ``run.keys[:n_used]`` of the ``n_cached`` blocks this engine's
         tiers hold (fewer when the policy recomputes rather than loads); the rest is
         computed. A fleet engine loads what a shared remote tier holds after a full
@@ -581,7 +529,7 @@ class Simulator:
                        agent_key: tuple[int, str] | None = None) -> None:
         """Copy freshly computed HBM blocks down to the lower tiers the policy admits them to
         (modelled, async); with exclusive DRAM, not to DRAM (HBM's victims go there)."""
-        if not self._write_through_on or not keys:
+        if not self.write_through_on or not keys:
             return
         for tier in self.lower:
             n = 0 if tier == "dram" and self.victims.on else len(keys)  # exclusive DRAM: HBM's victims go there
@@ -592,15 +540,15 @@ class Simulator:
                 if plan is not None:
                     self.mgr.complete_store(plan, True)
                 continue
-            done = self._transfer("hbm", tier, len(plan.keys),
+            done = self.transfer_s("hbm", tier, len(plan.keys),
                                   self.mover.num_to_encode(self.mgr, self.lower, plan.keys, tier))
-            self._at(done, self.mgr.complete_store, plan, True)
+            self.schedule_at(done, self.mgr.complete_store, plan, True)
 
     # ------------------------------------------------------------------ steps
 
     def _step(self) -> None:
         budget = self.cfg.max_batch_tokens - len(self.decoding)
-        chunks: list[tuple[_Run, int]] = []
+        chunks: list[tuple[Run, int]] = []
         prefill_tokens = 0
         weighted_ctx = 0
         for run in self.prefilling:
@@ -650,7 +598,7 @@ class Simulator:
         for run in finished:
             self._finish(run)
 
-    def _idle_step(self, stepping: list[_Run]) -> None:
+    def _idle_step(self, stepping: list[Run]) -> None:
         """Nothing to compute: an engine with loads to carry out still steps, at its fixed cost; else the
         clock moves to the first load that lands."""
         if stepping:
@@ -662,13 +610,13 @@ class Simulator:
             self.now = max(self.now, min(pending))
 
     @staticmethod
-    def _loads_stepped(runs: list[_Run]) -> None:
+    def _loads_stepped(runs: list[Run]) -> None:
         """The step that carried out ``runs``' loads ended: they are done once their transfers are."""
         for run in runs:
             run.step_wait = False
             run.loads_pending -= 1
 
-    def _prefill_done(self, run: _Run) -> None:
+    def _prefill_done(self, run: Run) -> None:
         run.first_token_s = self.now
         run.decode_left = run.req.output_tokens - 1
         if run.store_plan is not None:
@@ -680,7 +628,7 @@ class Simulator:
                                 (run.sess.idx, run.agent.agent_id))
             run.store_plan = None
 
-    def _finish(self, run: _Run) -> None:
+    def _finish(self, run: Run) -> None:
         mgr, req, sr, agent = self.mgr, run.req, run.sess, run.agent
         if not run.uncached:
             if run.held is not None:
@@ -688,7 +636,7 @@ class Simulator:
             if run.reserved:
                 mgr.unreserve("hbm", run.reserved)
         ctx_keys = self._cache_output_blocks(run) if not run.uncached else run.keys
-        self._admission_blocked = False
+        self.admission_blocked = False
         if not run.skipped:
             self._record(run)
         sr.running.discard(agent.agent_id)
@@ -702,7 +650,7 @@ class Simulator:
             self._waiting_ctx.pop((sr.idx, agent.agent_id), None)
         for child in sr.children_of.get(agent.agent_id, []):
             if child.spawn_after == index:
-                self._issue(sr, child, 0)
+                self.issue_request(sr, child, 0)
         if last:
             self.graph.end_agent("replay", sr.sid, agent.agent_id, self.now)
             if self.cfg.agent_ends:
@@ -718,16 +666,16 @@ class Simulator:
                 self._wait_starts(sr, agent, ctx_keys, "turn_end", TURN_END_GAP_S)
             else:
                 self._wait_starts(sr, agent, ctx_keys, nxt.gap_cause, self._predict_gap(sr, agent, nxt))
-            self._issue(sr, agent, index + 1)
+            self.issue_request(sr, agent, index + 1)
         elif agent.parent_id is not None:
             parent = sr.session.agent(agent.parent_id)
-            self._issue(sr, parent, sr.next_index[parent.agent_id])
+            self.issue_request(sr, parent, sr.next_index[parent.agent_id])
         if sr.agents_left == 0:
-            self._end_session(sr)
+            self.end_session(sr)
         if self.progress is not None and not run.skipped and len(self.records) % 500 == 0:
-            self.progress(len(self.records), self._total_requests)
+            self.progress(len(self.records), self.total_requests)
 
-    def _wait_starts(self, sr: _SessionRun, agent: Agent, ctx_keys: Sequence[BlockKey], cause: str,
+    def _wait_starts(self, sr: SessionRun, agent: Agent, ctx_keys: Sequence[BlockKey], cause: str,
                      predicted: float) -> None:
         """``agent`` stopped with the context ``ctx_keys``; the policy is told to expect it
         back in ``predicted`` s (a prediction; the true gap only where tool waits are announced)."""
@@ -762,7 +710,7 @@ class Simulator:
             self.mgr.touch(present, "hbm")
         self.counters["hbm_requeued_blocks"] = self.counters.get("hbm_requeued_blocks", 0) + n
 
-    def _cache_output_blocks(self, run: _Run) -> tuple[BlockKey, ...]:
+    def _cache_output_blocks(self, run: Run) -> tuple[BlockKey, ...]:
         """Blocks the answer filled become cacheable: those the recording names
         (``Request.answer_block_ids``), else the next request of the same agent's
         up to the answer's end (its prompt extends this one, the answer as generated).
@@ -786,7 +734,7 @@ class Simulator:
                 self._write_through(plan.keys, run.keys[-1] if n else None, (run.sess.idx, agent.agent_id))
         return nxt[:upto]
 
-    def _cache_recorded_answer(self, run: _Run, answer: tuple[BlockKey, ...]) -> tuple[BlockKey, ...]:
+    def _cache_recorded_answer(self, run: Run, answer: tuple[BlockKey, ...]) -> tuple[BlockKey, ...]:
         """Cache the blocks the recording says the answer filled, as the engine did; the agent's context
         is the prompt and, where the next prompt goes on with them, those blocks."""
         keys, agent = run.keys, run.agent
@@ -799,12 +747,12 @@ class Simulator:
         n = len(keys)
         return keys + answer if answer and nxt[:n + len(answer)] == keys + answer else keys
 
-    def _agent_type(self, sr: _SessionRun, agent: Agent) -> str:
+    def _agent_type(self, sr: SessionRun, agent: Agent) -> str:
         """The agent type the hint plane keys tool-wait history by: the trace's, as an SDK announces it; the
         session with ``predicted-stream``, as :class:`~kvtier.hints.stream.StreamHints` derives it."""
         return sr.sid if self.cfg.tool_waits == "predicted-stream" else agent.agent_type
 
-    def _predict_gap(self, sr: _SessionRun, agent: Agent, nxt: Request) -> float:
+    def _predict_gap(self, sr: SessionRun, agent: Agent, nxt: Request) -> float:
         """The wait a policy is told to expect: for a tool, the hint plane's
         prediction (history blended per agent type), or the true gap where the
         tool waits are ``announced``; otherwise, or before any history,
@@ -818,7 +766,7 @@ class Simulator:
                 return call.predicted_s
         return UNPREDICTED_GAP_S
 
-    def _record(self, run: _Run) -> None:
+    def _record(self, run: Run) -> None:
         req = run.req
         self.records.append(RequestRecord(
             session=run.sess.idx, agent_id=run.agent.agent_id, index=req.index,

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 from ..keys import BlockKey
 
 if TYPE_CHECKING:
-    from .sim import Simulator
+    from .state import SimState
 
 
 class VictimCache:
     """The simulator's exclusive DRAM; ``on`` is False where the policy or surface has none."""
 
-    def __init__(self, sim: "Simulator", on: bool) -> None:
+    def __init__(self, sim: "SimState", on: bool) -> None:
         self.sim, self.on = sim, on
         self.pending: list[tuple[BlockKey, BlockKey | None]] = []  # HBM victims to write down
         # copying down: parent, lands at, and its DRAM store (the slot it claimed; None: claimed when it lands)
@@ -81,11 +81,11 @@ class VictimCache:
             after = None
         if not todo:
             return None
-        done = sim._transfer("hbm", "dram", len(todo),  # one copy for the lot
+        done = sim.transfer_s("hbm", "dram", len(todo),  # one copy for the lot
                              sim.mover.num_to_encode(mgr, sim.lower, [key for key, _ in todo], "dram"))
         lands = done if after is None else max(done, after)
         self.on_way.update((key, (parent, lands, plan)) for (key, parent), plan in zip(todo, plans))
-        sim._at(lands, self._landed, todo)
+        sim.schedule_at(lands, self._landed, todo)
         return done
 
     def _landed(self, todo: list[tuple[BlockKey, BlockKey | None]]) -> None:
@@ -96,7 +96,7 @@ class VictimCache:
                 continue  # landed early (:meth:`land`)
             self._store(key, parent, entry[2])
         if self.sim.surface.defer_loads:  # a deferred request may find its blocks now
-            self.sim._admission_blocked = False
+            self.sim.admission_blocked = False
 
     def wanted(self, keys: Sequence[BlockKey], n: int) -> bool:
         """Whether ``keys[n]``, the first block a request's cached prefix lacks, is on its way down."""

@@ -569,7 +569,7 @@ class HintClient(_Emitter):
         """Open the channel and start the sender thread (done by the constructor unless ``start=False``)."""
         if self._thread is not None:
             return
-        self._channel = _channel(self.target, *self._tls, aio=False)
+        self._channel = open_channel(self.target, *self._tls, aio=False)
         self._channel.subscribe(self._on_channel_state, try_to_connect=False)
         self._publish = pb_grpc.HintServiceStub(self._channel).Publish
         self._thread = threading.Thread(target=self._run, name=f"kvtier-hints-{self.client_id}", daemon=True)
@@ -688,7 +688,7 @@ class AsyncHintClient(_Emitter):
             return
         self._loop = asyncio.get_running_loop()
         self._wake_event = asyncio.Event()
-        self._channel = _channel(self.target, *self._tls, aio=True)
+        self._channel = open_channel(self.target, *self._tls, aio=True)
         self._publish = pb_grpc.HintServiceStub(self._channel).Publish
         self._task = self._loop.create_task(self._run())
         self._watch_task = self._loop.create_task(self._watch_channel())
@@ -814,7 +814,7 @@ _CHANNEL_OPTIONS = (
 )
 
 
-def _channel(target: str, tls: bool, roots: bytes | None, server_name: str | None, *, aio: bool) -> Any:
+def open_channel(target: str, tls: bool, roots: bytes | None, server_name: str | None, *, aio: bool) -> Any:
     options = list(_CHANNEL_OPTIONS)
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))

@@ -23,7 +23,7 @@ import grpc
 
 from ..hints._gen import hints_pb2 as pb
 from ..hints._gen import hints_pb2_grpc as pb_grpc
-from .client import _channel
+from .client import open_channel
 from .params import MAX_TOOL_WAIT_S
 
 AgentKey = tuple[str, str]
@@ -122,7 +122,7 @@ class AgentsWatcher:
     def _run(self) -> None:
         request = pb.WatchRequest(interval_ms=max(10, int(self.interval_s * 1000)))
         while not self._stop.is_set():
-            channel = _channel(self.target, self._tls[0], self._tls[1], None, aio=False)
+            channel = open_channel(self.target, self._tls[0], self._tls[1], None, aio=False)
             try:
                 call = pb_grpc.HintServiceStub(channel).Watch(request, metadata=self._md)
                 with self._lock:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..tiers.pool import _copy_all
+from ..tiers.pool import copy_all
 from .diff import DiffRows, apply_steps
 
 _TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -94,7 +94,7 @@ def fused_restore(dst: torch.Tensor, dst_slots: Sequence[int], srcs: Sequence[to
     """Copy ``srcs[i]`` (master block views) into ``dst[dst_slots[i]]`` in one batched
     copy, then patch the differing rows in place. Returns rows patched."""
     if srcs:
-        _copy_all([dst[s] for s in dst_slots], list(srcs), non_blocking=False)
+        copy_all([dst[s] for s in dst_slots], list(srcs), non_blocking=False)
     return apply_patches(dst, patches, bytes_per_block)
 
 
@@ -114,12 +114,12 @@ def dense_restore(dst: torch.Tensor, dst_slots: Sequence[int], srcs: Sequence[to
     rebuilt, xor = staging[:n], staging[n: 2 * n]
     slot_to_stage = {s: i for i, s in enumerate(dst_slots)}
     views = [rebuilt[i] for i in range(n)]
-    _copy_all(views, list(srcs), non_blocking=False)
+    copy_all(views, list(srcs), non_blocking=False)
     xor.zero_()
     num_rows = apply_patches(xor, [Patch(p.rows, tuple(slot_to_stage[s] for s in p.dst_slots)) for p in patches],
                              bytes_per_block)
     _words(rebuilt).bitwise_xor_(_words(xor))
-    _copy_all([dst[s] for s in dst_slots], views, non_blocking=False)
+    copy_all([dst[s] for s in dst_slots], views, non_blocking=False)
     return num_rows
 
 

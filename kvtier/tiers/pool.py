@@ -140,7 +140,7 @@ def host_run(ts: Sequence[torch.Tensor], nbytes: int) -> torch.Tensor | None:
     return first.as_strided((n, nbytes), (nbytes, 1))
 
 
-def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool) -> None:
+def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool) -> None:
     """``dsts[i].copy_(srcs[i])`` for all i in one call (one C++ loop, no per-block
     Python dispatch) when one ``_foreach_copy_`` may copy every pair: all on the
     host (it converts dtypes there itself; tested with ``is_cpu``, which builds
@@ -225,14 +225,14 @@ class TensorPool:
         return slots[-1] == first + n - 1 and list(slots) == list(range(first, first + n))
 
     def _copy(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], callers: list[torch.Tensor]) -> None:
-        """``_copy_all(dsts, srcs)`` where one side is this pool's views and ``callers``
+        """``copy_all(dsts, srcs)`` where one side is this pool's views and ``callers``
         the other: only the caller's tensors are checked (the pool's side is
         on the pool's device by construction; once per block of every put and
         get, each check reads a tensor that is likely out of cache)."""
         if self._host_foreach and all(map(_IS_CPU, callers)):
             torch._foreach_copy_(dsts, srcs, non_blocking=self._non_blocking)
         else:
-            _copy_all(dsts, srcs, self._non_blocking)
+            copy_all(dsts, srcs, self._non_blocking)
         if self._asynchronous:
             self.synchronize()
 

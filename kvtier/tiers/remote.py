@@ -480,6 +480,12 @@ class MooncakeTier:
         """True while the store answers (Mooncake's ``health_check`` is 0)."""
         return self._store is not None and self._store.health_check() == 0
 
+    @property
+    def client(self) -> Any:
+        """The Mooncake store client this tier holds (``None`` once closed): for a benchmark that
+        times Mooncake's own batch calls on the same connection as the tier's."""
+        return self._store
+
     def close(self) -> None:
         with self._put_lock, self._get_lock:  # no transfer in flight
             store, self._store = self._store, None

@@ -248,13 +248,13 @@ def reference_roundtrip(x: np.ndarray, bits: int, seed: int = 0, rotate: bool = 
     return (fwht(y) / np.sqrt(np.float32(d)) * sg).astype(np.float32) if rotate else y
 
 
-def _to_f32(mv: memoryview, dtype: str, d: int) -> np.ndarray:
+def to_f32(mv: memoryview, dtype: str, d: int) -> np.ndarray:
     if dtype == "bfloat16":
         return (np.frombuffer(mv, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(-1, d)
     return np.frombuffer(mv, dtype=_NP_DTYPES[dtype]).astype(np.float32).reshape(-1, d)
 
 
-def _bf16_bits(x: np.ndarray) -> np.ndarray:
+def bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> bf16 bits, round to nearest even (finite inputs)."""
     u = x.astype(np.float32).view(np.uint32)
     return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
@@ -262,12 +262,12 @@ def _bf16_bits(x: np.ndarray) -> np.ndarray:
 
 def _encode_ref(mv: memoryview, dtype: str, d: int, bits: int, seed: int, scales: memoryview,
                 codes: memoryview) -> bool:
-    x = _to_f32(mv, dtype, d)
+    x = to_f32(mv, dtype, d)
     with np.errstate(over="ignore", invalid="ignore"):
         rms = np.sqrt((x.astype(np.float64) ** 2).sum(axis=1) / d).astype(np.float32)
     if not np.isfinite(rms).all():
         return False
-    sb = _bf16_bits(rms)
+    sb = bf16_bits(rms)
     scale = (sb.astype(np.uint32) << 16).view(np.float32)
     if not np.isfinite(scale).all():
         return False
@@ -306,6 +306,6 @@ def _decode_ref(scales: memoryview, codes: memoryview, dtype: str, d: int, bits:
     f = (np.frombuffer(scales, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32) * inv_sqrt_d
     x = fwht(LEVELS[bits][q].reshape(-1, d)) * (f[:, None] * signs(seed, d)[None, :])
     if dtype == "bfloat16":
-        np.frombuffer(out, dtype=np.uint16)[:] = _bf16_bits(x).reshape(-1)
+        np.frombuffer(out, dtype=np.uint16)[:] = bf16_bits(x).reshape(-1)
     else:
         np.frombuffer(out, dtype=_NP_DTYPES[dtype])[:] = x.reshape(-1)

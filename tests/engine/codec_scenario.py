@@ -182,10 +182,10 @@ def _add_noise(ssd: Path, rel_mse: float, head_dim: int, seed: int = 0) -> None:
             ctx = ValueContext(header.namespace_digest, header.layout_hash, 2, "bfloat16", head_dim)
             raw = bytearray(header.raw_len)
             assert decode_outcome(v, raw, ctx, key=key).value == "ok"
-            x = rq._to_f32(memoryview(raw), "bfloat16", head_dim)
+            x = rq.to_f32(memoryview(raw), "bfloat16", head_dim)
             scale = np.sqrt(rel_mse * (x**2).mean(axis=1, keepdims=True))
             x = x + rng.standard_normal(x.shape).astype(np.float32) * scale
-            txn.put(bytes(k), encode(rq._bf16_bits(x).tobytes(), ctx, codec="raw", parent=header.parent, key=key))
+            txn.put(bytes(k), encode(rq.bf16_bits(x).tobytes(), ctx, codec="raw", parent=header.parent, key=key))
     env.close()
 
 

@@ -69,7 +69,7 @@ class _Sim:
 
     def advance(self, dt: float) -> None:
         self.sim.now += dt
-        self.sim._advance()  # one engine pass: the events due (timers, lapsed pins, landed moves)
+        self.sim.advance()  # one engine pass: the events due (timers, lapsed pins, landed moves)
 
     def announce(self, now: float) -> None:
         """The hint plane learns session 0: a root agent and its sub-agent."""

@@ -77,7 +77,7 @@ def test_rerotate_turns_the_keys_and_nothing_else(kind: str) -> None:
         caches = {f"l{i}": (_seeded((NUM_BLOCKS, BS, HEADS, DIM), 2 * i),
                             _seeded((NUM_BLOCKS, BS, HEADS, DIM), 2 * i + 1)) for i in range(2)}
     io = BlockIO(caches, NUM_BLOCKS)
-    regions = key_regions(io._parts, HEADS, DIM, BS)
+    regions = key_regions(io.parts, HEADS, DIM, BS)
     rope = Rope(10000.0, DIM, DIM)
     rows = io.gather([1, 2])
     before = rows.clone()
@@ -94,4 +94,4 @@ def test_rerotate_turns_the_keys_and_nothing_else(kind: str) -> None:
 def test_a_layout_without_known_keys_is_refused() -> None:
     io = BlockIO({"l0": torch.zeros((NUM_BLOCKS, 3, 7), dtype=torch.bfloat16)}, NUM_BLOCKS)
     with pytest.raises(ValueError, match=r"approximate_shifted_segments cannot find the keys.*\(4, 3, 7\)"):
-        key_regions(io._parts, HEADS, DIM, BS)
+        key_regions(io.parts, HEADS, DIM, BS)

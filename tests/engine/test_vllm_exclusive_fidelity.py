@@ -156,15 +156,15 @@ class _Turns(Simulator):
         self._order, self._waits = order, waits
         self._held: dict[int, dict[int, tuple]] = {}
 
-    def _issue(self, sr, agent, index: int) -> None:
+    def issue_request(self, sr, agent, index: int) -> None:
         if index == 0 or index >= len(agent.requests):
-            super()._issue(sr, agent, index)
+            super().issue_request(sr, agent, index)
             return
         held = self._held.setdefault(index, {})
         held[int(agent.agent_id.split("-")[1])] = (sr, agent)
         if len(held) == X.AGENTS:  # the last answer of the turn before is back
             for a in self._order[index]:
-                super()._issue(*held[a], index)
+                super().issue_request(*held[a], index)
 
     def _predict_gap(self, sr, agent, nxt) -> float:
         return self._waits[int(agent.agent_id.split("-")[1])]

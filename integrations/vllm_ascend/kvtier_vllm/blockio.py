@@ -130,7 +130,7 @@ class BlockIO:
                 nbytes = t.numel() // num_blocks * t.element_size()
                 parts.append(_Part(t, dim, nbytes, offset))
                 offset += nbytes
-        self._parts = parts
+        self.parts = parts  # per layer (and group): its tensor, block dimension, bytes a block and offset
         self.num_layers = len(kv_caches)
         self.bytes_per_block = offset
         self.device = parts[0].tensor.device
@@ -261,7 +261,7 @@ class BlockIO:
         if self._spans is not None and rows.device.type == "cpu" and rows.is_contiguous():
             self._spans.copy(ids.tolist(), rows.numpy(), range(n), to_rows=True, split=False)
             return
-        for p in self._parts:
+        for p in self.parts:
             blocks = p.tensor.index_select(p.block_dim, ids).movedim(p.block_dim, 0).contiguous()
             rows[:, p.offset : p.offset + p.nbytes].copy_(blocks.view(n, -1).view(torch.uint8),
                                                           non_blocking=non_blocking)
@@ -272,7 +272,7 @@ class BlockIO:
         if self._spans is not None and rows.device.type == "cpu" and rows.is_contiguous():
             self._spans.copy(ids.tolist(), rows.numpy(), range(n), to_rows=False, split=False)
             return
-        for p in self._parts:
+        for p in self.parts:
             shape = list(p.tensor.shape)
             del shape[p.block_dim]
             chunk = rows[:, p.offset : p.offset + p.nbytes].contiguous().view(p.tensor.dtype)
@@ -310,7 +310,7 @@ class _HostSpans:
 
     def __init__(self, parts: Sequence[_Part], bufs: list[np.ndarray],
                  groups: list[tuple[int, int, np.ndarray, np.ndarray]], num_blocks: int, row_bytes: int) -> None:
-        self.parts = parts
+        self.parts = parts  # per layer (and group): its tensor, block dimension, bytes a block and offset
         self.bufs = bufs  # each part's tensor as flat bytes (views: they keep no copy)
         self.groups = groups  # (outer, inner bytes, part indices, their offsets in a row)
         self.num_blocks = num_blocks

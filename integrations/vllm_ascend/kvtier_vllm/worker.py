@@ -661,7 +661,7 @@ class KVTierWorker:
 def _approximate(io: BlockIO, layout: KVLayout, rope: tuple[float, int]) -> tuple[Rope, list[KeyRegion], torch.dtype]:
     """What re-rotating a loaded block's keys needs; ``ValueError`` (naming the
     setting) for a cache whose keys it cannot place."""
-    parts = io._parts
+    parts = io.parts
     dtype = parts[0].tensor.dtype
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"kvtier: approximate_shifted_segments turns float keys only; this KV cache holds {dtype} "
