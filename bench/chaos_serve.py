@@ -24,8 +24,11 @@ The faults, in order (``FAULTS``):
   here, 4,096 blocks, to evict nothing during the run, and this fault comes before the
   next, whose rewrite leaves such pages.)
 * ``ssd_read_errors``: every value in the SSD tier's LMDB gets a flipped payload byte, from
-  another process, while the engine runs. Recovery: the flip to the next block loaded from
-  the SSD after the first failed load (the bad values are misses, recomputed, and deleted).
+  another process, while the engine runs, and the 12 earliest sampled prompts are sent again
+  (their KV is on the SSD alone by then, whether DRAM is exclusive or written through).
+  Seen: a load or a copy up into DRAM that failed its check. Recovery: the flip to the next
+  block loaded from the SSD after the first failed load (the bad values are misses,
+  recomputed, and deleted).
 * ``preemption_with_holds``: critical agents (criticality 1; the load's agents say 0.5, so
   none of them keeps the critical agents' HBM budget while paused) whose requests say a 20 s tool
   wait leave HBM holds; then 8 requests at once that fit at first and outgrow the pool while
@@ -78,6 +81,7 @@ from soak_serve import (  # noqa: E402
     write_outputs,
 )
 
+RESENT_PROMPTS = 12  # ssd_read_errors: the earliest sampled prompts sent again after the flip
 RECOVERY_LIMIT_S = {"mooncake_master": 30.0, "hint_server": 15.0, "ssd_full": 30.0, "ssd_read_errors": 30.0,
                     "preemption_with_holds": 60.0, "engine_sigkill": 240.0}
 """How long recovery may take, per fault (the engine's restart on this 2-core machine is most of the last)."""
@@ -127,9 +131,6 @@ class Chaos:
         self.hint_proc = self._start_hints()
         self.kvtier = {"dram_capacity_blocks": 32, "ssd_path": str(self.ssd_mount / "kv"),
                        "ssd_capacity_blocks": 4096, "stats_path": str(self.stats_path), "placement": "kvtier",
-                       # write-through, as the faults were sized for: with exclusive DRAM (the default) the SSD-read
-                       # fault's window saw no SSD load (issue 62 follows it up)
-                       "exclusive_dram": False,
                        "remote_master": self.master.master, "remote_metadata_server": self.master.metadata_server,
                        "remote_segment_mib": 64, "hint_watch": f"127.0.0.1:{self.hint_port}"}
         self.server = Server(work, "chaos", self.model, self.kvtier)
@@ -287,6 +288,14 @@ class Chaos:
                     flipped += 1
         env.close()
         t_flip = time.monotonic()
+        # the earliest prompts again: their KV left HBM and DRAM long ago and is on the flipped SSD alone, so their
+        # loads (or copies up into DRAM) meet the flipped bytes whatever DRAM keeps (exclusive or written through)
+        old = self.load.samples[:RESENT_PROMPTS]
+        outs = [self.server.complete(smp["prompt"], smp["max_tokens"]) for smp in old]
+        self.count_own(outs)
+        self.extra_samples += [{"prompt": smp["prompt"], "max_tokens": smp["max_tokens"], "text": o.get("text"),
+                                "t": time.monotonic()} for smp, o in zip(old, outs) if "text" in o]
+        differing = sum(o.get("text") != smp["text"] for smp, o in zip(old, outs))
         seen = self.wait_for(lambda: failed_blocks() > failed0, 30)
         ssd_hits = self.counter("hit_tokens_ssd")
         back = self.wait_for(lambda: self.counter("hit_tokens_ssd") > ssd_hits, RECOVERY_LIMIT_S["ssd_read_errors"])
@@ -296,7 +305,8 @@ class Chaos:
         return {"seen": seen is not None, "recovery_s": rec,
                 "recovered": "from the flip to prompt tokens loaded from the SSD after the first failed load",
                 "evidence": f"{flipped} values flipped; {failed} blocks failed their load and were recomputed, "
-                            f"{promoted} failed their copy up into DRAM"}
+                            f"{promoted} failed their copy up into DRAM; {len(old)} earliest prompts sent again, "
+                            f"{differing} answered differently than the first time"}
 
     def ssd_full(self) -> dict[str, Any]:
         if self.tmpfs_problem is not None:
