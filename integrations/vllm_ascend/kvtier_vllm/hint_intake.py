@@ -45,7 +45,7 @@ from kvtier.sdk.params import (
 
 from .native_sessions import NativeSessions
 from .prefix_breaks import PrefixBreaks
-from .placement import EnginePlacement
+from .placement import EnginePlacement, TenantShares
 from .rounds import SharedRounds
 from .settings import MAX_TRACKED_AGENTS, ConnectorSettings
 
@@ -87,9 +87,7 @@ class HintIntake:
         # agent -> its latest finished context (keys, vLLM hashes, whether the hint server has not timed its wait
         # yet), for tool calls the hint server announces
         self._last_ctx: OrderedDict[AgentKey, tuple[list[BlockKey], list[Any], bool]] = OrderedDict()
-        self._ctx_of: dict[str, OrderedDict[AgentKey, None]] = {}  # tenant -> its agents in _last_ctx, oldest first
-        self._ctx_tenant: dict[AgentKey, str] = {}  # agent in _last_ctx -> the tenant it is counted under
-        self._ctx_per_tenant = settings.tracked_agents_per_tenant
+        self._ctx_shares = TenantShares(settings.tracked_agents_per_tenant)  # the agents in _last_ctx, per tenant
         self._graph_cache: Facts = {}
         self._ended_agents: set[AgentKey] = set()
         self._next_poll_s = 0.0
@@ -208,24 +206,15 @@ class HintIntake:
         ctx = self._last_ctx
         ctx[agent] = (keys, hashes, True)
         ctx.move_to_end(agent)
-        self._ctx_tenant[agent] = tenant
-        mine = self._ctx_of.setdefault(tenant, OrderedDict())
-        mine[agent] = None
-        mine.move_to_end(agent)
-        while len(mine) > self._ctx_per_tenant:
-            self._forget(next(iter(mine)))
+        for old in self._ctx_shares.note(agent, tenant):
+            self._forget(old)
             self.counters["finished_contexts_forgotten_tenant"] += 1
         while len(ctx) > MAX_TRACKED_AGENTS:
             self._forget(next(iter(ctx)))
 
     def _forget(self, agent: AgentKey) -> None:
         self._last_ctx.pop(agent, None)
-        tenant = self._ctx_tenant.pop(agent, None)
-        mine = self._ctx_of.get(tenant) if tenant is not None else None
-        if mine is not None:
-            mine.pop(agent, None)
-            if not mine:
-                del self._ctx_of[tenant]
+        self._ctx_shares.discard(agent)
 
     def _start_wait(self, agent: AgentKey, keys: list[BlockKey], hashes: list[Any], wait_s: float,
                     finishing_blocks: int, cause: str = "tool", counted: bool = True) -> None:

@@ -176,6 +176,41 @@ class _Promotion:
     arrived_s: float | None = None  # when the agent's next request arrived
 
 
+class TenantShares:
+    """Agents remembered per tenant, oldest first, each counted under one tenant: the bound
+    ``max_tracked_agents_per_tenant`` puts on a tenant's waiting agents (here) and on its
+    finished contexts (:class:`~.hint_intake.HintIntake`), so one tenant that floods forgets
+    its own oldest, not another's. Must not forget anything itself: :meth:`note` names the
+    agents over the share, and the owner forgets them (and calls :meth:`discard`)."""
+
+    def __init__(self, per_tenant: int) -> None:
+        self.per_tenant = per_tenant
+        self._of: dict[str, OrderedDict[AgentKey, None]] = {}  # tenant -> its agents, oldest first
+        self._tenant: dict[AgentKey, str] = {}  # agent -> the tenant it is counted under
+
+    def note(self, agent: AgentKey, tenant: str) -> list[AgentKey]:
+        """``agent`` (of ``tenant``) is the newest now; returns its tenant's oldest over the share."""
+        if self._tenant.get(agent, tenant) != tenant:
+            self.discard(agent)
+        self._tenant[agent] = tenant
+        mine = self._of.setdefault(tenant, OrderedDict())
+        mine[agent] = None
+        mine.move_to_end(agent)
+        return list(itertools.islice(mine, max(0, len(mine) - self.per_tenant)))
+
+    def discard(self, agent: AgentKey) -> None:
+        tenant = self._tenant.pop(agent, None)
+        mine = self._of.get(tenant) if tenant is not None else None
+        if mine is not None:
+            mine.pop(agent, None)
+            if not mine:
+                del self._of[tenant]
+
+    def count(self, tenant: str) -> int:
+        """Agents of ``tenant`` remembered now."""
+        return len(self._of.get(tenant, ()))
+
+
 @dataclass(slots=True)
 class PrefetchTracker:
     """SSD -> DRAM promotions started ahead of an agent's predicted return, and
@@ -260,8 +295,7 @@ class EnginePlacement:
         self.criticalities: dict[AgentKey, float] = {}
         # the agents requests named, least recent first (at most MAX_TRACKED_AGENTS): their tenant
         self.tenant_of: OrderedDict[AgentKey, str] = OrderedDict()
-        self._tenant_waiting: dict[str, OrderedDict[AgentKey, None]] = {}  # tenant -> its tracked waiting agents
-        self._filed: dict[AgentKey, str] = {}  # tracked waiting agent -> the tenant it is counted under
+        self._waiting_shares = TenantShares(tracked_agents_per_tenant)  # tracked waiting agents, per tenant
         self._starting: AgentKey | None = None  # the agent whose wait the policy is deciding (for pin's tenant)
         self.graph_reader: Callable[[AgentKey], tuple[float, str | None] | None] | None = None
         self._hashes: dict[BlockKey, Any] = {}  # kvtier key -> vLLM block hash, for waiting agents' contexts
@@ -338,17 +372,15 @@ class EnginePlacement:
         self._hashes.update(zip(keys[:n], hashes[:n]))
         self._agent_hashes[agent] = list(keys[:n])
         self._starting = agent
-        tenant = self._filed[agent] = self.tenant_of.get(agent, "")
-        mine = self._tenant_waiting.setdefault(tenant, OrderedDict())
-        mine[agent] = None
+        over_share = self._waiting_shares.note(agent, self.tenant_of.get(agent, ""))
         self._waiting[agent] = (self._waiting.get(agent, (self.now,))[0], tool)  # (re-timed: since it began)
         self._finishing_blocks = finishing_blocks
         if self.next_use is not None and self.holds is not None:
             self._order_due[agent] = self.ORDER_CHECKS
         # agents that never came back: the tenant's own longest waiting over its share, then anyone's
         # (a hold they have keeps its own block references and lapses at its TTL)
-        while len(mine) > self.tracked_agents_per_tenant:
-            self._forget_waiting(next(iter(mine)))
+        for old in over_share:
+            self._forget_waiting(old)
             self.counters["agents_forgotten_tenant"] += 1
         while len(self._agent_hashes) > MAX_TRACKED_AGENTS:
             self._forget_waiting(next(iter(self._agent_hashes)))
@@ -356,12 +388,7 @@ class EnginePlacement:
     def _forget_context(self, agent: AgentKey) -> None:
         for k in self._agent_hashes.pop(agent, ()):
             self._hashes.pop(k, None)
-        tenant = self._filed.pop(agent, None)
-        mine = self._tenant_waiting.get(tenant) if tenant is not None else None
-        if mine is not None:
-            mine.pop(agent, None)
-            if not mine:
-                del self._tenant_waiting[tenant]
+        self._waiting_shares.discard(agent)
 
     def _forget_waiting(self, agent: AgentKey) -> None:
         self._forget_context(agent)
@@ -375,7 +402,7 @@ class EnginePlacement:
 
     def tracked_waiting(self, tenant: str) -> int:
         """Waiting agents of ``tenant`` whose contexts are remembered now."""
-        return len(self._tenant_waiting.get(tenant, ()))
+        return self._waiting_shares.count(tenant)
 
     def waiting_started(self) -> None:
         self._finishing_blocks = 0
