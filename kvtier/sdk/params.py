@@ -40,8 +40,7 @@ DEFAULT_TENANT = "default"
 """The hint server's tenant for a caller that names none (no token file); in the connector, also the
 tenant of a request without ``kvtier_tenant`` (see :func:`tenant_session`)."""
 TENANT_SEP = "\x1f"
-"""Between a tenant and a session id in :func:`tenant_session` (a token file's tenant never holds it:
-Python's ``str.split`` reads it as white space)."""
+"""Between a tenant and a session id in :func:`tenant_session`."""
 
 MAX_ID_BYTES = 256
 """Longest session, agent or round id (UTF-8 bytes); the hint server's ``HintLimits.max_id_bytes`` default."""
@@ -163,15 +162,22 @@ def request_tenant(kv_transfer_params: Mapping[str, Any] | None) -> str:
     return read_param(kv_transfer_params, TENANT_PARAM) or ""
 
 
-def tenant_session(tenant: str, session_id: str, default: str = DEFAULT_TENANT) -> str:
+def tenant_session(tenant: str, session_id: str) -> str:
     """One string for a session of a tenant, for keys that hold a session id (the connector's
     agents are ``(tenant_session(...), agent id)``), so that two tenants' sessions of one id stay
-    apart. The ``default`` tenant's (and ``""``, a request naming none) is the bare id.
+    apart. The default tenant's (and ``""``'s, a request naming none) is the bare id, unless the id
+    holds :data:`TENANT_SEP`; any other is ``"<len(tenant)>:<tenant>"``, the separator, then the id.
+    The map is one-to-one: no session id of one tenant, whatever it holds, names another's session.
 
-    >>> tenant_session("", "s"), tenant_session("default", "s"), tenant_session("acme", "s") == "acme\x1fs"
-    ('s', 's', True)
+    >>> tenant_session("", "s"), tenant_session("default", "s"), tenant_session("acme", "s")
+    ('s', 's', '4:acme\\x1fs')
+    >>> tenant_session("default", "4:acme\x1fs") == tenant_session("acme", "s")
+    False
     """
-    return session_id if not tenant or tenant == default else f"{tenant}{TENANT_SEP}{session_id}"
+    if (not tenant or tenant == DEFAULT_TENANT) and TENANT_SEP not in session_id:
+        return session_id
+    tenant = tenant or DEFAULT_TENANT
+    return f"{len(tenant)}:{tenant}{TENANT_SEP}{session_id}"
 
 
 def request_tool_wait_s(kv_transfer_params: Mapping[str, Any] | None) -> float | None:

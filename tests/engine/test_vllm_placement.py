@@ -24,6 +24,7 @@ from kvtier_vllm.settings import ConnectorSettings, EngineFacts
 from vllm.v1.core.block_pool import BlockPool
 
 from kvtier.sdk import tag_request
+from kvtier.sdk.params import tenant_session
 
 pytestmark = pytest.mark.vllm_interface  # no engine: also run against newer vLLMs (scripts/vllm_next.sh)
 
@@ -281,10 +282,12 @@ def test_an_agent_that_ends_in_its_turns_end_wait_gives_its_reserve_back() -> No
         sched.shutdown()
 
 
-def test_a_separate_hint_server_is_followed_with_hint_watch() -> None:
+@pytest.mark.parametrize("stamped", [False, True])
+def test_a_separate_hint_server_is_followed_with_hint_watch(stamped: bool) -> None:
     """``hint_watch``: the hint server runs elsewhere (``kvtier serve`` beside several
     engines); the connector follows its agents over gRPC (``HintService.Watch``)
-    and acts on an announced tool call as with a hosted one."""
+    and acts on an announced tool call as with a hosted one, also where a gateway
+    stamps the requests' tenant (the followed view is one tenant's: matched by id)."""
     from kvtier.hints.server import BackgroundHintServer
     from kvtier.sdk import HintClient
 
@@ -292,10 +295,11 @@ def test_a_separate_hint_server_is_followed_with_hint_watch() -> None:
     address = server.start("127.0.0.1:0")
     eng = _Engine(101, placement="kvtier", hint_watch=address)
     sched = eng.sched
-    client = HintClient(address)
+    client = HintClient(address)  # (the followed view is the watcher's tenant's: the SDK client's here)
     try:
         with client.session("s"), client.agent("coder") as agent:
-            eng.serve("r1", _ctx(1, 4), agent.tag({})["kv_transfer_params"])
+            stamp = {"kvtier_tenant": "acme"} if stamped else {}
+            eng.serve("r1", _ctx(1, 4), {**agent.tag({})["kv_transfer_params"], **stamp})
             with client.tool_call("bash", expected_s=20.0):
                 _step_until(eng, "tool_waits")
                 assert sched.placement.holds.held_blocks == 4
@@ -488,7 +492,7 @@ def test_two_tenants_sharing_a_session_and_agent_id_keep_their_own_waits_and_con
         with a.session("s"), a.agent(agent_id="coder") as a_agent, z.session("s"), z.agent(agent_id="coder") as z_agent:
             eng.serve("acme-1", _ctx(1, 4), params("acme", a_agent))
             eng.serve("zeta-1", _ctx(2, 4), params("zeta", z_agent))
-            acme, zeta = ("acme\x1fs", "coder"), ("zeta\x1fs", "coder")
+            acme, zeta = (tenant_session("acme", "s"), "coder"), (tenant_session("zeta", "s"), "coder")
             assert placement.is_waiting(acme) and placement.is_waiting(zeta)
             with a_agent.tool_call("bash", expected_s=20.0):
                 _step_until(eng, "tool_waits")
@@ -523,8 +527,8 @@ def test_a_tenant_over_its_bound_forgets_its_own_oldest_finished_context_not_ano
                 _step_until(eng, "tool_waits")
                 for _ in range(5):
                     eng.step()
-                assert sched.placement.is_waiting(("quiet\x1fs", "q"), tool=True)
-                assert not sched.placement.is_waiting(("noisy\x1fs", "n0"), tool=True)
+                assert sched.placement.is_waiting((tenant_session("quiet", "s"), "q"), tool=True)
+                assert not sched.placement.is_waiting((tenant_session("noisy", "s"), "n0"), tool=True)
     finally:
         noisy.close()
         quiet.close()

@@ -120,7 +120,10 @@ class HintIntake:
         """A new request's tenant, whose sessions its tags name: its ``kvtier_tenant`` (stamped by a
         gateway), else the hosted hint server's only tenant (a token file naming one), else
         :data:`~kvtier.sdk.params.DEFAULT_TENANT` (the hint server's callers that name none).
-        A followed server's (``hint_watch``) sessions are matched as the default tenant's."""
+        Following a separate server (``hint_watch``, one tenant's view, whose name the token does not
+        tell), every request is the default tenant's, so its sessions match the followed ones by id."""
+        if self.watcher is not None and self.hosted is None:
+            return DEFAULT_TENANT
         return request_tenant(params) or self.default_tenant
 
     @property
