@@ -86,8 +86,10 @@ def code_of(commit: str, path: str, root: Path = ROOT, cache: dict | None = None
 
 
 def _moves_code(commit: str, paths: list[str], root: Path, cache: dict) -> bool:
-    """Whether ``commit`` changed the code (:func:`code_of`) of any of ``paths``."""
+    """Whether ``commit`` changed the code (:func:`code_of`) of any of ``paths`` (against its first
+    parent; a merge, for which ``diff-tree`` lists nothing, is compared on every one of ``paths``)."""
     touched = (git("diff-tree", "--no-commit-id", "--name-only", "-r", commit, "--", *paths, root=root) or "").split()
+    touched = touched or paths
     return any(code_of(f"{commit}^", p, root, cache) != code_of(commit, p, root, cache) for p in touched)
 
 

@@ -7,7 +7,10 @@ its classes, or an attribute its code assigns (``self._x = ...``). Another modul
 imports such a name, or reads ``obj._x`` where only some other module defines ``_x``, is
 reaching past that module's interface; it should get what it needs through a public name.
 Names no kvtier module defines (a third party's, such as ``torch._foreach_copy_``) are not
-kvtier's to police here. The package's own C extensions are private modules with one
+kvtier's to police here. What it cannot tell: a module that assigns ``_x`` anywhere counts as
+defining it, so its reads and writes of another object's ``_x`` pass (the fleet's engines,
+subclasses of the simulator, set its ``_due_s``); ``import pkg._mod`` is not looked at; and
+only cycles of two modules are. The package's own C extensions are private modules with one
 owner each (:data:`EXTENSION_OWNERS`).
 
 Imports in both directions between two modules (at the top, inside a function, or for
@@ -106,6 +109,13 @@ def _scan() -> tuple[list[str], dict[str, set[str]]]:
                                     + ", ".join(sorted(m for m, d in defined.items() if node.attr in d)))
         imports[mod].discard(mod)
     return problems, imports
+
+
+def test_the_scan_reads_every_package() -> None:
+    """A wrong path would make both checks pass on nothing."""
+    mods = _modules()
+    for name in PACKAGES:
+        assert sum(m.split(".")[0] == name for m in mods) >= 3, f"no modules of {name} found at {PACKAGES[name]}"
 
 
 def test_no_module_uses_another_modules_private_names() -> None:
