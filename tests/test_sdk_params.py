@@ -97,3 +97,23 @@ def test_a_key_is_listed_exactly_when_it_reads_as_absent(params) -> None:
                 assert math.isfinite(value)
     assert ("kvtier_x" in params) == ("kvtier_x" in listed)
     assert "other" not in listed
+
+
+def test_module_doctests_and_tenant_sessions_never_collide() -> None:
+    """``tenant_session`` keys the connector's agents: the default tenant's ids stay bare, and no
+    session id of one tenant (separator included) names another tenant's session."""
+    import doctest
+
+    import kvtier.sdk.params as params
+
+    assert doctest.testmod(params).failed == 0
+    sep = params.TENANT_SEP
+    tenants = ["", "default", "acme", "ac", "me", f"a{sep}b", "4:acme"]
+    sessions = ["s", f"acme{sep}s", f"4:acme{sep}s", f"{sep}", "me"]
+    keys = {}
+    for t in tenants:
+        for sid in sessions:
+            key = params.tenant_session(t, sid)
+            owner = keys.setdefault(key, (t or "default", sid))
+            assert owner == (t or "default", sid), f"{(t, sid)} and {owner} share the key {key!r}"
+    assert params.tenant_session("", "s") == params.tenant_session("default", "s") == "s"
