@@ -282,7 +282,6 @@ class EnginePlacement:
         self.counters = counters
         self.hold_budget_fraction = hold_budget_fraction
         self.hold_tenant_fraction = hold_tenant_fraction
-        self.tracked_agents_per_tenant = tracked_agents_per_tenant
         self.holds_enabled = holds_enabled
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.clock = clock
