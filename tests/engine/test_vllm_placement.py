@@ -23,6 +23,7 @@ from kvtier_vllm.scheduler import KVTierScheduler
 from kvtier_vllm.settings import ConnectorSettings, EngineFacts
 from vllm.v1.core.block_pool import BlockPool
 
+from kvtier.keys import BlockKey
 from kvtier.sdk import tag_request
 from kvtier.sdk.params import tenant_session
 
@@ -179,12 +180,18 @@ def test_a_prefetch_that_lands_after_its_request_arrived_is_late(tmp_path: Path)
 def test_a_prefetch_whose_ssd_reads_fail_is_counted_and_leaves_nothing_in_dram(tmp_path: Path) -> None:
     """The worker reports 3 of the prefetch's 4 SSD -> DRAM copies failed (a read that did not
     verify): ``promote_failed_blocks`` counts them, only the one that landed is in DRAM, and the
-    failed keys stay where they were (on SSD), to be loaded or recomputed later."""
-    eng, _ = _ssd_only_agent(tmp_path)
+    failed SSD copies are offered no more (as after a failed load): the agent's next request finds
+    the one block in DRAM and recomputes the rest, rather than read a block that already failed."""
+    eng, ctx = _ssd_only_agent(tmp_path)
     job = _fire_prefetch(eng)
+    ssd_before = eng.sched.manager.ready_blocks("ssd")
     eng.sched.update_connector_output(KVTierWorkerMetadata({job.plan_id: (1, [True, False, False, False])}, {}))
+    m = eng.sched.manager
     assert eng.sched.counters["promote_failed_blocks"] == 3
-    assert eng.sched.manager.ready_blocks("dram") == 1 and eng.sched.manager.ready_blocks("ssd") >= 4
+    assert m.ready_blocks("dram") == 1 and m.ready_blocks("ssd") == ssd_before - 3
+    failed = [BlockKey(k) for k in job.keys[1:]]
+    assert not any(m.contains(k, "ssd") for k in failed)
+    assert m.lookup([BlockKey(k) for k in job.keys]).num_blocks == 1
 
 
 def test_a_prefetch_that_lands_first_is_on_time(tmp_path: Path) -> None:

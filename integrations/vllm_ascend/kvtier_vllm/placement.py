@@ -513,8 +513,12 @@ class EnginePlacement:
 
     def promotion_done(self, plan: MovePlan, oks: Sequence[bool], seconds: float | None) -> None:
         self.manager.complete_move(plan, list(oks))
-        if not all(oks):  # (the source copy stays where it was)
-            self.counters["promote_failed_blocks"] += len(oks) - sum(map(bool, oks))
+        if not all(oks):
+            # the worker read the source and it did not verify (absent, corrupt, foreign, an I/O
+            # error): as after a failed load, that copy is offered no more until it is rewritten
+            failed = [k for k, ok in zip(plan.keys, oks) if not ok]
+            self.counters["promote_failed_blocks"] += len(failed)
+            self.manager.remove(failed, plan.src)
         if seconds is not None and any(oks):
             self.links.observe("ssd->dram", sum(oks) * self.bytes_per_block, seconds)
         self.prefetches.completed(plan.plan_id, self.now)
