@@ -23,6 +23,13 @@ The faults, in order (``FAULTS``):
   deleted, so stores that fit in those succeed even on a full disk: the SSD tier is sized
   here, 4,096 blocks, to evict nothing during the run, and this fault comes before the
   next, whose rewrite leaves such pages.)
+* ``stalled_loads``: every read from the SSD tier hangs (the engine runs
+  ``bench/stall_connector.py``, the kvtier connector with a switch: while a file exists its
+  SSD reads wait before reading anything) while 6 earlier sampled prompts, whose KV is on the
+  SSD, are sent again one by one; the engine's ``load_deadline_s`` is 2 s. Seen: loads past
+  their deadline, recomputed (``load_expired_blocks``); none of those prompts may take more
+  than the deadline plus 10 s to answer (``hung``). Recovery: the hang's end to the next
+  prompt tokens loaded from the SSD.
 * ``ssd_read_errors``: every value in the SSD tier's LMDB gets a flipped payload byte, from
   another process, while the engine runs, and the 12 earliest sampled prompts are sent again
   (their KV is on the SSD alone by then, whether DRAM is exclusive or written through).
@@ -82,10 +89,15 @@ from soak_serve import (  # noqa: E402
 )
 
 RESENT_PROMPTS = 12  # ssd_read_errors: the earliest sampled prompts sent again after the flip
-RECOVERY_LIMIT_S = {"mooncake_master": 30.0, "hint_server": 15.0, "ssd_full": 30.0, "ssd_read_errors": 30.0,
-                    "preemption_with_holds": 60.0, "engine_sigkill": 240.0}
+LOAD_DEADLINE_S = 2.0  # the engine's load_deadline_s
+STALLED_PROMPTS = 6  # stalled_loads: the sampled prompts after ssd_read_errors' sent again while the SSD hangs
+STALL_GUARD_S = 90.0  # stalled_loads: the hang ends by then whatever happens (a harness that waits must not hang)
+NO_HANG_S = LOAD_DEADLINE_S + 10.0  # stalled_loads: an answer slower than this waited on the hung SSD
+RECOVERY_LIMIT_S = {"mooncake_master": 30.0, "hint_server": 15.0, "ssd_full": 30.0, "stalled_loads": 30.0,
+                    "ssd_read_errors": 30.0, "preemption_with_holds": 60.0, "engine_sigkill": 240.0}
 """How long recovery may take, per fault (the engine's restart on this 2-core machine is most of the last)."""
 FAULTS = tuple(RECOVERY_LIMIT_S)
+STALL_CONNECTOR = ("StallSwitchConnector", "stall_connector")
 BURST_TOKENS = 400  # each of the burst's 8 requests: 5-6 blocks of prompt, then 13 more of output
 
 
@@ -132,8 +144,14 @@ class Chaos:
         self.kvtier = {"dram_capacity_blocks": 32, "ssd_path": str(self.ssd_mount / "kv"),
                        "ssd_capacity_blocks": 4096, "stats_path": str(self.stats_path), "placement": "kvtier",
                        "remote_master": self.master.master, "remote_metadata_server": self.master.metadata_server,
-                       "remote_segment_mib": 64, "hint_watch": f"127.0.0.1:{self.hint_port}"}
-        self.server = Server(work, "chaos", self.model, self.kvtier)
+                       "remote_segment_mib": 64, "hint_watch": f"127.0.0.1:{self.hint_port}",
+                       "load_deadline_s": LOAD_DEADLINE_S}
+        # the kvtier connector with a switch that hangs its SSD reads (bench/stall_connector.py)
+        self.stall_file = work / "stall-ssd-reads"
+        os.environ["KVTIER_CHAOS_STALL_FILE"] = str(self.stall_file)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent),
+                                                                 os.environ.get("PYTHONPATH")]))
+        self.server = Server(work, "chaos", self.model, self.kvtier, connector=STALL_CONNECTOR)
         self.idle = drain(self.server, None, self.stats_path)
         self.hints = HintClient(f"127.0.0.1:{self.hint_port}")
         # The load's agents are not critical (0.5, under the placement's critical_at): a paused agent's reserve
@@ -308,6 +326,40 @@ class Chaos:
                             f"{promoted} failed their copy up into DRAM; {len(old)} earliest prompts sent again, "
                             f"{differing} answered differently than the first time"}
 
+    def stalled_loads(self) -> dict[str, Any]:
+        expired0 = self.counter("load_expired_blocks")
+        guard = threading.Timer(STALL_GUARD_S, lambda: self.stall_file.unlink(missing_ok=True))
+        self.stall_file.write_text("SSD reads hang while this file exists\n")
+        guard.start()
+        try:
+            # earlier prompts whose KV is on the SSD alone by now (not ssd_read_errors' ones, which must stay there)
+            old = self.load.samples[RESENT_PROMPTS:RESENT_PROMPTS + STALLED_PROMPTS]
+            outs, took = [], []
+            for smp in old:
+                t = time.monotonic()
+                outs.append(self.server.complete(smp["prompt"], smp["max_tokens"]))
+                took.append(time.monotonic() - t)
+            seen = self.wait_for(lambda: self.counter("load_expired_blocks") > expired0, 10)
+        finally:
+            self.stall_file.unlink(missing_ok=True)
+            guard.cancel()
+        t_clear = time.monotonic()
+        self.count_own(outs)
+        self.extra_samples += [{"prompt": smp["prompt"], "max_tokens": smp["max_tokens"], "text": o.get("text"),
+                                "t": time.monotonic()} for smp, o in zip(old, outs) if "text" in o]
+        differing = sum(o.get("text") != smp["text"] for smp, o in zip(old, outs))
+        ssd_hits = self.counter("hit_tokens_ssd")
+        back = self.wait_for(lambda: self.counter("hit_tokens_ssd") > ssd_hits, RECOVERY_LIMIT_S["stalled_loads"])
+        rec = None if back is None else round(time.monotonic() - t_clear, 2)
+        slowest = round(max(took), 2) if took else None
+        expired = self.counter("load_expired_blocks") - expired0
+        return {"seen": seen is not None, "recovery_s": rec, "resent_differing": differing,
+                "hung": sum(t > NO_HANG_S for t in took),
+                "recovered": "from the SSD's hang ending to prompt tokens loaded from the SSD again",
+                "evidence": f"{expired} blocks of loads past the {LOAD_DEADLINE_S:g} s deadline recomputed; "
+                            f"{len(old)} earlier prompts sent during the hang, the slowest answered in {slowest} s, "
+                            f"{differing} answered differently than the first time"}
+
     def ssd_full(self) -> dict[str, Any]:
         if self.tmpfs_problem is not None:
             return {"seen": None, "recovery_s": None, "recovered": "",
@@ -404,7 +456,7 @@ class Chaos:
         os.killpg(self.server.proc.pid, signal.SIGKILL)
         self.server.proc.wait()
         self.server.log.close()
-        self.server = Server(self.work, "chaos-restarted", self.model, self.kvtier)
+        self.server = Server(self.work, "chaos-restarted", self.model, self.kvtier, connector=STALL_CONNECTOR)
         self.load.server = self.server
         first = None
         wrong = 0
@@ -433,6 +485,7 @@ class Chaos:
                  "hint_server": "the followed hint server (kvtier serve) SIGKILLed for 12 s, restarted",
                  "ssd_read_errors": "a payload byte flipped in every SSD value, by another process",
                  "ssd_full": "the SSD's filesystem filled for 15 s",
+                 "stalled_loads": f"every SSD read hangs while {STALLED_PROMPTS} earlier prompts are sent again",
                  "preemption_with_holds": "8 requests at once that outgrow HBM while agents' blocks are held",
                  "engine_sigkill": "the engine's process group SIGKILLed, restarted over its SSD directory"}
         for name in FAULTS:
@@ -511,6 +564,7 @@ def row_ok(row: dict[str, Any], idle_free: int) -> bool:
         return True
     rec = row["recovery_s"]
     return bool(row["seen"] and row["failed"] == 0 and row.get("wrong", 0) == 0 and row.get("resent_differing", 0) == 0
+                and row.get("hung", 0) == 0
                 and row["drain_free_blocks"] == idle_free and row["drain_held_blocks"] == 0
                 and rec is not None and rec <= row["recovery_limit_s"] and row.get("warm_ssd_tokens", 1) > 0)
 

@@ -72,7 +72,9 @@ def _pct(values: list[float], q: float) -> float | None:
 class Server:
     """One ``vllm serve`` (vLLM's OpenAI API server module) on a free loopback port."""
 
-    def __init__(self, work: Path, name: str, model: Path, kvtier: dict | None, hbm_blocks: int = HBM_BLOCKS) -> None:
+    def __init__(self, work: Path, name: str, model: Path, kvtier: dict | None, hbm_blocks: int = HBM_BLOCKS,
+                 connector: tuple[str, str] | None = None) -> None:
+        """``connector``: (class, module) of a kvtier connector subclass to load instead (on ``PYTHONPATH``)."""
         sys.path.insert(0, str(ROOT))
         from tests.engine.engine_support import listen_port
         from tests.engine.serve_support import launch
@@ -86,9 +88,11 @@ class Server:
                "--max-num-seqs", "8", "--num-gpu-blocks-override", str(hbm_blocks + 1), "--seed", "0",
                "--port", str(self.port), "--host", "127.0.0.1"]
         if kvtier is not None:
-            cmd += ["--kv-transfer-config", json.dumps({"kv_connector": "kvtier", "kv_role": "kv_both",
-                                                        "kv_load_failure_policy": "recompute",
-                                                        "kv_connector_extra_config": kvtier})]
+            config = {"kv_connector": "kvtier", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                      "kv_connector_extra_config": kvtier}
+            if connector is not None:
+                config.update(kv_connector=connector[0], kv_connector_module_path=connector[1])
+            cmd += ["--kv-transfer-config", json.dumps(config)]
         self.log = open(self.log_path, "w")  # noqa: SIM115 - open while the server runs
         self.proc = launch(cmd, self.log, self.log_path, self.port, name, start_new_session=True)
 

@@ -2,8 +2,9 @@
 
 One server (DRAM, SSD on its own tmpfs, Mooncake on a local master, a hint server it
 follows), six agent sessions, and one fault after another: the master SIGKILLed and
-restarted, the hint server SIGKILLed and restarted, every SSD value's payload flipped, the
-SSD's filesystem filled, a burst of long prompts that preempts while agents' blocks are
+restarted, the hint server SIGKILLed and restarted, the SSD's filesystem filled, every SSD
+read hung while earlier prompts come back (loads past their deadline recomputed), every SSD
+value's payload flipped, a burst of long prompts that preempts while agents' blocks are
 held, and the engine SIGKILLed and restarted over its SSD directory. For each fault: it
 was seen (its counter moved), no request failed in its window, no sampled output differs
 from a plain engine's, the drain after it finds every HBM block free and none held, and
@@ -56,6 +57,7 @@ def test_each_fault_is_seen_survived_and_recovered_from_in_time(chaos, fault: st
     assert row["seen"], (row["evidence"], row, log[-3000:])  # the evidence first: a long message is cut
     assert row["failed"] == 0, (row, result["client_errors"])
     assert row.get("wrong", 0) == 0 and row.get("resent_differing", 0) == 0, row
+    assert row.get("hung", 0) == 0, row  # stalled_loads: no answer waited on the hung SSD
     assert (row["drain_free_blocks"], row["drain_held_blocks"]) == (result["idle"]["free_blocks"], 0), row
     assert row["recovery_s"] is not None and row["recovery_s"] <= row["recovery_limit_s"], row
     assert row["ok"]

@@ -24,6 +24,11 @@ Scenario, one engine process per step, all over one SSD directory:
    baseline's output; then the same with every DRAM -> engine copy failing
    (``failing_load_connector.py``): the blocks are reported as load errors, vLLM
    recomputes them, and the output is still the baseline's.
+7. stalled: a new engine over the same SSD directory whose SSD loads stall 10 s before
+   reading anything (``stalled_load_connector.py``), with ``load_deadline_s`` 0.5: A's
+   load is reported failed at its deadline (``load_expired_blocks``), vLLM recomputes
+   the 6 blocks, the answer comes long before the stall ends, and the output is the
+   baseline's.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ pytestmark = pytest.mark.slow
 A = [(i * 7 + 3) % 997 + 3 for i in range(200)]
 B = [(i * 13 + 5) % 991 + 3 for i in range(150)]
 A_HIT_TOKENS = (len(A) - 1) // BLOCK_SIZE * BLOCK_SIZE  # 192: full blocks before the last prompt token
+STALL_S, DEADLINE_S = 10.0, 0.5  # step 7: how long SSD loads stall, and the load deadline
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +83,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     runs["sync_failing"] = run_child(tmp, "sync_failing", {
         **spec({**sync, "stats_path": str(tmp / "sync_failing.stats.json")}, twice),
         "connector_name": "FailingLoadConnector", "connector_module_path": "failing_load_connector"}, env=env)
+    # A's blocks are on the SSD (written through by the truncated step); every SSD load stalls past its deadline
+    runs["stalled"] = run_child(tmp, "stalled", {
+        **spec({**kvtier("stalled"), "load_deadline_s": DEADLINE_S}, [{"prompts": [A]}]),
+        "connector_name": "StalledLoadConnector", "connector_module_path": "stalled_load_connector"},
+        env={**env, "KVTIERTEST_LOAD_STALL_S": str(STALL_S)})
     return runs
 
 
@@ -195,3 +206,14 @@ def test_a_failed_synchronous_load_is_recomputed_with_identical_output(world: di
     assert counters.get("hit_tokens", 0) == 0
     assert _outputs(failing, 0) == _outputs(world["baseline"], 0)
     assert _outputs(failing, 1) == _outputs(world["baseline"], 0)[:1]
+
+
+def test_a_load_stalled_past_its_deadline_is_recomputed_not_waited_for(world: dict) -> None:
+    run = world["stalled"]
+    phase = run["phases"][0]
+    counters = phase["stats"]["counters"]
+    assert counters["ssd_reindexed_blocks"] >= A_HIT_TOKENS // BLOCK_SIZE  # A was there to load
+    assert counters["load_expired_blocks"] == A_HIT_TOKENS // BLOCK_SIZE  # reported failed at the deadline
+    assert counters.get("hit_tokens", 0) == 0 and counters["load_failed_blocks"] == counters["load_expired_blocks"]
+    assert phase["gen_s"] < STALL_S / 2  # the answer did not wait for the stalled read
+    assert _outputs(run, 0) == _outputs(world["baseline"], 0)[:1]  # A, as a plain engine answered it

@@ -21,6 +21,7 @@ from kvtier_vllm.settings import ConnectorSettings, EngineFacts
 from kvtier_vllm.worker import KVTierWorker
 
 import kvtier.tiers.ssd as ssd_mod
+from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey, key_to_bytes
 from kvtier.tiers.codec import HEADER_BYTES
 
@@ -490,3 +491,83 @@ def test_a_slow_tier_write_waits_for_the_loads_reading_when_it_starts(tmp_path, 
         assert _blocks_equal(caches, 1, 6) and _blocks_equal(caches, 2, 7)
     finally:
         w.shutdown()
+
+
+def _step_load(w: KVTierWorker, req_id: str, timeout_s: float = 10.0) -> tuple[float, dict, set[int], int]:
+    """Step the worker until ``req_id``'s load is reported: (seconds it took, plans, errors, expired blocks)."""
+    start = time.monotonic()
+    plans: dict[int, list[bool]] = {}
+    errors: set[int] = set()
+    expired = 0
+    while time.monotonic() - start < timeout_s:
+        _, recving = w.get_finished(set())
+        errors |= w.take_load_errors()
+        meta = w.take_worker_meta()
+        if meta is not None:
+            plans.update({pid: oks for pid, (_, oks) in meta.plans.items()})
+            expired += meta.expired_blocks
+        if req_id in recving:
+            return time.monotonic() - start, plans, errors, expired
+        time.sleep(0.01)
+    raise AssertionError(f"load of {req_id} not reported within {timeout_s} s")
+
+
+def _stalled(read, seconds: float):
+    def stalled_read(*args, **kwargs):
+        time.sleep(seconds)
+        return read(*args, **kwargs)
+    return stalled_read
+
+
+STALL_S = 1.5
+
+
+def test_a_load_stalled_past_its_deadline_is_recomputed_and_its_late_read_writes_nothing(tmp_path) -> None:
+    """``load_deadline_s``: an SSD read that stalls (before any byte reaches the engine's blocks)
+    past the deadline is reported failed at the deadline, not when the tier answers: vLLM
+    recomputes the blocks. The late read then lands nothing in the engine's blocks and
+    gives its staging run back; the load is reported once."""
+    w, caches = _build({"dram_capacity_blocks": 4, "ssd_path": str(tmp_path), "load_deadline_s": 0.2}, seed=5)
+    try:
+        block3 = w.io.gather([3]).numpy()[0].copy()  # compressed on SSD: read through staging, not the map
+        assert w._ssd.put_many([(BlockKey(12), block3, None)], codec="zstd") == 1
+        w._ssd.get_many_into = _stalled(w._ssd.get_many_into, STALL_S)
+        before = [t[5].clone() for kv in caches.values() for t in kv]
+        w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r3", 4, (12,), ("ssd",), (0,), (5,))]))
+        took, plans, errors, expired = _step_load(w, "r3")
+        assert took < STALL_S - 0.3  # at the deadline, not when the stalled read returned
+        assert plans == {4: [False]} and errors == {5} and expired == 1
+        time.sleep(STALL_S)  # the stalled read returns now, verified, into its staging run
+        for _ in range(20):
+            _, recving = w.get_finished(set())
+            assert "r3" not in recving and not w.take_load_errors()  # reported once
+            time.sleep(0.02)
+        after = [t[5] for kv in caches.values() for t in kv]
+        assert all(torch.equal(a, b) for a, b in zip(before, after))  # nothing landed after the report
+        assert w.ring.rows_in_use == 0  # its staging run was given back
+    finally:
+        w.shutdown()
+
+
+def test_a_copy_into_the_engines_blocks_under_way_at_the_deadline_finishes_first(tmp_path) -> None:
+    """A raw SSD value is copied from the tier's map straight into the engine's blocks; a copy
+    under way is not abandoned halfway (the block would be neither the tier's nor recomputed):
+    the load waits for it and is reported as loaded, not expired."""
+    w, caches = _build({"dram_capacity_blocks": 4, "ssd_path": str(tmp_path), "load_deadline_s": 0.1}, seed=6)
+    try:
+        _store(w)
+        w._ssd.scatter_many = _stalled(w._ssd.scatter_many, 0.6)
+        w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r3", 4, (10, 11), ("ssd", "ssd"), (0, 0), (6, 7))]))
+        took, plans, errors, expired = _step_load(w, "r3")
+        assert took >= 0.5 and plans == {4: [True, True]} and not errors and expired == 0
+        assert _blocks_equal(caches, 1, 6) and _blocks_equal(caches, 2, 7)
+    finally:
+        w.shutdown()
+
+
+def test_a_bad_load_deadline_names_the_setting() -> None:
+    facts = EngineFacts("tiny", "bfloat16", BS, 2, HEADS, DIM, "split", "sha256")
+    for bad in (-1, "30", True, 7200):
+        with pytest.raises(ConfigError, match="load_deadline_s"):
+            ConnectorSettings.build({"load_deadline_s": bad}, facts, env={})
+    assert ConnectorSettings.build({}, facts, env={}).load_deadline_s == 30.0

@@ -56,7 +56,8 @@ ROWS: list[tuple[str, list[Panel]]] = [
             ("DRAM", _k("hit_tokens_dram")), ("SSD", _k("hit_tokens_ssd")), ("remote", _k("hit_tokens_remote"))]),
         ("Blocks stored", "short", [("DRAM", _k("stored_blocks_dram")), ("SSD", _k("stored_blocks_ssd"))]),
         ("Failures (recomputed, never served)", "short", [
-            ("load failed", _k("load_failed_blocks")), ("store failed DRAM", _k("store_failed_blocks_dram")),
+            ("load failed", _k("load_failed_blocks")), ("of them past the deadline", _k("load_expired_blocks")),
+            ("store failed DRAM", _k("store_failed_blocks_dram")),
             ("store failed SSD", _k("store_failed_blocks_ssd")),
             ("stores skipped (backpressure)", _k("store_skipped_backpressure"))]),
         ("Connector CPU", "µs", [("engine hooks", _k("hook_cpu_us")), ("worker copies", _k("worker_cpu_us"))]),

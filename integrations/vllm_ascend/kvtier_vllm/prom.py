@@ -34,6 +34,8 @@ _HELP = {
     "load_failed_blocks": "blocks whose load failed or did not verify (recomputed by the engine)",
     "stored_blocks": "blocks stored into a tier",
     "store_failed_blocks": "blocks whose store failed",
+    "load_expired_blocks": "blocks of loads that missed load_deadline_s, reported failed and recomputed "
+                           "(also in load_failed_blocks)",
     "promote_failed_blocks": "blocks whose copy up into DRAM (a prefetch or staging from SSD) failed or did not verify",
     "hook_cpu_us": "engine-thread CPU time spent in connector hooks, microseconds",
     "worker_cpu_us": "worker CPU time spent copying KV to and from kvtier, microseconds",

@@ -11,14 +11,27 @@ worker's ``load`` and ``remote-read`` lanes and its copy helper; reports each
 load exactly once through ``post``. Must not decide what loads, take or give
 back staging rows, touch torch (the scatter is kvtier's C copy), or write the
 tiers.
+
+Deadlines (``load_deadline_s``). Each load read here has a :class:`LoadGate`:
+the threads hold it around every write into the engine's blocks, and the
+engine's thread expires it, without waiting, once the load is past its
+deadline (:meth:`LoadReads.expire_due`); from then on nothing of that load
+writes the engine's blocks, so the worker reports it failed at once and vLLM
+recomputes it, while the late read runs out into its staging run. A copy
+already under way when the deadline passes finishes first (it cannot be
+abandoned halfway through a block): a raw SSD value copied straight from the
+tier's map, or a chunk being scattered. Reads into staging (the remote tier,
+compressed values, every load on an accelerator) never hold the gate.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -35,6 +48,31 @@ log = logging.getLogger(__name__)
 
 Post = Callable[[LoadJob, "Run | None", list[bool], bool], None]
 """Where a finished read goes: (job, its staging run or ``None``, ok per key, landed)."""
+
+
+class LoadGate:
+    """Whether a load may still write the engine's blocks: held by the load's threads around
+    each write, expired by the engine's thread (which never waits for it)."""
+
+    __slots__ = ("_lock", "expired")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.expired = False
+
+    @contextmanager
+    def writing(self) -> Iterator[bool]:
+        """Held while the caller writes the engine's blocks; yields False once expired (write nothing)."""
+        with self._lock:
+            yield not self.expired
+
+    def try_expire(self) -> bool:
+        """Expire unless a write is under way (then ``False``: try again on a later step)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        self.expired = True
+        self._lock.release()
+        return True
 
 
 class LoadReads:
@@ -58,14 +96,42 @@ class LoadReads:
         self._lock = threading.Lock()
         self._quiet = threading.Condition(self._lock)
         self.reading = 0  # loads begun and not yet posted
+        self.deadline_s = 0.0  # load_deadline_s (0: none)
+        # id(job) -> (deadline, gate, job): loads read here and not yet finished (engine thread only)
+        self._gates: dict[int, tuple[float, LoadGate, LoadJob]] = {}
 
     def bind(self, io: BlockIO, pool_np: np.ndarray | None, ssd: Any, remote: Any) -> None:
         self.io, self.pool_np, self.ssd, self.remote = io, pool_np, ssd, remote
 
-    def begin(self) -> None:
-        """A load is about to be read (or failed): counted until :meth:`post` reports it."""
+    def begin(self, job: LoadJob | None = None) -> None:
+        """A load is about to be read (or failed): counted until :meth:`post` reports it, and
+        (engine thread) given its gate and deadline when it has one."""
         with self._lock:
             self.reading += 1
+        if job is not None and self.deadline_s > 0:
+            self._gates[id(job)] = (time.monotonic() + self.deadline_s, LoadGate(), job)
+
+    def expire_due(self, now: float | None = None) -> list[LoadJob]:
+        """Engine thread, each step: expire the loads past their deadline whose threads are not
+        writing the engine's blocks; returns them (the caller reports them failed now)."""
+        if not self._gates:
+            return []
+        now = time.monotonic() if now is None else now
+        out = []
+        for deadline, gate, job in list(self._gates.values()):
+            if now >= deadline and not gate.expired and gate.try_expire():
+                out.append(job)
+        return out
+
+    def finish(self, job: LoadJob) -> bool:
+        """Engine thread, for a read posted: ``False`` when the load expired earlier (it was
+        reported then: only its staging run is left to give back)."""
+        entry = self._gates.pop(id(job), None)
+        return entry is None or not entry[1].expired
+
+    def _gate(self, job: LoadJob) -> LoadGate | None:
+        entry = self._gates.get(id(job))
+        return None if entry is None else entry[1]
 
     def post(self, job: LoadJob, run: Run | None, oks: list[bool], landed: bool = False) -> None:
         """Report a begun load (once), and wake the writers waiting for loads to finish."""
@@ -116,12 +182,17 @@ class LoadReads:
         scattered: list[int] = [got]  # the first block whose scatter failed (got: none)
         futures: list[Future[None]] = []
 
+        gate = self._gate(job)
+
         def scatter(lo: int, k: int) -> None:
-            try:
-                self.io.scatter_rows(job.block_ids[lo:k], host, range(lo, k), False)  # type: ignore[union-attr]
-            except (RuntimeError, ValueError) as exc:  # a failed copy is a miss, never a crash
-                log.warning("kvtier: load into engine blocks failed: %s", exc)
-                scattered[0] = min(scattered[0], lo)
+            with gate.writing() if gate is not None else nullcontext(True) as live:
+                if not live:  # past its deadline: reported failed already
+                    return
+                try:
+                    self.io.scatter_rows(job.block_ids[lo:k], host, range(lo, k), False)  # type: ignore[union-attr]
+                except (RuntimeError, ValueError) as exc:  # a failed copy is a miss, never a crash
+                    log.warning("kvtier: load into engine blocks failed: %s", exc)
+                    scattered[0] = min(scattered[0], lo)
 
         def land() -> None:
             for i in range(scattered[0], got):
@@ -130,6 +201,8 @@ class LoadReads:
 
         try:
             for start in range(0, got, chunk):
+                if gate is not None and gate.expired:  # reported failed: read no further
+                    break
                 hi = min(got, start + chunk)
                 lo = self._land_ssd(job, start, hi)
                 oks[start:lo] = [True] * (lo - start)
@@ -170,11 +243,15 @@ class LoadReads:
         landing = self.io.landing(job.block_ids[lo:end]) if end > lo and self.ssd is not None else None
         if landing is None:
             return lo
-        try:
-            landed = self.ssd.scatter_many([BlockKey(k) for k in job.keys[lo:end]], *landing)
-        except (RuntimeError, ValueError) as exc:  # a failed copy is a miss, never a crash
-            log.warning("kvtier: SSD load into engine blocks failed: %s", exc)
-            return lo
+        gate = self._gate(job)
+        with gate.writing() if gate is not None else nullcontext(True) as live:
+            if not live:  # past its deadline: nothing more lands
+                return lo
+            try:
+                landed = self.ssd.scatter_many([BlockKey(k) for k in job.keys[lo:end]], *landing)
+            except (RuntimeError, ValueError) as exc:  # a failed copy is a miss, never a crash
+                log.warning("kvtier: SSD load into engine blocks failed: %s", exc)
+                return lo
         return lo + max(landed, 0)
 
     def _read_remote(self, job: LoadJob, run: Run, oks: list[bool], rows: Sequence[int]) -> None:

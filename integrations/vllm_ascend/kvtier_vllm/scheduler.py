@@ -87,6 +87,12 @@ EXCLUSIVE_SURFACE = "vllm"
 STATS_EVERY_S = 0.25
 """How often the stats file is rewritten at most while requests run (see :class:`_StatsFile`)."""
 
+# the workers' counts (summed over ranks) -> the scheduler's counters
+WORKER_COUNTS = (("skipped_blocks", "store_skipped_backpressure"),
+                 ("remote_skipped_blocks", "store_skipped_backpressure_remote"),
+                 ("write_backs_missed", "write_back_missed"), ("staging_skipped_stores", "store_skipped_staging"),
+                 ("staging_skipped_loads", "load_skipped_staging"), ("expired_blocks", "load_expired_blocks"))
+
 
 class _StatsFile:
     """The scheduler's stats file (``stats_path``): rewritten atomically when the counters changed, at
@@ -466,18 +472,11 @@ class KVTierScheduler:
         if worker_meta is None:
             return
         self.counters["worker_cpu_us"] += worker_meta.busy_us
-        if worker_meta.skipped_blocks:
-            self.counters["store_skipped_backpressure"] += worker_meta.skipped_blocks
-        if worker_meta.remote_skipped_blocks:
-            self.counters["store_skipped_backpressure_remote"] += worker_meta.remote_skipped_blocks
+        for name, counter in WORKER_COUNTS:  # (counted once non-zero, as before)
+            if getattr(worker_meta, name):
+                self.counters[counter] += getattr(worker_meta, name)
         for outcome, n in worker_meta.remote_outcomes.items():  # the workers' store clients: why reads missed
             self.counters[outcome if outcome.startswith("remote_") else f"remote_{outcome}"] += n
-        if worker_meta.write_backs_missed:
-            self.counters["write_back_missed"] += worker_meta.write_backs_missed
-        if worker_meta.staging_skipped_stores:
-            self.counters["store_skipped_staging"] += worker_meta.staging_skipped_stores
-        if worker_meta.staging_skipped_loads:
-            self.counters["load_skipped_staging"] += worker_meta.staging_skipped_loads
         for job_id, n in worker_meta.gathered.items():
             self._gather_reports[job_id] += n
             if self._gather_reports[job_id] >= self.world_size:

@@ -44,6 +44,9 @@ EXTRA_KEYS: dict[str, str] = {
     "device_staging_mib": "accelerator buffer between the KV cache and host staging (MiB, default 64; not used on "
                           "the CPU): blocks cross the link through it in chunks, one contiguous copy each. It is "
                           "allocated at start, outside vLLM's profiled memory",
+    "load_deadline_s": "a load not finished this many seconds after it started is reported failed and the engine "
+                       "recomputes its blocks, instead of the request waiting on a stalled tier (default 30; 0: no "
+                       "deadline). A copy already under way finishes first; counted (load_expired_blocks)",
     "side_stream": "false: queue the accelerator copies on the engine's stream instead of a stream of kvtier's own",
     "record_path": "directory to record the served requests in, as AgentX traces that kvtier replay reads "
                    "(no prompt text: lengths and anonymous block ids); off by default",
@@ -271,6 +274,7 @@ class ConnectorSettings:
     hint_server_tokens: Mapping[str, str] | None = None  # token -> tenant (hint_server_token_file)
     recompute_when_cheaper: bool = False
     sync_dram_loads: bool = False
+    load_deadline_s: float = 30.0
 
     @classmethod
     def build(
@@ -317,11 +321,20 @@ class ConnectorSettings:
                    record_path, _mib_bytes(extra, "record_max_mib", 1024), placement_params, remote,
                    _cold_rule(extra, cfg), facts.rope if approximate else None,
                    _flag(extra, "lockstep_transfers", False), tenant_share, tracked, tokens,
-                   _flag(extra, "recompute_when_cheaper", False), _sync_loads(extra, facts, cfg))
+                   _flag(extra, "recompute_when_cheaper", False), _sync_loads(extra, facts, cfg),
+                   _load_deadline(extra))
 
     def rank_ssd_path(self, tp_rank: int, tp_size: int) -> Path | None:
         """The LMDB directory of one TP rank (each rank stores its own shard)."""
         return None if self.ssd_root is None else self.ssd_root / f"tp{tp_rank}-of-{tp_size}"
+
+
+def _load_deadline(extra: Mapping[str, Any]) -> float:
+    value = extra.get("load_deadline_s", 30.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 3600:
+        raise ConfigError("kv_connector_extra_config.load_deadline_s", value,
+                          "must be seconds in [0, 3600] (0: no deadline)")
+    return float(value)
 
 
 def _overrides(extra: Mapping[str, Any], facts: EngineFacts) -> dict[str, Any]:

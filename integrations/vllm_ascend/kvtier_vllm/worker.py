@@ -185,6 +185,7 @@ class KVTierWorker:
                              if settings.copy_threads > 1 else None)
         self._lock = threading.Lock()
         self.reads = LoadReads(self.mover, self._copy_helper, settings.copy_threads, self._post_read)
+        self.reads.deadline_s = settings.load_deadline_s
         self._results = _Results()
         self._gathers: dict[str, dict[int, Future[None]]] = {}  # req id -> store job id -> future
         self._written_back: KVTierConnectorMetadata | None = None  # the step whose write-backs were copied out
@@ -297,7 +298,7 @@ class KVTierWorker:
                 with self._lock:
                     self._results.reads.append(_Read(job, None, [False] * len(job.keys), landed=True))
                 continue
-            self.reads.begin()  # until self.reads.post reports it
+            self.reads.begin(job)  # until self.reads.post reports it; its deadline starts now
             run = self.ring.take(len(job.keys)) if self.ring is not None else None
             got = len(run) if run is not None else 0
             if got < len(job.keys):  # the ring is full: load what fits, the rest is recomputed
@@ -440,6 +441,10 @@ class KVTierWorker:
         for read in res.reads:  # synchronous: in place before the forward; vLLM runs the request already
             if read.job.sync:
                 self._land_read(read, meta)
+        for job in self.reads.expire_due():  # past load_deadline_s: failed now (recomputed), never waited for
+            meta.expired_blocks += len(job.block_ids)
+            recving.add(self._report_load(job, [False] * len(job.keys), 0, meta))
+        recving.discard(None)  # (reads of loads that expired earlier)
         sending = {r for r in self._release if r not in self._gathers and r not in self._loads}
         self._release -= sending
         cpu_s = self.mover.cpu_s  # the background jobs' CPU time since the last report
@@ -454,12 +459,16 @@ class KVTierWorker:
         self._meta = meta if meta.reports_anything() else None
         return sending, recving
 
-    def _land_read(self, read: _Read, meta: KVTierWorkerMetadata) -> str:
+    def _land_read(self, read: _Read, meta: KVTierWorkerMetadata) -> str | None:
         """A finished read: its verified leading run scattered into the engine blocks (keys
         re-rotated first for approximate reuse), the staging run given back, the per-block
         outcome reported and the rest of the load failed or marked for recomputation.
-        Returns the request, whose load is done."""
+        Returns the request, whose load is done (``None``: the load expired and was reported before)."""
         job = read.job
+        if not self.reads.finish(job):  # expired and reported failed earlier: only its staging run is left
+            if read.run is not None:
+                self.ring.give_back(read.run)  # type: ignore[union-attr]
+            return None
         num_ok = read.oks.index(False) if False in read.oks else len(read.oks)
         done = None
         if num_ok and self.io is not None and read.run is not None and not read.landed:
@@ -476,8 +485,13 @@ class KVTierWorker:
                 self.ring.give_back(read.run)  # type: ignore[union-attr]
             else:  # the device copy may still read the run: give it back once the event passed
                 self._scattered.append((done, read.run))
-        if job.plan_id:  # per block: did the tier return verified bytes
-            meta.plans[job.plan_id] = (1, read.oks)
+        return self._report_load(job, read.oks, num_ok, meta)
+
+    def _report_load(self, job: LoadJob, oks: list[bool], num_ok: int, meta: KVTierWorkerMetadata) -> str:
+        """Report a load: per block, whether the tier returned verified bytes, and the engine
+        blocks from ``num_ok`` on failed (recomputed). Returns its request."""
+        if job.plan_id:
+            meta.plans[job.plan_id] = (1, oks)
         if num_ok < len(job.block_ids) and self.fail_requests and not job.sync:
             self._failed_loads.add(job.req_id)
         elif num_ok < len(job.block_ids):
