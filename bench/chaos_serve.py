@@ -148,7 +148,7 @@ class Chaos:
                        "load_deadline_s": LOAD_DEADLINE_S}
         # the kvtier connector with a switch that hangs its SSD reads (bench/stall_connector.py)
         self.stall_file = work / "stall-ssd-reads"
-        os.environ["KVTIER_CHAOS_STALL_FILE"] = str(self.stall_file)
+        os.environ["CHAOS_STALL_SSD_READS_FILE"] = str(self.stall_file)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent),
                                                                  os.environ.get("PYTHONPATH")]))
         self.server = Server(work, "chaos", self.model, self.kvtier, connector=STALL_CONNECTOR)

@@ -1,5 +1,5 @@
 """The kvtier connector with one switch for ``bench/chaos_serve.py``: while the file named by
-``KVTIER_CHAOS_STALL_FILE`` exists, every read from the SSD tier (a load into the engine, a
+``CHAOS_STALL_SSD_READS_FILE`` exists, every read from the SSD tier (a load into the engine, a
 copy up into DRAM) waits before it reads anything, as on a disk that has hung, and goes on
 once the file is removed (at most 120 s). Without the file it is the kvtier connector.
 
@@ -21,7 +21,7 @@ MAX_STALL_S = 120.0
 
 
 def _stall_while_switched_on(job: Any) -> None:
-    path = os.environ.get("KVTIER_CHAOS_STALL_FILE")
+    path = os.environ.get("CHAOS_STALL_SSD_READS_FILE")
     if not path or job is None or job.link not in STALL_LINKS:
         return
     end = time.monotonic() + MAX_STALL_S
