@@ -115,6 +115,31 @@ def test_failed_load_counts_the_verified_prefix_and_drops_the_bad_block() -> Non
     assert sched.get_num_new_matched_tokens(FakeRequest("r4", 4), 0) == (2 * BS, True)
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_load_past_its_deadline_is_recomputed_and_keeps_its_blocks(world_size: int) -> None:
+    """A worker reports the load failed because it missed ``load_deadline_s`` (``expired_plans``;
+    with two ranks, one rank's expiry is enough): vLLM recomputes it, counted once as expired
+    and as failed, and its blocks, late but not bad, stay in DRAM for the next request."""
+    sched, kvm = _sched(world_size=world_size)
+    _, job, write = _store_r1(sched, kvm)
+    sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (world_size, [True] * 4)},
+                                                       {job.job_id: world_size}))
+    r2 = FakeRequest("r2", 4)
+    sched.on_new_request(r2)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (4 * BS, True)
+    sched.update_state_after_alloc(r2, [20, 21, 22, 23, 24], 4 * BS)
+    (load,) = _step(sched, {}).loads
+    reports = [KVTierWorkerMetadata({load.plan_id: (1, [False] * 4)}, {}, expired_plans=[load.plan_id])]
+    if world_size == 2:  # the other rank loaded in time
+        reports.append(KVTierWorkerMetadata({load.plan_id: (1, [True] * 4)}, {}))
+    for meta in reports:
+        sched.update_connector_output(meta)
+    c = sched.counters
+    assert (c["hit_tokens"], c["load_failed_blocks"], c["load_expired_blocks"]) == (0, 4, 4)
+    assert sched.manager.ready_blocks("dram") == 4
+    assert sched.get_num_new_matched_tokens(FakeRequest("r3", 4), 0) == (4 * BS, True)
+
+
 def test_reset_drops_every_block() -> None:
     sched, kvm = _sched()
     _, job, write = _store_r1(sched, kvm)

@@ -493,19 +493,19 @@ def test_a_slow_tier_write_waits_for_the_loads_reading_when_it_starts(tmp_path, 
         w.shutdown()
 
 
-def _step_load(w: KVTierWorker, req_id: str, timeout_s: float = 10.0) -> tuple[float, dict, set[int], int]:
-    """Step the worker until ``req_id``'s load is reported: (seconds it took, plans, errors, expired blocks)."""
+def _step_load(w: KVTierWorker, req_id: str, timeout_s: float = 10.0) -> tuple[float, dict, set[int], list[int]]:
+    """Step the worker until ``req_id``'s load is reported: (seconds it took, plans, errors, expired plans)."""
     start = time.monotonic()
     plans: dict[int, list[bool]] = {}
     errors: set[int] = set()
-    expired = 0
+    expired: list[int] = []
     while time.monotonic() - start < timeout_s:
         _, recving = w.get_finished(set())
         errors |= w.take_load_errors()
         meta = w.take_worker_meta()
         if meta is not None:
             plans.update({pid: oks for pid, (_, oks) in meta.plans.items()})
-            expired += meta.expired_blocks
+            expired += meta.expired_plans
         if req_id in recving:
             return time.monotonic() - start, plans, errors, expired
         time.sleep(0.01)
@@ -536,15 +536,16 @@ def test_a_load_stalled_past_its_deadline_is_recomputed_and_its_late_read_writes
         w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r3", 4, (12,), ("ssd",), (0,), (5,))]))
         took, plans, errors, expired = _step_load(w, "r3")
         assert took < STALL_S - 0.3  # at the deadline, not when the stalled read returned
-        assert plans == {4: [False]} and errors == {5} and expired == 1
-        time.sleep(STALL_S)  # the stalled read returns now, verified, into its staging run
-        for _ in range(20):
+        assert plans == {4: [False]} and errors == {5} and expired == [4]
+        deadline = time.monotonic() + STALL_S + 10  # the stalled read returns, verified, into its staging run
+        while time.monotonic() < deadline and w.ring.rows_in_use:
             _, recving = w.get_finished(set())
             assert "r3" not in recving and not w.take_load_errors()  # reported once
             time.sleep(0.02)
+        assert w.ring.rows_in_use == 0  # its staging run was given back: the late read is done
+        assert w.get_finished(set())[1] == set() and not w.take_load_errors()
         after = [t[5] for kv in caches.values() for t in kv]
         assert all(torch.equal(a, b) for a, b in zip(before, after))  # nothing landed after the report
-        assert w.ring.rows_in_use == 0  # its staging run was given back
     finally:
         w.shutdown()
 
@@ -559,7 +560,7 @@ def test_a_copy_into_the_engines_blocks_under_way_at_the_deadline_finishes_first
         w._ssd.scatter_many = _stalled(w._ssd.scatter_many, 0.6)
         w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r3", 4, (10, 11), ("ssd", "ssd"), (0, 0), (6, 7))]))
         took, plans, errors, expired = _step_load(w, "r3")
-        assert took >= 0.5 and plans == {4: [True, True]} and not errors and expired == 0
+        assert took >= 0.5 and plans == {4: [True, True]} and not errors and expired == []
         assert _blocks_equal(caches, 1, 6) and _blocks_equal(caches, 2, 7)
     finally:
         w.shutdown()

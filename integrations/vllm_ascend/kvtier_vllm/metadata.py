@@ -111,13 +111,13 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     remote_skipped_blocks: int = 0  # remote stores skipped because the remote writer fell behind
     remote_outcomes: dict[str, int] = field(default_factory=dict)  # the store clients' failed reads, errors, pins
     write_backs_missed: int = 0  # write-back blocks failed: the engine called no handle_preemptions before its forward
-    expired_blocks: int = 0  # blocks of loads past load_deadline_s, reported failed (recomputed) instead of waited for
+    expired_plans: list[int] = field(default_factory=list)  # loads past load_deadline_s, reported failed (recomputed)
 
     def reports_anything(self) -> bool:
         """Whether this step has a result or a counter to report (else no metadata is sent)."""
         return bool(self.plans or self.gathered or self.busy_us or self.skipped_blocks or self.remote_skipped_blocks
                     or self.remote_outcomes or self.staging_skipped_stores or self.staging_skipped_loads
-                    or self.write_backs_missed or self.expired_blocks)
+                    or self.write_backs_missed or self.expired_plans)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
@@ -138,4 +138,4 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
                                     self.remote_skipped_blocks + other.remote_skipped_blocks,
                                     dict(Counter(self.remote_outcomes) + Counter(other.remote_outcomes)),
                                     self.write_backs_missed + other.write_backs_missed,
-                                    self.expired_blocks + other.expired_blocks)
+                                    self.expired_plans + other.expired_plans)

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -195,6 +195,7 @@ class LoadReads:
                     scattered[0] = min(scattered[0], lo)
 
         def land() -> None:
+            wait(futures)  # a helper of several threads may still scatter: the load is reported after every write
             for i in range(scattered[0], got):
                 oks[i] = False
             self.post(job, run, oks, landed=True)
@@ -225,7 +226,7 @@ class LoadReads:
             land()
             return
         try:
-            helper.submit(land)  # after the scatters: the helper runs in order
+            helper.submit(land)  # after the scatters (it waits for them: the helper may have several threads)
         except RuntimeError:  # the helper is shutting down: wait here
             for f in futures:
                 f.result()

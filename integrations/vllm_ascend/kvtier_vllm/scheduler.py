@@ -91,7 +91,7 @@ STATS_EVERY_S = 0.25
 WORKER_COUNTS = (("skipped_blocks", "store_skipped_backpressure"),
                  ("remote_skipped_blocks", "store_skipped_backpressure_remote"),
                  ("write_backs_missed", "write_back_missed"), ("staging_skipped_stores", "store_skipped_staging"),
-                 ("staging_skipped_loads", "load_skipped_staging"), ("expired_blocks", "load_expired_blocks"))
+                 ("staging_skipped_loads", "load_skipped_staging"))
 
 
 class _StatsFile:
@@ -210,6 +210,7 @@ class KVTierScheduler:
         self._load_plans: dict[int, tuple[str, LoadPlan | None, tuple[BlockKey, ...]]] = {}  # + its remote keys
         self._store_plans: dict[int, StorePlan] = {}
         self._stale_plans: set[int] = set()  # store plans whose bytes went stale (a connector reset) in flight
+        self._expired: set[int] = set()  # load plans a worker reported past load_deadline_s, until they complete
         self._job_to_req: dict[int, str] = {}
         self._reports: dict[int, tuple[int, list[bool]]] = {}
         self._gather_reports: Counter[int] = Counter()
@@ -485,6 +486,7 @@ class KVTierScheduler:
                 st = self._reqs.get(req_id) if req_id is not None else None
                 if st is not None:
                     st.pending_jobs.discard(job_id)
+        self._expired.update(worker_meta.expired_plans)  # (before their plans complete, below)
         for plan_id, (n, oks) in worker_meta.plans.items():
             seen, acc = self._reports.get(plan_id, (0, [True] * len(oks)))
             acc = [a and b for a, b in zip(acc, oks)]
@@ -657,6 +659,10 @@ class KVTierScheduler:
         if plan_id in self._stale_plans:  # written from blocks of before a connector reset
             self._stale_plans.discard(plan_id)
             oks = [False] * len(oks)
+        expired = plan_id in self._expired  # a load past load_deadline_s (on any rank): recomputed, though its
+        if expired:  # blocks were not found bad, so they stay in their tiers and no remote key is marked failed
+            self._expired.discard(plan_id)
+            self.counters["load_expired_blocks"] += len(oks)
         if plan_id in self._store_plans:
             plan = self._store_plans.pop(plan_id)
             self.manager.complete_store(plan, oks)
@@ -670,13 +676,13 @@ class KVTierScheduler:
         elif plan_id in self.lanes.loads:
             req_id, lanes_plan, _ = self._load_plans.pop(plan_id)
             assert lanes_plan is not None
-            self.lanes.complete_load(plan_id, lanes_plan, oks)
+            self.lanes.complete_load(plan_id, lanes_plan, oks, keep=expired)
             self.load_finished((req_id,))
         elif plan_id in self._load_plans:
             req_id, load, remote = self._load_plans.pop(plan_id)
             local = len(load.keys) if load is not None else 0
             if load is not None:
-                self.manager.complete_load(load, oks[:local])
+                self.manager.complete_load(load, True if expired else oks[:local])
             num_ok = oks.index(False) if False in oks else len(oks)
             start = self.write_backs.load_starts.pop(plan_id, None)
             if start is not None and load is not None:
@@ -684,7 +690,7 @@ class KVTierScheduler:
             for tier in (load.tiers if load is not None else ())[:num_ok]:
                 self.counters[f"hit_tokens_{tier}"] += self.block_size
             if remote:  # (a remote run is only ever planned with a remote tier)
-                self._remote_index().loaded(remote, num_ok - local, len(oks) - num_ok)
+                self._remote_index().loaded(remote, num_ok - local, 0 if expired else len(oks) - num_ok)
             self.counters["hit_tokens"] += num_ok * self.block_size
             self.counters["load_failed_blocks"] += len(oks) - num_ok
             self.load_finished((req_id,))

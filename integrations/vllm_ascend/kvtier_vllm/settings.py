@@ -46,7 +46,8 @@ EXTRA_KEYS: dict[str, str] = {
                           "allocated at start, outside vLLM's profiled memory",
     "load_deadline_s": "a load not finished this many seconds after it started is reported failed and the engine "
                        "recomputes its blocks, instead of the request waiting on a stalled tier (default 30; 0: no "
-                       "deadline). A copy already under way finishes first; counted (load_expired_blocks)",
+                       "deadline). A copy already under way finishes first; counted (load_expired_blocks). lockstep_transfers "
+                       "waits for every transfer, so it has none",
     "side_stream": "false: queue the accelerator copies on the engine's stream instead of a stream of kvtier's own",
     "record_path": "directory to record the served requests in, as AgentX traces that kvtier replay reads "
                    "(no prompt text: lengths and anonymous block ids); off by default",

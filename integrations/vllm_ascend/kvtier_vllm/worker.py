@@ -442,7 +442,7 @@ class KVTierWorker:
             if read.job.sync:
                 self._land_read(read, meta)
         for job in self.reads.expire_due():  # past load_deadline_s: failed now (recomputed), never waited for
-            meta.expired_blocks += len(job.block_ids)
+            meta.expired_plans.append(job.plan_id)
             recving.add(self._report_load(job, [False] * len(job.keys), 0, meta))
         recving.discard(None)  # (reads of loads that expired earlier)
         sending = {r for r in self._release if r not in self._gathers and r not in self._loads}
