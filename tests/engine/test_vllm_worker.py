@@ -572,3 +572,29 @@ def test_a_bad_load_deadline_names_the_setting() -> None:
         with pytest.raises(ConfigError, match="load_deadline_s"):
             ConnectorSettings.build({"load_deadline_s": bad}, facts, env={})
     assert ConnectorSettings.build({}, facts, env={}).load_deadline_s == 30.0
+
+
+def test_a_load_scattered_by_several_helper_threads_is_reported_after_every_copy(tmp_path) -> None:
+    """``copy_threads`` 3: a CPU load's chunks are scattered by two helper threads; the load is
+    reported only once every chunk is in the engine's blocks, not when the last-queued one is
+    (here the first chunk's copy is the slow one)."""
+    w, caches = _build({"dram_capacity_blocks": 4, "ssd_path": str(tmp_path), "copy_threads": 3}, seed=7)
+    try:
+        rows = w.io.gather([1, 2]).numpy().copy()
+        assert w._ssd.put_many([(BlockKey(12), rows[0], None), (BlockKey(13), rows[1], BlockKey(12))],
+                               codec="zstd") == 2  # compressed: read into staging, then scattered
+        w.reads.land_chunk_bytes = BLOCK_BYTES  # one block a chunk: two scatters
+        scatter_rows = w.io.scatter_rows
+
+        def first_chunk_slow(block_ids, *args, **kwargs):
+            if list(block_ids) == [5]:
+                time.sleep(0.5)
+            return scatter_rows(block_ids, *args, **kwargs)
+
+        w.io.scatter_rows = first_chunk_slow
+        w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r3", 4, (12, 13), ("ssd", "ssd"), (0, 0), (5, 6))]))
+        _, plans, errors, _ = _step_load(w, "r3")
+        assert plans == {4: [True, True]} and not errors
+        assert _blocks_equal(caches, 1, 5) and _blocks_equal(caches, 2, 6)  # both in place when reported
+    finally:
+        w.shutdown()

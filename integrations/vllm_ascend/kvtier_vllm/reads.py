@@ -51,28 +51,37 @@ Post = Callable[[LoadJob, "Run | None", list[bool], bool], None]
 
 
 class LoadGate:
-    """Whether a load may still write the engine's blocks: held by the load's threads around
-    each write, expired by the engine's thread (which never waits for it)."""
+    """Whether a load may still write the engine's blocks: entered by the load's threads around
+    each write (several at once: the load thread's straight copies and the helper's scatters
+    overlap), expired by the engine's thread, which never waits for a write."""
 
-    __slots__ = ("_lock", "expired")
+    __slots__ = ("_lock", "_writing", "expired")
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held for a counter's change only, never across a copy
+        self._writing = 0
         self.expired = False
 
     @contextmanager
     def writing(self) -> Iterator[bool]:
-        """Held while the caller writes the engine's blocks; yields False once expired (write nothing)."""
+        """Around a write into the engine's blocks; yields False once expired (write nothing)."""
         with self._lock:
-            yield not self.expired
+            live = not self.expired
+            self._writing += live
+        try:
+            yield live
+        finally:
+            if live:
+                with self._lock:
+                    self._writing -= 1
 
     def try_expire(self) -> bool:
         """Expire unless a write is under way (then ``False``: try again on a later step)."""
-        if not self._lock.acquire(blocking=False):
-            return False
-        self.expired = True
-        self._lock.release()
-        return True
+        with self._lock:
+            if self._writing:
+                return False
+            self.expired = True
+            return True
 
 
 class LoadReads:
