@@ -23,6 +23,12 @@ The faults, in order (``FAULTS``):
   deleted, so stores that fit in those succeed even on a full disk: the SSD tier is sized
   here, 4,096 blocks, to evict nothing during the run, and this fault comes before the
   next, whose rewrite leaves such pages.)
+* ``ssd_read_errors``: every value in the SSD tier's LMDB gets a flipped payload byte, from
+  another process, while the engine runs, and the 12 earliest sampled prompts are sent again
+  (their KV is on the SSD alone by then, whether DRAM is exclusive or written through).
+  Seen: a load or a copy up into DRAM that failed its check. Recovery: the flip to the next
+  block loaded from the SSD after the first failed load (the bad values are misses,
+  recomputed, and deleted).
 * ``stalled_loads``: every read from the SSD tier hangs (the engine runs
   ``bench/stall_connector.py``, the kvtier connector with a switch: while a file exists its
   SSD reads wait before reading anything) while 6 earlier sampled prompts, whose KV is on the
@@ -30,12 +36,6 @@ The faults, in order (``FAULTS``):
   their deadline, recomputed (``load_expired_blocks``); none of those prompts may take more
   than the deadline plus 10 s to answer (``hung``). Recovery: the hang's end to the next
   prompt tokens loaded from the SSD.
-* ``ssd_read_errors``: every value in the SSD tier's LMDB gets a flipped payload byte, from
-  another process, while the engine runs, and the 12 earliest sampled prompts are sent again
-  (their KV is on the SSD alone by then, whether DRAM is exclusive or written through).
-  Seen: a load or a copy up into DRAM that failed its check. Recovery: the flip to the next
-  block loaded from the SSD after the first failed load (the bad values are misses,
-  recomputed, and deleted).
 * ``preemption_with_holds``: critical agents (criticality 1; the load's agents say 0.5, so
   none of them keeps the critical agents' HBM budget while paused) whose requests say a 20 s tool
   wait leave HBM holds; then 8 requests at once that fit at first and outgrow the pool while
@@ -93,8 +93,8 @@ LOAD_DEADLINE_S = 2.0  # the engine's load_deadline_s
 STALLED_PROMPTS = 6  # stalled_loads: the sampled prompts after ssd_read_errors' sent again while the SSD hangs
 STALL_GUARD_S = 90.0  # stalled_loads: the hang ends by then whatever happens (a harness that waits must not hang)
 NO_HANG_S = LOAD_DEADLINE_S + 10.0  # stalled_loads: an answer slower than this waited on the hung SSD
-RECOVERY_LIMIT_S = {"mooncake_master": 30.0, "hint_server": 15.0, "ssd_full": 30.0, "stalled_loads": 30.0,
-                    "ssd_read_errors": 30.0, "preemption_with_holds": 60.0, "engine_sigkill": 240.0}
+RECOVERY_LIMIT_S = {"mooncake_master": 30.0, "hint_server": 15.0, "ssd_full": 30.0, "ssd_read_errors": 30.0,
+                    "stalled_loads": 30.0, "preemption_with_holds": 60.0, "engine_sigkill": 240.0}
 """How long recovery may take, per fault (the engine's restart on this 2-core machine is most of the last)."""
 FAULTS = tuple(RECOVERY_LIMIT_S)
 STALL_CONNECTOR = ("StallSwitchConnector", "stall_connector")
@@ -332,7 +332,8 @@ class Chaos:
         self.stall_file.write_text("SSD reads hang while this file exists\n")
         guard.start()
         try:
-            # earlier prompts whose KV is on the SSD alone by now (not ssd_read_errors' ones, which must stay there)
+            # earlier prompts whose KV is on the SSD by now (not the ones ssd_read_errors sent again: their loads
+            # dropped the flipped values; the hang comes before any read, so flipped or not makes no difference)
             old = self.load.samples[RESENT_PROMPTS:RESENT_PROMPTS + STALLED_PROMPTS]
             outs, took = [], []
             for smp in old:

@@ -3,8 +3,8 @@
 One server (DRAM, SSD on its own tmpfs, Mooncake on a local master, a hint server it
 follows), six agent sessions, and one fault after another: the master SIGKILLed and
 restarted, the hint server SIGKILLed and restarted, the SSD's filesystem filled, every SSD
-read hung while earlier prompts come back (loads past their deadline recomputed), every SSD
-value's payload flipped, a burst of long prompts that preempts while agents' blocks are
+value's payload flipped, every SSD read hung while earlier prompts come back (loads past
+their deadline recomputed), a burst of long prompts that preempts while agents' blocks are
 held, and the engine SIGKILLed and restarted over its SSD directory. For each fault: it
 was seen (its counter moved), no request failed in its window, no sampled output differs
 from a plain engine's, the drain after it finds every HBM block free and none held, and

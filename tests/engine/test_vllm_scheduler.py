@@ -116,10 +116,11 @@ def test_failed_load_counts_the_verified_prefix_and_drops_the_bad_block() -> Non
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_a_load_past_its_deadline_is_recomputed_and_keeps_its_blocks(world_size: int) -> None:
+def test_a_load_past_its_deadline_is_counted_once_and_not_offered_again(world_size: int) -> None:
     """A worker reports the load failed because it missed ``load_deadline_s`` (``expired_plans``;
     with two ranks, one rank's expiry is enough): vLLM recomputes it, counted once as expired
-    and as failed, and its blocks, late but not bad, stay in DRAM for the next request."""
+    and as failed, and its blocks are dropped, so vLLM's retry of the request (or the next
+    request) does not plan the same load and wait on the same tier again."""
     sched, kvm = _sched(world_size=world_size)
     _, job, write = _store_r1(sched, kvm)
     sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (world_size, [True] * 4)},
@@ -136,8 +137,8 @@ def test_a_load_past_its_deadline_is_recomputed_and_keeps_its_blocks(world_size:
         sched.update_connector_output(meta)
     c = sched.counters
     assert (c["hit_tokens"], c["load_failed_blocks"], c["load_expired_blocks"]) == (0, 4, 4)
-    assert sched.manager.ready_blocks("dram") == 4
-    assert sched.get_num_new_matched_tokens(FakeRequest("r3", 4), 0) == (4 * BS, True)
+    assert sched.manager.ready_blocks("dram") == 0
+    assert sched.get_num_new_matched_tokens(FakeRequest("r3", 4), 0) == (0, False)
 
 
 def test_reset_drops_every_block() -> None:

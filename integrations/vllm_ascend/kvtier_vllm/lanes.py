@@ -110,12 +110,11 @@ class HybridLanes:
         return LoadJob(req_id, plan.plan_id, plan.keys, plan.tiers,
                        tuple(s if t != "ssd" else 0 for s, t in zip(plan.slots, plan.tiers)), tuple(targets)), plan
 
-    def complete_load(self, plan_id: int, plan: LoadPlan, oks: list[bool], keep: bool = False) -> None:
+    def complete_load(self, plan_id: int, plan: LoadPlan, oks: list[bool]) -> None:
         """A hybrid model's load: its token blocks are hits only if every group's
-        blocks loaded (vLLM recomputes a request whose load failed in full). ``keep``:
-        the load missed its deadline, so its blocks stay in their tiers (not known bad)."""
+        blocks loaded (vLLM recomputes a request whose load failed in full)."""
         n, total = self.loads.pop(plan_id)
-        self.manager.complete_load(plan, True if keep else oks)
+        self.manager.complete_load(plan, oks)
         if len(oks) == total and all(oks):
             for tier in plan.tiers[:n]:  # the primary group's blocks come first
                 self.counters[f"hit_tokens_{tier}"] += self.block_size

@@ -659,10 +659,9 @@ class KVTierScheduler:
         if plan_id in self._stale_plans:  # written from blocks of before a connector reset
             self._stale_plans.discard(plan_id)
             oks = [False] * len(oks)
-        expired = plan_id in self._expired  # a load past load_deadline_s (on any rank): recomputed, though its
-        if expired:  # blocks were not found bad, so they stay in their tiers and no remote key is marked failed
-            self._expired.discard(plan_id)
-            self.counters["load_expired_blocks"] += len(oks)
+        if plan_id in self._expired:  # a load past load_deadline_s (on any rank): failed, counted once per plan;
+            self._expired.discard(plan_id)  # its blocks are dropped as after a failed check, or the request's
+            self.counters["load_expired_blocks"] += len(oks)  # retry would plan the same load and wait again
         if plan_id in self._store_plans:
             plan = self._store_plans.pop(plan_id)
             self.manager.complete_store(plan, oks)
@@ -676,13 +675,13 @@ class KVTierScheduler:
         elif plan_id in self.lanes.loads:
             req_id, lanes_plan, _ = self._load_plans.pop(plan_id)
             assert lanes_plan is not None
-            self.lanes.complete_load(plan_id, lanes_plan, oks, keep=expired)
+            self.lanes.complete_load(plan_id, lanes_plan, oks)
             self.load_finished((req_id,))
         elif plan_id in self._load_plans:
             req_id, load, remote = self._load_plans.pop(plan_id)
             local = len(load.keys) if load is not None else 0
             if load is not None:
-                self.manager.complete_load(load, True if expired else oks[:local])
+                self.manager.complete_load(load, oks[:local])
             num_ok = oks.index(False) if False in oks else len(oks)
             start = self.write_backs.load_starts.pop(plan_id, None)
             if start is not None and load is not None:
@@ -690,7 +689,7 @@ class KVTierScheduler:
             for tier in (load.tiers if load is not None else ())[:num_ok]:
                 self.counters[f"hit_tokens_{tier}"] += self.block_size
             if remote:  # (a remote run is only ever planned with a remote tier)
-                self._remote_index().loaded(remote, num_ok - local, 0 if expired else len(oks) - num_ok)
+                self._remote_index().loaded(remote, num_ok - local, len(oks) - num_ok)
             self.counters["hit_tokens"] += num_ok * self.block_size
             self.counters["load_failed_blocks"] += len(oks) - num_ok
             self.load_finished((req_id,))
