@@ -71,3 +71,9 @@ if [ "$#" -eq 0 ] && [ "${KVTIERTEST_SKIP_ENGINE:-0}" != "1" ]; then
   # build of either exists, so no engine: see the script), about 3 minutes with the downloads
   KVTIERTEST_VLLM_VENV="$VLLM_VENV" bash scripts/vllm_next.sh -rs
 fi
+
+# Committed results whose inputs changed after they were produced (bench/stale_results.py): printed on
+# every full run, so the list is in CI's log; not a failure (regenerating takes hours, see docs/testing.md)
+if [ "$#" -eq 0 ]; then
+  "$VENV/bin/python" bench/stale_results.py || true
+fi
