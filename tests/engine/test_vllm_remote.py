@@ -13,8 +13,9 @@ One scenario, in order (the engines stay up between turns):
 2. A :class:`kvtier.routing.Router` subscribed to both engines' KV events picks
    the engine holding the longest prefix of a session's next turn.
 3. A value altered in the store is a miss: B recomputes, no token changes.
-4. The master is killed: both engines keep serving, the failures are counted,
-   no token changes. It restarts on the same ports: the connectors use it again
+4. The master is killed: both engines keep serving, no token changes; A's writes
+   to it fail, counted, or are still waiting in its writer's bounded queue when the
+   turn ends (the store client reconnecting: a write that blocks, not fails fast). It restarts on the same ports: the connectors use it again
    by themselves, and blocks stored after that hit again on the other engine.
 5. An engine of another tenant, given the same prompt, finds none of these blocks.
 """
@@ -141,7 +142,7 @@ def _scenario(tmp_path: Path, model: Path, master) -> None:
         # 3. values altered in the store are misses on B, recomputed
         other1 = _tokens(4, 6 * BLOCK_SIZE + 3)
         names.write_text("")
-        serve(a, other1)
+        a_other1 = serve(a, other1)
         written = names.read_text().split()
         assert len(written) == 6
         deadline = time.monotonic() + 10  # A's events of other1 reach the router
@@ -173,13 +174,19 @@ def _scenario(tmp_path: Path, model: Path, master) -> None:
         assert [probe._store.get(n) == v for n, v in altered.items()] == [True, False, False]
 
         # 4. the master dies: both engines keep serving, failures counted; it comes back, and they use it again
+        stored_before_outage = _counters(a_other1).get("stored_blocks_remote", 0)  # A's last turn before it
         master.stop()
         dead1 = _tokens(6, 5 * BLOCK_SIZE + 1)
         a3 = serve(a, dead1)
         b3 = serve(b, dead1 + _tokens(7, 20))
         ca3 = _counters(a3)
-        print(f"master down: A {ca3}")
-        assert ca3.get("store_failed_blocks_remote", 0) >= 5 or ca3.get("store_skipped_backpressure_remote", 0) >= 5
+        pending = a3["stats"].get("pending_plans", 0)
+        print(f"master down: A {ca3}, plans pending {pending}")
+        # A's writes to the dead master fail, counted, or (seen once in a loaded rehearsal: the store client was
+        # still reconnecting) are still waiting in the writer's bounded queue when the turn's wait for the
+        # connector to idle gives up; either way the turn was served (issue 62: writes that block, not fail fast)
+        failed = ca3.get("store_failed_blocks_remote", 0) + ca3.get("store_skipped_backpressure_remote", 0)
+        assert failed >= 5 or (pending > 0 and ca3.get("stored_blocks_remote", 0) == stored_before_outage), ca3
         assert _counters(b3).get("hit_tokens_remote", 0) == 8 * BLOCK_SIZE  # no new remote hit while down
         master.start()
         before = _counters(b3).get("hit_tokens_remote", 0)
