@@ -25,7 +25,7 @@ Scenario, one engine process per step, all over one SSD directory:
    (``failing_load_connector.py``): the blocks are reported as load errors, vLLM
    recomputes them, and the output is still the baseline's.
 7. stalled: a new engine over the same SSD directory whose SSD loads stall 10 s before
-   reading anything (``stalled_load_connector.py``), with ``load_deadline_s`` 0.5: A's
+   reading anything (``bench/stall_connector.py``), with ``load_deadline_s`` 0.5: A's
    load is reported failed at its deadline (``load_expired_blocks``), vLLM recomputes
    the 6 blocks, the answer comes long before the stall ends, and the output is the
    baseline's.
@@ -84,10 +84,15 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
         **spec({**sync, "stats_path": str(tmp / "sync_failing.stats.json")}, twice),
         "connector_name": "FailingLoadConnector", "connector_module_path": "failing_load_connector"}, env=env)
     # A's blocks are on the SSD (written through by the truncated step); every SSD load stalls past its deadline
+    # (bench/stall_connector.py, switched on for good: each read waits STALL_S)
+    switch = tmp / "stall-ssd-reads"
+    switch.write_text("")
+    bench = str(Path(__file__).resolve().parents[2] / "bench")
     runs["stalled"] = run_child(tmp, "stalled", {
         **spec({**kvtier("stalled"), "load_deadline_s": DEADLINE_S}, [{"prompts": [A]}]),
-        "connector_name": "StalledLoadConnector", "connector_module_path": "stalled_load_connector"},
-        env={**env, "KVTIERTEST_LOAD_STALL_S": str(STALL_S)})
+        "connector_name": "StallSwitchConnector", "connector_module_path": "stall_connector"},
+        env={"PYTHONPATH": os.pathsep.join([bench, env["PYTHONPATH"]]), "CHAOS_STALL_SSD_READS_FILE": str(switch),
+             "CHAOS_STALL_MAX_S": str(STALL_S)})
     return runs
 
 

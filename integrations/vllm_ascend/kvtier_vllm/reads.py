@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -84,6 +84,10 @@ class LoadGate:
             return True
 
 
+NO_DEADLINE = LoadGate()
+"""The gate of every load without a deadline (``load_deadline_s`` 0, or not read here): never expired."""
+
+
 class LoadReads:
     """A worker's load reads; :meth:`bind` gives it the tiers once the caches are registered."""
 
@@ -120,12 +124,12 @@ class LoadReads:
         if job is not None and self.deadline_s > 0:
             self._gates[id(job)] = (time.monotonic() + self.deadline_s, LoadGate(), job)
 
-    def expire_due(self, now: float | None = None) -> list[LoadJob]:
+    def expire_due(self) -> list[LoadJob]:
         """Engine thread, each step: expire the loads past their deadline whose threads are not
         writing the engine's blocks; returns them (the caller reports them failed now)."""
         if not self._gates:
             return []
-        now = time.monotonic() if now is None else now
+        now = time.monotonic()
         out = []
         for deadline, gate, job in list(self._gates.values()):
             if now >= deadline and not gate.expired and gate.try_expire():
@@ -138,9 +142,10 @@ class LoadReads:
         entry = self._gates.pop(id(job), None)
         return entry is None or not entry[1].expired
 
-    def _gate(self, job: LoadJob) -> LoadGate | None:
+    def _gate(self, job: LoadJob) -> LoadGate:
+        """The load's gate; one that never expires for a load without a deadline."""
         entry = self._gates.get(id(job))
-        return None if entry is None else entry[1]
+        return NO_DEADLINE if entry is None else entry[1]
 
     def post(self, job: LoadJob, run: Run | None, oks: list[bool], landed: bool = False) -> None:
         """Report a begun load (once), and wake the writers waiting for loads to finish."""
@@ -194,7 +199,7 @@ class LoadReads:
         gate = self._gate(job)
 
         def scatter(lo: int, k: int) -> None:
-            with gate.writing() if gate is not None else nullcontext(True) as live:
+            with gate.writing() as live:
                 if not live:  # past its deadline: reported failed already
                     return
                 try:
@@ -211,7 +216,7 @@ class LoadReads:
 
         try:
             for start in range(0, got, chunk):
-                if gate is not None and gate.expired:  # reported failed: read no further
+                if gate.expired:  # reported failed: read no further
                     break
                 hi = min(got, start + chunk)
                 lo = self._land_ssd(job, start, hi)
@@ -254,7 +259,7 @@ class LoadReads:
         if landing is None:
             return lo
         gate = self._gate(job)
-        with gate.writing() if gate is not None else nullcontext(True) as live:
+        with gate.writing() as live:
             if not live:  # past its deadline: nothing more lands
                 return lo
             try:
