@@ -6,7 +6,9 @@ Scenario, one engine process per step, all over one SSD directory:
 2. first: kvtier (DRAM 64 blocks + SSD). A and B run cold (stored), then the
    engine's prefix cache is reset and A runs again: its 6 full blocks before
    the last prompt token (192 tokens) come from kvtier's DRAM tier, and the
-   output (token ids and logprobs) equals the baseline.
+   output (token ids and logprobs) equals the baseline. Then, after another
+   reset, six requests at once that continue A: A's prefix is loaded once and
+   the other five are served by vLLM's prefix cache once it landed.
 3. restart: a new engine process over the same SSD directory (scheduler and
    worker in separate processes) re-indexes the 10 stored blocks and serves
    A's 192 tokens from SSD; output equals the baseline.
@@ -46,6 +48,7 @@ A = [(i * 7 + 3) % 997 + 3 for i in range(200)]
 B = [(i * 13 + 5) % 991 + 3 for i in range(150)]
 A_HIT_TOKENS = (len(A) - 1) // BLOCK_SIZE * BLOCK_SIZE  # 192: full blocks before the last prompt token
 STALL_S, DEADLINE_S = 10.0, 0.5  # step 7: how long SSD loads stall, and the load deadline
+CONVOY = [A + [(i * 11 + j) % 991 + 3 for j in range(20)] for i in range(6)]  # step 2: 6 at once behind A's prefix
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +65,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
         return {"model": str(model), "engine": {**ENGINE, **(engine or {})}, "kvtier": extra, "phases": phases}
 
     runs = {"tmp": tmp, "ssd": ssd}
-    runs["baseline"] = run_child(tmp, "baseline", spec(None, [{"prompts": [A, B]}]))
+    runs["baseline"] = run_child(tmp, "baseline", spec(None, [{"prompts": [A, B]}, {"prompts": CONVOY}]))
     runs["first"] = run_child(tmp, "first", spec(kvtier("first"), [
-        {"prompts": [A, B]}, {"prompts": [A], "reset_prefix_cache": True}]))
+        {"prompts": [A, B]}, {"prompts": [A], "reset_prefix_cache": True},
+        {"prompts": CONVOY, "reset_prefix_cache": True}]))
     runs["restart"] = run_child(tmp, "restart", spec(kvtier("restart"), [{"prompts": [A]}],
                                                      engine={"distributed_executor_backend": "mp"}))
     runs["corrupted_key"] = _corrupt_block(ssd / "tp0-of-1", chain_length=6, index=2)
@@ -140,8 +144,8 @@ def test_model_output_depends_on_the_prompt(world: dict) -> None:
 
 def test_second_run_is_served_from_kvtier_with_identical_output(world: dict) -> None:
     first = world["first"]
-    assert first["resets"] == [True]
-    cold, warm = first["phases"]
+    assert first["resets"] == [True, True]
+    cold, warm, _ = first["phases"]
     assert cold["stats"]["counters"].get("hit_tokens", 0) == 0
     # A: 6 full blocks + B: 4 full blocks, written through to DRAM and SSD
     assert cold["stats"]["counters"]["stored_blocks_dram"] == 10
@@ -152,6 +156,19 @@ def test_second_run_is_served_from_kvtier_with_identical_output(world: dict) -> 
     assert counters["hit_tokens_dram"] == A_HIT_TOKENS
     assert warm["external_hits"] == A_HIT_TOKENS  # vLLM's own counter agrees
     assert _outputs(first, 1) == _outputs(world["baseline"], 0)[:1]
+
+
+def test_requests_at_once_behind_a_prefix_in_dram_load_it_once(world: dict) -> None:
+    """Six requests at once behind A's prefix, which lives only in kvtier's DRAM: one loads it, the
+    other five are deferred until it landed and then served by vLLM's prefix cache, not a load each."""
+    warm, convoy = world["first"]["phases"][1:]
+    loaded = convoy["stats"]["counters"]["hit_tokens"] - warm["stats"]["counters"]["hit_tokens"]
+    assert loaded == A_HIT_TOKENS  # once (it was 6 x 192 before kvtier deferred the others)
+    assert convoy["external_hits"] - warm["external_hits"] == A_HIT_TOKENS
+    assert convoy["local_hits"] - warm["local_hits"] == 5 * A_HIT_TOKENS
+    assert convoy["stats"]["counters"]["load_deferred_shared"] >= 5
+    baseline = world["baseline"]["phases"][1]
+    assert [o["token_ids"] for o in convoy["outputs"]] == [o["token_ids"] for o in baseline["outputs"]]
 
 
 def test_warm_restart_hits_ssd(world: dict) -> None:

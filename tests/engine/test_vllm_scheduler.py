@@ -5,9 +5,11 @@ and counts only the verified prefix, and reset empties the tiers."""
 
 from __future__ import annotations
 
+import doctest
 from types import SimpleNamespace
 
 import pytest
+from kvtier_vllm import load_plans
 from kvtier_vllm.metadata import KVTierWorkerMetadata
 from kvtier_vllm.scheduler import KVTierScheduler
 from kvtier_vllm.settings import ConnectorSettings, EngineFacts
@@ -139,6 +141,36 @@ def test_a_load_past_its_deadline_is_counted_once_and_not_offered_again(world_si
     assert (c["hit_tokens"], c["load_failed_blocks"], c["load_expired_blocks"]) == (0, 4, 4)
     assert sched.manager.ready_blocks("dram") == 0
     assert sched.get_num_new_matched_tokens(FakeRequest("r3", 4), 0) == (0, False)
+
+
+def test_load_plans_doctest() -> None:
+    assert doctest.testmod(load_plans).failed == 0
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_a_prefix_another_request_is_loading_is_loaded_once(ok: bool) -> None:
+    """vLLM caches an asynchronously loaded block only when its load lands: until then a second
+    request behind the same prefix is deferred (``None``: vLLM asks again next step, and finds the
+    blocks in its own prefix cache), not planned a second load into blocks of its own. Its own
+    retry is not deferred, nor is a synchronous load (vLLM caches its blocks at once). After a
+    failed load the prefix is on offer again, from what is left."""
+    sched, kvm = _sched()
+    _, job, write = _store_r1(sched, kvm)
+    sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True] * 4)}, {job.job_id: 1}))
+    r2, r3, r4 = FakeRequest("r2", 4), FakeRequest("r3", 4), FakeRequest("r4", 2)
+    for r in (r2, r3, r4):
+        sched.on_new_request(r)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (4 * BS, True)
+    sched.update_state_after_alloc(r2, [20, 21, 22, 23, 24], 4 * BS)
+    assert sched.get_num_new_matched_tokens(r3, 0) == (None, False)
+    assert sched.get_num_new_matched_tokens(r4, 0) == (None, False)  # a shorter request behind the same prefix
+    assert sched.get_num_new_matched_tokens(r3, 3 * BS) == (None, False)  # its first block to load is on its way
+    assert sched.counters["load_deferred_shared"] == 3
+    (load,) = _step(sched, {}).loads
+    sched.update_connector_output(KVTierWorkerMetadata({load.plan_id: (1, [True, True, ok, True])}, {}))
+    want = 4 * BS if ok else 2 * BS  # (the block that failed is dropped, and what follows it is unreachable)
+    assert sched.get_num_new_matched_tokens(r3, 0) == (want, True)
+    assert sched.counters["load_deferred_shared"] == 3
 
 
 def test_reset_drops_every_block() -> None:
@@ -539,6 +571,9 @@ def test_sync_dram_loads_plans_a_dram_hit_for_this_steps_forward() -> None:
     (load,) = _step(sched, {"r2": 2}).loads
     assert load.sync and load.tiers == ("dram",) * 4 and load.block_ids == (20, 21, 22, 23)
     assert sched.counters["load_sync"] == 1
+    # a request behind the same prefix is not deferred: vLLM cached r2's blocks as it allocated them
+    assert sched.get_num_new_matched_tokens(FakeRequest("r3", 4), 0) == (4 * BS, False)
+    assert sched.counters["load_deferred_shared"] == 0
 
 
 @pytest.mark.parametrize(("device", "extra", "problem"), [

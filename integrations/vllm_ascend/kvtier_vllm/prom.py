@@ -36,6 +36,8 @@ _HELP = {
     "store_failed_blocks": "blocks whose store failed",
     "load_expired_blocks": "blocks of loads that missed load_deadline_s, reported failed and recomputed "
                            "(also in load_failed_blocks)",
+    "load_deferred_shared": "lookups deferred a step because another request's load was bringing the same prefix "
+                            "into HBM (loaded once, then served by vLLM's prefix cache)",
     "promote_failed_blocks": "blocks whose copy up into DRAM (a prefetch or staging from SSD) failed or did not verify",
     "hook_cpu_us": "engine-thread CPU time spent in connector hooks, microseconds",
     "worker_cpu_us": "worker CPU time spent copying KV to and from kvtier, microseconds",

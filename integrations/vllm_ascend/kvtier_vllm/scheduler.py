@@ -69,6 +69,7 @@ from .approximate import SegmentMasters
 from .hint_intake import HintIntake
 from .kv_events import TierEvents
 from .lanes import HybridLanes
+from .load_plans import LoadPlans
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob, PromoteJob
 from .placement import EnginePlacement
 from .remote_index import RemoteIndex
@@ -207,7 +208,7 @@ class KVTierScheduler:
         self._reqs: dict[str, _Req] = {}
         self._matches: dict[str, _Match] = {}
         self._loads: list[LoadJob] = []
-        self._load_plans: dict[int, tuple[str, LoadPlan | None, tuple[BlockKey, ...]]] = {}  # + its remote keys
+        self._load_plans = LoadPlans()  # (and which request's load brings each key into vLLM's blocks)
         self._store_plans: dict[int, StorePlan] = {}
         self._stale_plans: set[int] = set()  # store plans whose bytes went stale (a connector reset) in flight
         self._expired: set[int] = set()  # load plans a worker reported past load_deadline_s, until they complete
@@ -318,6 +319,9 @@ class KVTierScheduler:
                 return 0, False
             self._matches[request.request_id] = _Match(start, n)
             return n * self.block_size, True
+        if self._load_plans.loader(keys[start]) not in (None, request.request_id):  # another request's load
+            self.counters["load_deferred_shared"] += 1  # brings this prefix into HBM: vLLM's prefix cache has
+            return None, False  # type: ignore[return-value]  # it next step (loaded once, not once per request)
         shifts: list[int] = []
         if st.approx and self._approx is not None:
             keys, shifts = self._approx.keys_to_load(st.approx, keys)
@@ -385,7 +389,7 @@ class KVTierScheduler:
             assert group_block_ids is not None
             job, lanes_plan = self.lanes.load_job(st, match.start_block, n, group_block_ids)
             if lanes_plan is not None:
-                self._load_plans[lanes_plan.plan_id] = (request.request_id, lanes_plan, ())
+                self._load_plans.add(lanes_plan.plan_id, request.request_id, lanes_plan, ())
                 self._note_lossy_loads(job)
             self._load_planned(st, job, n)
             return
@@ -410,7 +414,8 @@ class KVTierScheduler:
                 st.approx_loaded.update(match.start_block + r for r, x in zip(rows, shifts) if x)
             job = LoadJob(request.request_id, plan_id, (plan.keys if plan is not None else ()) + remote, tiers,
                           slots + (0,) * len(remote), targets, shifts, match.sync)
-            self._load_plans[plan_id] = (request.request_id, plan, remote)
+            self._load_plans.add(plan_id, request.request_id, plan, remote,  # a load of the request's own keys:
+                                 () if match.sync or st.approx else job.keys)  # its blocks are cached when it lands
             if self.exclusive and self.write_backs.pool is not None and plan is not None and st.approx is None:
                 self.write_backs.load_starts[plan_id] = match.start_block
             self._note_lossy_loads(job)
@@ -589,8 +594,7 @@ class KVTierScheduler:
         if holds is not None:
             out["hbm_hold"] = {"budget_blocks": holds.budget_blocks, "held_blocks": holds.held_blocks,
                                "peak_blocks": holds.peak_blocks}
-        sessions = Counter(st.session_id for st in self._reqs.values() if st.session_id)
-        out["live_sessions"] = len(sessions)
+        out["live_sessions"] = len({st.session_id for st in self._reqs.values() if st.session_id})
         out["live_requests"] = len(self._reqs)
         out["tracked_agents"] = self.placement.num_tracked_agents
         out["pinned_blocks"] = m.num_pinned()
