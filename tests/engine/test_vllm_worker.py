@@ -574,6 +574,33 @@ def test_a_bad_load_deadline_names_the_setting() -> None:
     assert ConnectorSettings.build({}, facts, env={}).load_deadline_s == 30.0
 
 
+def test_the_gil_switch_interval_is_lowered_never_raised_and_a_bad_value_named() -> None:
+    """``gil_switch_interval_us``: vLLM's engine thread holds the GIL in its loop while requests wait on
+    loads, so a kvtier copy thread that gave the GIL up (an LMDB read, a C copy) waited a whole switch
+    interval (5 ms) to get it back. The connector lowers it (default 500 us), never raises it, and 0
+    leaves it."""
+    import sys
+
+    from kvtier_vllm.connector import _lower_switch_interval
+
+    facts = EngineFacts("tiny", "bfloat16", BS, 2, HEADS, DIM, "split", "sha256")
+    assert ConnectorSettings.build({}, facts, env={}).gil_switch_interval_us == 500
+    for bad in (-1, 0.5, "500", True, 200_000):
+        with pytest.raises(ConfigError, match="gil_switch_interval_us"):
+            ConnectorSettings.build({"gil_switch_interval_us": bad}, facts, env={})
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        _lower_switch_interval(0)
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        _lower_switch_interval(500)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        _lower_switch_interval(2_000)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)
+
+
 def test_a_load_scattered_by_several_helper_threads_is_reported_after_every_copy(tmp_path) -> None:
     """``copy_threads`` 3: a CPU load's chunks are scattered by two helper threads; the load is
     reported only once every chunk is in the engine's blocks, not when the last-queued one is

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from collections.abc import Iterable
@@ -176,6 +177,15 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tp_ran
     )
 
 
+def _lower_switch_interval(us: int) -> None:
+    """``gil_switch_interval_us`` (see its help): lower this process's thread switch interval to ``us``,
+    never raise it (another part of the process may have set it lower); 0 leaves it."""
+    if us and sys.getswitchinterval() > us / 1e6:
+        log.info("kvtier: Python thread switch interval %.1f ms -> %d us (gil_switch_interval_us)",
+                 sys.getswitchinterval() * 1e3, us)
+        sys.setswitchinterval(us / 1e6)
+
+
 def spec_problem(spec: Any, vllm_config: VllmConfig) -> str:
     """Why the connector cannot store a KV cache group of ``spec`` ('' when it can):
     a sentence naming the layer type and what to do instead."""
@@ -247,6 +257,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             tp_rank = get_tensor_model_parallel_rank()
         facts = engine_facts(vllm_config, kv_cache_config, tp_rank)
         settings = ConnectorSettings.build(extra, facts)
+        _lower_switch_interval(settings.gil_switch_interval_us)
         namespace = settings.config.namespace.to_namespace(settings.config.layout.to_layout())
         self._sched: KVTierScheduler | None = None
         self._worker: KVTierWorker | None = None
