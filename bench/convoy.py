@@ -153,8 +153,8 @@ def plot(result: dict[str, Any], png: Path) -> None:
     for name in CONFIGS:
         xs = sorted(t * 1000 for t in result["ttft_s"][name])
         ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT (ms, log)")
+    ax.set_xlim(left=0)
+    ax.set_xlabel("TTFT (ms)")
     ax.set_ylabel("fraction of requests")
     ax.set_title(f"{result['clients']} requests at once behind one {result['prefix_tokens']}-token prefix")
     ax.legend()
@@ -174,9 +174,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="the engine's KV blocks (default: the prefix twice and 2 blocks per client)")
     ap.add_argument("--json", type=Path, default=None, help="write the result here")
     ap.add_argument("--png", type=Path, default=None, help="draw the TTFT distributions here")
+    ap.add_argument("--plot", type=Path, default=None, help="only draw --png from this earlier --json result")
     ap.add_argument("--workdir", type=Path, default=None,
                     help="keep the model, engine logs and tiers here (default: a temporary directory, removed)")
     args = ap.parse_args(argv)
+    if args.plot is not None:
+        if args.png is None:
+            ap.error("--plot needs --png")
+        plot(json.loads(args.plot.read_text()), args.png)
+        return 0
     if args.clients < 1 or args.prefix_tokens < 2 * BLOCK_SIZE or args.rounds < 1:
         ap.error("--clients must be >= 1, --prefix-tokens >= 64 and --rounds >= 1")
     if not args.hbm_blocks:
