@@ -9,7 +9,8 @@ vLLM KV events (``kv_events``: ``KVEventsConfig`` fields), optionally vLLM's
 :func:`_multi_connector`), and phases (prompts as
 token ids, optionally one ``kv_transfer_params`` dict and one vLLM ``cache_salt``
 (``cache_salts``) per prompt, and one vLLM ``kv_hints`` envelope (``kv_hints``, as builtins) per
-prompt; ``reset_prefix_cache`` before a phase). The
+prompt; ``reset_prefix_cache`` before a phase, and ``sleep``: vLLM's sleep at that level, then its
+wake-up, before a phase). The
 output has the engine's ``num_gpu_blocks`` and whether its hybrid KV cache
 manager is on, and, per phase, each prompt's generated token ids and per-token
 logprobs (``outputs``), vLLM's own TTFT and cached-token count per request
@@ -204,6 +205,13 @@ def main(spec_path: str, out_path: str | None) -> None:
         if phase.get("reset_prefix_cache"):
             _wait_idle(stats_path)
             result.setdefault("resets", []).append(bool(llm.reset_prefix_cache()))
+        if phase.get("sleep") is not None:  # vLLM's sleep mode at that level, then wake_up (the CPU worker's
+            try:  # own sleep is a no-op; the engine still resets its caches and the connector's on the way)
+                llm.sleep(level=phase["sleep"])
+                llm.wake_up()
+                result.setdefault("sleeps", []).append("ok")
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                result.setdefault("sleeps", []).append(f"{type(exc).__name__}: {exc}")
         t1, cpu1 = time.perf_counter(), _tree_cpu_s()
         rss = _RSSSampler() if phase.get("rss") else None
         params = phase.get("kv_transfer_params")  # one dict (or None) per prompt: the SDK's hints

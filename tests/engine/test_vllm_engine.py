@@ -31,6 +31,9 @@ Scenario, one engine process per step, all over one SSD directory:
    load is reported failed at its deadline (``load_expired_blocks``), vLLM recomputes
    the 6 blocks, the answer comes long before the stall ends, and the output is the
    baseline's.
+8. sleep: vLLM's sleep and wake-up between two runs of A (DRAM only): kvtier's tiers are
+   dropped by default (vLLM resets the connector on sleep as after a weight update) and kept
+   with ``keep_tiers_on_reset``, where A is served from DRAM after the wake-up.
 """
 
 from __future__ import annotations
@@ -97,6 +100,12 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "connector_name": "StallSwitchConnector", "connector_module_path": "stall_connector"},
         env={"PYTHONPATH": os.pathsep.join([bench, env["PYTHONPATH"]]), "CHAOS_STALL_SSD_READS_FILE": str(switch),
              "CHAOS_STALL_MAX_S": str(STALL_S)})
+    # vLLM's sleep (level 1) and wake-up between two runs of A: kvtier's tiers dropped (vLLM resets the connector,
+    # as after a weight update), or kept with keep_tiers_on_reset (an engine that wakes with the same weights)
+    for name, keep in (("sleep_drop", False), ("sleep_keep", True)):
+        runs[name] = run_child(tmp, name, spec({"dram_capacity_blocks": 64, "exclusive_dram": False,
+                                                "keep_tiers_on_reset": keep, "stats_path": str(tmp / f"{name}.json")},
+                                               [{"prompts": [A]}, {"prompts": [A], "sleep": 1}]))
     return runs
 
 
@@ -239,3 +248,17 @@ def test_a_load_stalled_past_its_deadline_is_recomputed_not_waited_for(world: di
     assert counters.get("hit_tokens", 0) == 0 and counters["load_failed_blocks"] == counters["load_expired_blocks"]
     assert phase["gen_s"] < STALL_S / 2  # the answer did not wait for the stalled read
     assert _outputs(run, 0) == _outputs(world["baseline"], 0)[:1]  # A, as a plain engine answered it
+
+
+@pytest.mark.parametrize(("name", "hit"), [("sleep_drop", 0), ("sleep_keep", A_HIT_TOKENS)])
+def test_a_sleep_drops_the_tiers_unless_kept_and_the_output_is_the_same(world: dict, name: str, hit: int) -> None:
+    """vLLM resets the connector on sleep (and after a weight update, where stored KV is stale): by
+    default kvtier drops its tiers and A is recomputed after the wake-up; with ``keep_tiers_on_reset``
+    A's 6 blocks are still there and served (vLLM issue: the offloaded tier lost across sleep)."""
+    run = world[name]
+    assert run["sleeps"] == ["ok"]
+    before, after = run["phases"]
+    counters = after["stats"]["counters"]
+    assert counters["resets"] == 1 and counters.get("resets_kept_tiers", 0) == (1 if hit else 0)
+    assert after["external_hits"] - before["external_hits"] == hit
+    assert _outputs(run, 1) == _outputs(world["baseline"], 0)[:1]

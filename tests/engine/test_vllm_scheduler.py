@@ -173,13 +173,25 @@ def test_a_prefix_another_request_is_loading_is_loaded_once(ok: bool) -> None:
     assert sched.counters["load_deferred_shared"] == 3
 
 
-def test_reset_drops_every_block() -> None:
-    sched, kvm = _sched()
+@pytest.mark.parametrize("keep", [False, True])
+def test_reset_drops_every_block_unless_the_tiers_are_kept(keep: bool) -> None:
+    """vLLM resets the connector after a weight update and on sleep: every block goes, and a store in
+    flight lands as failed; with ``keep_tiers_on_reset`` (an engine that wakes with the same weights)
+    the blocks and the store in flight stay."""
+    sched, kvm = _sched(keep_tiers_on_reset=keep)
     _, job, write = _store_r1(sched, kvm)
     sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True] * 4)}, {job.job_id: 1}))
+    r3 = FakeRequest("r3", 3)
+    r3.block_hashes = [bytes([100 + i]) * 32 for i in range(3)]
+    kvm.blocks["r3"] = list(range(30, 34))
+    sched.on_new_request(r3)
+    (store,) = _step(sched, {"r3": r3.num_tokens}).stores
     assert sched.reset() is True
-    assert sched.manager.ready_blocks("dram") == 0
-    assert sched.get_num_new_matched_tokens(FakeRequest("r2", 4), 0) == (0, False)
+    sched.update_connector_output(KVTierWorkerMetadata({store.writes[0].plan_id: (1, [True] * 3)}, {store.job_id: 1}))
+    c = sched.counters
+    assert (c["resets"], c["resets_kept_tiers"]) == (1, 1 if keep else 0)
+    assert sched.manager.ready_blocks("dram") == (7 if keep else 0)
+    assert sched.get_num_new_matched_tokens(FakeRequest("r2", 4), 0) == ((4 * BS, True) if keep else (0, False))
 
 
 @pytest.mark.parametrize("num_blocks", [1, 3])

@@ -441,8 +441,7 @@ class KVTierScheduler:
     # ------------------------------------------------------------ per step
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierConnectorMetadata:
-        """This step's loads, stores (blocks that become full in this step's
-        forward), releases and SSD deletions. Resets the per-step state."""
+        """This step's loads, stores (blocks full after its forward), releases and SSD deletions; resets the step."""
         self.hints.poll()
         if self.settings.recompute_when_cheaper:
             self.placement.step_started(scheduler_output.num_scheduled_tokens)  # the step cost it weighs loads by
@@ -540,8 +539,7 @@ class KVTierScheduler:
         self.hints.poll()
 
     def shutdown(self) -> None:
-        """Give back every HBM hold; stop the hosted hint server or the watcher, if any;
-        write the recording out."""
+        """Give back every HBM hold; stop the hosted hint server or the watcher, if any; write the recording."""
         self.placement.release_all()
         if self.recorder is not None:
             self.recorder.close()
@@ -558,23 +556,26 @@ class KVTierScheduler:
                     or self._promote_plans or (self.remote is not None and self.remote.writes))
 
     def reset(self) -> bool:
-        """Drop every stored block (vLLM calls this on ``reset_prefix_cache(reset_connector=True)``,
-        e.g. after a weight update, when stored KV is stale); SSD values are deleted by the
-        workers next step. False when a block could not be dropped (a load or store in flight)."""
+        """Drop every stored block (vLLM's ``reset_prefix_cache(reset_connector=True)``: after a weight update and on
+        sleep); the workers delete SSD values next step. False when a block could not be dropped (a load or store in
+        flight). With ``keep_tiers_on_reset`` (the weights never change) only what refers to vLLM's HBM goes."""
         self.rounds.release_all()  # round pins would keep stale blocks in the tiers
-        if self._approx is not None:
-            self._approx.clear()
         self.placement.release_all()  # stale KV must go, waiting agents or not
-        if self.remote is not None:
-            self.remote.known.clear()  # the shared store is other engines' too: this engine only forgets it
         for req_id in list(self._matches):  # a held lookup (its allocation failed) would keep stale blocks
             self._drop_match(req_id)
         self.write_backs.reset()
+        self.counters["resets"] += 1
+        if self.settings.keep_tiers_on_reset:
+            self.counters["resets_kept_tiers"] += 1
+            return True
+        if self._approx is not None:
+            self._approx.clear()
+        if self.remote is not None:
+            self.remote.known.clear()  # the shared store is other engines' too: this engine only forgets it
         self._stale_plans.update(self._store_plans)  # in flight: they land, but nobody reads them
         for tier in self.manager.tier_names:
             self.manager.evict(tier, self.manager.capacity_blocks(tier))
         self.events.pump()
-        self.counters["resets"] += 1
         return all(self.manager.ready_blocks(t) == 0 for t in self.manager.tier_names)
 
     # ------------------------------------------------------------ stats
@@ -710,8 +711,7 @@ class KVTierScheduler:
         return self.events.take()
 
     def _reindex_ssd(self) -> None:
-        """Warm restart: index the blocks rank 0 already holds on SSD, with the
-        same re-index as ``TieredStore`` (:func:`kvtier.store.reindex_ssd`)."""
+        """Warm restart: index rank 0's blocks on SSD as ``TieredStore`` does (:func:`kvtier.store.reindex_ssd`)."""
         cfg = self.settings.config
         path = self.settings.rank_ssd_path(0, self.namespace.tp_size)
         assert path is not None

@@ -48,6 +48,11 @@ EXTRA_KEYS: dict[str, str] = {
                        "recomputes its blocks, instead of the request waiting on a stalled tier (default 30; 0: no "
                        "deadline). A copy already under way finishes first; counted (load_expired_blocks). lockstep_transfers "
                        "waits for every transfer, so it has none",
+    "keep_tiers_on_reset": "true: keep kvtier's tiers when vLLM resets the connector's cache (vLLM's sleep at any "
+                           "level, pause with clear_cache, reset_prefix_cache with reset_connector), for an engine "
+                           "that sleeps to lend its accelerator and wakes with the same weights. Default false: "
+                           "vLLM resets it after a weight update too, and KV of other weights would be served "
+                           "as if it were right",
     "gil_switch_interval_us": "the Python thread switch interval kvtier sets in the engine's processes (microseconds, "
                               "default 500; 0 leaves Python's 5 ms; only ever lowered). While requests wait on "
                               "loads, vLLM's engine thread runs its loop without a pause, holding the GIL, and each "
@@ -282,6 +287,7 @@ class ConnectorSettings:
     sync_dram_loads: bool = False
     load_deadline_s: float = 30.0
     gil_switch_interval_us: int = 500
+    keep_tiers_on_reset: bool = False
 
     @classmethod
     def build(
@@ -329,7 +335,7 @@ class ConnectorSettings:
                    _cold_rule(extra, cfg), facts.rope if approximate else None,
                    _flag(extra, "lockstep_transfers", False), tenant_share, tracked, tokens,
                    _flag(extra, "recompute_when_cheaper", False), _sync_loads(extra, facts, cfg),
-                   _load_deadline(extra), _switch_interval(extra))
+                   _load_deadline(extra), _switch_interval(extra), _flag(extra, "keep_tiers_on_reset", False))
 
     def rank_ssd_path(self, tp_rank: int, tp_size: int) -> Path | None:
         """The LMDB directory of one TP rank (each rank stores its own shard)."""
