@@ -164,6 +164,8 @@ def test_a_prefix_another_request_is_loading_is_loaded_once(ok: bool) -> None:
     sched.update_state_after_alloc(r2, [20, 21, 22, 23, 24], 4 * BS)
     assert sched.get_num_new_matched_tokens(r3, 0) == (None, False)
     assert sched.get_num_new_matched_tokens(r4, 0) == (None, False)  # a shorter request behind the same prefix
+    assert sched.get_num_new_matched_tokens(r2, 0) == (4 * BS, True)  # the loader itself, asked again: not deferred
+    sched.update_state_after_alloc(r2, [], 0)  # (its allocation failed: the second match is dropped)
     assert sched.get_num_new_matched_tokens(r3, 3 * BS) == (None, False)  # its first block to load is on its way
     assert sched.counters["load_deferred_shared"] == 3
     (load,) = _step(sched, {}).loads
@@ -178,7 +180,15 @@ def test_reset_drops_every_block_unless_the_tiers_are_kept(keep: bool) -> None:
     """vLLM resets the connector after a weight update and on sleep: every block goes, and a store in
     flight lands as failed; with ``keep_tiers_on_reset`` (an engine that wakes with the same weights)
     the blocks and the store in flight stay."""
+    from kvtier.errors import ConfigError
+
     sched, kvm = _sched(keep_tiers_on_reset=keep)
+    facts = EngineFacts("tiny", "bfloat16", BS, 2, 2, 32, "fused", "sha256")
+    kept = ConnectorSettings.build({"dram_capacity_blocks": 8, "keep_tiers_on_reset": True}, facts, env={})
+    assert not kept.exclusive_dram  # a sleep loses what exclusive DRAM keeps only in HBM: written through
+    with pytest.raises(ConfigError, match="exclusive_dram"):
+        ConnectorSettings.build({"dram_capacity_blocks": 8, "keep_tiers_on_reset": True, "exclusive_dram": True},
+                                facts, env={})
     _, job, write = _store_r1(sched, kvm)
     sched.update_connector_output(KVTierWorkerMetadata({write.plan_id: (1, [True] * 4)}, {job.job_id: 1}))
     r3 = FakeRequest("r3", 3)

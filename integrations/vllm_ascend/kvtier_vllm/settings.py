@@ -48,11 +48,11 @@ EXTRA_KEYS: dict[str, str] = {
                        "recomputes its blocks, instead of the request waiting on a stalled tier (default 30; 0: no "
                        "deadline). A copy already under way finishes first; counted (load_expired_blocks). lockstep_transfers "
                        "waits for every transfer, so it has none",
-    "keep_tiers_on_reset": "true: keep kvtier's tiers when vLLM resets the connector's cache (vLLM's sleep at any "
-                           "level, pause with clear_cache, reset_prefix_cache with reset_connector), for an engine "
-                           "that sleeps to lend its accelerator and wakes with the same weights. Default false: "
-                           "vLLM resets it after a weight update too, and KV of other weights would be served "
-                           "as if it were right",
+    "keep_tiers_on_reset": "true: keep kvtier's tiers when vLLM resets the connector's cache (vLLM's sleep at "
+                           "level 1 or 2, pause with clear_cache, reset_prefix_cache with reset_connector), for an "
+                           "engine that sleeps to lend its accelerator and wakes with the same weights; DRAM is "
+                           "then written through (exclusive_dram off; refused if set). Default false: vLLM resets "
+                           "it after a weight update too, and KV of other weights would be served as if right",
     "gil_switch_interval_us": "the Python thread switch interval kvtier sets in the engine's processes (microseconds, "
                               "default 500; 0 leaves Python's 5 ms; only ever lowered). While requests wait on "
                               "loads, vLLM's engine thread runs its loop without a pause, holding the GIL, and each "
@@ -324,7 +324,8 @@ class ConnectorSettings:
             raise ConfigError("kv_connector_extra_config.record_path", record_path, "must be a directory path")
         remote = RemoteSettings.build(extra)
         approximate = _flag(extra, "approximate_shifted_segments", False)
-        exclusive = _exclusive_dram(extra, cfg, facts, policy, approximate)
+        keep = _flag(extra, "keep_tiers_on_reset", False)
+        exclusive = _exclusive_dram(extra, cfg, facts, policy, approximate, keep)
         _refuse_unbuilt(facts, env, remote, approximate, exclusive, policy, placement)
         return cls(cfg, extra.get("stats_path"), extra.get("hint_server"),
                    cfg.ssd.resolved_path() if cfg.ssd.enabled else None, placement, _flag(extra, "hbm_hold", True),
@@ -335,7 +336,7 @@ class ConnectorSettings:
                    _cold_rule(extra, cfg), facts.rope if approximate else None,
                    _flag(extra, "lockstep_transfers", False), tenant_share, tracked, tokens,
                    _flag(extra, "recompute_when_cheaper", False), _sync_loads(extra, facts, cfg),
-                   _load_deadline(extra), _switch_interval(extra), _flag(extra, "keep_tiers_on_reset", False))
+                   _load_deadline(extra), _switch_interval(extra), keep)
 
     def rank_ssd_path(self, tp_rank: int, tp_size: int) -> Path | None:
         """The LMDB directory of one TP rank (each rank stores its own shard)."""
@@ -455,13 +456,20 @@ def _flag(extra: Mapping[str, Any], key: str, default: bool) -> bool:
 
 
 def _exclusive_dram(extra: Mapping[str, Any], cfg: KVTierConfig, facts: EngineFacts, policy: Any,
-                    approximate: bool) -> bool:
+                    approximate: bool, keep: bool) -> bool:
     """``exclusive_dram`` as set; left unset, on wherever it is built (the recommended setup, what ``kvtier replay
     --surface vllm`` models): the DRAM tier on, one KV cache group, a placement that writes DRAM as HBM evicts,
-    and no approximate reuse. Set to true where it is not built, it is refused by name (``_refuse_unbuilt``)."""
+    no approximate reuse, and the tiers not kept across a reset (``keep``: a sleep discards the blocks that live
+    only in HBM, and vLLM's reset hands their slots out first, whose write-backs would evict DRAM blocks and then
+    fail). Set to true where it is not built, it is refused by name (``_refuse_unbuilt``)."""
     if "exclusive_dram" not in extra:
-        return cfg.dram.enabled and not facts.hybrid and policy.write_back_dram == "evict" and not approximate
+        return cfg.dram.enabled and not facts.hybrid and policy.write_back_dram == "evict" and not approximate \
+            and not keep
     exclusive = _flag(extra, "exclusive_dram", False)
+    if exclusive and keep:
+        raise ConfigError("kv_connector_extra_config.exclusive_dram", exclusive,
+                          "cannot be on with keep_tiers_on_reset: blocks kept only in HBM are lost when the engine "
+                          "sleeps; write-through (false) keeps every stored block in DRAM")
     if exclusive and not cfg.dram.enabled:
         raise ConfigError("kv_connector_extra_config.exclusive_dram", exclusive,
                           "needs the DRAM tier (dram_capacity_blocks > 0)")
