@@ -24,26 +24,30 @@ FACTS = EngineFacts("tiny", "bfloat16", 32, 2, 2, 32, "fused", "sha256")
 
 
 class _Store:
-    """``contains_many`` answers at once while ``up`` is set, else blocks until it is (a dead master)."""
+    """``contains_many`` answers after ``delay_s`` while ``up`` is set, else blocks until it is (a dead master)."""
 
     def __init__(self) -> None:
         self.up = threading.Event()
         self.up.set()
         self.asked = 0
+        self.delay_s = 0.0
 
     def contains_many(self, keys):
         self.asked += 1
         self.up.wait()
+        time.sleep(self.delay_s)
         return [True] * len(keys)
 
 
 @pytest.fixture
-def index(monkeypatch):
+def index(monkeypatch, request):
     store = _Store()
     monkeypatch.setattr(remote_index.remoteshare, "acquire", lambda *a: store)
     monkeypatch.setattr(remote_index.remoteshare, "release", lambda client: None)
     monkeypatch.setattr(remote_index, "REMOTE_LOOKUP_GIVE_UP_S", 0.3)
-    settings = ConnectorSettings.build({"remote_master": "127.0.0.1:1", "remote_lookup_wait_ms": 1}, FACTS, env={})
+    wait_ms = getattr(request, "param", 1)
+    settings = ConnectorSettings.build({"remote_master": "127.0.0.1:1", "remote_lookup_wait_ms": wait_ms}, FACTS,
+                                       env={})
     idx = remote_index.RemoteIndex(settings, None, Counter(), 32, None, None)
     yield idx, store
     store.up.set()
@@ -83,3 +87,31 @@ def test_a_store_that_stops_answering_makes_misses_at_once_and_is_used_again_whe
         assert time.monotonic() < deadline, dict(idx.counters)
         time.sleep(0.05)
     assert idx.counters["remote_up_again"] == 1
+
+
+@pytest.mark.parametrize("index", [5], indirect=True)  # remote_lookup_wait_ms (its default)
+def test_a_lookup_storm_on_a_slow_store_holds_no_step_and_starts_no_thread(index) -> None:
+    """A thousand new requests at once for blocks the store is slow to answer about (50 ms a question):
+    each new lookup used to wait ``remote_lookup_wait_ms`` in turn, so one step took seconds. A step now
+    waits at most ``STEP_LOOKUP_WAITS`` times that in all; the rest are asked without waiting and vLLM
+    asks again next step. One lookup thread whatever the load, and every request answered (a miss, once
+    the store counts as down) within the give-up time."""
+    idx, store = index
+    store.delay_s = 0.05
+    keys = [BlockKey(i) for i in range(1, 5)]
+    threads = threading.active_count()
+    start = time.monotonic()
+    answers = [idx.hit(f"r{i}", keys, 0, len(keys)) for i in range(1000)]  # one scheduling step
+    took = time.monotonic() - start
+    assert took < 2.5, took  # a bound, not a speed figure: 1,000 x 5 ms is 5 s, what the step took before
+    assert answers.count(None) == 1000 and idx.counters["remote_lookup_unwaited"] >= 990
+    assert threading.active_count() <= threads + 1
+    idx.step_started()
+    deadline = time.monotonic() + 5
+    pending = set(range(1000))
+    while pending:  # later steps: every request gets its answer, none waits past the give-up
+        assert time.monotonic() < deadline, len(pending)
+        idx.step_started()
+        pending = {i for i in pending if idx.hit(f"r{i}", keys, 0, len(keys)) is None}
+        time.sleep(0.01)
+    assert idx.counters["remote_down"] == 1  # 1,000 questions at 50 ms each: given up on, the store down

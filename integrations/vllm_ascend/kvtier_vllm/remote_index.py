@@ -13,9 +13,11 @@ is down: after a lookup that failed or went unanswered for
 again; the first probe answered in time brings lookups back (``remote_up_again``).
 Without that, a dead master held every request ``REMOTE_LOOKUP_GIVE_UP_S``
 (TTFT 2 s instead of 50 ms in ``bench/chaos_serve.py``). Must not wait on the
-store on the scheduler's step for longer than ``remote_lookup_wait_ms`` (the
-step then tells vLLM to ask again later), move bytes (the workers do), or
-import vLLM.
+store on the scheduler's step for longer than ``remote_lookup_wait_ms`` per
+new lookup, nor ``STEP_LOOKUP_WAITS`` times that in all in one step (a lookup
+storm: thousands of new requests at once, each waiting in turn, held one step
+for seconds; past the budget a new question is asked without waiting, and vLLM
+asks again next step), move bytes (the workers do), or import vLLM.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ REMOTE_KNOWN_MAX = 1 << 20  # keys remembered as in the remote store (not writte
 REMOTE_FAILED_TTL_S = 60.0  # a key whose remote load failed is not offered again for this long
 REMOTE_FAILED_MAX = 1 << 16
 REMOTE_PROBE_EVERY_S = 0.5  # while the store is down: at most one probe started this often
+STEP_LOOKUP_WAITS = 4  # a step waits for the store at most this many remote_lookup_wait_ms in all
 
 RemotePlan = tuple[int, str, Sequence[BlockKey], Sequence[int]]
 """(plan id, tier, keys, slots) of a write, as the scheduler's store plans are."""
@@ -80,6 +83,11 @@ class RemoteIndex:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote-lookup")
         self._down_s: float | None = None  # since when the store counts as down (None: up)
         self._probe: tuple[float, Future[float]] | None = None  # (started, future of its answer time) while down
+        self._step_wait_left_s = STEP_LOOKUP_WAITS * self.settings.lookup_wait_s  # this step's waits for answers
+
+    def step_started(self) -> None:
+        """A new scheduling step: its lookups may wait for the store again (``STEP_LOOKUP_WAITS``)."""
+        self._step_wait_left_s = STEP_LOOKUP_WAITS * self.settings.lookup_wait_s
 
     def next_id(self) -> int:
         """A plan id of the remote tier (below 0: apart from the manager's)."""
@@ -99,8 +107,9 @@ class RemoteIndex:
     def hit(self, req_id: str, keys: list[BlockKey], lo: int, hi: int) -> int | None:
         """How many of blocks ``lo:hi`` the remote store holds, as a leading run;
         ``None`` while its answer is still out. The question goes to the lookup
-        thread; this step waits at most ``remote_lookup_wait_ms`` for it. While
-        the store is down: 0 at once (see the module doc)."""
+        thread; this step waits at most ``remote_lookup_wait_ms`` for it (nothing once the step
+        has waited ``STEP_LOOKUP_WAITS`` times that). While the store is down: 0 at once (see
+        the module doc)."""
         if self._down_s is not None and self._still_down(keys[lo:hi]):
             self._lookups.pop(req_id, None)
             self.counters["remote_lookup_skipped_down"] += 1
@@ -111,7 +120,10 @@ class RemoteIndex:
             q = self._lookups[req_id] = _Lookup(
                 lo, hi, self._pool.submit(self.client.contains_many, keys[lo:hi]), time.monotonic(), tuple(keys[lo:hi]))
             self.counters["remote_lookups"] += 1
-            wait = self.settings.lookup_wait_s
+            wait = max(0.0, min(self.settings.lookup_wait_s, self._step_wait_left_s))
+            if wait < self.settings.lookup_wait_s:
+                self.counters["remote_lookup_unwaited"] += 1  # past the step's budget: answered next step
+        waited = time.monotonic()
         try:
             found = q.future.result(timeout=wait)
         except FutureTimeout:
@@ -126,6 +138,8 @@ class RemoteIndex:
             self.counters["remote_errors"] += 1
             self._went_down(str(exc))
             found = []
+        finally:
+            self._step_wait_left_s -= time.monotonic() - waited
         self._lookups.pop(req_id, None)  # (gone already when this lookup took the store down)
         n = found.index(False) if False in found else len(found)
         if self._failed:

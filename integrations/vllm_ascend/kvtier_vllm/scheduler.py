@@ -448,6 +448,8 @@ class KVTierScheduler:
         self.placement.scheduled(scheduler_output.num_scheduled_tokens)  # allocated by now: holds may go
         self.placement.tick()
         self.placement.settle_order()
+        if self.remote is not None:
+            self.remote.step_started()  # (the next step's lookups may wait for the store again)
         meta = KVTierConnectorMetadata(loads=self._loads, release=self._release)
         for plan in self.placement.take_promotions():
             self._promote_plans[plan.plan_id] = plan
@@ -533,10 +535,6 @@ class KVTierScheduler:
             self._release.append(request.request_id)  # freed when the workers report it sent
         # a request with a load in flight is freed by the engine when the load reports finished
         return True
-
-    def poll_hints(self) -> None:
-        """Read the hint server, if any (:meth:`.hint_intake.HintIntake.poll`; each step does)."""
-        self.hints.poll()
 
     def shutdown(self) -> None:
         """Give back every HBM hold; stop the hosted hint server or the watcher, if any; write the recording."""

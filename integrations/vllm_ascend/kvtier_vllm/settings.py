@@ -124,8 +124,9 @@ EXTRA_KEYS: dict[str, str] = {
     "remote_buffer_mib": "host buffer the store client reads and writes values through (MiB, at least 1; default "
                          "128, or remote_segment_mib when that is smaller)",
     "remote_lookup_wait_ms": "how long a scheduling step waits for the store's answer about a new request's blocks "
-                             "(default 5); a slower answer is taken up by a later step (the request waits, "
-                             "nothing else does)",
+                             "(default 5; a step waits 4 times that at most in all, whatever the number of new "
+                             "requests); a slower answer is taken up by a later step (the request waits, nothing "
+                             "else does)",
     "cold_codec": "rq4 or rq3: blocks of requests whose announced tool wait (kvtier_tool_wait_s) is at least "
                   "cold_after_s go to the SSD and remote tiers with this lossy codec (about 3.8x / 5x smaller), "
                   "others with the tier's exact codec; DRAM stays exact. A block loaded from a lossy value is "
