@@ -15,6 +15,8 @@ One part per further job, each owned here and told what it needs:
 :class:`~.kv_events.TierEvents` (the manager's events: SSD deletions, KV cache
 events), :class:`~.lanes.HybridLanes` (KV cache groups' keys, hits and
 loads), :class:`~.write_backs.WriteBacks` (exclusive DRAM's watched blocks),
+:class:`~.load_plans.LoadPlans` (the load plans in flight, and the keys each brings into a
+request's own blocks: a lookup behind one is deferred, not loaded twice),
 :class:`~.remote_index.RemoteIndex` (a remote tier: lookups on a thread,
 what the store holds, remote writes), :class:`~.approximate.SegmentMasters`
 (approximate reuse), :class:`~.rounds.SharedRounds` (shared rounds' holds)
