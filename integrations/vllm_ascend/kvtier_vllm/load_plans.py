@@ -18,7 +18,7 @@ bounds both.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from kvtier.keys import BlockKey
 from kvtier.manager import LoadPlan
@@ -70,6 +70,3 @@ class LoadPlans:
 
     def __len__(self) -> int:
         return len(self._plans)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._plans)

@@ -83,7 +83,8 @@ class RemoteIndex:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote-lookup")
         self._down_s: float | None = None  # since when the store counts as down (None: up)
         self._probe: tuple[float, Future[float]] | None = None  # (started, future of its answer time) while down
-        self._step_wait_left_s = STEP_LOOKUP_WAITS * self.settings.lookup_wait_s  # this step's waits for answers
+        self._step_wait_left_s = 0.0  # what this step may still wait for answers (step_started)
+        self.step_started()
 
     def step_started(self) -> None:
         """A new scheduling step: its lookups may wait for the store again (``STEP_LOOKUP_WAITS``)."""
