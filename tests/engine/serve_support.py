@@ -27,13 +27,19 @@ def launch(cmd: list[str], log, log_path: Path, port: int, name: str, **popen) -
     """Start ``vllm serve`` (``cmd``, its output into ``log``) and wait until ``/health``
     answers on ``port`` (at most 300 s); a server that exits first fails, with its log's end."""
     proc = subprocess.Popen(cmd, env={**os.environ, **ENV}, stdout=log, stderr=subprocess.STDOUT, **popen)
+    wait_healthy(proc, log_path, port, name)
+    return proc
+
+
+def wait_healthy(proc: subprocess.Popen, log_path: Path, port: int, name: str) -> None:
+    """Wait until the server ``proc`` answers ``/health`` on ``port`` (at most 300 s)."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"vllm serve {name} exited: {log_path.read_text()[-4000:]}")
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return proc
+            return
         except OSError:
             time.sleep(1)
     proc.kill()
@@ -42,8 +48,11 @@ def launch(cmd: list[str], log, log_path: Path, port: int, name: str, **popen) -
 
 class Server:
     def __init__(self, tmp: Path, name: str, model: Path, kvtier: dict | None, middleware: bool,
-                 hbm_blocks: int = 24, engine_args: tuple[str, ...] = ()) -> None:
-        """``engine_args``: more ``vllm serve`` flags, after (and so overriding) the ones here."""
+                 hbm_blocks: int = 24, engine_args: tuple[str, ...] = (), wait: bool = True) -> None:
+        """``engine_args``: more ``vllm serve`` flags, after (and so overriding) the ones here. ``wait=False``
+        returns once the server's process is started: :meth:`ready` waits for it to answer (a test then
+        starts its next server while it drives this one)."""
+        self.name = name
         self.port = free_port()
         self.log_path = tmp / f"{name}.server.log"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -60,7 +69,18 @@ class Server:
             cmd += ["--middleware", "kvtier_vllm.middleware.RequestStreamHints"]
         cmd += list(engine_args)
         self.log = open(self.log_path, "w")  # noqa: SIM115 - open while the server runs
-        self.proc = launch(cmd, self.log, self.log_path, self.port, name)
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **ENV}, stdout=self.log, stderr=subprocess.STDOUT)
+        if wait:
+            self.ready()
+
+    def ready(self) -> Server:
+        """Wait until the server answers ``/health`` (at most 300 s); the server."""
+        try:
+            wait_healthy(self.proc, self.log_path, self.port, self.name)
+        except BaseException:
+            self.close()
+            raise
+        return self
 
     def metrics(self) -> dict[str, float]:
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read().decode()

@@ -39,11 +39,12 @@ Scenario, one engine process per step, all over one SSD directory:
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from .engine_support import BLOCK_SIZE, ENGINE, make_model, run_child
+from .engine_support import BLOCK_SIZE, ENGINE, make_model, run_child, side_by_side
 
 pytestmark = pytest.mark.slow
 
@@ -68,44 +69,55 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
         return {"model": str(model), "engine": {**ENGINE, **(engine or {})}, "kvtier": extra, "phases": phases}
 
     runs = {"tmp": tmp, "ssd": ssd}
-    runs["baseline"] = run_child(tmp, "baseline", spec(None, [{"prompts": [A, B]}, {"prompts": CONVOY}]))
-    runs["first"] = run_child(tmp, "first", spec(kvtier("first"), [
-        {"prompts": [A, B]}, {"prompts": [A], "reset_prefix_cache": True},
-        {"prompts": CONVOY, "reset_prefix_cache": True}]))
-    runs["restart"] = run_child(tmp, "restart", spec(kvtier("restart"), [{"prompts": [A]}],
-                                                     engine={"distributed_executor_backend": "mp"}))
-    runs["corrupted_key"] = _corrupt_block(ssd / "tp0-of-1", chain_length=6, index=2)
-    runs["corrupt"] = run_child(tmp, "corrupt", spec(kvtier("corrupt"), [
-        {"prompts": [A]}, {"prompts": [A], "reset_prefix_cache": True}]))
-    data = ssd / "tp0-of-1" / "data.mdb"
-    os.truncate(data, data.stat().st_size // 3)
-    runs["truncated"] = run_child(tmp, "truncated", spec(kvtier("truncated"), [
-        {"prompts": [A]}, {"prompts": [A], "reset_prefix_cache": True}], engine={"distributed_executor_backend": "mp"}))
-    runs["truncated_log"] = (tmp / "truncated.log").read_text()
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+
+    def over_the_ssd() -> None:
+        """Steps 1-7: one engine after another over the same SSD directory."""
+        runs["first"] = run_child(tmp, "first", spec(kvtier("first"), [
+            {"prompts": [A, B]}, {"prompts": [A], "reset_prefix_cache": True},
+            {"prompts": CONVOY, "reset_prefix_cache": True}]))
+        runs["restart"] = run_child(tmp, "restart", spec(kvtier("restart"), [{"prompts": [A]}],
+                                                         engine={"distributed_executor_backend": "mp"}))
+        runs["corrupted_key"] = _corrupt_block(ssd / "tp0-of-1", chain_length=6, index=2)
+        runs["corrupt"] = run_child(tmp, "corrupt", spec(kvtier("corrupt"), [
+            {"prompts": [A]}, {"prompts": [A], "reset_prefix_cache": True}]))
+        data = ssd / "tp0-of-1" / "data.mdb"
+        os.truncate(data, data.stat().st_size // 3)
+        runs["truncated"] = run_child(tmp, "truncated", spec(kvtier("truncated"), [
+            {"prompts": [A]}, {"prompts": [A], "reset_prefix_cache": True}],
+            engine={"distributed_executor_backend": "mp"}))
+        runs["truncated_log"] = (tmp / "truncated.log").read_text()
+        # A's blocks are on the SSD (written through by the truncated step); every SSD load stalls past its
+        # deadline (bench/stall_connector.py, switched on for good: each read waits STALL_S)
+        switch = tmp / "stall-ssd-reads"
+        switch.write_text("")
+        bench = str(Path(__file__).resolve().parents[2] / "bench")
+        runs["stalled"] = run_child(tmp, "stalled", {
+            **spec({**kvtier("stalled"), "load_deadline_s": DEADLINE_S}, [{"prompts": [A]}]),
+            "connector_name": "StallSwitchConnector", "connector_module_path": "stall_connector"},
+            env={"PYTHONPATH": os.pathsep.join([bench, env["PYTHONPATH"]]),
+                 "CHAOS_STALL_SSD_READS_FILE": str(switch), "CHAOS_STALL_MAX_S": str(STALL_S)})
+
     # synchronous DRAM loads (DRAM only), then the same with every DRAM -> engine copy failing
     sync = {"dram_capacity_blocks": 64, "sync_dram_loads": True}
     twice = [{"prompts": [A, B]}, {"prompts": [A], "reset_prefix_cache": True}]
-    runs["sync"] = run_child(tmp, "sync", spec({**sync, "stats_path": str(tmp / "sync.stats.json")}, twice))
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
-    runs["sync_failing"] = run_child(tmp, "sync_failing", {
-        **spec({**sync, "stats_path": str(tmp / "sync_failing.stats.json")}, twice),
-        "connector_name": "FailingLoadConnector", "connector_module_path": "failing_load_connector"}, env=env)
-    # A's blocks are on the SSD (written through by the truncated step); every SSD load stalls past its deadline
-    # (bench/stall_connector.py, switched on for good: each read waits STALL_S)
-    switch = tmp / "stall-ssd-reads"
-    switch.write_text("")
-    bench = str(Path(__file__).resolve().parents[2] / "bench")
-    runs["stalled"] = run_child(tmp, "stalled", {
-        **spec({**kvtier("stalled"), "load_deadline_s": DEADLINE_S}, [{"prompts": [A]}]),
-        "connector_name": "StallSwitchConnector", "connector_module_path": "stall_connector"},
-        env={"PYTHONPATH": os.pathsep.join([bench, env["PYTHONPATH"]]), "CHAOS_STALL_SSD_READS_FILE": str(switch),
-             "CHAOS_STALL_MAX_S": str(STALL_S)})
-    # vLLM's sleep (level 1) and wake-up between two runs of A: kvtier's tiers dropped (vLLM resets the connector,
-    # as after a weight update), or kept with keep_tiers_on_reset (an engine that wakes with the same weights)
-    for name, keep in (("sleep_drop", False), ("sleep_keep", True)):
-        runs[name] = run_child(tmp, name, spec({"dram_capacity_blocks": 64, "exclusive_dram": False,
-                                                "keep_tiers_on_reset": keep, "stats_path": str(tmp / f"{name}.json")},
-                                               [{"prompts": [A]}, {"prompts": [A], "sleep": 1}]))
+    # the engines that share no files run beside the SSD chain (engine_support.side_by_side): the baseline;
+    # sync and sync_failing; vLLM's sleep (level 1) and wake-up between two runs of A, kvtier's tiers dropped
+    # (vLLM resets the connector, as after a weight update), or kept with keep_tiers_on_reset (an engine that
+    # wakes with the same weights)
+    beside = {
+        "baseline": (spec(None, [{"prompts": [A, B]}, {"prompts": CONVOY}]), None),
+        "sync": (spec({**sync, "stats_path": str(tmp / "sync.stats.json")}, twice), None),
+        "sync_failing": ({**spec({**sync, "stats_path": str(tmp / "sync_failing.stats.json")}, twice),
+                          "connector_name": "FailingLoadConnector", "connector_module_path": "failing_load_connector"},
+                         env),
+        **{name: (spec({"dram_capacity_blocks": 64, "exclusive_dram": False, "keep_tiers_on_reset": keep,
+                        "stats_path": str(tmp / f"{name}.json")}, [{"prompts": [A]}, {"prompts": [A], "sleep": 1}]),
+                  None)
+           for name, keep in (("sleep_drop", False), ("sleep_keep", True))}}
+    results = side_by_side(over_the_ssd, *(partial(run_child, tmp, name, spec_, env_)
+                                           for name, (spec_, env_) in beside.items()))
+    runs.update(zip(beside, results[1:]))
     return runs
 
 

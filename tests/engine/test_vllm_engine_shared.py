@@ -14,24 +14,10 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-
-def test_engine_kv_of_a_shifted_segment(tmp_path: Path) -> None:
-    from engine_shared_kv import measure
-
-    result = measure(agents=2, segment_blocks=2, tmp=tmp_path)
-    layers = result["layers"]
-    assert len(layers) == 8
-    assert all(r["identical_blocks"] == 0 for r in layers)
-    assert layers[0]["identical_bytes"] > 0.4 and all(r["identical_bytes"] < 0.3 for r in layers[1:])
-    assert layers[0]["diff_over_raw"] < min(r["diff_over_raw"] for r in layers[1:])
-    assert result["full_copies_bytes"] == 2 * 2 * result["block_bytes"]
-    assert 1.0 < result["lossless_ratio"] < 2.0
-
-
-def test_kvtier_bench_shared_engine_prints_every_layer(tmp_path: Path) -> None:
-    """The command line of the same measurement: per layer, then the overall ratios."""
+def test_engine_kv_of_a_shifted_segment_through_kvtier_bench_shared(tmp_path: Path) -> None:
+    """The command line (``kvtier bench shared --engine``) prints every layer and the overall ratios, and
+    its JSON shows what engine KV of a shifted segment must. One engine run: the command and the
+    measurement behind it were two tests that ran the same engine twice (72 s of CI each)."""
     import json
     import subprocess
 
@@ -44,4 +30,11 @@ def test_kvtier_bench_shared_engine_prints_every_layer(tmp_path: Path) -> None:
     header = lines.index(next(line for line in lines if line.lstrip().startswith("layer")))
     assert [line.split()[0] for line in lines[header + 1:header + 9]] == [str(i) for i in range(8)]
     assert "full copies / (master + lossless diffs)" in proc.stdout
-    assert len(json.loads(out.read_text())["layers"]) == 8
+    result = json.loads(out.read_text())
+    layers = result["layers"]
+    assert len(layers) == 8
+    assert all(r["identical_blocks"] == 0 for r in layers)
+    assert layers[0]["identical_bytes"] > 0.4 and all(r["identical_bytes"] < 0.3 for r in layers[1:])
+    assert layers[0]["diff_over_raw"] < min(r["diff_over_raw"] for r in layers[1:])
+    assert result["full_copies_bytes"] == 2 * 2 * result["block_bytes"]
+    assert 1.0 < result["lossless_ratio"] < 2.0

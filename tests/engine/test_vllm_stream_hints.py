@@ -166,9 +166,8 @@ def _drive(port: int, mode: str, anthropic_api: bool, rep: int) -> dict:
     return out
 
 
-def _run(tmp: Path, model: Path, name: str, kvtier: dict | None, middleware: bool, mode: str,
-         anthropic_api: bool = False) -> dict:
-    server = Server(tmp, name, model, kvtier, middleware, hbm_blocks=HBM_BLOCKS)
+def _run(server: Server, kvtier: dict | None, mode: str, anthropic_api: bool = False) -> dict:
+    """Drive ``server`` (ready) through ``REPEATS`` sessions, close it; what it reported."""
     try:
         outs = [_drive(server.port, mode, anthropic_api, rep) for rep in range(REPEATS)]
         time.sleep(1.0)  # the last stats reach the API server
@@ -177,7 +176,8 @@ def _run(tmp: Path, model: Path, name: str, kvtier: dict | None, middleware: boo
         server.close()
     stats = json.loads(Path(kvtier["stats_path"]).read_text()) if kvtier else {}
     return {"ids": [{a: o["ids"] for a, o in out.items()} for out in outs],
-            "said": [{a: o["said"] for a, o in out.items()} for out in outs], "prompt": m.get("vllm:prompt_tokens_total", 0.0),
+            "said": [{a: o["said"] for a, o in out.items()} for out in outs],
+            "prompt": m.get("vllm:prompt_tokens_total", 0.0),
             "hbm": m.get("vllm:prefix_cache_hits_total", 0.0),
             "external": m.get("vllm:external_prefix_cache_hits_total", 0.0),
             "hints": {k: v for k, v in m.items() if k.startswith("kvtier_stream")},
@@ -192,16 +192,32 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     # depend on a worker thread's timing)
     base = {"placement": "kvtier", "exclusive_dram": True, "dram_capacity_blocks": DRAM_BLOCKS,
             "lockstep_transfers": True}
-    out = {"none": _run(tmp, model, "none", None, False, "plain")}
-    for name, extra, mw, mode, anth in [
+    configs = [("none", None, False, "plain", False)] + [
+        (name, {**base, **extra, "stats_path": str(tmp / f"{name}.stats.json")}, mw, mode, anth)
+        for name, extra, mw, mode, anth in [
             ("no-hints", {}, False, "plain", False),
             ("tagged", {}, False, "tagged", False),
             ("vllm-session", {}, False, "vllm-session", False),
             ("stream", {"hint_server": f"127.0.0.1:{free_port()}"}, True, "stream", False),
             ("stream-anthropic", {"hint_server": f"127.0.0.1:{free_port()}"}, True, "stream", True),
-            ("dynamo", {"hint_server": f"127.0.0.1:{free_port()}"}, True, "dynamo", False)]:
-        kv = {**base, **extra, "stats_path": str(tmp / f"{name}.stats.json")}
-        out[name] = _run(tmp, model, name, kv, mw, mode, anth)
+            ("dynamo", {"hint_server": f"127.0.0.1:{free_port()}"}, True, "dynamo", False)]]
+    # each server starts while the one before it is driven (its agents spend most of the time in their tools):
+    # a start is about a minute of CI's time, and seven of them were most of this module's
+    out: dict = {}
+    started = None
+    for i, (name, kv, mw, mode, anth) in enumerate(configs):
+        server = started or Server(tmp, name, model, kv, mw, hbm_blocks=HBM_BLOCKS, wait=False)
+        started = None
+        try:
+            server.ready()
+            if i + 1 < len(configs):
+                nxt = configs[i + 1]
+                started = Server(tmp, nxt[0], model, nxt[1], nxt[2], hbm_blocks=HBM_BLOCKS, wait=False)
+            out[name] = _run(server, kv, mode, anth)
+        except BaseException:
+            if started is not None:
+                started.close()
+            raise
     print(f"\n{'server':<20}{'prompt':>8}{'HBM hit':>9}{'kvtier hit':>11}{'hit total':>10}{'tool waits':>11}")
     for name, r in out.items():
         print(f"{name:<20}{r['prompt']:>8.0f}{r['hbm']:>9.0f}{r['external']:>11.0f}{r['hbm'] + r['external']:>10.0f}"
