@@ -21,7 +21,17 @@ Guarantees, the SSD tier's:
   (model, dtype, layout, block size, TP/PP rank, tenant), and the header is
   checked against it on every read.
 * A store that is down or unreachable makes reads misses and writes failures
-  (counted in ``remote_errors``); nothing raises into an engine's step.
+  (counted in ``remote_errors``); nothing raises into an engine's step. While
+  the master is unreachable each call of Mooncake's client waits seconds for it
+  (4-9 s measured), so after one call that failed slowly (or with ``RPC_FAIL``)
+  the tier counts the store as down (``client_down``): every call fails at once
+  (``client_down_skips``) while a thread of its own probes the store every
+  ``DOWN_PROBE_EVERY_S``, and the first probe answered brings it back
+  (``client_up_again``). A put
+  that finds the store full fails for those values and is counted apart
+  (``put_no_space_blocks``): Mooncake frees space a fraction of a segment at a
+  time, so writes faster than its eviction lose some puts; the blocks stay in
+  the tiers below.
 * A put may soft-pin its values for a TTL (``pin_ttl_s``; Mooncake evicts
   soft-pinned objects last): an agent's context kept through a tool call.
 
@@ -41,8 +51,10 @@ only when a :class:`MooncakeTier` is made.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
+import time
 import urllib.parse
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -80,6 +92,12 @@ GET_SLOTS = 16  # value-sized slots of each registered staging buffer (one for p
 # vs parts): 256 KiB 3.00 vs 3.14 (8 a part); 1 MiB 3.59 vs 4.59 (4); 4 MiB 3.38 vs 5.69 (2).
 PART_BYTES = 4 << 20
 OBJECT_NOT_FOUND = -704  # Mooncake's error code for an absent object
+NO_AVAILABLE_HANDLE = -200  # Mooncake's error code for a put that found no free space in any segment
+RPC_FAIL = -900  # Mooncake's error code for a call the master did not answer
+DOWN_AFTER_S = 1.0  # a store call that failed and took this long (or any RPC_FAIL): the store counts as down
+DOWN_PROBE_EVERY_S = 0.5  # while it is down, one call this often still goes to the store (a probe)
+
+log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 3.0
 
 
@@ -162,6 +180,10 @@ class MooncakeTier:
         self._prefix = f"{OBJECT_PREFIX}/{namespace.digest.hex()}/"
         self._pin_configs: dict[int, Any] = {}  # soft-pin TTL (ms) -> ReplicateConfig
         self._put_lock = threading.Lock()  # TieredStore's mover puts from two threads
+        self._put_failure: int | None = None
+        self._down_lock = threading.Lock()
+        self._down_since: float | None = None  # while the store counts as down (monotonic), else None
+        self._probe_lock = threading.Lock()  # held by the probe thread while it asks the store
         self._get_lock = threading.Lock()
         self._put_headers: np.ndarray | None = None  # headers of blocks sent from a registered region
         self._get_headers: np.ndarray | None = None
@@ -213,6 +235,7 @@ class MooncakeTier:
         codec = self.codec if codec is None else check_codec_layout(codec, self.layout, "codec")
         done = 0
         with self._put_lock:
+            self._put_failure = None  # the store's code for the first value not written (under the put lock)
             for start in range(0, len(items), GET_SLOTS):
                 chunk = items[start:start + GET_SLOTS]
                 direct = codec == "raw" and native_raw_read() and self._all_in_regions([r for _, r, _ in chunk])
@@ -225,6 +248,10 @@ class MooncakeTier:
                     break
         self.counters["put_blocks"] += done
         self.counters["put_failed_blocks"] += len(items) - done
+        if done < len(items) and self._put_failure == NO_AVAILABLE_HANDLE:
+            # the store is full: Mooncake frees eviction_ratio of a segment at a time, and a put that finds
+            # less free space than it needs fails (docs/operations.md, "Remote puts that fail for space")
+            self.counters["put_no_space_blocks"] += len(items) - done
         if config is not None:
             self.counters["put_pinned_blocks"] += done
         return done
@@ -280,15 +307,19 @@ class MooncakeTier:
 
     def _written(self, call: Callable[[], Sequence[int]], sizes: Sequence[int]) -> int:
         """Run a batch put ``call``; the leading run of values it wrote (of ``sizes`` bytes)."""
-        if self._store is None:
+        if self._store is None or not self._may_call():
             return 0
+        started = time.monotonic()
         try:
             codes = call()
         except (RuntimeError, ValueError, TypeError) as e:
+            self._answered(started, failed=True, what=f"put raised {e}")
             return self._error("put", e)
         written = next((i for i, c in enumerate(codes) if c != 0), len(codes))
+        self._answered(started, failed=written == 0 and bool(sizes), rpc_failed=RPC_FAIL in codes, what="put")
         if written < len(sizes):
             self.counters["remote_errors"] += 1
+            self._put_failure = codes[written] if written < len(codes) else None
         self.counters["put_bytes"] += sum(sizes[:written])
         return written
 
@@ -323,15 +354,20 @@ class MooncakeTier:
         headers = self._registered("_get_headers", GET_SLOTS * HEADER_BYTES)
         if headers is None or self._store is None:
             return [None] * len(keys)
+        if not self._may_call():
+            return [False] * len(keys)  # a miss at once (the staging read would be skipped too)
         hbase = headers.ctypes.data
         spans = [_address(o) for o in outs]
+        started = time.monotonic()
         try:
             got = list(self._store.batch_get_into_multi_buffers(
                 [self.object_name(k) for k in keys], [[hbase + i * HEADER_BYTES, a] for i, (a, _) in enumerate(spans)],
                 [[HEADER_BYTES, n] for _, n in spans]))
         except (RuntimeError, ValueError, TypeError) as e:
+            self._answered(started, failed=True, what=f"get raised {e}")
             self._error("get", e)
             return [None] * len(keys)
+        self._answered(started, failed=not any(n > 0 for n in got), rpc_failed=RPC_FAIL in got, what="get")
         whole = [i < len(got) and got[i] == HEADER_BYTES + spans[i][1] for i in range(len(keys))]
         checked = decode_raw_batch([headers[i * HEADER_BYTES:(i + 1) * HEADER_BYTES] if w else None
                                     for i, w in enumerate(whole)], [key_to_bytes(k) for k in keys], list(outs),
@@ -377,14 +413,19 @@ class MooncakeTier:
         store, staging = self._store, self._get_staging
         if store is None or staging is None:
             return [-1] * len(keys)
+        if not self._may_call():
+            return [OBJECT_NOT_FOUND] * len(keys)  # a miss at once
         base, slot = staging.ctypes.data, self._slot_bytes
+        started = time.monotonic()
         try:
             got = store.batch_get_into([self.object_name(k) for k in keys],
                                        [base + (slot0 + i) * slot for i in range(len(keys))], [slot] * len(keys))
         except (RuntimeError, ValueError, TypeError) as e:
+            self._answered(started, failed=True, what=f"get raised {e}")
             self._error("get", e)
             return [-1] * len(keys)
         got = list(got)[:len(keys)]
+        self._answered(started, failed=not any(n > 0 for n in got), rpc_failed=RPC_FAIL in got, what="get")
         return got + [-1] * (len(keys) - len(got))
 
     def _check_part(self, keys: Sequence[BlockKey], outs: Sequence[Any], staging: np.ndarray, slot0: int,
@@ -415,6 +456,8 @@ class MooncakeTier:
         transfers on first use."""
         staging = getattr(self, name)
         if staging is None and self._store is not None:
+            if not self._may_call():  # registering asks the master too
+                return None
             staging = np.empty(nbytes, dtype=np.uint8)
             if self._store.register_buffer(staging.ctypes.data, staging.nbytes) != 0:
                 self.counters["remote_errors"] += 1
@@ -458,27 +501,84 @@ class MooncakeTier:
         return True
 
     def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
-        if not keys or self._store is None:
+        if not keys or self._store is None or not self._may_call():
             return [False] * len(keys)
+        started = time.monotonic()
         try:
             found = self._store.batch_is_exist([self.object_name(k) for k in keys])
         except (RuntimeError, ValueError, TypeError) as e:
+            self._answered(started, failed=True, what=f"lookup raised {e}")
             self._error("exists", e)
             return [False] * len(keys)
+        self._answered(started, failed=not any(r == 1 for r in found), rpc_failed=RPC_FAIL in found, what="lookup")
         return [r == 1 for r in found]
 
     def delete_many(self, keys: Sequence[BlockKey]) -> int:
-        if not keys or self._store is None:
+        if not keys or self._store is None or not self._may_call():
             return 0
+        started = time.monotonic()
         try:
             codes = self._store.batch_remove([self.object_name(k) for k in keys], True)
         except (RuntimeError, ValueError, TypeError) as e:
+            self._answered(started, failed=True, what=f"remove raised {e}")
             return self._error("remove", e)
+        self._answered(started, failed=not any(c == 0 for c in codes), rpc_failed=RPC_FAIL in codes, what="remove")
         return sum(1 for c in codes if c == 0)
 
     def healthy(self) -> bool:
         """True while the store answers (Mooncake's ``health_check`` is 0)."""
         return self._store is not None and self._store.health_check() == 0
+
+    @property
+    def down(self) -> bool:
+        """Whether the store counts as down: every call fails at once while a probe asks it again."""
+        return self._down_since is not None
+
+    def _may_call(self) -> bool:
+        """Whether a call may go to the store: not while it counts as down (counted)."""
+        if self._down_since is None:
+            return True
+        self.counters["client_down_skips"] += 1
+        return False
+
+    def _answered(self, started: float, *, failed: bool, rpc_failed: bool = False, what: str) -> None:
+        """A call that began at ``started`` came back: the store goes down after a call that failed
+        slowly (``DOWN_AFTER_S``: the client waited on a master that did not answer) or with
+        ``RPC_FAIL``; from then on a thread of its own probes it every ``DOWN_PROBE_EVERY_S`` (a
+        probe to a dead master waits as long, and no caller should), until one is answered."""
+        took = time.monotonic() - started
+        if not (rpc_failed or (failed and took >= DOWN_AFTER_S)) or self._down_since is not None:
+            return
+        with self._down_lock:
+            if self._down_since is not None or self._store is None:
+                return
+            self._down_since = time.monotonic()
+            self.counters["client_down"] += 1
+            log.warning("kvtier: the Mooncake store did not answer (%s, %.1f s): its calls fail at once until a "
+                        "probe every %.1f s is answered", what, took, DOWN_PROBE_EVERY_S)
+            threading.Thread(target=self._probe_until_up, name="kvtier-remote-probe", daemon=True).start()
+
+    def _probe_until_up(self) -> None:
+        """While the store counts as down: ask it whether a name exists, every ``DOWN_PROBE_EVERY_S``;
+        the first answer in time (without ``RPC_FAIL``) brings it back."""
+        while True:
+            time.sleep(DOWN_PROBE_EVERY_S)
+            with self._probe_lock:  # close() waits for a probe in flight
+                store = self._store
+                if store is None:
+                    return
+                started = time.monotonic()
+                try:
+                    answered = RPC_FAIL not in store.batch_is_exist([f"{self._prefix}probe"])
+                except (RuntimeError, ValueError, TypeError):
+                    answered = False
+            if answered and time.monotonic() - started < DOWN_AFTER_S:
+                with self._down_lock:
+                    log.warning("kvtier: the Mooncake store answers again after %.1f s",
+                                time.monotonic() - (self._down_since or started))
+                    self._down_since = None
+                    self.counters["client_up_again"] += 1
+                return
 
     @property
     def client(self) -> Any:
@@ -487,7 +587,7 @@ class MooncakeTier:
         return self._store
 
     def close(self) -> None:
-        with self._put_lock, self._get_lock:  # no transfer in flight
+        with self._put_lock, self._get_lock, self._probe_lock:  # no transfer or probe in flight
             store, self._store = self._store, None
             names = ("_get_staging", "_put_staging", "_get_headers", "_put_headers")
             stagings = [getattr(self, n) for n in names]

@@ -184,6 +184,8 @@ class RemoteIndex:
         """A probe on the lookup thread: seconds the store took to answer."""
         start = time.monotonic()
         self.client.contains_many(keys)
+        if getattr(self.client, "down", False):  # the client skipped the call, or it failed: not an answer
+            raise ConnectionError("the store's client counts the store as down")
         return time.monotonic() - start
 
     def forget_lookup(self, req_id: str) -> None:

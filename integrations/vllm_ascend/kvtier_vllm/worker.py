@@ -512,7 +512,8 @@ class KVTierWorker:
 
     REMOTE_COUNTERS = ("missing", "remote_errors", "checksum_failures", "decode_failures", "mismatches",
                        "key_mismatches", "removed_corrupt", "put_pinned_blocks", "put_direct_blocks",
-                       "put_staged_blocks", "get_direct_blocks")
+                       "put_staged_blocks", "get_direct_blocks", "put_no_space_blocks", "client_down",
+                       "client_down_skips", "client_up_again")
 
     def _remote_outcomes(self) -> dict[str, int]:
         """This rank's store client since the last report: failed reads by outcome, errors, soft-pinned puts."""
