@@ -251,10 +251,12 @@ class Chaos:
     def mooncake_master(self) -> dict[str, Any]:
         failed0 = self.counter("store_failed_blocks_remote")
         skipped0 = self.counter("remote_lookup_skipped_down")
+        calls0 = self.counter("remote_client_down_skips")
         self.master.stop()  # SIGKILL
         time.sleep(15)
         failed = self.counter("store_failed_blocks_remote") - failed0
         skipped = self.counter("remote_lookup_skipped_down") - skipped0
+        calls = self.counter("remote_client_down_skips") - calls0
         stored = self.counter("stored_blocks_remote")
         t_restart = time.monotonic()
         self.master.start()
@@ -263,8 +265,9 @@ class Chaos:
         time.sleep(5)
         return {"seen": failed + skipped > 0, "recovery_s": rec,
                 "recovered": "the first block stored remotely, from the restart (the master's start included)",
-                "evidence": f"{failed} remote stores failed and {skipped} lookups were misses at once (the store "
-                            "marked down) while it was down"}
+                "evidence": f"{failed} remote stores failed, {calls} calls of the workers' store client failed at "
+                            f"once and {skipped} of the scheduler's lookups were misses at once (the store marked "
+                            "down) while it was down"}
 
     def hint_server(self) -> dict[str, Any]:
         drops0 = sum(self.hints.drops.values())

@@ -111,20 +111,25 @@ class Server:
             out[base] = out.get(base, 0.0) + float(value)
         return out
 
-    def rss_mib(self) -> float:
+    def rss_mib(self) -> tuple[float, float]:
+        """The resident memory of the server's process tree, MiB: in all, and the part that is
+        shared (file-backed pages, such as the SSD tier's memory-mapped LMDB file, and shared
+        memory: the kernel can take them back) rather than anonymous."""
         import psutil
 
-        total = 0
+        total = shared = 0
         try:
             me = psutil.Process(self.proc.pid)
             for p in [me, *me.children(recursive=True)]:
                 try:
-                    total += p.memory_info().rss
+                    info = p.memory_info()
                 except psutil.Error:
                     continue
+                total += info.rss
+                shared += getattr(info, "shared", 0)
         except psutil.Error:
-            return 0.0
-        return total / (1 << 20)
+            return 0.0, 0.0
+        return total / (1 << 20), shared / (1 << 20)
 
     def complete(self, prompt: list[int], max_tokens: int, params: dict | None = None, stream: bool = False,
                  abort_after_s: float | None = None) -> dict[str, Any]:
@@ -328,7 +333,8 @@ def sample(server: Server, load: Load, stats_path: Path, t: float) -> dict[str, 
     ttft, itl = load.take_window()
     with load.lock:
         counts = dict(load.counts)
-    return {"t_s": round(t, 1), "rss_mib": round(server.rss_mib(), 1),
+    rss, shared = server.rss_mib()
+    return {"t_s": round(t, 1), "rss_mib": round(rss, 1), "rss_shared_mib": round(shared, 1),
             "running": m.get("vllm:num_requests_running"), "waiting": m.get("vllm:num_requests_waiting"),
             "kv_usage": m.get("vllm:kv_cache_usage_perc"),
             "held_blocks": (s.get("hbm_hold") or {}).get("held_blocks"), "pinned_blocks": s.get("pinned_blocks"),
@@ -432,6 +438,10 @@ def verdict(r: dict[str, Any]) -> dict[str, Any]:
     base = statistics.median(rss[warm - 1: warm + 2]) if rss else 0.0
     end = statistics.median(rss[-3:]) if rss else 0.0
     growth = (end - base) / base if base else None
+    # the same for the shared part (file-backed and shared-memory pages): how much of the growth it is
+    shared = [s.get("rss_shared_mib") for s in r["samples"] if s["rss_mib"]]
+    shared_growth = (statistics.median(shared[-3:]) - statistics.median(shared[warm - 1: warm + 2])
+                     if shared and None not in shared else None)
     idle = r["idle"]
     drains_ok = all(d["free_blocks"] == idle["free_blocks"] and d["held_blocks"] == 0 for d in r["drains"])
     c, fin, k = r["client"], r["server_finished"], r["kvtier_counters"]
@@ -445,6 +455,7 @@ def verdict(r: dict[str, Any]) -> dict[str, Any]:
                  and sent - k.get("requests", 0) <= c["aborted_by_client"])
     return {"rss_after_warmup_mib": round(base, 1), "rss_at_end_mib": round(end, 1),
             "rss_growth_after_warmup": None if growth is None else round(growth, 4),
+            "rss_shared_growth_after_warmup_mib": None if shared_growth is None else round(shared_growth, 1),
             "rss_ok": growth is not None and growth < RSS_GROWTH_LIMIT,
             "drains": len(r["drains"]), "drains_ok": drains_ok,
             "outputs_ok": r["outputs_differing"] == 0 and r["outputs_checked"] > 0,
@@ -464,7 +475,10 @@ def plot(result: dict[str, Any], png: Path) -> None:
     t = [x["t_s"] / 60 for x in s]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     ax = axes[0][0]
-    ax.plot(t, [x["rss_mib"] for x in s])
+    ax.plot(t, [x["rss_mib"] for x in s], label="in all")
+    if all(x.get("rss_shared_mib") is not None for x in s):  # (runs before the split have no shared part)
+        ax.plot(t, [x["rss_mib"] - x["rss_shared_mib"] for x in s], label="anonymous")
+        ax.legend()
     ax.set_title("RSS of the server's process tree (MiB)")
     ax = axes[0][1]
     for key, label in (("ttft_p50_s", "TTFT p50"), ("ttft_p95_s", "TTFT p95"), ("itl_p95_s", "ITL p95")):

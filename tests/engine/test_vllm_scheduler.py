@@ -6,6 +6,7 @@ and counts only the verified prefix, and reset empties the tiers."""
 from __future__ import annotations
 
 import doctest
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -293,6 +294,24 @@ def _report(sched, job, oks=None):
     sched.update_connector_output(KVTierWorkerMetadata(
         {w.plan_id: (1, list(oks[i] for i in w.rows) if oks else [True] * len(w.rows)) for w in job.writes},
         {job.job_id: 1}))
+
+
+def test_a_block_that_does_not_land_defers_lookups_for_the_load_deadline_only() -> None:
+    """A lookup waits a step for a block on its way into DRAM, but not for longer than
+    ``load_deadline_s``: a write-back or promotion behind a hung SSD read lands when the read ends
+    (``bench/chaos_serve.py``'s stalled loads: requests waited 104-114 s, one past the client's
+    timeout). Past the bound the request is not deferred; it computes what did not land."""
+    sched, kvm, pool = _exclusive(load_deadline_s=0.3)
+    _, blocks, _ = _run_and_free(sched, kvm, pool, "r1", 4)
+    other = pool.get_new_blocks(pool.get_num_free_blocks())
+    (wb,) = _step(sched, {}).write_backs  # on its way down, never reported
+    assert sched.get_num_new_matched_tokens(FakeRequest("r2", 4), 0) == (None, False)
+    assert sched.get_num_new_matched_tokens(FakeRequest("r3", 4), 0) == (None, False)
+    time.sleep(0.35)
+    assert sched.get_num_new_matched_tokens(FakeRequest("r2", 4), 0) == (0, False)  # computed, not deferred
+    assert sched.counters["load_deferred"] == 2
+    _report(sched, wb)
+    pool.free_blocks(other)
 
 
 def test_exclusive_dram_writes_a_block_down_only_when_vllm_reuses_its_slot() -> None:

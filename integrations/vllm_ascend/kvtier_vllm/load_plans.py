@@ -10,6 +10,13 @@ HBM (the convoy of vLLM issue #44294). The scheduler asks :meth:`LoadPlans.loade
 and defers that lookup (vLLM asks again next step); by then the first load has
 finished and vLLM's own prefix cache serves the prefix to every request.
 
+Also owns how long lookups have waited on a block on its way into DRAM (a
+write-back, or a promotion from the SSD): :meth:`LoadPlans.wait_on` defers them
+for ``load_deadline_s`` at most. A promotion from an SSD whose reads hang lands
+when the read ends: without the bound, every request behind that block waited
+with it (104-114 s in ``bench/chaos_serve.py``'s stalled loads, one past the
+client's 120 s).
+
 Must not complete plans or count anything (the scheduler does, once every worker
 reported), move bytes, or import vLLM. A load that never reports holds the
 requests deferred behind it as long as it holds its own: ``load_deadline_s``
@@ -18,10 +25,15 @@ bounds both.
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from collections.abc import Iterable
 
 from kvtier.keys import BlockKey
 from kvtier.manager import LoadPlan
+
+WAITED_MAX = 4096  # blocks remembered as waited on (wait_on)
+WAIT_FORGOTTEN_S = 1.0  # a block no lookup waited on for this long is on its way afresh
 
 Planned = tuple[str, LoadPlan | None, tuple[BlockKey, ...]]
 """(request id, the tier manager's plan or a lanes plan, the remote run's keys) of one load."""
@@ -45,6 +57,7 @@ class LoadPlans:
     def __init__(self) -> None:
         self._plans: dict[int, tuple[str, LoadPlan | None, tuple[BlockKey, ...], tuple[BlockKey, ...]]] = {}
         self._loading: dict[BlockKey, str] = {}  # key -> the request whose load writes it (the first one)
+        self._waited: OrderedDict[BlockKey, tuple[float, float]] = OrderedDict()  # key -> (first, last) lookup on it
 
     def add(self, plan_id: int, req_id: str, plan: LoadPlan | None, remote: tuple[BlockKey, ...],
             own_keys: Iterable[BlockKey] = ()) -> None:
@@ -64,6 +77,27 @@ class LoadPlans:
     def loader(self, key: BlockKey) -> str | None:
         """The request whose load in flight is writing ``key`` into its own blocks, if any."""
         return self._loading.get(key)
+
+    def wait_on(self, key: BlockKey, bound_s: float, now: float | None = None) -> bool:
+        """A lookup would wait for ``key``, a block on its way into DRAM: whether it may, for
+        ``bound_s`` from the first lookup that waited on it. A key no lookup asked about for
+        ``WAIT_FORGOTTEN_S`` is on its way afresh (vLLM asks every step while requests wait);
+        the oldest of ``WAITED_MAX`` keys are forgotten first.
+
+        >>> p = LoadPlans()
+        >>> [p.wait_on(5, 2.0, now=t) for t in (10.0, 11.0, 11.9, 12.1, 12.5)]
+        [True, True, True, False, False]
+        >>> p.wait_on(5, 2.0, now=20.0)  # asked again much later: another block on its way
+        True
+        """
+        now = time.monotonic() if now is None else now
+        first, last = self._waited.pop(key, (now, now))
+        if now - last > WAIT_FORGOTTEN_S:
+            first = now
+        self._waited[key] = (first, now)
+        if len(self._waited) > WAITED_MAX:
+            self._waited.popitem(last=False)
+        return now - first < bound_s
 
     def __contains__(self, plan_id: object) -> bool:
         return plan_id in self._plans
