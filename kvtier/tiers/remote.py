@@ -246,12 +246,12 @@ class MooncakeTier:
                 done += written
                 if written < len(chunk):
                     break
+            if done < len(items) and self._put_failure == NO_AVAILABLE_HANDLE:
+                # the store is full: Mooncake frees eviction_ratio of a segment at a time, and a put that finds
+                # less free space than it needs fails (docs/operations.md, "Remote puts that fail for space")
+                self.counters["put_no_space_blocks"] += len(items) - done
         self.counters["put_blocks"] += done
         self.counters["put_failed_blocks"] += len(items) - done
-        if done < len(items) and self._put_failure == NO_AVAILABLE_HANDLE:
-            # the store is full: Mooncake frees eviction_ratio of a segment at a time, and a put that finds
-            # less free space than it needs fails (docs/operations.md, "Remote puts that fail for space")
-            self.counters["put_no_space_blocks"] += len(items) - done
         if config is not None:
             self.counters["put_pinned_blocks"] += done
         return done
@@ -316,7 +316,9 @@ class MooncakeTier:
             self._answered(started, failed=True, what=f"put raised {e}")
             return self._error("put", e)
         written = next((i for i, c in enumerate(codes) if c != 0), len(codes))
-        self._answered(started, failed=written == 0 and bool(sizes), rpc_failed=RPC_FAIL in codes, what="put")
+        no_space = written < len(codes) and codes[written] == NO_AVAILABLE_HANDLE  # an answer: the store is full
+        self._answered(started, failed=written == 0 and bool(sizes) and not no_space, rpc_failed=RPC_FAIL in codes,
+                       what="put")
         if written < len(sizes):
             self.counters["remote_errors"] += 1
             self._put_failure = codes[written] if written < len(codes) else None
@@ -414,7 +416,7 @@ class MooncakeTier:
         if store is None or staging is None:
             return [-1] * len(keys)
         if not self._may_call():
-            return [OBJECT_NOT_FOUND] * len(keys)  # a miss at once
+            return [-1] * len(keys)  # a miss at once (counted with the store's errors)
         base, slot = staging.ctypes.data, self._slot_bytes
         started = time.monotonic()
         try:
@@ -510,7 +512,8 @@ class MooncakeTier:
             self._answered(started, failed=True, what=f"lookup raised {e}")
             self._error("exists", e)
             return [False] * len(keys)
-        self._answered(started, failed=not any(r == 1 for r in found), rpc_failed=RPC_FAIL in found, what="lookup")
+        self._answered(started, failed=any(r not in (0, 1) for r in found), rpc_failed=RPC_FAIL in found,
+                       what="lookup")
         return [r == 1 for r in found]
 
     def delete_many(self, keys: Sequence[BlockKey]) -> int:
@@ -552,11 +555,14 @@ class MooncakeTier:
         with self._down_lock:
             if self._down_since is not None or self._store is None:
                 return
+            try:
+                threading.Thread(target=self._probe_until_up, name="kvtier-remote-probe", daemon=True).start()
+            except RuntimeError:  # no thread to probe with: the store stays up (its calls wait, as before)
+                return
             self._down_since = time.monotonic()
             self.counters["client_down"] += 1
             log.warning("kvtier: the Mooncake store did not answer (%s, %.1f s): its calls fail at once until a "
                         "probe every %.1f s is answered", what, took, DOWN_PROBE_EVERY_S)
-            threading.Thread(target=self._probe_until_up, name="kvtier-remote-probe", daemon=True).start()
 
     def _probe_until_up(self) -> None:
         """While the store counts as down: ask it whether a name exists, every ``DOWN_PROBE_EVERY_S``;
@@ -569,7 +575,7 @@ class MooncakeTier:
                     return
                 started = time.monotonic()
                 try:
-                    answered = RPC_FAIL not in store.batch_is_exist([f"{self._prefix}probe"])
+                    answered = all(r in (0, 1) for r in store.batch_is_exist([f"{self._prefix}probe"]))
                 except (RuntimeError, ValueError, TypeError):
                     answered = False
             if answered and time.monotonic() - started < DOWN_AFTER_S:

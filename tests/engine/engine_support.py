@@ -195,9 +195,12 @@ def side_by_side(*jobs: Callable[[], Any]) -> list[Any]:
     over the same SSD directory, calls both in order)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(CHILDREN_AT_ONCE) as pool:
+    pool = ThreadPoolExecutor(CHILDREN_AT_ONCE)
+    try:
         futures = [pool.submit(job) for job in jobs]
         return [f.result() for f in futures]
+    finally:  # a job that failed: the ones not started yet are not (the running one ends by its timeout)
+        pool.shutdown(cancel_futures=True)
 
 
 def run_children(tmp: Path, runs: list[tuple[str, dict[str, Any]]], env: dict[str, str] | None = None,

@@ -215,8 +215,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
                 started = Server(tmp, nxt[0], model, nxt[1], nxt[2], hbm_blocks=HBM_BLOCKS, wait=False)
             out[name] = _run(server, kv, mode, anth)
         except BaseException:
-            if started is not None:
-                started.close()
+            for s in (server, started):  # (closing one _run closed already does nothing)
+                if s is not None:
+                    s.close()
             raise
     print(f"\n{'server':<20}{'prompt':>8}{'HBM hit':>9}{'kvtier hit':>11}{'hit total':>10}{'tool waits':>11}")
     for name, r in out.items():

@@ -11,8 +11,8 @@ and defers that lookup (vLLM asks again next step); by then the first load has
 finished and vLLM's own prefix cache serves the prefix to every request.
 
 Also owns how long lookups have waited on a block on its way into DRAM (a
-write-back, or a promotion from the SSD): :meth:`LoadPlans.wait_on` defers them
-for ``load_deadline_s`` at most. A promotion from an SSD whose reads hang lands
+write-back, or a promotion from the SSD): :meth:`LoadPlans.wait_on` defers each
+request for ``load_deadline_s`` at most. A promotion from an SSD whose reads hang lands
 when the read ends: without the bound, every request behind that block waited
 with it (104-114 s in ``bench/chaos_serve.py``'s stalled loads, one past the
 client's 120 s).
@@ -32,8 +32,7 @@ from collections.abc import Iterable
 from kvtier.keys import BlockKey
 from kvtier.manager import LoadPlan
 
-WAITED_MAX = 4096  # blocks remembered as waited on (wait_on)
-WAIT_FORGOTTEN_S = 1.0  # a block no lookup waited on for this long is on its way afresh
+WAITED_MAX = 4096  # requests remembered as having waited (wait_on)
 
 Planned = tuple[str, LoadPlan | None, tuple[BlockKey, ...]]
 """(request id, the tier manager's plan or a lanes plan, the remote run's keys) of one load."""
@@ -57,7 +56,7 @@ class LoadPlans:
     def __init__(self) -> None:
         self._plans: dict[int, tuple[str, LoadPlan | None, tuple[BlockKey, ...], tuple[BlockKey, ...]]] = {}
         self._loading: dict[BlockKey, str] = {}  # key -> the request whose load writes it (the first one)
-        self._waited: OrderedDict[BlockKey, tuple[float, float]] = OrderedDict()  # key -> (first, last) lookup on it
+        self._waited: OrderedDict[str, float] = OrderedDict()  # request -> when its lookup first waited
 
     def add(self, plan_id: int, req_id: str, plan: LoadPlan | None, remote: tuple[BlockKey, ...],
             own_keys: Iterable[BlockKey] = ()) -> None:
@@ -78,26 +77,23 @@ class LoadPlans:
         """The request whose load in flight is writing ``key`` into its own blocks, if any."""
         return self._loading.get(key)
 
-    def wait_on(self, key: BlockKey, bound_s: float, now: float | None = None) -> bool:
-        """A lookup would wait for ``key``, a block on its way into DRAM: whether it may, for
-        ``bound_s`` from the first lookup that waited on it. A key no lookup asked about for
-        ``WAIT_FORGOTTEN_S`` is on its way afresh (vLLM asks every step while requests wait);
-        the oldest of ``WAITED_MAX`` keys are forgotten first.
+    def wait_on(self, req_id: str, bound_s: float, now: float | None = None) -> bool:
+        """Request ``req_id``'s lookup would wait for a block on its way into DRAM: whether it
+        may, for ``bound_s`` from its first such wait (``bound_s`` 0: no bound). Per request, not
+        per block: vLLM may ask about a waiting request seconds apart. The oldest of
+        ``WAITED_MAX`` requests are forgotten first.
 
         >>> p = LoadPlans()
-        >>> [p.wait_on(5, 2.0, now=t) for t in (10.0, 11.0, 11.9, 12.1, 12.5)]
-        [True, True, True, False, False]
-        >>> p.wait_on(5, 2.0, now=20.0)  # asked again much later: another block on its way
+        >>> [p.wait_on("a", 2.0, now=t) for t in (10.0, 11.9, 12.1)], p.wait_on("b", 2.0, now=12.1)
+        ([True, True, False], True)
+        >>> p.wait_on("c", 0.0, now=99.0)
         True
         """
         now = time.monotonic() if now is None else now
-        first, last = self._waited.pop(key, (now, now))
-        if now - last > WAIT_FORGOTTEN_S:
-            first = now
-        self._waited[key] = (first, now)
+        first = self._waited.setdefault(req_id, now)
         if len(self._waited) > WAITED_MAX:
             self._waited.popitem(last=False)
-        return now - first < bound_s
+        return bound_s <= 0 or now - first < bound_s
 
     def __contains__(self, plan_id: object) -> bool:
         return plan_id in self._plans

@@ -330,7 +330,7 @@ class KVTierScheduler:
         hit = self.manager.lookup(keys[start:max_blocks])
         if self.exclusive and self.write_backs.pool is not None and start + hit.num_blocks < max_blocks and \
                 self.manager.is_pending(keys[start + hit.num_blocks], "dram") and \
-                self._load_plans.wait_on(keys[start + hit.num_blocks], self.settings.load_deadline_s):
+                self._load_plans.wait_on(request.request_id, self.settings.load_deadline_s):
             # its prefix goes on in a block on its way into DRAM (written back this step, or promoted):
             # vLLM asks again next step instead of computing what lands in a moment (load_deadline_s at most)
             self.counters["load_deferred"] += 1
