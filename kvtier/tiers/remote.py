@@ -27,11 +27,10 @@ Guarantees, the SSD tier's:
   the tier counts the store as down (``client_down``): every call fails at once
   (``client_down_skips``) while a thread of its own probes the store every
   ``DOWN_PROBE_EVERY_S``, and the first probe answered brings it back
-  (``client_up_again``). A put
-  that finds the store full fails for those values and is counted apart
-  (``put_no_space_blocks``): Mooncake frees space a fraction of a segment at a
-  time, so writes faster than its eviction lose some puts; the blocks stay in
-  the tiers below.
+  (``client_up_again``). A put that finds the store full fails for those
+  values and is counted apart (``put_no_space_blocks``): Mooncake frees space
+  a fraction of a segment at a time, so writes faster than its eviction lose
+  some puts; the blocks stay in the tiers below.
 * A put may soft-pin its values for a TTL (``pin_ttl_s``; Mooncake evicts
   soft-pinned objects last): an agent's context kept through a tool call.
 
@@ -95,10 +94,10 @@ OBJECT_NOT_FOUND = -704  # Mooncake's error code for an absent object
 NO_AVAILABLE_HANDLE = -200  # Mooncake's error code for a put that found no free space in any segment
 RPC_FAIL = -900  # Mooncake's error code for a call the master did not answer
 DOWN_AFTER_S = 1.0  # a store call that failed and took this long (or any RPC_FAIL): the store counts as down
-DOWN_PROBE_EVERY_S = 0.5  # while it is down, one call this often still goes to the store (a probe)
+DOWN_PROBE_EVERY_S = 0.5  # while it is down, the probe thread asks the store this often
+CONNECT_TIMEOUT_S = 3.0
 
 log = logging.getLogger(__name__)
-CONNECT_TIMEOUT_S = 3.0
 
 
 class RemoteTier(Protocol):
