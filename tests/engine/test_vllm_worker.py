@@ -553,11 +553,13 @@ def test_a_load_stalled_past_its_deadline_is_recomputed_and_its_late_read_writes
 def test_a_copy_into_the_engines_blocks_under_way_at_the_deadline_finishes_first(tmp_path) -> None:
     """A raw SSD value is copied from the tier's map straight into the engine's blocks; a copy
     under way is not abandoned halfway (the block would be neither the tier's nor recomputed):
-    the load waits for it and is reported as loaded, not expired."""
+    the load waits for it and is reported as loaded, not expired, also when the engine's thread
+    steps between the last copy and the load's report (held open here: the report waits 0.3 s)."""
     w, caches = _build({"dram_capacity_blocks": 4, "ssd_path": str(tmp_path), "load_deadline_s": 0.1}, seed=6)
     try:
         _store(w)
         w._ssd.scatter_many = _stalled(w._ssd.scatter_many, 0.6)
+        w.reads.post = _stalled(w.reads.post, 0.3)
         w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r3", 4, (10, 11), ("ssd", "ssd"), (0, 0), (6, 7))]))
         took, plans, errors, expired = _step_load(w, "r3")
         assert took >= 0.5 and plans == {4: [True, True]} and not errors and expired == []

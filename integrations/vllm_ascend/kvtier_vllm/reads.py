@@ -20,7 +20,8 @@ writes the engine's blocks, so the worker reports it failed at once and vLLM
 recomputes it, while the late read runs out into its staging run. A copy
 already under way when the deadline passes finishes first (it cannot be
 abandoned halfway through a block): a raw SSD value copied straight from the
-tier's map, or a chunk being scattered. Reads into staging (the remote tier,
+tier's map, or a chunk being scattered; and a load whose last copy has finished
+is reported loaded, not expired in the moment before its report. Reads into staging (the remote tier,
 compressed values, every load on an accelerator) never hold the gate.
 """
 
@@ -55,11 +56,12 @@ class LoadGate:
     each write (several at once: the load thread's straight copies and the helper's scatters
     overlap), expired by the engine's thread, which never waits for a write."""
 
-    __slots__ = ("_lock", "_writing", "expired")
+    __slots__ = ("_lock", "_writing", "_landed", "expired")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # held for a counter's change only, never across a copy
         self._writing = 0
+        self._landed = False  # the load's last write finished: it is reported loaded, never expired
         self.expired = False
 
     @contextmanager
@@ -75,10 +77,17 @@ class LoadGate:
                 with self._lock:
                     self._writing -= 1
 
-    def try_expire(self) -> bool:
-        """Expire unless a write is under way (then ``False``: try again on a later step)."""
+    def landed(self) -> None:
+        """Inside :meth:`writing`, once the load's last block is in the engine's blocks: the load
+        is not expired after its copies are done (between the last write and its report)."""
         with self._lock:
-            if self._writing:
+            self._landed = True
+
+    def try_expire(self) -> bool:
+        """Expire unless a write is under way (then ``False``: try again on a later step) or
+        the last one has finished (the load is about to be reported loaded)."""
+        with self._lock:
+            if self._writing or self._landed:
                 return False
             self.expired = True
             return True
@@ -207,6 +216,9 @@ class LoadReads:
                 except (RuntimeError, ValueError) as exc:  # a failed copy is a miss, never a crash
                     log.warning("kvtier: load into engine blocks failed: %s", exc)
                     scattered[0] = min(scattered[0], lo)
+                    return
+                if k == got:
+                    gate.landed()
 
         def land() -> None:
             wait(futures)  # a helper of several threads may still scatter: the load is reported after every write
@@ -219,7 +231,7 @@ class LoadReads:
                 if gate.expired:  # reported failed: read no further
                     break
                 hi = min(got, start + chunk)
-                lo = self._land_ssd(job, start, hi)
+                lo = self._land_ssd(job, start, hi, hi == got)
                 oks[start:lo] = [True] * (lo - start)
                 if lo == hi:
                     continue
@@ -246,13 +258,13 @@ class LoadReads:
                 f.result()
             land()
 
-    def _land_ssd(self, job: LoadJob, lo: int, hi: int) -> int:
+    def _land_ssd(self, job: LoadJob, lo: int, hi: int, last: bool = False) -> int:
         """Load thread: the load's leading run of SSD blocks from ``lo`` (up to ``hi``), each
         verified in the SSD tier's map and then copied straight into the engine's blocks (one
         copy: no staging row between). Returns where that stopped: the first block not landed
         (a DRAM block, or an SSD one that is compressed, absent or fails a check; nothing of it
         was written), which the caller reads through staging and the general decoder (which
-        says why). ``lo``: none."""
+        says why). ``lo``: none. ``last``: ``hi`` is the load's end (landing all of it lands the load)."""
         assert self.io is not None
         end = next((i for i in range(lo, hi) if job.tiers[i] != "ssd"), hi)
         landing = self.io.landing(job.block_ids[lo:end]) if end > lo and self.ssd is not None else None
@@ -267,6 +279,8 @@ class LoadReads:
             except (RuntimeError, ValueError) as exc:  # a failed copy is a miss, never a crash
                 log.warning("kvtier: SSD load into engine blocks failed: %s", exc)
                 return lo
+            if last and lo + landed == hi:
+                gate.landed()
         return lo + max(landed, 0)
 
     def _read_remote(self, job: LoadJob, run: Run, oks: list[bool], rows: Sequence[int]) -> None:
