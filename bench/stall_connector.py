@@ -6,7 +6,7 @@ anything, as on a disk that has hung, and goes on once the file is removed or af
 
 Loaded by the engine through ``kv_connector_module_path`` (``bench/`` on ``PYTHONPATH``).
 Must not change anything else: the stall is the mover's ``fault_hook``, which runs on the
-worker's ``load`` lane before the job.
+worker's ``ssd-read`` lane before the job.
 """
 
 from __future__ import annotations

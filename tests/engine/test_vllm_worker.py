@@ -5,6 +5,7 @@ error. Needs vLLM only for the metadata base classes."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -33,16 +34,23 @@ NUM_BLOCKS, BS, HEADS, DIM = 8, 32, 2, 32
 BLOCK_BYTES = 2 * 2 * BS * HEADS * DIM * 2  # layers x K/V x tokens x heads x dim x bf16
 
 
-def _build(extra: dict, seed: int) -> tuple[KVTierWorker, dict]:
-    """A worker over two layers of random (K, V) caches, registered as vLLM-Ascend does."""
+def _build(extra: dict, seed: int, contiguous: bool = True) -> tuple[KVTierWorker, dict]:
+    """A worker over two layers of random (K, V) caches, registered as vLLM-Ascend does.
+    ``contiguous=False``: caches strided as no one-pass copy takes, so every load goes through
+    staging and the worker's lanes, as on an accelerator."""
     facts = EngineFacts("tiny", "bfloat16", BS, 2, HEADS, DIM, "split", "sha256")
     settings = ConnectorSettings.build(extra, facts, env={})
     layout = settings.config.layout.to_layout()
     assert layout.bytes_per_block == BLOCK_BYTES
     w = KVTierWorker(settings, settings.config.namespace.to_namespace(layout), layout, NUM_BLOCKS)
     gen = torch.Generator().manual_seed(seed)
-    caches = {f"layers.{i}.attn": tuple(torch.randn(NUM_BLOCKS, BS, HEADS, DIM, generator=gen).to(torch.bfloat16)
-                                        for _ in range(2)) for i in range(2)}
+
+    def cache() -> torch.Tensor:
+        if contiguous:
+            return torch.randn(NUM_BLOCKS, BS, HEADS, DIM, generator=gen).to(torch.bfloat16)
+        return torch.randn(HEADS, NUM_BLOCKS, BS, DIM, generator=gen).to(torch.bfloat16).permute(1, 2, 0, 3)
+
+    caches = {f"layers.{i}.attn": (cache(), cache()) for i in range(2)}
     w.register_kv_caches(caches)
     return w, caches
 
@@ -565,6 +573,36 @@ def test_a_copy_into_the_engines_blocks_under_way_at_the_deadline_finishes_first
         assert took >= 0.5 and plans == {4: [True, True]} and not errors and expired == []
         assert _blocks_equal(caches, 1, 6) and _blocks_equal(caches, 2, 7)
     finally:
+        w.shutdown()
+
+
+def test_an_ssd_read_that_hangs_holds_up_no_load_from_dram(tmp_path) -> None:
+    """Loads from DRAM read on a lane of their own: with an SSD read hung (held until released
+    here), a load from DRAM alone that comes after it is reported, verified, while the SSD load
+    still waits. Caches strided as on an accelerator, where every load goes through the lanes."""
+    w, caches = _build({"dram_capacity_blocks": 4, "ssd_path": str(tmp_path)}, seed=7, contiguous=False)
+    assert not w.io.straight
+    release = threading.Event()
+    get_many_into = w._ssd.get_many_into
+
+    def hung(*args, **kwargs):
+        release.wait(30)
+        return get_many_into(*args, **kwargs)
+
+    try:
+        _store(w)
+        w._ssd.get_many_into = hung
+        w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r3", 4, (10, 11), ("ssd", "ssd"), (0, 0), (6, 7))]))
+        w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r2", 3, (10, 11), ("dram", "dram"), (0, 1), (4, 5))]))
+        _, plans, errors, _ = _step_load(w, "r2")
+        assert plans == {3: [True, True]} and not errors and not release.is_set()
+        assert _blocks_equal(caches, 1, 4) and _blocks_equal(caches, 2, 5)
+        release.set()
+        _, plans, errors, _ = _step_load(w, "r3")
+        assert plans == {4: [True, True]} and not errors
+        assert _blocks_equal(caches, 1, 6) and _blocks_equal(caches, 2, 7)
+    finally:
+        release.set()
         w.shutdown()
 
 

@@ -7,7 +7,7 @@ CPU cache with the one-pass host copy, raw SSD values straight from the tier's
 map with no staging row between (:meth:`LoadReads.read`), and the count
 of loads reading, which the slow tiers' writers yield to (loads first: a
 user's TTFT waits on a load, only a later request on a write). Runs on the
-worker's ``load`` and ``remote-read`` lanes and its copy helper; reports each
+worker's ``load``, ``ssd-read`` and ``remote-read`` lanes and its copy helper; reports each
 load exactly once through ``post``. Must not decide what loads, take or give
 back staging rows, touch torch (the scatter is kvtier's C copy), or write the
 tiers.

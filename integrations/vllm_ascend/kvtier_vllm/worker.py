@@ -10,7 +10,8 @@ data plane, as :class:`~kvtier.store.TieredStore`'s do: the copies are
 handling, ``fault_hook`` and link statistics) in ordered lanes (``LANES``):
 ``copy`` (a store's hand-off from staging), ``ssd`` and ``remote`` (the slow
 tiers' writes and deletes), and, so that a load never queues behind a
-write, ``load`` (a load's DRAM and SSD reads, SSD -> DRAM promotions) and
+write, ``load`` (a load from DRAM alone), ``ssd-read`` (a load with SSD
+blocks, SSD -> DRAM promotions: a hung SSD read holds up these only) and
 ``remote-read``; and a slow tier's write waits (at most
 ``LoadReads.write_yield_s``) for the loads reading when it starts, and an SSD
 write between its groups (:mod:`~.reads`). What stays here is vLLM's: the
@@ -26,7 +27,7 @@ reserved until the scheduler completes the load): one pass, no staging, no
 thread hand-off. The store's SSD and remote writes take their own copies
 from those slots on the copy thread, and its DRAM write is reported after
 them, so the slots are not reused first. A load with SSD blocks is read
-into a staging run a chunk at a time on the ``load`` lane, and each verified
+into a staging run a chunk at a time on the ``ssd-read`` lane, and each verified
 chunk is scattered into the engine's blocks (the request's own, which no
 forward reads until the load is reported) by the copy helper while the
 next chunk is read.
@@ -120,9 +121,11 @@ class _Results:
 
 
 # the worker's ordered lanes on its TransferEngine, in the order they hand on: store copies ("copy") hand
-# on to the slow tiers' writers ("ssd", "remote"); loads and promotions read on "load", which hands a load's
-# remote blocks on to "remote-read". Reads have lanes of their own, so a load never queues behind writes.
-LANES = ("copy", "load", "ssd", "remote-read", "remote")
+# on to the slow tiers' writers ("ssd", "remote"); loads from DRAM alone read on "load", loads with SSD
+# blocks and promotions on "ssd-read" (so an SSD read that hangs never holds a DRAM load up), and both
+# hand a load's remote blocks on to "remote-read". Reads have lanes of their own, so a load never queues
+# behind writes.
+LANES = ("copy", "load", "ssd-read", "ssd", "remote-read", "remote")
 
 
 class _Writer:
@@ -285,7 +288,7 @@ class KVTierWorker:
             self.mover.submit_task("ssd", "ssd-delete", len(keys), 0, lambda: self._ssd.delete_many(keys), _nothing)
         nbytes = self.layout.bytes_per_block
         for pj in meta.promotions:
-            self.mover.submit_task("load", "ssd->dram", len(pj.keys), len(pj.keys) * nbytes,
+            self.mover.submit_task("ssd-read", "ssd->dram", len(pj.keys), len(pj.keys) * nbytes,
                                    lambda pj=pj: self._promote(pj),
                                    lambda pj=pj: self._post_plan(pj.plan_id, [False] * len(pj.keys)))
         for job in meta.loads:
@@ -307,8 +310,8 @@ class KVTierWorker:
             if run is None:
                 self.reads.post(job, None, [False] * len(job.keys))
                 continue
-            link = "ssd->hbm" if "ssd" in job.tiers[:got] else "dram->hbm"  # remote reads: _read hands on
-            self.mover.submit_task("load", link, got, got * nbytes,
+            ssd = "ssd" in job.tiers[:got]  # remote reads: reads.read hands them on
+            self.mover.submit_task("ssd-read" if ssd else "load", "ssd->hbm" if ssd else "dram->hbm", got, got * nbytes,
                                    lambda job=job, run=run: self.reads.read(job, run),
                                    lambda job=job, run=run: self.reads.post(job, run, [False] * len(job.keys)))
 
