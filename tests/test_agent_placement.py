@@ -10,10 +10,12 @@ import pytest
 
 from kvtier.agents import AgentGraph, DurationHistory
 from kvtier.agents.critical import criticality, path_through_s
+from kvtier.keys import BlockKey
 from kvtier.manager import TierManager, TierSpec
 from kvtier.placement.agent import AGENT_POLICIES, KVTier
 from kvtier.replay.model import Agent, Request, Session, Workload
 from kvtier.placement import make_placement, placement_names
+from kvtier.placement.base import ToolWait
 from kvtier.replay.profiles import get_profile
 from kvtier.replay.sim import SimConfig, Simulator
 from kvtier.transfer.linkmodel import LinkModel
@@ -101,6 +103,37 @@ def test_deprioritize_makes_a_chain_the_next_victims_tail_first():
     assert mgr.deprioritize((4, 5, 6), "hbm") == 3
     assert mgr.evict("hbm", 3) == (6, 5, 4)
     mgr.check_invariants()
+
+
+class _IdleContext:
+    """A live context with nothing of the agents' contexts in HBM: a wait decides nothing."""
+
+    def hbm_pressure(self) -> float:
+        return 0.0
+
+    def blocks_in(self, keys, tier: str) -> int:
+        return 0
+
+    def count(self, name: str, n: int = 1) -> None:
+        pass
+
+
+@pytest.mark.parametrize("name", ["kvtier", "tokencake", "kvflow"])
+def test_agents_whose_sessions_never_end_are_remembered_up_to_a_bound(name):
+    """Live, a session may never say it ended (abandoned, or named only by vLLM's session_id): the
+    policy keeps the turn count and last context of the ``max_agents`` agents seen last, not of
+    every agent ever seen (the soak's RSS creep: 40-block contexts grew the scheduler by about
+    10 KiB per session, without end)."""
+    pol = make_placement(name)
+    pol.eviction_for("dram", lambda: 0.0)  # the next-use order, where the policy has one (as the connector does)
+    pol.max_agents = 16
+    ctx = _IdleContext()
+    for i in range(200):
+        pol.on_wait_start(ctx, ToolWait((i, "a"), tuple(BlockKey(i * 100 + j) for j in range(4)), "tool", 1.0))
+    assert len(pol._turns) == 16 and len(pol._last_ctx) <= 16 and len(pol._seen) == 16
+    assert pol._turns.get((199, "a")) == 1 and (0, "a") not in pol._turns  # the least recently seen went first
+    pol.on_wait_start(ctx, ToolWait((199, "a"), (BlockKey(1),), "tool", 1.0))  # a remembered agent goes on counting
+    assert pol._turns[(199, "a")] == 2
 
 
 # ------------------------------------------------------- scripted timelines

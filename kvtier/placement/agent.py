@@ -61,6 +61,7 @@ future: only predicted returns from the hint plane.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable, Sequence
 
 from ..agents.predictor import wait_pin_ttl_s
@@ -100,6 +101,10 @@ class AgentAware(PlacementPolicy):
     user_wait_s = 60.0  # the wait the next-use order expects after a turn that called no tool (a user's turn)
     stage_queued = False  # promote a queued request's SSD blocks into DRAM when it arrives
     lead_factor = 1.25  # a prefetch starts this many transfer times before the predicted return
+    # agents whose turn count, last context and prefetch timer are kept (least recently seen forgotten first):
+    # live, sessions that never say they ended (abandoned, or named only by vLLM's session_id) otherwise kept
+    # every context they ever had (the soak's RSS creep); the replay ends every session, so it never gets here
+    max_agents = 4096
 
     def __init__(self) -> None:
         self.rho = self.rho_bounds[0]
@@ -110,6 +115,7 @@ class AgentAware(PlacementPolicy):
         self._turns: dict[AgentKey, int] = {}  # agent -> requests finished (SSD admission gate)
         self._last_ctx: dict[AgentKey, tuple[BlockKey, ...]] = {}  # agent -> its latest context keys
         self._est: AgentNextUse | None = None
+        self._seen: OrderedDict[AgentKey, None] = OrderedDict()  # agents with state above, least recent first
 
     def eviction_for(self, tier: str, clock: Callable[[], float] | None = None) -> object:
         if not self.next_use or clock is None:
@@ -157,6 +163,7 @@ class AgentAware(PlacementPolicy):
         """What :meth:`on_wait_start` decides and carries out for ``wait`` (counted); ``None``: nothing to
         decide (no context, or none of it in HBM)."""
         agent = wait.agent_key
+        self._saw(agent)
         self._turns[agent] = self._turns.get(agent, 0) + 1
         if self._est is not None:
             self._est.waiting(agent, wait.keys, None if wait.cause == "user" else wait.predicted_gap_s)
@@ -218,6 +225,7 @@ class AgentAware(PlacementPolicy):
             return
         parent = ctx.parent_of(agent_key)
         if parent is None:  # the root: its context dies with the session
+            self._saw(agent_key)
             self._last_ctx[agent_key] = tuple(keys)
             if self._est is not None:  # what other chains branch from stays alive
                 self._est.ended(agent_key, keys, ctx.private_start(keys))
@@ -239,6 +247,19 @@ class AgentAware(PlacementPolicy):
             keys = self._last_ctx.pop(agent)
             if self.drop_dead and keys:
                 ctx.retire(keys[ctx.private_start(keys):])
+
+    def _saw(self, agent: AgentKey) -> None:
+        """``agent`` is about to have state here: most recent; beyond ``max_agents``, the least recently
+        seen agent's turn count, last context and prefetch timer are forgotten (a reserve is bounded by
+        its budget and lapses on its own)."""
+        seen = self._seen
+        seen[agent] = None
+        seen.move_to_end(agent)
+        while len(seen) > self.max_agents:
+            old, _ = seen.popitem(last=False)
+            self._turns.pop(old, None)
+            self._last_ctx.pop(old, None)
+            self._timers.pop(old, None)
 
     def _drop_wait(self, ctx: PlacementContext, agent: AgentKey) -> None:
         """An agent that ended in a wait (live: a turn's end wait, started before the hint server reported the
