@@ -233,12 +233,21 @@ class Chaos:
         """Run one fault under the load: its row, with the failed requests of its window and the drain after it."""
         with self.load.lock:
             failed0, sent0 = self.load.counts["failed"], self.load.counts["sent"]
+        counters0 = self.stats().get("counters", {})
         start = self.now()
         print(f"[{start:6.1f} s] fault {name}: {what}", flush=True)
         row = {"fault": name, "injected": what, "start_s": start, **fault()}
         with self.load.lock:
             row["failed"] = self.load.counts["failed"] - failed0
             row["requests"] = self.load.counts["sent"] - sent0
+        # what kvtier counted in the window (a restarted engine counts from 0), and for a window with a failed
+        # or hung request the server log's end: what an intermittent failure needs to be read afterwards
+        counters = self.stats().get("counters", {})
+        row["counter_changes"] = {k: v - counters0.get(k, 0) for k, v in sorted(counters.items())
+                                  if isinstance(v, (int, float)) and v != counters0.get(k, 0)}
+        if row["failed"] or row.get("hung"):
+            lines = self.server.log_path.read_text(errors="replace").splitlines()
+            row["server_log_tail"] = lines[-80:]
         d = drain(self.server, self.load, self.stats_path)
         row.update(end_s=self.now(), drain_free_blocks=d["free_blocks"], drain_held_blocks=d["held_blocks"],
                    recovery_limit_s=RECOVERY_LIMIT_S[name])
