@@ -566,9 +566,18 @@ def test_a_copy_into_the_engines_blocks_under_way_at_the_deadline_finishes_first
     w, caches = _build({"dram_capacity_blocks": 4, "ssd_path": str(tmp_path), "load_deadline_s": 0.1}, seed=6)
     try:
         _store(w)
-        w._ssd.scatter_many = _stalled(w._ssd.scatter_many, 0.6)
+        started = threading.Event()
+        scatter_many = _stalled(w._ssd.scatter_many, 0.6)
+
+        def copying(*args, **kwargs):
+            started.set()
+            return scatter_many(*args, **kwargs)
+
+        w._ssd.scatter_many = copying
         w.reads.post = _stalled(w.reads.post, 0.3)
         w.start_load_kv(KVTierConnectorMetadata(loads=[LoadJob("r3", 4, (10, 11), ("ssd", "ssd"), (0, 0), (6, 7))]))
+        assert started.wait(10)  # the copy is under way (the engine's thread steps only from here: a busy
+        time.sleep(0.15)  # machine may start the load's thread later than the deadline), and the deadline past
         took, plans, errors, expired = _step_load(w, "r3")
         assert took >= 0.5 and plans == {4: [True, True]} and not errors and expired == []
         assert _blocks_equal(caches, 1, 6) and _blocks_equal(caches, 2, 7)
