@@ -97,6 +97,9 @@ STALL_GUARD_S = 90.0  # stalled_loads: the hang ends by then whatever happens (a
 # retry after an expired load can plan another load that queues behind the hung reads on the worker's load lane (and
 # waits its own deadline); one run here answered in 11 s with a 2 s deadline, while the hang lasted 35 s
 NO_HANG_S = 30.0
+# kvtier counters sampled into the timeline each second (besides the rows' counter_changes)
+TIMELINE_COUNTERS = ("lookups", "load_deferred", "load_deferred_shared", "remote_lookup_deferred",
+                     "load_expired_blocks", "load_planned_tokens")
 RECOVERY_LIMIT_S = {"mooncake_master": 30.0, "hint_server": 15.0, "ssd_full": 30.0, "ssd_read_errors": 30.0,
                     "stalled_loads": 30.0, "preemption_with_holds": 60.0, "engine_sigkill": 240.0}
 """How long recovery may take, per fault (the engine's restart on this 2-core machine is most of the last)."""
@@ -216,7 +219,10 @@ class Chaos:
                                   "held_blocks": (s.get("hbm_hold") or {}).get("held_blocks"),
                                   "running": m.get("vllm:num_requests_running"),
                                   "waiting": m.get("vllm:num_requests_waiting"),
-                                  "preemptions": m.get("vllm:num_preemptions_total")})
+                                  "preemptions": m.get("vllm:num_preemptions_total"),
+                                  # what tells a stuck engine's cases apart: HBM full, or lookups deferred
+                                  "kv_usage": m.get("vllm:kv_cache_usage_perc"),
+                                  **{name: (s.get("counters") or {}).get(name) for name in TIMELINE_COUNTERS}})
 
     def count_own(self, outs: list[dict[str, Any]]) -> None:
         """Requests the harness sent itself (holds, the burst, the restart's): in the load's counts too."""
