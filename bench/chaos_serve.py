@@ -35,7 +35,7 @@ The faults, in order (``FAULTS``):
   SSD, are sent again one by one; the engine's ``load_deadline_s`` is 2 s. Seen: loads past
   their deadline, recomputed (``load_expired_blocks``); none of those prompts may take more
   than 30 s to answer (``hung``; a prompt's retry can meet the hang again, behind the hung
-  reads on the load lane, see ``NO_HANG_S``). Recovery: the hang's end to the next prompt
+  reads on the ``ssd-read`` lane, see ``NO_HANG_S``). Recovery: the hang's end to the next prompt
   tokens loaded from the SSD.
 * ``preemption_with_holds``: critical agents (criticality 1; the load's agents say 0.5, so
   none of them keeps the critical agents' HBM budget while paused) whose requests say a 20 s tool
@@ -94,7 +94,7 @@ LOAD_DEADLINE_S = 2.0  # the engine's load_deadline_s
 STALLED_PROMPTS = 6  # stalled_loads: the sampled prompts after ssd_read_errors' sent again while the SSD hangs
 STALL_GUARD_S = 90.0  # stalled_loads: the hang ends by then whatever happens (a harness that waits must not hang)
 # stalled_loads: an answer slower than this waited on the hung SSD. A prompt may meet the hang more than once: its
-# retry after an expired load can plan another load that queues behind the hung reads on the worker's load lane (and
+# retry after an expired load can plan another load that queues behind the hung reads on the worker's ssd-read lane (and
 # waits its own deadline); one run here answered in 11 s with a 2 s deadline, while the hang lasted 35 s
 NO_HANG_S = 30.0
 # kvtier counters sampled into the timeline each second (besides the rows' counter_changes)
@@ -239,7 +239,8 @@ class Chaos:
         """Run one fault under the load: its row, with the failed requests of its window and the drain after it."""
         with self.load.lock:
             failed0, sent0 = self.load.counts["failed"], self.load.counts["sent"]
-        counters0 = self.stats().get("counters", {})
+        counters0 = self.stats().get("counters") or {}
+        log_path = self.server.log_path  # (engine_sigkill replaces the server: the killed one's log)
         start = self.now()
         print(f"[{start:6.1f} s] fault {name}: {what}", flush=True)
         row = {"fault": name, "injected": what, "start_s": start, **fault()}
@@ -248,11 +249,11 @@ class Chaos:
             row["requests"] = self.load.counts["sent"] - sent0
         # what kvtier counted in the window (a restarted engine counts from 0), and for a window with a failed
         # or hung request the server log's end: what an intermittent failure needs to be read afterwards
-        counters = self.stats().get("counters", {})
+        counters = self.stats().get("counters") or {}
         row["counter_changes"] = {k: v - counters0.get(k, 0) for k, v in sorted(counters.items())
                                   if isinstance(v, (int, float)) and v != counters0.get(k, 0)}
         if row["failed"] or row.get("hung"):
-            lines = self.server.log_path.read_text(errors="replace").splitlines()
+            lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
             row["server_log_tail"] = lines[-80:]
         d = drain(self.server, self.load, self.stats_path)
         row.update(end_s=self.now(), drain_free_blocks=d["free_blocks"], drain_held_blocks=d["held_blocks"],

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     grow_after = per_session_kib(after[0], after[-1])
     print(f"\ngrowth per session of {args.blocks} blocks: {grow_before:.2f} KiB up to the bound "
           f"({MAX_TRACKED_AGENTS:,} agents), {grow_after:.2f} KiB from {after[0][0]:,} to {after[-1][0]:,} sessions "
-          f"({grow_after / grow_before:.2f}x); {time.monotonic() - start:.0f} s")
+          f"({grow_after / grow_before if grow_before else float('nan'):.2f}x); {time.monotonic() - start:.0f} s")
     return 0
 
 

@@ -122,8 +122,9 @@ class _IdleContext:
 def test_agents_whose_sessions_never_end_are_remembered_up_to_a_bound(name):
     """Live, a session may never say it ended (abandoned, or named only by vLLM's session_id): the
     policy keeps the turn count and last context of the ``max_agents`` agents seen last, not of
-    every agent ever seen (the soak's RSS creep: 40-block contexts grew the scheduler by about
-    10 KiB per session, without end)."""
+    every agent ever seen (the soak's RSS creep: ``bench/scheduler_memory.py`` measured the
+    scheduler half growing about 1.8 KiB per 40-block session past the connector's own bound,
+    without end)."""
     pol = make_placement(name)
     pol.eviction_for("dram", lambda: 0.0)  # the next-use order, where the policy has one (as the connector does)
     pol.max_agents = 16

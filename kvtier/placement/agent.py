@@ -103,7 +103,9 @@ class AgentAware(PlacementPolicy):
     lead_factor = 1.25  # a prefetch starts this many transfer times before the predicted return
     # agents whose turn count, last context and prefetch timer are kept (least recently seen forgotten first):
     # live, sessions that never say they ended (abandoned, or named only by vLLM's session_id) otherwise kept
-    # every context they ever had (the soak's RSS creep); the replay ends every session, so it never gets here
+    # every context they ever had (the soak's RSS creep); the replay ends its sessions (agent_ends, its default),
+    # so there it acts only past 4,096 agents with state at once. One bound for all tenants (the connector's
+    # tables also bound each tenant's share: a tenant with thousands of new agents can push others' out here)
     max_agents = 4096
 
     def __init__(self) -> None:
@@ -221,6 +223,7 @@ class AgentAware(PlacementPolicy):
     def on_agent_end(self, ctx: PlacementContext, agent_key: AgentKey, keys: Sequence[BlockKey]) -> None:
         self._turns.pop(agent_key, None)
         self._drop_wait(ctx, agent_key)
+        self._seen.pop(agent_key, None)  # (the root's context comes back below, seen again)
         if not self.drop_dead and self._est is None:
             return
         parent = ctx.parent_of(agent_key)
@@ -245,6 +248,7 @@ class AgentAware(PlacementPolicy):
             self._drop_wait(ctx, agent)
         for agent in [a for a in self._last_ctx if a[0] == session]:
             keys = self._last_ctx.pop(agent)
+            self._seen.pop(agent, None)
             if self.drop_dead and keys:
                 ctx.retire(keys[ctx.private_start(keys):])
 

@@ -579,7 +579,7 @@ def test_a_copy_into_the_engines_blocks_under_way_at_the_deadline_finishes_first
         assert started.wait(10)  # the copy is under way (the engine's thread steps only from here: a busy
         time.sleep(0.15)  # machine may start the load's thread later than the deadline), and the deadline past
         took, plans, errors, expired = _step_load(w, "r3")
-        assert took >= 0.5 and plans == {4: [True, True]} and not errors and expired == []
+        assert took >= 0.3 and plans == {4: [True, True]} and not errors and expired == []  # (0.3: the report's hold)
         assert _blocks_equal(caches, 1, 6) and _blocks_equal(caches, 2, 7)
     finally:
         w.shutdown()

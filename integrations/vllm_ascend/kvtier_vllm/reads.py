@@ -78,8 +78,9 @@ class LoadGate:
                     self._writing -= 1
 
     def landed(self) -> None:
-        """Inside :meth:`writing`, once the load's last block is in the engine's blocks: the load
-        is not expired after its copies are done (between the last write and its report)."""
+        """Inside :meth:`writing`, once the write of the load's last block has finished: the load is
+        not expired from then on (earlier chunks still being scattered on the copy helper hold the
+        gate anyway, and :meth:`LoadReads.read` reports the load once every write is done)."""
         with self._lock:
             self._landed = True
 

@@ -257,7 +257,7 @@ class KVTierWorker:
 
     def shutdown(self) -> None:
         """Finish queued jobs, then close the SSD tier and leave the remote store."""
-        self.mover.close()  # copy, then SSD, then remote: a lane's jobs hand on only to later lanes
+        self.mover.close()  # in LANES order: a lane's jobs hand on only to later lanes
         remote = self._writers.get("remote")
         if self._copy_helper is not None:
             self._copy_helper.shutdown(wait=True)
