@@ -168,7 +168,8 @@ def _scenario(tmp_path: Path, model: Path, master) -> None:
         assert cb2.get("hit_tokens_remote", 0) == 8 * BLOCK_SIZE  # nothing more than turn 1's blocks
         # each altered value read once (one batch), not retried
         assert cb2.get("remote_checksum_failures", 0) == 2 and cb2.get("remote_decode_failures", 0) == 1
-        assert cb2.get("remote_lookup_failed_skips", 0) >= 1  # vLLM's retry of the load was not offered them again
+        # vLLM's retry of the load was not offered them again (a load that landed nothing: the retry is computed)
+        assert cb2.get("remote_lookup_failed_skips", 0) + cb2.get("load_failed_then_computed", 0) >= 1
         # the corrupt ones were removed from the store (B's recomputed blocks replace them); the other one stays
         assert cb2.get("remote_removed_corrupt", 0) == 2
         assert [probe._store.get(n) == v for n, v in altered.items()] == [True, False, False]

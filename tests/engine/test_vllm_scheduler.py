@@ -144,6 +144,37 @@ def test_a_load_past_its_deadline_is_counted_once_and_not_offered_again(world_si
     assert sched.get_num_new_matched_tokens(FakeRequest("r3", 4), 0) == (0, False)
 
 
+@pytest.mark.parametrize("expired", [False, True])
+def test_a_request_whose_load_landed_nothing_is_computed_when_asked_again(expired: bool, tmp_path) -> None:
+    """vLLM frees the blocks of a request whose asynchronous load landed nothing (failed, or past
+    ``load_deadline_s``) and asks again: the request is computed, not offered a second
+    asynchronous load (vLLM 0.32 would count the request's whole size twice against it, and a
+    long one never fits: the engine waited on it with nothing scheduled). Another request is
+    still offered what is left."""
+    sched, kvm = _sched(dram_capacity_blocks=16, ssd_path=str(tmp_path), ssd_capacity_blocks=64)
+    r1 = FakeRequest("r1", 4)  # stored in DRAM and on the SSD: a second copy to offer after the first fails
+    kvm.blocks["r1"] = [10, 11, 12, 13, 14]
+    sched.on_new_request(r1)
+    assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)
+    (job,) = _step(sched, {"r1": r1.num_tokens}).stores
+    assert sorted(w.tier for w in job.writes) == ["dram", "ssd"]
+    sched.update_connector_output(KVTierWorkerMetadata({w.plan_id: (1, [True] * 4) for w in job.writes},
+                                                       {job.job_id: 1}))
+    r2 = FakeRequest("r2", 4)
+    sched.on_new_request(r2)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (4 * BS, True)
+    sched.update_state_after_alloc(r2, [20, 21, 22, 23, 24], 4 * BS)
+    (load,) = _step(sched, {}).loads
+    assert load.tiers == ("dram",) * 4
+    sched.update_connector_output(KVTierWorkerMetadata({load.plan_id: (1, [False] * 4)}, {},
+                                                       expired_plans=[load.plan_id] if expired else []))
+    assert sched.get_num_new_matched_tokens(r2, 0) == (0, False)  # computed: not a second load, from the SSD
+    assert sched.counters["load_failed_then_computed"] == 1
+    r3 = FakeRequest("r3", 4)
+    sched.on_new_request(r3)
+    assert sched.get_num_new_matched_tokens(r3, 0) == (4 * BS, True)  # another request: the SSD's copies
+
+
 def test_load_plans_doctest() -> None:
     assert doctest.testmod(load_plans).failed == 0
 

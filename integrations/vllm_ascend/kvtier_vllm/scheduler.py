@@ -135,6 +135,11 @@ class _Req:
     num_planned_blocks: int = 0  # leading blocks already planned for storing (or skipped)
     pending_jobs: set[int] = field(default_factory=set)  # store jobs still reading engine blocks
     loading: bool = False  # an asynchronous load is in flight
+    # its asynchronous load landed nothing: vLLM freed its blocks and asks again, and the request is computed, not
+    # offered a second asynchronous load. vLLM 0.32 keeps such a request among its in-flight prefills, so a second
+    # one would reserve the request's whole size on top of its own allocation: a long prompt never fits, and vLLM's
+    # waiting loop stops at it with nothing else scheduled (bench/chaos_serve.py's stalled loads: 120 s, once)
+    load_failed: bool = False
     # approximate reuse: (block index, master key) of each block inside a declared shared segment; None = exact
     approx: list[tuple[int, int]] | None = None
     approx_loaded: set[int] = field(default_factory=set)  # block indices loaded from another request's copy
@@ -313,7 +318,8 @@ class KVTierScheduler:
         if cap is not None and start + cap // self.block_size < max_blocks:
             max_blocks = start + cap // self.block_size
             self.counters["load_capped_by_request"] += 1
-        if max_blocks <= start:
+        self.counters["load_failed_then_computed"] += st.load_failed
+        if max_blocks <= start or st.load_failed:
             return 0, False
         if self.hybrid:
             n = self.lanes.hit(st, start, max_blocks)
@@ -698,14 +704,14 @@ class KVTierScheduler:
                 self._remote_index().loaded(remote, num_ok - local, len(oks) - num_ok)
             self.counters["hit_tokens"] += num_ok * self.block_size
             self.counters["load_failed_blocks"] += len(oks) - num_ok
-            self.load_finished((req_id,))
+            self.load_finished((req_id,), failed=num_ok == 0)
 
-    def load_finished(self, req_ids: Iterable[str]) -> None:
-        """The engine reports these requests' asynchronous loads as done."""
+    def load_finished(self, req_ids: Iterable[str], failed: bool = False) -> None:
+        """The engine reports these requests' asynchronous loads as done (``failed``: landed nothing)."""
         for req_id in req_ids:
             st = self._reqs.get(req_id)
             if st is not None:
-                st.loading = False
+                st.loading, st.load_failed = False, st.load_failed or failed
 
     def take_kv_events(self) -> list[tuple[Any, ...]]:
         """KV cache events since the last call (:meth:`.kv_events.TierEvents.take`); empty unless ``kv_events``."""
