@@ -72,6 +72,12 @@ from .nextuse import AgentNextUse
 AgentKey = tuple[int, str]
 
 
+MAX_AGENTS = 4096
+"""Agents whose state a live component keeps at once, least recently seen forgotten first: the agent-aware
+policies' turn counts and last contexts (:attr:`AgentAware.max_agents`) and the vLLM connector's tables of
+waiting agents. One bound, so that neither forgets an agent the other still acts on."""
+
+
 class AgentAware(PlacementPolicy):
     """Shared machinery; subclasses set the switches and constants.
 
@@ -106,7 +112,7 @@ class AgentAware(PlacementPolicy):
     # every context they ever had (the soak's RSS creep); the replay ends its sessions (agent_ends, its default),
     # so there it acts only past 4,096 agents with state at once. One bound for all tenants (the connector's
     # tables also bound each tenant's share: a tenant with thousands of new agents can push others' out here)
-    max_agents = 4096
+    max_agents = MAX_AGENTS
 
     def __init__(self) -> None:
         self.rho = self.rho_bounds[0]

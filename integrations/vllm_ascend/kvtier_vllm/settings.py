@@ -24,11 +24,13 @@ from typing import Any
 
 from kvtier.config import KVTierConfig, RemoteTierConfig, load_config
 from kvtier.errors import ConfigError
+from kvtier.placement.agent import MAX_AGENTS
 from kvtier.placement.cold import ColdCodecRule
 
-MAX_TRACKED_AGENTS = 4096
+MAX_TRACKED_AGENTS = MAX_AGENTS
 """Waiting agents whose contexts the scheduler remembers at once, all tenants together (and the agents
-the hint reader remembers a finished context of): the longest waiting are forgotten first."""
+the hint reader remembers a finished context of): the longest waiting are forgotten first. The placement
+policies' own bound (:data:`kvtier.placement.agent.MAX_AGENTS`)."""
 
 EXTRA_KEYS: dict[str, str] = {
     "config_file": "path of a kvtier YAML/TOML file (tiers, policies, pins); engine facts override its layout",
