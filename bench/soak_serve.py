@@ -60,6 +60,12 @@ MAX_MODEL_LEN = 1024
 WAIT_S = (0.2, 1.5)  # tool waits the sessions announce and take
 HOLD_LAPSE_S = 1.5 * WAIT_S[1] + 1.0 + 1.0  # a hold's TTL (1.5x the wait + 1 s), and a second to spare
 RSS_GROWTH_LIMIT = 0.05
+# a long run (LONG_RUN_MIN or more) must also show a plateau: RSS growth after the warm-up under this much per hour,
+# and TTFT p50 and p99 of its last TTFT_WINDOW_S at most TTFT_DRIFT_LIMIT x those of the first TTFT_WINDOW_S after it
+LONG_RUN_MIN = 60
+RSS_GROWTH_PER_HOUR_LIMIT = 0.02
+TTFT_WINDOW_S = 600.0
+TTFT_DRIFT_LIMIT = 1.10
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -201,6 +207,7 @@ class Load:
         self.busy = 0
         self.all_ttft: list[float] = []  # every finished request's, over the run
         self.all_itl: list[float] = []
+        self.timed_ttft: list[tuple[float, float]] = []  # (monotonic time it finished, TTFT) of every finished one
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(sessions)]
 
     def start(self) -> None:
@@ -266,6 +273,8 @@ class Load:
                     else:
                         self.counts["finished"] += 1
                         self.window.append((got["ttft_s"], got["itl_s"]))
+                        if got["ttft_s"] is not None:
+                            self.timed_ttft.append((time.monotonic(), got["ttft_s"]))
                         if rng.random() < self.sample_fraction and len(self.samples) < self.max_samples:
                             self.samples.append({"prompt": list(context), "max_tokens": max_tokens,
                                                  "text": got["text"], "t": time.monotonic()})
@@ -406,6 +415,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         load.take_window()
         result["latency"] = {"ttft_p50_s": _pct(load.all_ttft, 0.5), "ttft_p95_s": _pct(load.all_ttft, 0.95),
                              "itl_p50_s": _pct(load.all_itl, 0.5), "itl_p95_s": _pct(load.all_itl, 0.95)}
+        result["ttft_windows"] = ttft_windows([(t - t0, v) for t, v in load.timed_ttft], 60 * args.minutes)
         result["client"] = dict(load.counts)
         result["client_errors"] = load.errors
         samples = load.samples
@@ -431,6 +441,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def ttft_windows(timed: list[tuple[float, float]], run_s: float) -> dict[str, Any]:
+    """TTFT p50 and p99 of the first ``TTFT_WINDOW_S`` after the warm-up (the run's first fifth, as
+    for RSS) and of the run's last ``TTFT_WINDOW_S`` (each at most half of what follows the warm-up),
+    from every finished request's (time it finished, TTFT)."""
+    warm = run_s / 5
+    width = min(TTFT_WINDOW_S, (run_s - warm) / 2)
+    out: dict[str, Any] = {"window_s": round(width, 1)}
+    for name, lo in (("first", warm), ("last", run_s - width)):
+        got = [v for t, v in timed if lo <= t < lo + width]
+        out[name] = {"from_s": round(lo, 1), "requests": len(got), "ttft_p50_s": _pct(got, 0.5),
+                     "ttft_p99_s": _pct(got, 0.99)}
+    return out
+
+
 def verdict(r: dict[str, Any]) -> dict[str, Any]:
     """What must hold (the issue's "must show"), each with the figure it rests on."""
     rss = [s["rss_mib"] for s in r["samples"] if s["rss_mib"]]
@@ -453,8 +477,22 @@ def verdict(r: dict[str, Any]) -> dict[str, Any]:
     accounted = (fin.get("length", 0) >= c["finished"] + probes and fin.get("error", 0) == 0
                  and k.get("requests", 0) <= sent and r["live_requests_at_end"] == 0
                  and sent - k.get("requests", 0) <= c["aborted_by_client"])
+    # per hour after the warm-up, and the TTFT drift from the first window after it to the last
+    t = [s["t_s"] for s in r["samples"] if s["rss_mib"]]
+    hours = (statistics.median(t[-3:]) - statistics.median(t[warm - 1: warm + 2])) / 3600 if len(t) > 3 else 0.0
+    per_hour = growth / hours if growth is not None and hours > 0 else None
+    win = r.get("ttft_windows") or {}
+    drift = {q: (win["last"][q] / win["first"][q] if win.get("first", {}).get(q) and win.get("last", {}).get(q)
+                 else None) for q in ("ttft_p50_s", "ttft_p99_s")}
+    ttft_stable = all(v is not None and v <= TTFT_DRIFT_LIMIT for v in drift.values())
+    long_run = r["minutes"] >= LONG_RUN_MIN
+    long_ok = not long_run or (per_hour is not None and per_hour < RSS_GROWTH_PER_HOUR_LIMIT and ttft_stable)
     return {"rss_after_warmup_mib": round(base, 1), "rss_at_end_mib": round(end, 1),
             "rss_growth_after_warmup": None if growth is None else round(growth, 4),
+            "rss_growth_per_hour": None if per_hour is None else round(per_hour, 4),
+            "ttft_p50_last_vs_first": None if drift["ttft_p50_s"] is None else round(drift["ttft_p50_s"], 3),
+            "ttft_p99_last_vs_first": None if drift["ttft_p99_s"] is None else round(drift["ttft_p99_s"], 3),
+            "ttft_stable": ttft_stable, "long_run": long_run, "long_run_ok": long_ok,
             "rss_shared_growth_after_warmup_mib": None if shared_growth is None else round(shared_growth, 1),
             "rss_ok": growth is not None and growth < RSS_GROWTH_LIMIT,
             "drains": len(r["drains"]), "drains_ok": drains_ok,
@@ -462,7 +500,7 @@ def verdict(r: dict[str, Any]) -> dict[str, Any]:
             "aborts_accounted": accounted, "aborted_by_client": c["aborted_by_client"],
             "never_reached_the_engine": sent - k.get("requests", 0), "failed_requests": c["failed"],
             "ok": bool(growth is not None and growth < RSS_GROWTH_LIMIT and drains_ok and accounted
-                       and r["outputs_differing"] == 0 and c["failed"] == 0)}
+                       and r["outputs_differing"] == 0 and c["failed"] == 0 and long_ok)}
 
 
 def plot(result: dict[str, Any], png: Path) -> None:
