@@ -4,7 +4,8 @@ under its load (``bench/chaos_serve.py``) and agents in wall time (``bench/agent
 Owns: the renderer of table ``soak-serve`` from ``bench/out/soak-serve.json``: what
 ran (minutes, sessions, tiers, the commit), the load (requests sent, aborted by the
 client, sessions abandoned, failed), latency (TTFT and inter-token p50 / p95 over the
-run), and what must hold (RSS after warm-up and at the end, drains back to idle,
+run), and what must hold (RSS after warm-up and at the end, and for a run of an hour or more its
+growth per hour and TTFT of the last 10 minutes against the first 10 after warm-up, drains back to idle,
 sampled outputs against a plain engine, every request accounted for), each marked
 held or not; and of table ``chaos-serve`` from ``bench/out/chaos-serve.json``: one row
 per fault (what was injected, what showed it was seen, requests failed and sampled outputs
@@ -56,6 +57,20 @@ def soak_serve(data: dict[str, Any]) -> str:
         ["RSS of the server's process tree", f"{v['rss_after_warmup_mib']:,.0f} MiB after warm-up, "
                                              f"{v['rss_at_end_mib']:,.0f} MiB at the end "
                                              f"({v['rss_growth_after_warmup']:+.1%}; limit +5%)", _ok(v["rss_ok"])],
+    ]
+    if v.get("rss_growth_per_hour") is not None:
+        rows.append(["RSS growth per hour after warm-up", f"{v['rss_growth_per_hour']:+.2%} an hour "
+                     f"(limit +2% for a run of an hour or more)", _ok(v["rss_growth_per_hour"] < 0.02)
+                     if v.get("long_run") else ""])
+    win = data.get("ttft_windows")
+    if win and v.get("ttft_p50_last_vs_first") is not None:
+        first, last, width = win["first"], win["last"], win["window_s"] / 60
+        rows.append([f"TTFT, last {width:g} min vs the first {width:g} after warm-up",
+                     f"p50 {_ms(last['ttft_p50_s'])} vs {_ms(first['ttft_p50_s'])} "
+                     f"({v['ttft_p50_last_vs_first']:.2f}x), p99 {_ms(last['ttft_p99_s'])} vs "
+                     f"{_ms(first['ttft_p99_s'])} ({v['ttft_p99_last_vs_first']:.2f}x); limit 1.10x",
+                     _ok(v["ttft_stable"]) if v.get("long_run") else ""])
+    rows += [
         ["after each drain", f"{len(drains)} drains: free HBM blocks "
                              f"{sorted({d['free_blocks'] for d in drains})} (idle {data['idle']['free_blocks']}), "
                              f"held blocks {sorted({d['held_blocks'] for d in drains})}", _ok(v["drains_ok"])],
