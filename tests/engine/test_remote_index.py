@@ -115,3 +115,118 @@ def test_a_lookup_storm_on_a_slow_store_holds_no_step_and_starts_no_thread(index
         pending = {i for i in pending if idx.hit(f"r{i}", keys, 0, len(keys)) is None}
         time.sleep(0.01)
     assert idx.counters["remote_down"] == 1  # 1,000 questions at 50 ms each: given up on, the store down
+
+
+_RELAY = """
+import asyncio, sys
+
+port, target, delay = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+
+
+async def pipe(src, dst):
+    try:
+        while data := await src.read(1 << 16):
+            await asyncio.sleep(delay)
+            dst.write(data)
+            await dst.drain()
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        dst.close()
+
+
+async def relay(reader, writer):
+    up_reader, up_writer = await asyncio.open_connection("127.0.0.1", target)
+    await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+async def main():
+    server = await asyncio.start_server(relay, "127.0.0.1", port)
+    print("ready", flush=True)
+    await server.serve_forever()
+
+asyncio.run(main())
+"""
+
+
+class _SlowLink:
+    """A TCP relay in front of a real ``mooncake_master``'s RPC port that holds every chunk ``delay_s``
+    before passing it on, each way: the store a long way off (a question answers ``2 x delay_s`` later
+    at least). A process of its own: the store's client holds the GIL while it waits on the master."""
+
+    def __init__(self, target_port: int, delay_s: float) -> None:
+        import subprocess
+        import sys
+
+        from kvtier.benchmarks.remote import free_port
+
+        self.port = free_port()
+        self.proc = subprocess.Popen([sys.executable, "-c", _RELAY, str(self.port), str(target_port), str(delay_s)],
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+def _os_threads() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))  # the store client's own threads too, not only Python's
+
+
+def test_a_lookup_storm_on_a_slow_real_mooncake_store_holds_no_step_and_starts_no_thread(tmp_path) -> None:
+    """The storm above on the real thing: a ``mooncake_master`` on loopback behind a relay that delays
+    each message 25 ms each way, kvtier's real Mooncake client, a thousand new requests at once for
+    blocks the store has never held. One step's thousand lookups wait at most ``STEP_LOOKUP_WAITS x
+    remote_lookup_wait_ms`` in all (a bound, not a speed figure); the storm starts no thread, in Python
+    or in the store's client; every request is answered within the give-up time, and once the storm is
+    over the store is asked again and answers (``remote_up_again``, or it never counted as down)."""
+    import os
+
+    from kvtier.benchmarks.remote import LocalMaster, mooncake_problem
+
+    problem = mooncake_problem()
+    if problem is not None:
+        if os.environ.get("KVTIERTEST_REQUIRE_VLLM") == "1":  # CI: the engine venv has the remote extra
+            pytest.fail(problem)
+        pytest.skip(problem)
+    master = LocalMaster(tmp_path / "master.log").start()
+    link = _SlowLink(master.rpc, 0.025)
+    idx = None
+    try:
+        settings = ConnectorSettings.build({"remote_master": f"127.0.0.1:{link.port}",
+                                            "remote_metadata_server": master.metadata_server,
+                                            "remote_segment_mib": 16, "remote_buffer_mib": 8,
+                                            "remote_lookup_wait_ms": 5}, FACTS, env={})
+        namespace = settings.config.namespace.to_namespace(settings.config.layout.to_layout())
+        idx = remote_index.RemoteIndex(settings, namespace, Counter(), 32, None, None)
+        keys = [BlockKey(i) for i in range(1, 5)]
+        assert _ask(idx, "warm", keys, limit_s=10)[0] == 0  # the client joined; its threads are up
+        threads = _os_threads()
+        idx.step_started()
+        start = time.monotonic()
+        answers = [idx.hit(f"r{i}", keys, 0, len(keys)) for i in range(1000)]  # one scheduling step
+        took = time.monotonic() - start
+        assert took < 2.5, took  # each lookup waiting its 5 ms in turn would hold this step 5 s
+        assert answers.count(None) >= 990 and idx.counters["remote_lookup_unwaited"] >= 990, dict(idx.counters)
+        assert _os_threads() <= threads + 1, (threads, _os_threads())
+        deadline = time.monotonic() + remote_index.REMOTE_LOOKUP_GIVE_UP_S + 3
+        pending = {i for i, n in enumerate(answers) if n is None}
+        while pending:  # later steps: every request answered (a miss), none waiting past the give-up
+            assert time.monotonic() < deadline, (len(pending), dict(idx.counters))
+            idx.step_started()
+            pending = {i for i in pending if idx.hit(f"r{i}", keys, 0, len(keys)) is None}
+            time.sleep(0.01)
+        assert _os_threads() <= threads + 1
+        deadline = time.monotonic() + 30  # the storm is over: a probe is answered and lookups come back
+        while _ask(idx, f"after{time.monotonic()}", keys, limit_s=10)[1] > 1.0 or \
+                idx.counters["remote_down"] > idx.counters["remote_up_again"]:
+            assert time.monotonic() < deadline, dict(idx.counters)
+            time.sleep(0.2)
+    finally:
+        if idx is not None:
+            idx.close()
+        link.close()
+        master.stop()
