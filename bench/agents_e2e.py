@@ -49,8 +49,9 @@ Configurations, one server each, one after another on the same engine settings:
 its runs and gives the mean makespan and prefill. Reported per configuration: TTFT (first streamed chunk, which vLLM sends with the first
 token) of later turns (every turn but an agent's first) p50, p99 and mean, first-turn
 TTFT p50, makespan (first request sent to last answer), output tokens per second,
-and from vLLM's ``/metrics`` the prompt tokens, HBM and kvtier hits and the prefill
-computed. Every configuration's output token ids are compared with ``none``'s.
+and from vLLM's ``/metrics`` the prompt tokens, HBM and kvtier hits, the prefill
+computed, and the mean time a request spent queued, scheduled until its first token, and
+decoding (every turn, at the engine: where a connector's extra time goes). Every configuration's output token ids are compared with ``none``'s.
 
 Usage (in the vLLM venv; about 2 minutes per configuration on 2 cores)::
 
@@ -305,6 +306,10 @@ def summarize(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     for run in runs:
         for k, v in run["counters"].items():
             counters[k] = counters.get(k, 0) + v
+    def server_mean(key: str) -> float | None:  # a vLLM histogram's mean over every run's requests
+        n = sum(metric(run, f"vllm:{key}_seconds_count") for run in runs)
+        return sum(metric(run, f"vllm:{key}_seconds_sum") for run in runs) / n if n else None
+
     return {"name": name, "label": LABELS[name], "runs": len(runs), "requests": len(rec),
             "later_ttft_p50_s": _pct(later, 0.5), "later_ttft_p99_s": _pct(later, 0.99),
             "later_ttft_mean_s": statistics.fmean(later), "first_ttft_p50_s": _pct(first, 0.5),
@@ -316,6 +321,11 @@ def summarize(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
             "prefill_computed_tokens": statistics.fmean(prefill), "prefill_per_run": prefill,
             "hbm_blocks": runs[0]["hbm_blocks"], "dram_blocks": runs[0]["dram_blocks"],
             "kvtier_counters": {k: counters[k] for k in sorted(counters)},
+            # where a request's time went, every turn, as vLLM's engine saw it: waiting to be scheduled (for
+            # kvtier's asynchronous loads too), scheduled to first token, TTFT at the engine, and decode
+            "server_means_s": {k: server_mean(m) for k, m in (
+                ("queue", "request_queue_time"), ("prefill", "request_prefill_time"),
+                ("ttft", "time_to_first_token"), ("decode", "request_decode_time"))},
             "ids": [{f"{r['agent']}.{r['turn']}": r["ids"] for r in run["rec"]} for run in runs]}
 
 
