@@ -481,6 +481,10 @@ def verdict(r: dict[str, Any]) -> dict[str, Any]:
     t = [s["t_s"] for s in r["samples"] if s["rss_mib"]]
     hours = (statistics.median(t[-3:]) - statistics.median(t[warm - 1: warm + 2])) / 3600 if len(t) > 3 else 0.0
     per_hour = growth / hours if growth is not None and hours > 0 else None
+    # and over the run's last hour alone (runs of 90 minutes or more): a plateau reached after the warm-up shows here
+    last_hour = [(ts, v) for ts, v in zip(t, rss) if ts >= t[-1] - 3600] if t and t[-1] - t[0] >= 5400 else []
+    per_last_hour = ((statistics.median(v for _, v in last_hour[-3:]) - statistics.median(v for _, v in last_hour[:3]))
+                     / statistics.median(v for _, v in last_hour[:3])) if len(last_hour) > 6 else None
     win = r.get("ttft_windows") or {}
     drift = {q: (win["last"][q] / win["first"][q] if win.get("first", {}).get(q) and win.get("last", {}).get(q)
                  else None) for q in ("ttft_p50_s", "ttft_p99_s")}
@@ -490,6 +494,7 @@ def verdict(r: dict[str, Any]) -> dict[str, Any]:
     return {"rss_after_warmup_mib": round(base, 1), "rss_at_end_mib": round(end, 1),
             "rss_growth_after_warmup": None if growth is None else round(growth, 4),
             "rss_growth_per_hour": None if per_hour is None else round(per_hour, 4),
+            "rss_growth_last_hour": None if per_last_hour is None else round(per_last_hour, 4),
             "ttft_p50_last_vs_first": None if drift["ttft_p50_s"] is None else round(drift["ttft_p50_s"], 3),
             "ttft_p99_last_vs_first": None if drift["ttft_p99_s"] is None else round(drift["ttft_p99_s"], 3),
             "ttft_stable": ttft_stable, "long_run": long_run, "long_run_ok": long_ok,

@@ -59,8 +59,10 @@ def soak_serve(data: dict[str, Any]) -> str:
                                              f"({v['rss_growth_after_warmup']:+.1%}; limit +5%)", _ok(v["rss_ok"])],
     ]
     if v.get("rss_growth_per_hour") is not None:
+        last = v.get("rss_growth_last_hour")
         rows.append(["RSS growth per hour after warm-up", f"{v['rss_growth_per_hour']:+.2%} an hour "
-                     f"(limit +2% for a run of an hour or more)", _ok(v["rss_growth_per_hour"] < 0.02)
+                     + ("" if last is None else f"({last:+.2%} over the last hour) ")
+                     + "(limit +2% for a run of an hour or more)", _ok(v["rss_growth_per_hour"] < 0.02)
                      if v.get("long_run") else ""])
     win = data.get("ttft_windows")
     if win and v.get("ttft_p50_last_vs_first") is not None:
