@@ -46,6 +46,12 @@ def wait_healthy(proc: subprocess.Popen, log_path: Path, port: int, name: str) -
     raise RuntimeError(f"vllm serve {name} did not come up in 300 s")
 
 
+# vLLM's per-request time histograms (their sums and counts) that ``metrics`` keeps: where a request's time went
+TIME_HISTOGRAMS = {f"vllm:{m}_seconds_{part}" for m in ("request_queue_time", "request_prefill_time",
+                                                         "time_to_first_token", "request_decode_time")
+                   for part in ("sum", "count")}
+
+
 class Server:
     def __init__(self, tmp: Path, name: str, model: Path, kvtier: dict | None, middleware: bool,
                  hbm_blocks: int = 24, engine_args: tuple[str, ...] = (), wait: bool = True) -> None:
@@ -91,7 +97,7 @@ class Server:
             name, value = line.rsplit(" ", 1)
             base = name.split("{", 1)[0]
             if base in ("vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total",
-                        "vllm:external_prefix_cache_hits_total"):
+                        "vllm:external_prefix_cache_hits_total") or base in TIME_HISTOGRAMS:
                 out[base] = out.get(base, 0.0) + float(value)
             elif base == "kvtier_stream_hints_total":
                 out[name] = float(value)
