@@ -51,7 +51,8 @@ token) of later turns (every turn but an agent's first) p50, p99 and mean, first
 TTFT p50, makespan (first request sent to last answer), output tokens per second,
 and from vLLM's ``/metrics`` the prompt tokens, HBM and kvtier hits, the prefill
 computed, and the mean time a request spent queued, scheduled until its first token, and
-decoding (every turn, at the engine: where a connector's extra time goes). Every configuration's output token ids are compared with ``none``'s.
+decoding (every turn, at the engine: where a connector's extra time goes). Every
+configuration's output token ids are compared with ``none``'s.
 
 Usage (in the vLLM venv; about 2 minutes per configuration on 2 cores)::
 
